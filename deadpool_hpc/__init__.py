@@ -1,0 +1,14 @@
+"""deadpool-hpc: keep large training jobs alive by hot-swapping a failed node for a spare.
+
+The public API, in one place (see docs/worker-contract.md for the training-function contract):
+"""
+from .config import Fault as Fault
+from .config import RunConfig as RunConfig
+from .config import parse_fault as parse_fault
+from .errors import ConfigError as ConfigError
+from .errors import PeerFailure as PeerFailure
+from .errors import ReplicaError as ReplicaError
+from .errors import SparesExhausted as SparesExhausted
+from .summary import build_summary as build_summary
+
+__version__ = "0.1.0"

@@ -1,0 +1,45 @@
+"""Fencing: make sure a process declared failed can never act again.
+
+A process declared failed may still exist (a frozen node, a partitioned one). If it lives on this
+kernel (same boot id), it is SIGKILLed by pid, after checking the pid still names the same process
+(its start time), so a recycled pid is never hit. Otherwise fencing is left to the scheduler (see
+launch/slurm: drain the node); the control plane drops the fenced rank's messages either way.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+
+
+def identity() -> dict:
+    """This process's identity for fencing: host name, kernel boot id, pid and start time (ticks)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip()
+    except OSError:
+        boot = ""
+    return {"host": socket.gethostname(), "boot": boot, "pid": os.getpid(), "start": _start_ticks(os.getpid())}
+
+
+def _start_ticks(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def fence(ident: dict) -> bool:
+    """SIGKILL the process described by ``ident`` if it runs on this kernel. True if a signal was sent."""
+    mine = identity()
+    if not ident or not ident.get("boot") or ident["boot"] != mine["boot"]:
+        return False
+    pid = int(ident["pid"])
+    if pid == os.getpid() or _start_ticks(pid) != ident.get("start"):
+        return False
+    try:
+        os.kill(pid, signal.SIGKILL)
+        return True
+    except ProcessLookupError:
+        return False

@@ -1,0 +1,100 @@
+"""The data plane: the torch.distributed process group of each generation, built and abandoned.
+
+Owns the default process group and the TCPStores that rendezvous it. Each generation ``g`` gets a
+fresh store served by a *living* process (the coordinator of the recovery, or MPI rank 0 at start)
+and the key prefix ``gen{g}``, so no key of a dead generation is ever read again
+(notes/ft-probes.md, pitfall 2), and no single process's death ends the job (a store dies with its
+host, but gloo only needs it at rendezvous).
+
+On gloo nothing interrupts a blocked collective (abort, shutdown, destroy all return and change
+nothing), and dropping the last reference to a group with a pending op blocks until its timeout.
+So a failed generation's group is *abandoned*: a reference is kept in a graveyard and torch's
+registry is cleared, then the next generation is initialised (ft-probes.md 1c'). On NCCL the group
+is aborted (``ProcessGroup.abort``) instead, which does interrupt. These use torch internals
+(``c10d._world``); the version is pinned and tests/test_dataplane.py covers them.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+
+def store_host() -> str:
+    """Address other nodes use to reach a store served here: $DEADPOOL_STORE_HOST, else this host's IP."""
+    env = os.environ.get("DEADPOOL_STORE_HOST")
+    if env:
+        return env
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class GenerationGroups:
+    """Builds the default process group of each generation; never reuses a store key or group.
+
+    backend: "gloo" (CPU) or "nccl". timeout: collective timeout in seconds (an abandoned gloo op
+    lingers until it expires; detection never waits for it).
+    """
+
+    def __init__(self, backend: str = "gloo", timeout: float = 60.0):
+        self.backend = backend
+        self.timeout = dt.timedelta(seconds=timeout)
+        self.generation: int | None = None
+        self._hosted: list = []      # stores this process serves (kept alive for the whole job)
+        self._clients: list = []
+        self._graveyard: list = []   # abandoned groups: destroying them would block (gloo)
+
+    def host_store(self) -> list:
+        """Start a TCPStore server in this process on a free port. Returns [host, port]."""
+        store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=self.timeout)
+        self._hosted.append(store)
+        return [store_host(), store.port]
+
+    def join(self, generation: int, store_addr, rank: int, world_size: int):
+        """Initialise the default process group of ``generation`` as ``rank`` of ``world_size``.
+
+        store_addr: [host, port] of the generation's store. Returns the process group.
+        Raises DistStoreError / RuntimeError if the rendezvous fails within the timeout.
+        """
+        if dist.is_initialized():
+            self.abandon()
+        host, port = store_addr
+        client = dist.TCPStore(host, int(port), is_master=False, timeout=self.timeout)
+        self._clients.append(client)
+        dist.init_process_group(self.backend, store=dist.PrefixStore(f"gen{generation}", client),
+                                rank=rank, world_size=world_size, timeout=self.timeout)
+        self.generation = generation
+        return c10d._get_default_group()
+
+    def abandon(self) -> None:
+        """Leave the current group without waiting for its pending ops (see module docstring)."""
+        if not dist.is_initialized():
+            return
+        pg = c10d._get_default_group()
+        self._graveyard.append(pg)
+        if self.backend == "nccl":
+            try:
+                pg.abort()
+            except RuntimeError:
+                pass
+        c10d._update_default_pg(None)
+        w = c10d._world
+        for m in (w.pg_map, w.pg_names, w.pg_group_ranks, w.pg_backend_config, w.pg_to_tag,
+                  w.tags_to_pg, w.pg_coalesce_state):
+            m.clear()
+        c10d._unregister_all_process_groups()
+        w.group_count = 0
+        self.generation = None
+
+
+def device_for(backend: str) -> torch.device:
+    """The device a rank's tensors live on for ``backend`` (CPU for gloo; the local GPU for nccl)."""
+    if backend == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count()))
+    return torch.device("cpu")

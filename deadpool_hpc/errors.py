@@ -1,0 +1,29 @@
+"""Exceptions shared by every plane. Small and dependency-free on purpose."""
+
+
+class ConfigError(ValueError):
+    """A run layout or fault spec that cannot work. The message names the bad value and what is accepted."""
+
+
+class PeerFailure(RuntimeError):
+    """A peer of the current generation failed (or is suspected): leave the step and recover.
+
+    Raised by pollable collectives and replica waits when the control plane's failure flag is set
+    or a gloo collective errors out. Never escapes ``Context.run``.
+    """
+
+
+class SparesExhausted(RuntimeError):
+    """A node was lost and no spare node is left to take its place."""
+
+
+class ReplicaError(RuntimeError):
+    """A replica failed verification (wrong step, checksum, size) and must not be used."""
+
+
+class WireError(ValueError):
+    """A control message failed its authentication tag or could not be decoded."""
+
+
+class JobAborted(RuntimeError):
+    """Another process hit an error in user code and asked the whole job to stop."""

@@ -1,0 +1,79 @@
+"""The ``deadpool`` command: ``run`` (embedded, local processes). Exit 2 on bad input, before any
+process starts; 1 if the run did not complete; 0 otherwise."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..config import RunConfig, parse_fault
+from ..errors import ConfigError
+
+
+def add_run_options(p: argparse.ArgumentParser) -> None:
+    d = RunConfig()
+    p.add_argument("--nodes", type=int, default=d.nodes, help="active (training) nodes")
+    p.add_argument("--spares", type=int, default=d.spares, help="spare nodes allocated with the job")
+    p.add_argument("--ranks-per-node", type=int, default=d.ranks_per_node)
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--kill", action="append", default=[], metavar="TARGET@STEP",
+                   help="SIGKILL nodeN or rankN when it reaches STEP (repeatable)")
+    p.add_argument("--hang", action="append", default=[], metavar="TARGET@STEP",
+                   help="SIGSTOP nodeN or rankN when it reaches STEP (repeatable)")
+    p.add_argument("--summary", metavar="PATH", help="write the run summary JSON here")
+    p.add_argument("--run-dir", default=d.run_dir, help="event log, config and logs of the run")
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--context", type=int, default=d.context)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--heartbeat-deadline", type=float, default=d.heartbeat_deadline, help="seconds")
+    p.add_argument("--heartbeat-period", type=float, default=d.heartbeat_period, help="seconds")
+    p.add_argument("--no-replicate", action="store_true", help="turn the replica plane off (benchmarks only)")
+    p.add_argument("--log-every", type=int, default=d.log_every)
+    p.add_argument("--train-fn", default=d.train_fn, help="module:function to train (default: the demo)")
+
+
+def config_from_args(a) -> RunConfig:
+    faults = [parse_fault("kill", s) for s in a.kill] + [parse_fault("hang", s) for s in a.hang]
+    return RunConfig(nodes=a.nodes, spares=a.spares, ranks_per_node=a.ranks_per_node, steps=a.steps, faults=faults,
+                     batch_size=a.batch_size, context=a.context, lr=a.lr, seed=a.seed,
+                     heartbeat_deadline=a.heartbeat_deadline, heartbeat_period=a.heartbeat_period,
+                     replicate=not a.no_replicate, run_dir=a.run_dir, summary_path=a.summary,
+                     log_every=a.log_every, train_fn=a.train_fn).validate()
+
+
+def cmd_run(a) -> int:
+    from rich.console import Console
+
+    from .console import LiveView, print_summary
+    from .local import launch
+
+    cfg = config_from_args(a)
+    console = Console()
+    console.print(f"[bold]deadpool run[/]: {cfg.nodes} nodes x {cfg.ranks_per_node} ranks + {cfg.spares} spare node(s), "
+                  f"{cfg.steps} steps, faults: {', '.join(map(str, cfg.faults)) or 'none'}; run dir {cfg.run_dir}")
+    with LiveView(cfg, console) as view:
+        summary = launch(cfg, on_poll=view.update)
+    print_summary(summary, console)
+    if cfg.summary_path:
+        with open(cfg.summary_path, "w") as fh:
+            json.dump(summary, fh, indent=1)
+    return 0 if summary["completed"] else 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="deadpool", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    run = sub.add_parser("run", help="train on this machine: emulated nodes as local processes")
+    add_run_options(run)
+    run.set_defaults(fn=cmd_run)
+    a = parser.parse_args(argv)
+    try:
+        return a.fn(a)
+    except ConfigError as exc:
+        print(f"deadpool: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

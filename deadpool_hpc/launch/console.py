@@ -1,0 +1,115 @@
+"""The live console (rich): progress, node roles and recoveries as they happen, then a summary.
+
+Reads nothing but events (events.EventLog records), so it shows the same for a local run and for a
+Slurm job whose event log it tails.
+"""
+from __future__ import annotations
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+PHASES = ("detect", "agree", "rebuild", "restore", "recompute")
+
+
+class LiveView:
+    """Feed it events with ``update(events)``; use as a context manager around the run."""
+
+    def __init__(self, cfg, console: Console | None = None):
+        self.cfg = cfg
+        self.console = console or Console()
+        self.last_step: dict = {}
+        self.roles = {n: ("active" if n < cfg.nodes else "spare") for n in range(cfg.total_nodes)}
+        self.lines: list[Text] = []
+        self.t_fault: float | None = None
+        self.live = Live(self._render(), console=self.console, refresh_per_second=4, transient=False)
+
+    def __enter__(self):
+        self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.live.update(self._render())
+        self.live.__exit__(*exc)
+
+    def _note(self, text: str, style: str = "") -> None:
+        self.lines.append(Text(text, style=style))
+        self.lines = self.lines[-12:]
+
+    def update(self, events: list[dict]) -> None:
+        for e in events:
+            kind = e["event"]
+            if kind == "step":
+                self.last_step = e
+            elif kind == "fault_injected":
+                self.t_fault = e["t"]
+                self.roles[e["node"]] = "dead" if e["kind"] == "kill" else "hung"
+                self._note(f"step {e['step']}: {e['signal']} -> {e['target']} (node{e['node']}, pids {e['pids']})", "bold red")
+            elif kind == "suspect" and self.t_fault is not None:
+                self._note(f"  detected: node{e['node']} suspected by rank {e.get('mpi_rank')} "
+                           f"(+{e['t'] - self.t_fault:.2f} s)", "yellow")
+            elif kind == "decision":
+                for n in e["failed_nodes"]:
+                    self.roles[n] = "dead"
+                for node in {m // self.cfg.ranks_per_node for m in e["promoted"].values()}:
+                    self.roles[node] = "active"
+                base = self.t_fault or e["t_decided"]
+                self._note(f"  agreed: generation {e['generation']}, lost node(s) {e['failed_nodes']}, "
+                           f"promoted {e['promoted']}, cut at step {e['cut_step']} (+{e['t_decided'] - base:.2f} s)", "cyan")
+            elif kind == "recovered" and e.get("rank") == 0:
+                base = self.t_fault or e["t_fail"]
+                self._note(f"  swapped+rebuilt (+{e['t_rebuilt'] - base:.2f} s), restored at step {e['cut_step']} "
+                           f"(+{e['t_restored'] - base:.2f} s)", "cyan")
+            elif kind == "resumed" and e.get("rank") == 0:
+                base = self.t_fault or e["t_fail"]
+                self._note(f"  resumed: step {e['step']} completed (+{e['t'] - base:.2f} s after the fault)", "bold green")
+            elif kind == "error":
+                self._note(f"error on rank {e.get('mpi_rank')}: {e['error']}", "bold red")
+        self.live.update(self._render())
+
+    def _render(self):
+        s = self.last_step
+        head = Text.assemble(
+            ("deadpool ", "bold"),
+            f"step {s.get('step', 0)}/{self.cfg.steps}  ",
+            f"loss {s['loss']:.3f}  " if "loss" in s else "",
+            f"{s.get('tokens_per_s', 0):,.0f} tok/s  ",
+            f"generation {s.get('generation', 0)}",
+        )
+        nodes = Table(show_header=True, header_style="bold", box=None)
+        nodes.add_column("node")
+        nodes.add_column("role")
+        style = {"active": "green", "spare": "blue", "dead": "red", "hung": "red"}
+        for n, role in sorted(self.roles.items()):
+            nodes.add_row(f"node{n}", Text(role, style=style[role]))
+        return Group(head, nodes, *self.lines)
+
+
+def print_summary(summary: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    t = Table(title="run summary", show_header=False)
+    t.add_column("what", style="bold")
+    t.add_column("value")
+    t.add_row("completed", str(summary["completed"]))
+    t.add_row("steps", str(summary["steps_completed"]))
+    t.add_row("failures / swaps", f"{len(summary['failures'])} / {summary['swaps']}")
+    t.add_row("first -> final loss", f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"
+              if summary["first_loss"] is not None and summary["final_loss"] is not None else "-")
+    t.add_row("world size / spares left", f"{summary['world_size']} / {summary['spares_left']}")
+    t.add_row("param digest", str(summary["param_digest"]))
+    if summary.get("bytes_replicated_per_rank_per_step"):
+        t.add_row("replicated / rank / step", f"{summary['bytes_replicated_per_rank_per_step']:,} bytes")
+    console.print(t)
+    if summary["failures"]:
+        f = Table(title="recoveries (seconds)")
+        for col in ("fault", "step", "cut", "recomputed", "recovery", *PHASES):
+            f.add_column(col, justify="right")
+        for x in summary["failures"]:
+            ph = x["phases"]
+            fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+            f.add_row(f"{x['kind']} {x['target']}", str(x["step"]), str(x["cut_step"]), str(x["recomputed_steps"]),
+                      fmt(x["recovery_s"]), *(fmt(ph[p]) for p in PHASES))
+        console.print(f)
+    for err in summary.get("errors") or []:
+        console.print(f"[bold red]error:[/] {err}")

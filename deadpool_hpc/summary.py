@@ -1,0 +1,75 @@
+"""Run summary: derived from the event log alone, so a launcher, a Slurm job or ``deadpool status``
+can rebuild it after the fact. Phase boundaries per failure (seconds, DESIGN.md "Recovery"):
+
+- detect:    fault injected (or first suspicion)  -> first suspicion by any survivor
+- agree:     first suspicion                      -> last member holds the decision
+- rebuild:   decision                             -> last rank joined the new process group
+- restore:   process group built                  -> last rank restored its state at the cut step
+- recompute: restored                             -> last rank completed its first step after the swap
+
+``recovery_s`` (fault -> first completed step after the swap) is their sum.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from .events import read_events
+
+
+def build_summary(events: list[dict], config=None) -> dict:
+    """Summarise a run from its events (list of dicts as written by events.EventLog)."""
+    by = defaultdict(list)
+    for e in events:
+        by[e["event"]].append(e)
+    steps = sorted(by["step"], key=lambda e: (e["step"], e["t"]))
+    fin = by["finished"][-1] if by["finished"] else {}
+    faults = sorted(by["fault_injected"], key=lambda e: e["t"])
+    failures = []
+    for d in sorted(by["decision"], key=lambda e: e["generation"]):
+        g = d["generation"]
+        fault = next((f for f in faults if f.get("generation") == g - 1), None)
+        sus = [e["t"] for e in by["suspect"] if e.get("generation") == g - 1]
+        rec = [e for e in by["recovered"] if e.get("generation") == g]
+        res = [e["t"] for e in by["resumed"] if e.get("generation") == g]
+        t_detect = min(sus) if sus else d["t_decided"]
+        t0 = fault["t"] if fault else t_detect
+        t_agree = max([e["t_agreed"] for e in rec], default=d["t_decided"])
+        t_rebuild = max([e["t_rebuilt"] for e in rec], default=t_agree)
+        t_restore = max([e["t_restored"] for e in rec], default=t_rebuild)
+        t_resume = max(res, default=None)
+        phases = {
+            "detect": t_detect - t0,
+            "agree": t_agree - t_detect,
+            "rebuild": t_rebuild - t_agree,
+            "restore": t_restore - t_rebuild,
+            "recompute": (t_resume - t_restore) if t_resume is not None else None,
+        }
+        failures.append({
+            "kind": fault["kind"] if fault else "detected",
+            "target": fault["target"] if fault else ",".join(f"node{n}" for n in d["failed_nodes"]),
+            "step": fault["step"] if fault else d["cut_step"],
+            "generation": g,
+            "failed_nodes": d["failed_nodes"],
+            "promoted": d["promoted"],
+            "cut_step": d["cut_step"],
+            "recovery_s": (t_resume - t0) if t_resume is not None else None,
+            "phases": phases,
+            "recomputed_steps": d["recomputed_steps"],
+        })
+    return {
+        "completed": bool(fin) and (config is None or fin.get("steps") == config.steps),
+        "steps_completed": fin.get("steps", steps[-1]["step"] if steps else 0),
+        "first_loss": steps[0].get("loss") if steps else None,
+        "final_loss": steps[-1].get("loss") if steps else None,
+        "world_size": fin.get("world_size", config.world_size if config else None),
+        "spares_left": fin.get("spares_left"),
+        "param_digest": fin.get("param_digest"),
+        "swaps": sum(1 for f in failures if f["promoted"]),
+        "failures": failures,
+        "bytes_replicated_per_rank_per_step": fin.get("bytes_per_rank_per_step"),
+        "errors": [e.get("error") for e in by["error"]],
+    }
+
+
+def summarize_file(path: str, config=None) -> dict:
+    return build_summary(list(read_events(path)), config)

@@ -1,0 +1,223 @@
+"""The worker context: what a training function sees, and the step loop that makes it survive.
+
+``Context.run(step_fn)`` runs ``step_fn(step)`` for each step, and around each step it injects the
+faults due, snapshots the state unique to this rank and hands it to the replica plane, and, when a
+peer fails, recovers: abandon the generation's process group, agree on the next generation (control
+plane), build its process group (data plane), restore every rank at the cut step (own snapshot, or
+a verified replica for a promoted spare), gather the parameters, re-replicate, and resume. Spare
+processes run the same function: they build the model and buffers, then wait in ``run`` until they
+are promoted or the run ends. The contract is in docs/worker-contract.md.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+
+import torch
+
+from ..control.agreement import held_by, holder_of
+from ..dataplane.groups import device_for
+from ..dataplane import collectives
+from ..errors import PeerFailure
+from ..replica.snapshot import StateLayout
+from ..replica.transport import Replicator
+from . import faults as fault_injection
+from .zero import ShardedAdamW
+
+
+class Context:
+    """Per-process handle given to the training function.
+
+    rank: training rank (None while a spare); world_size: number of training ranks; device;
+    generation; config (RunConfig); process_group (the current generation's default group).
+    """
+
+    def __init__(self, cfg, control, groups, log, backend: str = "gloo"):
+        self.config = cfg
+        self.cp = control
+        self.groups = groups
+        self.log = log
+        self.backend = backend
+        self.device = device_for(backend)
+        self.world_size = cfg.world_size
+        self.step = 0
+        self.opt: ShardedAdamW | None = None
+        self.replicator: Replicator | None = None
+        self._recovery: dict | None = None
+        self._t0 = time.time()
+        addr = json.dumps(groups.host_store()) if control.me == 0 else None
+        self._store0 = json.loads(control.bcast_text(addr, root=0))
+
+    # ---- what the training function uses ---------------------------------------------------
+    @property
+    def rank(self) -> int | None:
+        return self.cp.train_rank
+
+    @property
+    def generation(self) -> int:
+        return self.cp.generation
+
+    @property
+    def process_group(self):
+        import torch.distributed.distributed_c10d as c10d
+
+        return c10d._get_default_group()
+
+    def zero_adamw(self, model: torch.nn.Module, **kwargs) -> ShardedAdamW:
+        """A ZeRO-1 AdamW over ``model`` whose shard is the state this context protects."""
+        self.opt = ShardedAdamW(model, self.world_size, **kwargs)
+        self.opt.before_update = self._before_update
+        return self.opt
+
+    def run(self, step_fn) -> None:
+        """Run ``step_fn(step) -> dict`` (it must call ``opt.step(step, loss)``) from the current step
+        to ``config.steps``, surviving peer failures. Returns when the run is complete everywhere."""
+        if self.opt is None:
+            raise RuntimeError("Context.run needs an optimizer: call ctx.zero_adamw(model) first")
+        rng = torch.get_rng_state()
+        layout = StateLayout([t for t in self._shard_shapes()], rng.numel())
+        self.replicator = Replicator(self.cp.repl, self.cp.secret, layout, self.cp.agent.is_suspected, self.log)
+        self.replicator.start()
+        if self.rank is None:
+            if not self._wait_as_spare():
+                return
+        else:
+            self.groups.join(0, self._store0, self.rank, self.world_size)
+            self.opt.bind(self.rank, self.cp.failure)
+            self._configure_replicas()
+            self._snapshot()
+            self.log.emit("started", rank=self.rank, generation=0, world_size=self.world_size)
+        self._loop(step_fn)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def _loop(self, step_fn) -> None:
+        cfg = self.config
+        while True:
+            try:
+                while self.step < cfg.steps:
+                    self._one_step(step_fn)
+                collectives.all_reduce(torch.zeros(1), self.cp.failure)  # everyone has finished
+                break
+            except PeerFailure as exc:
+                if not self._recover(str(exc)):
+                    return
+        self._finish()
+
+    def _one_step(self, step_fn) -> None:
+        s = self.step
+        fault_injection.maybe_inject(self.config.faults, step=s, generation=self.generation, train_rank=self.rank,
+                                     mpi_rank=self.cp.me, ranks_per_node=self.cp.P, idents=self.cp.idents, log=self.log)
+        t = time.perf_counter()
+        metrics = step_fn(s) or {}
+        dt = time.perf_counter() - t
+        self.step = s + 1
+        self._snapshot()
+        if self._recovery is not None:
+            r, self._recovery = self._recovery, None
+            self.log.emit("resumed", generation=self.generation, rank=self.rank, step=self.step,
+                          t_fail=r["t_fail"], recomputed_steps=r["recomputed_steps"])
+        if self.rank == 0 and (s % self.config.log_every == 0 or self.step == self.config.steps):
+            tokens = self.world_size * self.config.batch_size * self.config.context
+            self.log.emit("step", step=self.step, generation=self.generation, step_s=dt,
+                          tokens_per_s=tokens / dt if dt > 0 else 0.0,
+                          **{k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+
+    def _before_update(self) -> None:
+        if self.config.replicate:
+            self.replicator.wait_committed(self.step, self.cp.failure)
+
+    def _snapshot(self) -> None:
+        if self.config.replicate:
+            self.replicator.submit(self.step, self.opt.state_tensors(), torch.get_rng_state())
+
+    def _shard_shapes(self) -> list[torch.Tensor]:
+        return [torch.empty(self.opt.shard), self.opt.exp_avg, self.opt.exp_avg_sq]
+
+    def _configure_replicas(self) -> None:
+        cfg, P = self.config, self.cp.P
+        r = self.rank
+        if cfg.nodes < 2 or not cfg.replicate:
+            self.replicator.configure(self.generation, r, None, None, None)
+            return
+        holder = self.cp.assignment[holder_of(r, P, cfg.nodes)]
+        held = held_by(r, P, cfg.nodes)
+        self.replicator.configure(self.generation, r, holder, self.cp.assignment[held], held)
+
+    # ---- recovery ----------------------------------------------------------------------------
+    def _wait_as_spare(self) -> bool:
+        """Wait until promoted (True) or the run ends (False)."""
+        self.log.emit("spare_ready", node=self.cp.me // self.cp.P)
+        while True:
+            if self.cp.finished() is not None:
+                return False
+            if self.cp.failure.wait(0.05):
+                if not self._recover("a peer failed", spare=True):
+                    return False
+                if self.rank is not None:
+                    return True
+
+    def _recover(self, why: str, spare: bool = False) -> bool:
+        """Recover from a failure. Returns False if this process has no further part in the run."""
+        t_fail = time.time()
+        self.groups.abandon()
+        self.replicator.quiesce()
+        report = dict(self.replicator.report(), done_step=self.step) if not spare else {}
+        was_rank = self.rank
+        decision = self.cp.recover(report, self.groups.host_store)
+        t_agreed = time.time()
+        if self.cp.me == decision["coordinator"]:
+            self.log.emit("decision", generation=decision["generation"], failed_nodes=decision["failed_nodes"],
+                          promoted=decision["promoted"], cut_step=decision["cut_step"],
+                          recomputed_steps=decision["recomputed_steps"], store=decision["store"],
+                          t_decided=decision["t_decided"], first_suspicion=self.cp.first_suspicion)
+        if self.rank is None:
+            return True  # still a spare: keep waiting
+        self.groups.join(decision["generation"], decision["store"], self.rank, self.world_size)
+        t_rebuilt = time.time()
+        self._restore(decision, was_rank)
+        t_restored = time.time()
+        self._configure_replicas()
+        self._snapshot()
+        self._recovery = {"t_fail": t_fail, "recomputed_steps": decision["recomputed_steps"]}
+        self.log.emit("recovered", generation=self.generation, rank=self.rank, promoted=was_rank is None,
+                      why=why[:200], t_fail=t_fail, t_agreed=t_agreed, t_rebuilt=t_rebuilt, t_restored=t_restored,
+                      cut_step=decision["cut_step"], failed_nodes=decision["failed_nodes"])
+        return True
+
+    def _restore(self, decision: dict, was_rank) -> None:
+        cut = decision["cut_step"]
+        rep = self.replicator
+        for r, src in decision["sources"].items():  # holders send promoted ranks their replica
+            if src == self.cp.me:
+                rep.send_held(decision["assignment"][int(r)], cut, self.cp.failure)
+        self.opt.bind(self.rank, self.cp.failure)
+        if was_rank is None:
+            slot = rep.recv_restore(decision["sources"][str(self.rank)], self.rank, cut, self.cp.failure)
+        else:
+            slot = rep.own.get(cut)
+        rng = rep.layout.read(slot, self.opt.state_tensors())
+        self.opt.gather()
+        torch.set_rng_state(rng)
+        self.step = cut
+
+    # ---- the end -----------------------------------------------------------------------------
+    def param_digest(self) -> str:
+        """sha256 over the final parameters (flat, in model.parameters() order, float32 bytes)."""
+        return hashlib.sha256(self.opt.flat[: self.opt.numel].numpy().tobytes()).hexdigest()
+
+    def _finish(self) -> None:
+        if self.rank == 0:
+            self.log.emit("finished", generation=self.generation, steps=self.step, param_digest=self.param_digest(),
+                          world_size=self.world_size, spares_left=len(self.cp.spare_nodes),
+                          bytes_per_rank_per_step=self.replicator.layout.nbytes if self.config.replicate else 0,
+                          replica_wait_s=self.replicator.wait_s)
+            self.log.sync()
+            self.cp.finish({"steps": self.step})
+            self.cp.wait_sends()
+            time.sleep(0.2)
+        else:
+            end = time.monotonic() + 5 * self.config.heartbeat_deadline
+            self.cp.agent.stop_watching()
+            while self.cp.finished() is None and time.monotonic() < end:
+                time.sleep(0.02)

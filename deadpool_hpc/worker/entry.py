@@ -1,0 +1,59 @@
+"""Process entry point: ``python -m deadpool_hpc.worker.entry RUN_DIR``, one per MPI rank.
+
+Started by the local launcher (mpiexec, one hydra proxy per emulated node) or by ``srun`` under
+Slurm. Reads ``RUN_DIR/config.json`` and the per-job secret (``DEADPOOL_JOB_SECRET``, hex), starts
+the control plane, imports the training function named by ``config.train_fn`` ("module:function"),
+calls it with a Context on every process (spares included), and exits without MPI_Finalize.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import traceback
+
+
+def load_train_fn(spec: str):
+    """Import "package.module:function". Raises ValueError naming the spec if it cannot."""
+    mod, _, fn = spec.partition(":")
+    if not mod or not fn:
+        raise ValueError(f"train_fn {spec!r} is not of the form 'package.module:function'")
+    return getattr(importlib.import_module(mod), fn)
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    run_dir = argv[0]
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("DEADPOOL_THREADS", "1")))
+    from ..config import RunConfig
+    from ..control.plane import ControlPlane
+    from ..dataplane.groups import GenerationGroups
+    from ..events import EventLog
+    from .context import Context
+
+    with open(os.path.join(run_dir, "config.json")) as fh:
+        cfg = RunConfig.from_json(fh.read())
+    secret_hex = os.environ.get("DEADPOOL_JOB_SECRET", "")
+    if len(secret_hex) < 32:
+        sys.exit("DEADPOOL_JOB_SECRET is missing or shorter than 16 bytes (hex); the launcher sets it")
+    log = EventLog(os.path.join(run_dir, "events.jsonl"))
+    cp = ControlPlane(secret=bytes.fromhex(secret_hex), ranks_per_node=cfg.ranks_per_node, active_nodes=cfg.nodes,
+                      period=cfg.heartbeat_period, deadline=cfg.heartbeat_deadline, log=log)
+    log.base.update(mpi_rank=cp.me, node=cp.me // cfg.ranks_per_node)
+    code = 0
+    try:
+        ctx = Context(cfg, cp, GenerationGroups("gloo", cfg.collective_timeout), log)
+        load_train_fn(cfg.train_fn)(ctx)
+    except BaseException as exc:  # report, tell the others, leave
+        code = 1
+        log.emit("error", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-4000:])
+        cp.abort(f"{type(exc).__name__}: {exc}")
+        cp.wait_sends()
+    log.sync()
+    cp.exit(code)
+
+
+if __name__ == "__main__":
+    main()
