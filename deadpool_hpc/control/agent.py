@@ -10,14 +10,19 @@ survivors learn within one message latency of the first detection. A suspected p
 again: its messages are dropped (it is fenced by the recovery). Other messages are verified (HMAC,
 see wire.py) and handed to the main thread through ``inbox``.
 
-Designed for mpi4py with MPI_THREAD_MULTIPLE: the main thread may send through ``send`` while this
-thread polls.
+It is also the only thread that calls MPI once it runs: other threads hand it work through
+``call(fn)`` (run fn in this thread, return its result) and ``add_poller(obj)`` (``obj.poll()`` each
+iteration). Measured with the MPICH wheel's UCX netmod: a collective on one thread while another
+thread runs point-to-point traffic stalls delivery for good in about 1 run of 4, while the same
+traffic from one thread never did (0 of 8); the OFI netmod has no stall but aborts the process when
+a peer dies. So MPI is used from one thread, whatever level MPI_Init_thread grants.
 """
 from __future__ import annotations
 
 import queue
 import threading
 import time
+from collections import deque
 
 import numpy as np
 
@@ -51,11 +56,14 @@ class Agent(threading.Thread):
         self.generation = 0
         self._watch = True
         self._stop = threading.Event()
-        self._pending: list = []  # (request, buffer) pairs of sends not yet completed
+        self._pending: list = []  # (request, buffer, dest) of sends not yet completed
         self._hb_req: dict[int, object] = {}
         now = time.monotonic()
         self._last_seen = {p: now for p in range(self.size) if p != self.me}
         self._rejected = 0
+        self._outbox: deque = deque()   # (dest, bytes) queued by any thread, sent by this one
+        self._calls: deque = deque()    # (fn, args, Future) to run in this thread
+        self._pollers: list = []
 
     # ---- views -------------------------------------------------------------------------
     def alive(self) -> list[int]:
@@ -74,10 +82,46 @@ class Agent(threading.Thread):
             self.inbox.put((kind, self.me, body))
             return
         msg = np.frombuffer(wire.encode(kind, body, self.secret), dtype=np.uint8).copy()
-        with self.lock:
-            if dest in self.suspected:
-                return
-            self._pending.append((self.comm.Isend(msg, dest=dest, tag=TAG_CONTROL), msg))
+        self._outbox.append((dest, msg))
+
+    def _flush_outbox(self) -> None:
+        while self._outbox:
+            dest, msg = self._outbox.popleft()
+            if self.is_suspected(dest):
+                continue
+            try:
+                req = self.comm.Isend(msg, dest=dest, tag=TAG_CONTROL)
+            except Exception as exc:  # MPI.Exception: the transport already knows the peer is gone
+                self.suspect(dest, f"send failed: {str(exc).splitlines()[-1][:120]}")
+            else:
+                with self.lock:
+                    self._pending.append((req, msg, dest))
+
+    # ---- running work in the MPI thread ------------------------------------------------------
+    def call(self, fn, *args, timeout: float | None = None):
+        """Run ``fn(*args)`` in this (the MPI) thread and return its result (or raise its error)."""
+        if threading.current_thread() is self:
+            return fn(*args)
+        fut = _Future()
+        self._calls.append((fn, args, fut))
+        if not fut.done.wait(timeout):
+            raise TimeoutError(f"MPI call {getattr(fn, '__name__', fn)} did not run within {timeout} s")
+        if fut.error is not None:
+            raise fut.error
+        return fut.value
+
+    def add_poller(self, poller) -> None:
+        """Call ``poller.poll()`` on every iteration of this thread (it may use MPI)."""
+        self._pollers.append(poller)
+
+    def _run_calls(self) -> None:
+        while self._calls:
+            fn, args, fut = self._calls.popleft()
+            try:
+                fut.value = fn(*args)
+            except BaseException as exc:  # handed back to the caller
+                fut.error = exc
+            fut.done.set()
 
     def broadcast(self, kind: str, body: dict, include_self: bool = False) -> None:
         """Send to every live peer (point-to-point; a dead peer cannot block it)."""
@@ -101,6 +145,19 @@ class Agent(threading.Thread):
         if notify:
             self.broadcast("suspect", {"ranks": [rank], "reason": reason})
 
+    def reap_sends(self) -> bool:
+        """Drop completed sends (MPI thread only); True when none is queued or in flight."""
+        with self.lock:
+            pending = list(self._pending)
+        alive = [(r, m, d) for (r, m, d) in pending if not self._test(r, d)]
+        with self.lock:
+            self._pending = alive
+            return not alive and not self._outbox
+
+    def sends_done(self) -> bool:
+        with self.lock:
+            return not self._pending and not self._outbox
+
     def stop_watching(self) -> None:
         """Stop suspecting silent peers (used at the end of the run, when peers exit on purpose)."""
         self._watch = False
@@ -109,37 +166,71 @@ class Agent(threading.Thread):
         self._stop.set()
 
     # ---- the loop ----------------------------------------------------------------------
-    def run(self) -> None:  # noqa: C901 - one polling loop, kept flat on purpose
+    def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # a process without a detector must not linger half-alive
+            import os
+            import sys
+
+            print(f"deadpool agent died: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            os._exit(70)
+
+    def _test(self, req, peer: int) -> bool:
+        """Test a send request; an MPI error on it means the peer is gone (OFI reports it at once)."""
+        try:
+            return req.Test()
+        except Exception as exc:
+            self.suspect(peer, f"send failed: {str(exc).splitlines()[-1][:120]}")
+            return True
+
+    def _run(self) -> None:  # noqa: C901 - one polling loop, kept flat on purpose
         from mpi4py import MPI
 
         buf = np.empty(wire.MAX_MESSAGE_BYTES, dtype=np.uint8)
         status = MPI.Status()
-        req = self.comm.Irecv(buf, source=MPI.ANY_SOURCE, tag=TAG_CONTROL)
         hb = np.frombuffer(wire.encode("hb", {}, self.secret), dtype=np.uint8).copy()
         next_hb = 0.0
         while not self._stop.is_set():
             now = time.monotonic()
-            # receive everything that has arrived
+            # receive everything that has arrived: matched probe + receive of that very message
+            # (a preposted any-source Irecv stalled for good under the UCX netmod, measured)
             for _ in range(256):
-                if not req.Test(status):
+                try:
+                    msg = self.comm.Improbe(source=MPI.ANY_SOURCE, tag=TAG_CONTROL, status=status)
+                    if msg is None:
+                        break
+                    n = status.Get_count(MPI.BYTE)
+                    if n > len(buf):
+                        msg.Recv(np.empty(n, dtype=np.uint8))
+                        continue
+                    msg.Recv(buf, status=status)
+                except Exception:
                     break
-                src, n = status.Get_source(), status.Get_count(MPI.BYTE)
-                self._handle(src, buf, n, now)
-                req = self.comm.Irecv(buf, source=MPI.ANY_SOURCE, tag=TAG_CONTROL)
+                self._handle(status.Get_source(), buf, n, now)
             if now >= next_hb:
                 next_hb = now + self.period
                 with self.lock:
                     peers = [p for p in range(self.size) if p != self.me and p not in self.suspected]
-                    for p in peers:
-                        prev = self._hb_req.get(p)
-                        if prev is None or prev.Test():
+                for p in peers:
+                    prev = self._hb_req.get(p)
+                    if prev is None or self._test(prev, p):
+                        try:
                             self._hb_req[p] = self.comm.Isend(hb, dest=p, tag=TAG_CONTROL)
-                    self._pending = [(r, m) for (r, m) in self._pending if not r.Test()]
+                        except Exception as exc:
+                            self._hb_req.pop(p, None)
+                            self.suspect(p, f"send failed: {str(exc).splitlines()[-1][:120]}")
+                self.reap_sends()
+            self._flush_outbox()
+            self._run_calls()
+            busy = False
+            for p in self._pollers:
+                busy = p.poll() or busy
             if self._watch:
                 for p in [p for p, t in self._last_seen.items() if now - t > self.deadline]:
                     if not self.is_suspected(p):
                         self.suspect(p, f"no heartbeat for {now - self._last_seen[p]:.2f} s")
-            self._stop.wait(0.005)
+            self._stop.wait(0.0005 if (busy or self._calls) else 0.005)
 
     def _handle(self, src: int, buf, n: int, now: float) -> None:
         if self.is_suspected(src):
@@ -159,3 +250,10 @@ class Agent(threading.Thread):
         if kind == "teardown":
             self.failure.set()
         self.inbox.put((kind, src, body))
+
+
+class _Future:
+    def __init__(self):
+        self.done = threading.Event()
+        self.value = None
+        self.error: BaseException | None = None

@@ -34,9 +34,11 @@ _HELLO_BYTES = 512
 def _mpi():
     import mpi4py
 
-    # MPICH's default UCX netmod stops delivering point-to-point messages on one thread once
-    # another thread ran a collective (measured: heartbeats stop after a Bcast); OFI does not.
-    os.environ.setdefault("MPIR_CVAR_CH4_NETMOD", "ofi")
+    # Measured with the MPICH wheel's UCX netmod: a rendezvous transfer whose sender dies kills the
+    # receiver (cross-memory attach: "process_vm_readv ... No such process", then SIGTERM; without
+    # cma, a segfault in the next send). Replica payloads are small per rank, so send every
+    # message eagerly: a dead sender then leaves a receive that never completes, which we abandon.
+    os.environ.setdefault("UCX_RNDV_THRESH", "inf")
     mpi4py.rc.thread_level = "multiple"
     mpi4py.rc.finalize = False  # survivors exit with os._exit; MPI_Finalize with dead peers may hang
     from mpi4py import MPI
@@ -63,14 +65,19 @@ class ControlPlane:
         self.log = log
         self.secret = secret
         self.settle = settle
+        for c in (MPI.COMM_SELF, world):
+            c.Set_errhandler(MPI.ERRORS_RETURN)
         self.ctrl = world.Dup()
         self.repl = world.Dup()
+        for c in (self.ctrl, self.repl):
+            c.Set_errhandler(MPI.ERRORS_RETURN)
         self.generation = 0
         W = active_nodes * ranks_per_node
         self.assignment = list(range(W))
         self.spare_nodes = list(range(active_nodes, self.size // ranks_per_node))
         self.members = list(range(self.size))
         self.idents = self._exchange_identities()
+        self._wire_up()
         self.survivors = world
         self._ready: dict[int, dict[int, dict]] = {}
         self._decisions: dict[int, tuple[int, dict]] = {}
@@ -78,8 +85,12 @@ class ControlPlane:
         self._abort: dict | None = None
         self.first_suspicion: float | None = None
         log.emit("hello", mpi_rank=self.me, node=self.me // ranks_per_node, **self.idents[self.me])
-        world.Barrier()
         self.agent = Agent(self.ctrl, secret, period, deadline, on_suspect=self._on_suspect)
+
+    def start(self) -> None:
+        """Start the agent. From here on only the agent thread calls MPI (see agent.py)."""
+        self.world.Barrier()
+        self.agent._last_seen = {p: time.monotonic() for p in self.agent._last_seen}
         self.agent.start()
 
     # ---- bootstrap ------------------------------------------------------------------------
@@ -89,8 +100,21 @@ class ControlPlane:
         self.world.Allgather(np.frombuffer(mine, dtype=np.uint8), out)
         return [json.loads(out[i * _HELLO_BYTES:(i + 1) * _HELLO_BYTES].tobytes()) for i in range(self.size)]
 
+    def _wire_up(self) -> None:
+        """Connect every pair of processes at start-up, so no connection is made mid-recovery."""
+        MPI = self.MPI
+        for comm in (self.world, self.ctrl, self.repl):
+            out = np.zeros(self.size, dtype=np.uint8)
+            back = np.empty(self.size, dtype=np.uint8)
+            reqs = []
+            for p in range(self.size):
+                if p != self.me:
+                    reqs.append(comm.Irecv(back[p:p + 1], source=p, tag=3))
+                    reqs.append(comm.Isend(out[p:p + 1], dest=p, tag=3))
+            MPI.Request.Waitall(reqs)
+
     def bcast_text(self, text: str | None, root: int = 0) -> str:
-        """Broadcast a short text from ``root`` at start-up (all processes alive). No pickle."""
+        """Broadcast a short text from ``root`` before ``start`` (all processes alive). No pickle."""
         buf = np.zeros(1024, dtype=np.uint8)
         if self.me == root:
             raw = text.encode()
@@ -158,11 +182,7 @@ class ControlPlane:
     def wait_sends(self, timeout: float = 2.0) -> None:
         """Give queued sends a moment to leave before the process exits."""
         end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            with self.agent.lock:
-                self.agent._pending = [(r, m) for (r, m) in self.agent._pending if not r.Test()]
-                if not self.agent._pending:
-                    return
+        while time.monotonic() < end and not self.agent.sends_done():
             time.sleep(0.01)
 
     # ---- recovery -------------------------------------------------------------------------
@@ -229,8 +249,7 @@ class ControlPlane:
         self.assignment = list(decision["assignment"])
         self.spare_nodes = list(decision["spare_nodes"])
         self.members = list(decision["members"])
-        group = self.ctrl.Get_group().Incl(self.members)
-        self.survivors = self.ctrl.Create_group(group, tag=1000 + g)
+        self.survivors = self.agent.call(self._create_group, self.members, 1000 + g)
         self._check_agreement(decision)
         self.generation = g
         self.agent.generation = g
@@ -240,15 +259,19 @@ class ControlPlane:
             self.agent.failure.set()
         self._ready = {k: v for k, v in self._ready.items() if k > g}
 
+    def _create_group(self, members: list[int], tag: int):
+        # MPI_Comm_create_group: collective over the members only, so the dead cannot block it
+        return self.ctrl.Create_group(self.ctrl.Get_group().Incl(members), tag=tag)
+
     def _check_agreement(self, decision: dict, timeout: float = 30.0) -> None:
         keys = ("generation", "assignment", "cut_step", "members", "store")
         digest = hashlib.sha256(json.dumps({k: decision[k] for k in keys}, sort_keys=True).encode()).digest()
         mine = np.frombuffer(digest[:8], dtype=np.int64).copy()
         lo, hi = np.empty_like(mine), np.empty_like(mine)
-        reqs = [self.survivors.Iallreduce(mine, lo, op=self.MPI.MIN),
-                self.survivors.Iallreduce(mine, hi, op=self.MPI.MAX)]
+        MPI, comm = self.MPI, self.survivors
+        reqs = self.agent.call(lambda: [comm.Iallreduce(mine, lo, op=MPI.MIN), comm.Iallreduce(mine, hi, op=MPI.MAX)])
         end = time.monotonic() + timeout
-        while not all(r.Test() for r in reqs):
+        while not self.agent.call(lambda: all([r.Test() for r in reqs])):
             if time.monotonic() > end:
                 raise RuntimeError("agreement check did not complete: a member died during recovery")
             time.sleep(0.001)

@@ -48,6 +48,7 @@ class Context:
         self._t0 = time.time()
         addr = json.dumps(groups.host_store()) if control.me == 0 else None
         self._store0 = json.loads(control.bcast_text(addr, root=0))
+        control.start()  # from here on only the agent thread calls MPI
 
     # ---- what the training function uses ---------------------------------------------------
     @property
@@ -77,8 +78,7 @@ class Context:
             raise RuntimeError("Context.run needs an optimizer: call ctx.zero_adamw(model) first")
         rng = torch.get_rng_state()
         layout = StateLayout([t for t in self._shard_shapes()], rng.numel())
-        self.replicator = Replicator(self.cp.repl, self.cp.secret, layout, self.cp.agent.is_suspected, self.log)
-        self.replicator.start()
+        self.replicator = Replicator(self.cp.repl, self.cp.secret, layout, self.cp.agent, self.log)
         if self.rank is None:
             if not self._wait_as_spare():
                 return

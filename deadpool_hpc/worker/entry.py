@@ -24,6 +24,9 @@ def load_train_fn(spec: str):
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     run_dir = argv[0]
+    import faulthandler
+
+    faulthandler.enable()  # a crash in native code leaves its Python stacks in launcher.log
     import torch
 
     torch.set_num_threads(int(os.environ.get("DEADPOOL_THREADS", "1")))
