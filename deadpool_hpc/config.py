@@ -118,6 +118,9 @@ class RunConfig:
                 need(f.index < self.world_size,
                      f"{f}: unknown kill target rank{f.index}; this layout has rank0..rank{self.world_size - 1}")
             need(f.step < self.steps, f"{f}: step {f.step} is past --steps {self.steps}; accepted: 0..{self.steps - 1}")
+        need(self.spares == 0 or self.nodes >= 2,
+             f"--nodes {self.nodes} with --spares {self.spares}: a rank's replica lives on another active node, "
+             f"so hot-swap needs at least 2 active nodes")
         need(len(self.faults) <= self.spares,
              f"{len(self.faults)} node losses requested ({', '.join(map(str, self.faults))}) but only "
              f"{self.spares} spare node(s); accepted: at most --spares faults")

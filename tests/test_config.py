@@ -1,0 +1,51 @@
+import subprocess
+import sys
+
+import pytest
+
+from deadpool_hpc.config import Fault, RunConfig, parse_fault
+from deadpool_hpc.errors import ConfigError
+
+
+def test_parse_fault():
+    assert parse_fault("kill", "node1@60") == Fault("kill", "node", 1, 60)
+    assert parse_fault("hang", "rank2@7").target == "rank2"
+    with pytest.raises(ConfigError, match="nodeN@STEP"):
+        parse_fault("kill", "node1-60")
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(nodes=0), "--nodes 0"),
+    (dict(spares=-1), "--spares -1"),
+    (dict(steps=0), "--steps 0"),
+    (dict(faults=[Fault("kill", "node", 7, 10)]), "unknown kill target node7"),
+    (dict(faults=[Fault("kill", "rank", 3, 10)]), "unknown kill target rank3"),
+    (dict(faults=[Fault("kill", "node", 1, 200)]), "past --steps"),
+    (dict(spares=1, faults=[Fault("kill", "node", 1, 10), Fault("kill", "node", 2, 20)]), "only 1 spare"),
+    (dict(nodes=1, spares=1), "at least 2 active nodes"),
+])
+def test_bad_layouts_name_the_value(kwargs, needle):
+    with pytest.raises(ConfigError, match=needle):
+        RunConfig(**{**dict(nodes=3, spares=1, steps=100), **kwargs}).validate()
+
+
+def test_json_roundtrip():
+    cfg = RunConfig(nodes=2, spares=1, steps=5, faults=[Fault("hang", "rank", 1, 3)]).validate()
+    assert RunConfig.from_json(cfg.to_json()) == cfg
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--nodes", "0"], "--nodes 0"),
+    (["--kill", "node9@10"], "unknown kill target node9"),
+    (["--kill", "node1@500"], "past --steps"),
+    (["--kill", "node1@10", "--kill", "node2@20"], "only 1 spare"),
+])
+def test_cli_rejects_bad_input_with_exit_2_before_starting(tmp_path, args, needle):
+    run_dir = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "deadpool_hpc.launch.cli", "run", "--run-dir", str(run_dir),
+                        "--nodes", "3", "--spares", "1", "--steps", "100", *args],
+                       capture_output=True, text=True, timeout=60)
+    # argparse keeps the last value of a repeated option, so the test's own --nodes wins
+    assert p.returncode == 2, p.stderr
+    assert needle in p.stderr
+    assert not run_dir.exists(), "no process may start (and no run dir be made) on bad input"
