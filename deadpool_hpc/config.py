@@ -70,6 +70,8 @@ class RunConfig:
     seed: int = 1337
     # fault tolerance
     replicate: bool = True
+    requeue: bool = False          # no spare left: save a checkpoint and start again from it
+    max_requeues: int = 3
     heartbeat_period: float = 0.1
     heartbeat_deadline: float = 1.0
     collective_timeout: float = 60.0
@@ -121,9 +123,10 @@ class RunConfig:
         need(self.spares == 0 or self.nodes >= 2,
              f"--nodes {self.nodes} with --spares {self.spares}: a rank's replica lives on another active node, "
              f"so hot-swap needs at least 2 active nodes")
-        need(len(self.faults) <= self.spares,
+        need(self.requeue or len(self.faults) <= self.spares,
              f"{len(self.faults)} node losses requested ({', '.join(map(str, self.faults))}) but only "
-             f"{self.spares} spare node(s); accepted: at most --spares faults")
+             f"{self.spares} spare node(s); accepted: at most --spares faults (or --requeue, which saves a "
+             f"checkpoint and restarts when no spare is left)")
         return self
 
     def to_json(self) -> str:

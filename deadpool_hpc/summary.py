@@ -37,6 +37,12 @@ def build_summary(events: list[dict], config=None) -> dict:
         t_rebuild = max([e["t_rebuilt"] for e in rec], default=t_agree)
         t_restore = max([e["t_restored"] for e in rec], default=t_rebuild)
         t_resume = max(res, default=None)
+        requeued = bool(d.get("exhausted"))
+        if requeued:  # no spare: checkpoint, requeue, resume; "resumed" = first step of the new attempt
+            later = [e["t"] for e in steps if e.get("generation", 0) > g and e["t"] > d["t_decided"]]
+            t_resume = min(later, default=None)
+            rec = [e for e in by["resumed_from_checkpoint"] if e.get("generation") == g + 1]
+            t_rebuild = t_restore = max([e["t"] for e in rec], default=t_agree)
         phases = {
             "detect": t_detect - t0,
             "agree": t_agree - t_detect,
@@ -55,6 +61,7 @@ def build_summary(events: list[dict], config=None) -> dict:
             "recovery_s": (t_resume - t0) if t_resume is not None else None,
             "phases": phases,
             "recomputed_steps": d["recomputed_steps"],
+            "requeued": requeued,
         })
     return {
         "completed": bool(fin) and (config is None or fin.get("steps") == config.steps),
@@ -65,6 +72,7 @@ def build_summary(events: list[dict], config=None) -> dict:
         "spares_left": fin.get("spares_left"),
         "param_digest": fin.get("param_digest"),
         "swaps": sum(1 for f in failures if f["promoted"]),
+        "requeues": len(by["requeued"]),
         "failures": failures,
         "bytes_replicated_per_rank_per_step": fin.get("bytes_per_rank_per_step"),
         "errors": [e.get("error") for e in by["error"]],

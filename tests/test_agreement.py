@@ -2,7 +2,7 @@
 import pytest
 
 from deadpool_hpc.control.agreement import decide, held_by, holder_of
-from deadpool_hpc.errors import ReplicaError, SparesExhausted
+from deadpool_hpc.errors import ReplicaError
 
 
 def reports(own_steps, held):
@@ -42,10 +42,11 @@ def test_whole_node_is_fenced_and_replaced_rank_for_rank():
     assert d["cut_step"] == 10
 
 
-def test_no_spare_left():
-    reps = reports({0: [5], 2: [5]}, {2: (1, [5])})
-    with pytest.raises(SparesExhausted, match="only 0 spare"):
-        decide(generation=1, ranks_per_node=1, assignment=[0, 1, 2], spare_nodes=[], failed={1}, reports=reps)
+def test_no_spare_left_still_cuts_for_a_checkpoint():
+    reps = reports({0: [4, 5], 2: [4, 5]}, {2: (1, [5])})
+    d = decide(generation=1, ranks_per_node=1, assignment=[0, 1, 2], spare_nodes=[], failed={1}, reports=reps)
+    assert d["exhausted"] and d["promoted"] == {} and d["assignment"] == [0, 1, 2]
+    assert d["cut_step"] == 5 and d["sources"] == {"1": 2}
 
 
 def test_replica_lost_with_its_holder():

@@ -83,3 +83,16 @@ def test_summary_file_written_by_cli(tmp_path):
     assert s["steps_completed"] == 12 and len(s["failures"]) == 1
     assert set(s["failures"][0]["phases"]) == {"detect", "agree", "rebuild", "restore", "recompute"}
     assert "recoveries" in p.stdout
+
+
+def test_no_spare_left_saves_checkpoint_requeues_and_resumes_identically(tmp_path, baseline):
+    s = run(tmp_path, "requeue", spares=0, requeue=True, faults=[Fault("kill", "node", 1, 20)])
+    assert s["completed"] and s["steps_completed"] == STEPS, s
+    assert s["requeues"] == 1 and s["swaps"] == 0
+    f = s["failures"][0]
+    assert f["requeued"] and f["cut_step"] in (19, 20)
+    events = list(read_events(os.path.join(str(tmp_path / "requeue"), "events.jsonl")))
+    saved = [e for e in events if e["event"] == "checkpoint_saved"]
+    resumed = [e for e in events if e["event"] == "resumed_from_checkpoint"]
+    assert len(saved) == 1 and len(resumed) == 3 and {e["step"] for e in resumed} == {saved[0]["step"]}
+    assert s["param_digest"] == baseline["param_digest"]

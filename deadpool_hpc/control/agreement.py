@@ -8,7 +8,7 @@ survivor's own snapshots, or a failed rank's replica at its holder).
 """
 from __future__ import annotations
 
-from ..errors import ReplicaError, SparesExhausted
+from ..errors import ReplicaError
 
 
 def holder_of(train_rank: int, ranks_per_node: int, active_nodes: int) -> int:
@@ -36,8 +36,10 @@ def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare
     promotion order; failed = suspected MPI ranks; reports[m] = {"own": [steps], "held": {"r": [steps]},
     "done_step": int} from each live process (spares report {}).
 
-    Returns the decision dict (see keys below). Raises SparesExhausted when a lost active node finds
-    no spare, ReplicaError when some rank's state at a common step exists nowhere.
+    Returns the decision dict (see keys below). When a lost active node finds no spare, the decision
+    has ``exhausted`` True, no promotion, and still the cut step and the holder of every lost rank's
+    replica (the job saves a persistent checkpoint at the cut and is requeued). Raises ReplicaError
+    when some rank's state at a common step exists nowhere.
     """
     P = ranks_per_node
     W = len(assignment)
@@ -48,9 +50,8 @@ def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare
     new_assign = list(assignment)
     promoted: dict[int, int] = {}
     lost = [n for n in failed_nodes if n in active_nodes]
-    if len(lost) > len(spares):
-        raise SparesExhausted(f"lost active node(s) {lost} but only {len(spares)} spare node(s) left {spares}")
-    for node in lost:
+    exhausted = len(lost) > len(spares)
+    for node in ([] if exhausted else lost):
         spare = spares.pop(0)
         slot = active_nodes.index(node)
         for i in range(P):
@@ -84,7 +85,8 @@ def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare
         "fenced": fenced,
         "assignment": new_assign,
         "promoted": {str(k): v for k, v in promoted.items()},
-        "sources": {str(k): v for k, v in sources.items() if k in promoted},
+        "sources": {str(k): v for k, v in sources.items()},
+        "exhausted": exhausted,
         "spare_nodes": spares,
         "members": members,
         "cut_step": cut,

@@ -54,7 +54,7 @@ class ControlPlane:
     """
 
     def __init__(self, *, secret: bytes, ranks_per_node: int, active_nodes: int, period: float,
-                 deadline: float, log, settle: float = 0.1):
+                 deadline: float, log, settle: float = 0.02):
         MPI = _mpi()
         self.MPI = MPI
         world = MPI.COMM_WORLD
@@ -277,6 +277,16 @@ class ControlPlane:
             time.sleep(0.001)
         if lo[0] != mine[0] or hi[0] != mine[0]:
             raise RuntimeError(f"members hold different decisions for generation {decision['generation']}")
+
+    def barrier(self, timeout: float = 120.0) -> None:
+        """Non-blocking barrier over the survivors' communicator, polled (raises on timeout)."""
+        comm = self.survivors
+        req = self.agent.call(comm.Ibarrier)
+        end = time.monotonic() + timeout
+        while not self.agent.call(req.Test):
+            if time.monotonic() > end:
+                raise RuntimeError("survivors' barrier did not complete: a member died")
+            time.sleep(0.002)
 
     def exit(self, code: int = 0) -> None:
         """Leave without MPI_Finalize (peers may be dead); flush the event log first."""

@@ -28,6 +28,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--heartbeat-deadline", type=float, default=d.heartbeat_deadline, help="seconds")
     p.add_argument("--heartbeat-period", type=float, default=d.heartbeat_period, help="seconds")
+    p.add_argument("--requeue", action="store_true",
+                   help="when no spare is left: save a checkpoint, then restart the job from it (as Slurm requeues)")
     p.add_argument("--no-replicate", action="store_true", help="turn the replica plane off (benchmarks only)")
     p.add_argument("--log-every", type=int, default=d.log_every)
     p.add_argument("--train-fn", default=d.train_fn, help="module:function to train (default: the demo)")
@@ -38,7 +40,7 @@ def config_from_args(a) -> RunConfig:
     return RunConfig(nodes=a.nodes, spares=a.spares, ranks_per_node=a.ranks_per_node, steps=a.steps, faults=faults,
                      batch_size=a.batch_size, context=a.context, lr=a.lr, seed=a.seed,
                      heartbeat_deadline=a.heartbeat_deadline, heartbeat_period=a.heartbeat_period,
-                     replicate=not a.no_replicate, run_dir=a.run_dir, summary_path=a.summary,
+                     replicate=not a.no_replicate, requeue=a.requeue, run_dir=a.run_dir, summary_path=a.summary,
                      log_every=a.log_every, train_fn=a.train_fn).validate()
 
 

@@ -22,7 +22,8 @@ import time
 
 from ..config import RunConfig
 from ..control.fence import fence
-from ..events import read_events
+from ..events import EventLog, read_events
+from ..replica import persist
 from ..summary import build_summary
 
 
@@ -38,6 +39,7 @@ def mpiexec_path() -> str:
 
 
 def prepare_run_dir(cfg: RunConfig) -> str:
+    """Make a fresh run directory (a previous run's events and checkpoints are removed)."""
     run_dir = os.path.abspath(cfg.run_dir)
     os.makedirs(run_dir, exist_ok=True)
     for name in ("events.jsonl", "summary.json", "launcher.log"):
@@ -45,6 +47,7 @@ def prepare_run_dir(cfg: RunConfig) -> str:
             os.remove(os.path.join(run_dir, name))
         except FileNotFoundError:
             pass
+    shutil.rmtree(os.path.join(run_dir, "checkpoint"), ignore_errors=True)
     with open(os.path.join(run_dir, "config.json"), "w") as fh:
         fh.write(cfg.to_json())
     return run_dir
@@ -65,6 +68,7 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
     a bad config; a run that fails still returns a summary (``completed`` False).
     """
     cfg.validate()
+    _terminate_on_sigterm()
     from ..train.corpus import load_tokens
 
     if cfg.train_fn.startswith("deadpool_hpc.train."):
@@ -73,11 +77,28 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
     env = dict(os.environ, DEADPOOL_JOB_SECRET=secrets.token_hex(32), DEADPOOL_STORE_HOST="127.0.0.1",
                OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     events_path = os.path.join(run_dir, "events.jsonl")
-    with open(os.path.join(run_dir, "launcher.log"), "wb") as out:
+    start = time.monotonic()
+    seen = 0
+    for attempt in range(cfg.max_requeues + 1 if cfg.requeue else 1):
+        if attempt:
+            EventLog(events_path).emit("requeued", attempt=attempt, checkpoint=persist.latest(os.path.join(run_dir, "checkpoint")))
+        before = seen
+        rc, seen = _run_once(cfg, run_dir, env, events_path, on_poll, poll_s, timeout, start, seen)
+        events = list(read_events(events_path)) if os.path.exists(events_path) else []
+        this = [e["event"] for e in events[before:]]
+        if "finished" in this or "checkpoint_saved" not in this:
+            break
+    summary = build_summary(events, cfg)
+    summary["run_dir"] = run_dir
+    summary["launcher_rc"] = rc
+    return summary
+
+
+def _run_once(cfg, run_dir, env, events_path, on_poll, poll_s, timeout, start, seen):
+    """One mpiexec of the whole job; returns (its exit status, events seen so far)."""
+    with open(os.path.join(run_dir, "launcher.log"), "ab") as out:
         proc = subprocess.Popen(command(cfg, run_dir), env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-        seen = 0
-        start = time.monotonic()
         try:
             while True:
                 done = proc.poll() is not None
@@ -96,10 +117,15 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             _reap_workers(events_path)
-    summary = build_summary(list(read_events(events_path)) if os.path.exists(events_path) else [], cfg)
-    summary["run_dir"] = run_dir
-    summary["launcher_rc"] = proc.returncode
-    return summary
+    return proc.returncode, seen
+
+
+def _terminate_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit, so the ``finally`` that kills the job's processes runs."""
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
 def _reap_workers(events_path: str) -> None:

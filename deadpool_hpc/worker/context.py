@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 
 import torch
@@ -20,6 +21,7 @@ from ..control.agreement import held_by, holder_of
 from ..dataplane.groups import device_for
 from ..dataplane import collectives
 from ..errors import PeerFailure
+from ..replica import persist
 from ..replica.snapshot import StateLayout
 from ..replica.transport import Replicator
 from . import faults as fault_injection
@@ -45,9 +47,14 @@ class Context:
         self.opt: ShardedAdamW | None = None
         self.replicator: Replicator | None = None
         self._recovery: dict | None = None
+        self.exit_code = 0
         self._t0 = time.time()
         addr = json.dumps(groups.host_store()) if control.me == 0 else None
         self._store0 = json.loads(control.bcast_text(addr, root=0))
+        self.checkpoint_dir = os.path.join(cfg.run_dir, "checkpoint")
+        self._resume = persist.latest(self.checkpoint_dir)
+        if self._resume is not None:  # a requeued job: carry on the generation count (faults fire once)
+            control.generation = control.agent.generation = self._resume["generation"] + 1
         control.start()  # from here on only the agent thread calls MPI
 
     # ---- what the training function uses ---------------------------------------------------
@@ -83,11 +90,14 @@ class Context:
             if not self._wait_as_spare():
                 return
         else:
-            self.groups.join(0, self._store0, self.rank, self.world_size)
+            self.groups.join(self.generation, self._store0, self.rank, self.world_size)
             self.opt.bind(self.rank, self.cp.failure)
+            if self._resume is not None:
+                self._load_checkpoint(self._resume)
             self._configure_replicas()
             self._snapshot()
-            self.log.emit("started", rank=self.rank, generation=0, world_size=self.world_size)
+            self.log.emit("started", rank=self.rank, generation=self.generation, world_size=self.world_size,
+                          step=self.step)
         self._loop(step_fn)
 
     # ---- the loop ----------------------------------------------------------------------------
@@ -169,8 +179,12 @@ class Context:
         if self.cp.me == decision["coordinator"]:
             self.log.emit("decision", generation=decision["generation"], failed_nodes=decision["failed_nodes"],
                           promoted=decision["promoted"], cut_step=decision["cut_step"],
+                          exhausted=decision.get("exhausted", False),
                           recomputed_steps=decision["recomputed_steps"], store=decision["store"],
                           t_decided=decision["t_decided"], first_suspicion=self.cp.first_suspicion)
+        if decision.get("exhausted"):
+            self._save_checkpoint(decision)
+            return False
         if self.rank is None:
             return True  # still a spare: keep waiting
         self.groups.join(decision["generation"], decision["store"], self.rank, self.world_size)
@@ -200,6 +214,35 @@ class Context:
         self.opt.gather()
         torch.set_rng_state(rng)
         self.step = cut
+
+    # ---- no spare left: persistent checkpoint, then requeue -----------------------------------
+    def _save_checkpoint(self, decision: dict) -> None:
+        """Write every shard of the cut step this process holds (its own, and the replicas of lost
+        ranks it holds), wait for all members, and let the coordinator commit LATEST."""
+        cut, rep = decision["cut_step"], self.replicator
+        mine = []
+        if self.rank is not None and self.cp.me not in decision["fenced"]:
+            mine.append((self.rank, rep.own.get(cut)))
+        for r, src in decision["sources"].items():
+            if src == self.cp.me:
+                mine.append((int(r), rep.held.get(cut)))
+        shard = [torch.empty_like(t) for t in self._shard_shapes()]
+        for r, slot in mine:
+            rng = rep.layout.read(slot, shard)  # verifies the CRC-32
+            persist.save_shard(self.checkpoint_dir, cut, r, shard, rng)
+        self.cp.barrier()
+        if self.cp.me == decision["coordinator"]:
+            persist.commit(self.checkpoint_dir, cut, self.world_size, decision["generation"])
+            self.log.emit("checkpoint_saved", step=cut, generation=decision["generation"],
+                          path=self.checkpoint_dir, reason="no spare node left")
+        self.exit_code = 75  # EX_TEMPFAIL: requeue me
+
+    def _load_checkpoint(self, meta: dict) -> None:
+        rng = persist.load_shard(self.checkpoint_dir, meta, self.rank, self.opt.state_tensors())
+        self.opt.gather()
+        torch.set_rng_state(rng)
+        self.step = meta["step"]
+        self.log.emit("resumed_from_checkpoint", rank=self.rank, step=self.step, generation=self.generation)
 
     # ---- the end -----------------------------------------------------------------------------
     def param_digest(self) -> str:

@@ -49,6 +49,7 @@ def main(argv=None) -> None:
     try:
         ctx = Context(cfg, cp, GenerationGroups("gloo", cfg.collective_timeout), log)
         load_train_fn(cfg.train_fn)(ctx)
+        code = ctx.exit_code
     except BaseException as exc:  # report, tell the others, leave
         code = 1
         log.emit("error", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-4000:])

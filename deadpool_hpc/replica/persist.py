@@ -1,0 +1,87 @@
+"""Persistent checkpoints on disk (torch.distributed.checkpoint), the fallback when no spare is left.
+
+Layout under ``root`` (``RUN_DIR/checkpoint``): ``step{T}/rank{r}/`` holds one rank's unique state
+at step T (parameter shard, AdamW shard, RNG state), written with ``torch.distributed.checkpoint``
+(``no_dist``: each shard is written by whichever process holds it: the rank itself, or the holder of
+a lost rank's replica), plus ``rank{r}.json`` with the step and the CRC-32 of the payload. ``LATEST``
+names the newest *complete* checkpoint; it is written (temp file + rename) only after every rank's
+shard is on disk, so a half-written checkpoint is never read back as good, and ``load_shard``
+verifies the CRC-32 again.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ..errors import ReplicaError
+
+NAMES = ("param_shard", "exp_avg", "exp_avg_sq", "rng")
+
+
+def _payload_crc(tensors) -> int:
+    import zlib
+
+    crc = 0
+    for t in tensors:
+        crc = zlib.crc32(t.contiguous().view(torch.uint8).numpy().tobytes(), crc)
+    return crc & 0xFFFFFFFF
+
+
+def save_shard(root: str, step: int, rank: int, tensors: list[torch.Tensor], rng: torch.Tensor) -> None:
+    """Write rank ``rank``'s state at ``step`` (tensors = [param shard, exp_avg, exp_avg_sq])."""
+    d = os.path.join(root, f"step{step}")
+    os.makedirs(d, exist_ok=True)
+    state = dict(zip(NAMES, [t.clone() for t in tensors] + [rng.clone()]))
+    dcp.save(state, checkpoint_id=os.path.join(d, f"rank{rank}"), no_dist=True)
+    _write_json(os.path.join(d, f"rank{rank}.json"),
+                {"step": step, "rank": rank, "crc": _payload_crc([state[n] for n in NAMES])})
+
+
+def commit(root: str, step: int, world_size: int, generation: int) -> None:
+    """Mark ``step`` complete. Raises ReplicaError if any rank's shard is missing."""
+    d = os.path.join(root, f"step{step}")
+    missing = [r for r in range(world_size) if not os.path.exists(os.path.join(d, f"rank{r}.json"))]
+    if missing:
+        raise ReplicaError(f"checkpoint step {step} lacks the shards of ranks {missing}; not committed")
+    _write_json(os.path.join(root, "LATEST"), {"step": step, "world_size": world_size, "generation": generation})
+
+
+def latest(root: str) -> dict | None:
+    """The newest complete checkpoint's metadata ({step, world_size, generation}), or None."""
+    try:
+        with open(os.path.join(root, "LATEST")) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def load_shard(root: str, meta: dict, rank: int, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Load rank ``rank``'s state of ``meta['step']`` into ``tensors`` (in place); returns the RNG state.
+
+    Raises ReplicaError if the shard's step or CRC-32 does not match its record.
+    """
+    d = os.path.join(root, f"step{meta['step']}")
+    with open(os.path.join(d, f"rank{rank}.json")) as fh:
+        rec = json.load(fh)
+    rng = torch.get_rng_state()
+    state = dict(zip(NAMES, [torch.empty_like(t) for t in tensors] + [torch.empty_like(rng)]))
+    dcp.load(state, checkpoint_id=os.path.join(d, f"rank{rank}"), no_dist=True)
+    if rec["step"] != meta["step"] or _payload_crc([state[n] for n in NAMES]) != rec["crc"]:
+        raise ReplicaError(f"checkpoint shard of rank {rank} at step {meta['step']} fails its step/CRC-32 check")
+    with torch.no_grad():
+        for dst, name in zip(tensors, NAMES):
+            dst.copy_(state[name])
+    return state["rng"]
+
+
+def _write_json(path: str, obj: dict) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
