@@ -57,6 +57,7 @@ def build_summary(events: list[dict], config=None) -> dict:
             "generation": g,
             "failed_nodes": d["failed_nodes"],
             "promoted": d["promoted"],
+            "spare_nodes_used": sorted({m // (config.ranks_per_node if config else 1) for m in d["promoted"].values()}),
             "cut_step": d["cut_step"],
             "recovery_s": (t_resume - t0) if t_resume is not None else None,
             "phases": phases,

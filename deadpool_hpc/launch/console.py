@@ -23,6 +23,7 @@ class LiveView:
         self.roles = {n: ("active" if n < cfg.nodes else "spare") for n in range(cfg.total_nodes)}
         self.lines: list[Text] = []
         self.t_fault: float | None = None
+        self._detected = False
         self.live = Live(self._render(), console=self.console, refresh_per_second=4, transient=False)
 
     def __enter__(self):
@@ -44,9 +45,11 @@ class LiveView:
                 self.last_step = e
             elif kind == "fault_injected":
                 self.t_fault = e["t"]
+                self._detected = False
                 self.roles[e["node"]] = "dead" if e["kind"] == "kill" else "hung"
                 self._note(f"step {e['step']}: {e['signal']} -> {e['target']} (node{e['node']}, pids {e['pids']})", "bold red")
-            elif kind == "suspect" and self.t_fault is not None:
+            elif kind == "suspect" and self.t_fault is not None and not self._detected:
+                self._detected = True
                 self._note(f"  detected: node{e['node']} suspected by rank {e.get('mpi_rank')} "
                            f"(+{e['t'] - self.t_fault:.2f} s)", "yellow")
             elif kind == "decision":
@@ -64,6 +67,14 @@ class LiveView:
             elif kind == "resumed" and e.get("rank") == 0:
                 base = self.t_fault or e["t_fail"]
                 self._note(f"  resumed: step {e['step']} completed (+{e['t'] - base:.2f} s after the fault)", "bold green")
+            elif kind == "checkpoint_saved":
+                self._note(f"  no spare left: checkpoint saved at step {e['step']}; requeueing", "bold yellow")
+            elif kind == "requeued":
+                self.roles = {n: ("active" if n < self.cfg.nodes else "spare") for n in self.roles}
+                self._note(f"requeued (attempt {e['attempt']})", "bold yellow")
+            elif kind == "resumed_from_checkpoint" and e.get("rank") == 0:
+                base = self.t_fault or e["t"]
+                self._note(f"  resumed from the checkpoint at step {e['step']} (+{e['t'] - base:.2f} s)", "bold green")
             elif kind == "error":
                 self._note(f"error on rank {e.get('mpi_rank')}: {e['error']}", "bold red")
         self.live.update(self._render())
@@ -88,28 +99,36 @@ class LiveView:
 
 def print_summary(summary: dict, console: Console | None = None) -> None:
     console = console or Console()
+    console.print()
     t = Table(title="run summary", show_header=False)
     t.add_column("what", style="bold")
     t.add_column("value")
     t.add_row("completed", str(summary["completed"]))
     t.add_row("steps", str(summary["steps_completed"]))
-    t.add_row("failures / swaps", f"{len(summary['failures'])} / {summary['swaps']}")
+    t.add_row("failures / swaps / requeues", f"{len(summary['failures'])} / {summary['swaps']} / {summary.get('requeues', 0)}")
     t.add_row("first -> final loss", f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"
               if summary["first_loss"] is not None and summary["final_loss"] is not None else "-")
     t.add_row("world size / spares left", f"{summary['world_size']} / {summary['spares_left']}")
-    t.add_row("param digest", str(summary["param_digest"]))
+    t.add_row("param digest (sha256)", str(summary["param_digest"])[:24] + "...")
     if summary.get("bytes_replicated_per_rank_per_step"):
         t.add_row("replicated / rank / step", f"{summary['bytes_replicated_per_rank_per_step']:,} bytes")
     console.print(t)
     if summary["failures"]:
-        f = Table(title="recoveries (seconds)")
-        for col in ("fault", "step", "cut", "recomputed", "recovery", *PHASES):
-            f.add_column(col, justify="right")
+        f = Table(title="recoveries (seconds)", show_header=True, header_style="bold")
+        f.add_column("")
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
         for x in summary["failures"]:
-            ph = x["phases"]
-            fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-            f.add_row(f"{x['kind']} {x['target']}", str(x["step"]), str(x["cut_step"]), str(x["recomputed_steps"]),
-                      fmt(x["recovery_s"]), *(fmt(ph[p]) for p in PHASES))
+            f.add_column(f"{x['kind']} {x['target']} @{x['step']}", justify="right")
+        rows = [("kill -> first step after swap", [fmt(x["recovery_s"]) for x in summary["failures"]])]
+        rows += [(f"  {p}", [fmt(x["phases"][p]) for x in summary["failures"]]) for p in PHASES]
+        rows += [("cut step", [str(x["cut_step"]) for x in summary["failures"]]),
+                 ("steps recomputed", [str(x["recomputed_steps"]) for x in summary["failures"]]),
+                 ("replaced by", ["checkpoint + requeue" if x.get("requeued") else
+                                  ", ".join(f"node{n}" for n in x.get("spare_nodes_used", [])) or "-"
+                                  for x in summary["failures"]])]
+        for name, vals in rows:
+            f.add_row(name, *vals)
         console.print(f)
+    console.print(f"param_digest {summary['param_digest']}", soft_wrap=True)
     for err in summary.get("errors") or []:
         console.print(f"[bold red]error:[/] {err}")

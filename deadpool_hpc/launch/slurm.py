@@ -20,8 +20,6 @@ to ``scancel`` (state CANCELLED) if libslurm cannot be loaded.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import glob
 import json
 import os
@@ -282,27 +280,40 @@ def batch_alive(run_dir: str, stale_s: float = ALIVE_STALE_S) -> bool:
         return False
 
 
+_COMPLETE_SNIPPET = """
+import ctypes, ctypes.util, sys
+job, rc = int(sys.argv[1]), int(sys.argv[2])
+for name in ("/usr/lib/x86_64-linux-gnu/slurm-wlm/libslurmfull.so", "/usr/lib64/slurm/libslurmfull.so",
+             "/usr/lib/slurm/libslurmfull.so", ctypes.util.find_library("slurmfull"), ctypes.util.find_library("slurm")):
+    if not name:
+        continue
+    try:
+        lib = ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)  # GLOBAL: the auth plugin it dlopens needs its symbols
+    except OSError:
+        continue
+    if hasattr(lib, "slurm_init"):
+        lib.slurm_init(None)
+    err = lib.slurm_complete_job(ctypes.c_uint32(job), ctypes.c_uint32(rc))
+    print(name, err)
+    sys.exit(0 if err == 0 else 1)
+sys.exit(3)
+"""
+
+
 def complete_job(job_id: str, rc: int) -> str:
-    """End the job as srun does for its own allocation: libslurm slurm_complete_job (COMPLETED for rc 0, else
-    FAILED). Falls back to scancel (CANCELLED). Returns what was done."""
-    for name in ("/usr/lib/x86_64-linux-gnu/slurm-wlm/libslurmfull.so", ctypes.util.find_library("slurmfull"),
-                 ctypes.util.find_library("slurm"), "libslurm.so"):
-        if not name:
-            continue
-        try:
-            lib = ctypes.CDLL(name)
-        except OSError:
-            continue
-        try:
-            if hasattr(lib, "slurm_init"):
-                lib.slurm_init(None)
-            err = lib.slurm_complete_job(ctypes.c_uint32(int(job_id)), ctypes.c_uint32(rc))
-        except (AttributeError, ValueError):
-            continue
-        if err == 0:
-            return f"slurm_complete_job({job_id}, {rc}) via {name}"
+    """End the job as srun does for its own allocation: libslurm's slurm_complete_job (state COMPLETED for rc 0,
+    else FAILED). Runs in a child process (libslurm may exit() on a fatal error). Falls back to scancel
+    (CANCELLED). Returns what was done."""
+    try:
+        out = subprocess.run([sys.executable, "-c", _COMPLETE_SNIPPET, str(job_id), str(rc)],
+                             capture_output=True, text=True, timeout=60)
+        if out.returncode == 0:
+            return f"slurm_complete_job({job_id}, {rc}): {out.stdout.strip()}"
+        why = (out.stdout + out.stderr).strip()[-300:]
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        why = str(exc)
     subprocess.run(["scancel", str(job_id)], timeout=30)
-    return f"scancel {job_id}"
+    return f"scancel {job_id} (slurm_complete_job failed: {why})"
 
 
 def finish_headless(run_dir: str, wait_s: float = 60.0) -> dict | None:
@@ -325,8 +336,10 @@ def finish_headless(run_dir: str, wait_s: float = 60.0) -> dict | None:
     s = write_summary(run_dir, extra={"finished_by": f"task {_task_id()} on {os.uname().nodename} (batch host dead)"})
     job_id = os.environ.get("SLURM_JOB_ID")
     if job_id:
-        how = complete_job(job_id, 0 if s["completed"] else 1)
         with open(os.path.join(run_dir, "finisher.log"), "a") as fh:
+            fh.write(f"{time.time()} task {_task_id()} on {os.uname().nodename}: batch host dead, ending job {job_id}\n")
+            fh.flush()
+            how = complete_job(job_id, 0 if s["completed"] else 1)  # may kill this very task: log first
             fh.write(f"{time.time()} {how}\n")
     return s
 
