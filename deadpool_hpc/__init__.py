@@ -8,7 +8,6 @@ from .config import parse_fault as parse_fault
 from .errors import ConfigError as ConfigError
 from .errors import PeerFailure as PeerFailure
 from .errors import ReplicaError as ReplicaError
-from .errors import SparesExhausted as SparesExhausted
 from .summary import build_summary as build_summary
 
 __version__ = "0.1.0"

@@ -13,10 +13,6 @@ class PeerFailure(RuntimeError):
     """
 
 
-class SparesExhausted(RuntimeError):
-    """A node was lost and no spare node is left to take its place."""
-
-
 class ReplicaError(RuntimeError):
     """A replica failed verification (wrong step, checksum, size) and must not be used."""
 

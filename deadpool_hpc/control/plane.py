@@ -192,7 +192,7 @@ class ControlPlane:
         report: this process's {"own", "held", "done_step"} (see agreement.decide).
         host_store(): () -> [host, port] of a fresh TCPStore served by this process; called only on
         the coordinator. Returns the decision dict (agreement.decide's keys plus "store",
-        "coordinator", "t_decided"). Raises SparesExhausted / ReplicaError from ``decide`` (after
+        "coordinator", "t_decided"). Raises ReplicaError from ``decide`` (after
         telling the other members), JobAborted if another process aborted.
         """
         g = self.generation + 1
