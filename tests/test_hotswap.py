@@ -96,3 +96,13 @@ def test_no_spare_left_saves_checkpoint_requeues_and_resumes_identically(tmp_pat
     resumed = [e for e in events if e["event"] == "resumed_from_checkpoint"]
     assert len(saved) == 1 and len(resumed) == 3 and {e["step"] for e in resumed} == {saved[0]["step"]}
     assert s["param_digest"] == baseline["param_digest"]
+
+
+def test_two_ranks_per_node_a_dead_rank_costs_its_whole_node(tmp_path):
+    kw = dict(nodes=2, ranks_per_node=2, spares=1, steps=24)
+    base = run(tmp_path, "p2base", **kw)
+    s = run(tmp_path, "p2kill", faults=[Fault("kill", "rank", 1, 12)], **kw)
+    assert s["completed"] and len(s["failures"]) == 1, s
+    f = s["failures"][0]
+    assert f["failed_nodes"] == [0] and f["promoted"] == {"0": 4, "1": 5}  # spare node 2 = MPI ranks 4, 5
+    assert s["param_digest"] == base["param_digest"]
