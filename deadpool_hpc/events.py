@@ -45,3 +45,32 @@ def read_events(path: str) -> Iterator[dict]:
                 yield json.loads(line)
             except ValueError:
                 continue
+
+
+class EventTail:
+    """Incremental reader of a growing event log: ``poll()`` returns only the records added since
+    the last call (a partly written last line waits for the next call)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._pos = 0
+        self._partial = b""
+
+    def poll(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self._pos)
+                data = fh.read()
+        except FileNotFoundError:
+            return []
+        self._pos += len(data)
+        data = self._partial + data
+        lines = data.split(b"\n")
+        self._partial = lines.pop()
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out

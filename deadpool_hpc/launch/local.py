@@ -22,7 +22,7 @@ import time
 
 from ..config import RunConfig
 from ..control.fence import fence
-from ..events import EventLog, read_events
+from ..events import EventLog, EventTail, read_events
 from ..replica import persist
 from ..summary import build_summary
 
@@ -78,35 +78,34 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
                OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     events_path = os.path.join(run_dir, "events.jsonl")
     start = time.monotonic()
-    seen = 0
+    tail = EventTail(events_path)
     for attempt in range(cfg.max_requeues + 1 if cfg.requeue else 1):
         if attempt:
             EventLog(events_path).emit("requeued", attempt=attempt, checkpoint=persist.latest(os.path.join(run_dir, "checkpoint")))
-        before = seen
-        rc, seen = _run_once(cfg, run_dir, env, events_path, on_poll, poll_s, timeout, start, seen)
-        events = list(read_events(events_path)) if os.path.exists(events_path) else []
-        this = [e["event"] for e in events[before:]]
+        rc, new = _run_once(cfg, run_dir, env, events_path, tail, on_poll, poll_s, timeout, start)
+        this = {e["event"] for e in new}
         if "finished" in this or "checkpoint_saved" not in this:
             break
+    events = list(read_events(events_path)) if os.path.exists(events_path) else []
     summary = build_summary(events, cfg)
     summary["run_dir"] = run_dir
     summary["launcher_rc"] = rc
     return summary
 
 
-def _run_once(cfg, run_dir, env, events_path, on_poll, poll_s, timeout, start, seen):
-    """One mpiexec of the whole job; returns (its exit status, events seen so far)."""
+def _run_once(cfg, run_dir, env, events_path, tail, on_poll, poll_s, timeout, start):
+    """One mpiexec of the whole job; returns (its exit status, the events it added)."""
+    new: list[dict] = []
     with open(os.path.join(run_dir, "launcher.log"), "ab") as out:
         proc = subprocess.Popen(command(cfg, run_dir), env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             while True:
                 done = proc.poll() is not None
-                if os.path.exists(events_path):
-                    events = list(read_events(events_path))
-                    if on_poll and len(events) > seen:
-                        on_poll(events[seen:])
-                    seen = len(events)
+                batch = tail.poll()
+                new += batch
+                if on_poll and batch:
+                    on_poll(batch)
                 if done:
                     break
                 if timeout is not None and time.monotonic() - start > timeout:
@@ -117,7 +116,7 @@ def _run_once(cfg, run_dir, env, events_path, on_poll, poll_s, timeout, start, s
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             _reap_workers(events_path)
-    return proc.returncode, seen
+    return proc.returncode, new
 
 
 def _terminate_on_sigterm() -> None:

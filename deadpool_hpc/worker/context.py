@@ -48,6 +48,7 @@ class Context:
         self.replicator: Replicator | None = None
         self._recovery: dict | None = None
         self.exit_code = 0
+        self._faults = fault_injection.ordered(cfg.faults)
         self._t0 = time.time()
         addr = json.dumps(groups.host_store()) if control.me == 0 else None
         self._store0 = json.loads(control.bcast_text(addr, root=0))
@@ -116,7 +117,7 @@ class Context:
 
     def _one_step(self, step_fn) -> None:
         s = self.step
-        fault_injection.maybe_inject(self.config.faults, step=s, generation=self.generation, train_rank=self.rank,
+        fault_injection.maybe_inject(self._faults, step=s, generation=self.generation, train_rank=self.rank,
                                      mpi_rank=self.cp.me, ranks_per_node=self.cp.P, idents=self.cp.idents, log=self.log)
         t = time.perf_counter()
         metrics = step_fn(s) or {}

@@ -19,8 +19,9 @@ def ordered(faults) -> list:
 
 def maybe_inject(faults, *, step: int, generation: int, train_rank: int, mpi_rank: int, ranks_per_node: int,
                  idents: list[dict], log) -> None:
-    """Fire the fault due at ``step`` in ``generation`` if it targets this process (never returns then)."""
-    faults = ordered(faults)
+    """Fire the fault due at ``step`` in ``generation`` if it targets this process (never returns then).
+
+    ``faults`` must be in ``ordered`` order (the i-th fires only in generation i)."""
     if generation >= len(faults):
         return
     f = faults[generation]
