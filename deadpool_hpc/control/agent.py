@@ -61,6 +61,7 @@ class Agent(threading.Thread):
         now = time.monotonic()
         self._last_seen = {p: now for p in range(self.size) if p != self.me}
         self._rejected = 0
+        self.stalls = 0
         self._outbox: deque = deque()   # (dest, bytes) queued by any thread, sent by this one
         self._calls: deque = deque()    # (fn, args, Future) to run in this thread
         self._pollers: list = []
@@ -191,8 +192,16 @@ class Agent(threading.Thread):
         status = MPI.Status()
         hb = np.frombuffer(wire.encode("hb", {}, self.secret), dtype=np.uint8).copy()
         next_hb = 0.0
+        last_loop = time.monotonic()
         while not self._stop.is_set():
             now = time.monotonic()
+            stalled, last_loop = now - last_loop, now
+            if stalled > self.deadline / 2:
+                # this thread itself did not run (CPU starvation, a paused VM): the silence it would
+                # now see is its own, so peers get the time back instead of being suspected
+                for p in self._last_seen:
+                    self._last_seen[p] += stalled
+                self.stalls += 1
             # receive everything that has arrived: matched probe + receive of that very message
             # (a preposted any-source Irecv stalled for good under the UCX netmod, measured)
             for _ in range(256):

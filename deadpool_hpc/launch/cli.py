@@ -1,5 +1,12 @@
-"""The ``deadpool`` command: ``run`` (embedded, local processes). Exit 2 on bad input, before any
-process starts; 1 if the run did not complete; 0 otherwise."""
+"""The ``deadpool`` command.
+
+- ``deadpool run ...``: the embedded launch (emulated nodes as local processes).
+- ``deadpool submit ...``: the same run options plus Slurm ones; renders sbatch/train.sbatch and submits
+  it; the last line printed is the Slurm job id.
+- ``deadpool status JOBID|RUN_DIR``: steps, failures, swaps and recovery times, from the run's event log.
+
+Exit 2 on bad input, before any process starts or any job is submitted; 1 if the run did not complete.
+"""
 from __future__ import annotations
 
 import argparse
@@ -63,12 +70,57 @@ def cmd_run(a) -> int:
     return 0 if summary["completed"] else 1
 
 
+def cmd_submit(a) -> int:
+    from .slurm import submit
+
+    cfg = config_from_args(a)
+    job_id = submit(cfg, partition=a.partition, time=a.time, account=a.account, extra=a.sbatch_arg)
+    print(f"submitted: {cfg.nodes} active + {cfg.spares} spare node(s), run dir {cfg.run_dir}; "
+          f"follow it with: deadpool status {job_id}")
+    print(job_id)
+    return 0
+
+
+def cmd_status(a) -> int:
+    import os
+
+    from rich.console import Console
+
+    from .console import print_summary
+    from .slurm import make_summary, status
+
+    st = status(a.target)
+    console = Console()
+    if st.get("slurm"):
+        console.print(f"slurm: {st['slurm']}")
+    run = st.get("run")
+    if not run:
+        console.print(f"no run directory found for {a.target!r}")
+        return 1
+    summary = make_summary(run["run_dir"]) if os.path.exists(os.path.join(run["run_dir"], "config.json")) else None
+    if summary is None:
+        console.print(run)
+        return 1
+    print_summary(summary, console)
+    return 0 if summary["completed"] else 1
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="deadpool", description=__doc__)
+    parser = argparse.ArgumentParser(prog="deadpool", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="train on this machine: emulated nodes as local processes")
     add_run_options(run)
     run.set_defaults(fn=cmd_run)
+    sm = sub.add_parser("submit", help="submit the same run to Slurm (sbatch/train.sbatch); prints the job id last")
+    add_run_options(sm)
+    sm.add_argument("--partition")
+    sm.add_argument("--time", help="Slurm time limit, e.g. 2:00:00")
+    sm.add_argument("--account")
+    sm.add_argument("--sbatch-arg", action="append", default=[], help="extra sbatch argument (repeatable)")
+    sm.set_defaults(fn=cmd_submit)
+    st = sub.add_parser("status", help="summarise a run from its event log: a Slurm job id or a run directory")
+    st.add_argument("target", metavar="JOBID|RUN_DIR")
+    st.set_defaults(fn=cmd_status)
     a = parser.parse_args(argv)
     try:
         return a.fn(a)

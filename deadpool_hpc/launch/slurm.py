@@ -37,7 +37,7 @@ from ..summary import build_summary
 
 TEMPLATE_ENV = "DEADPOOL_SBATCH_TEMPLATE"
 ALIVE_FILE = "batch.alive"
-ALIVE_STALE_S = 10.0  # the batch host counts as dead when batch.alive is older than this (shared-fs mtime)
+ALIVE_STALE_S = 10.0  # the batch host counts as dead when batch.alive has not been touched for this long
 
 
 # ---- config, template, submission ------------------------------------------------------------------------------
@@ -140,9 +140,10 @@ def slurm_state(job_id: str) -> dict:
     return {"job_id": str(job_id), "state": None}
 
 
-def hosts_by_rank(events: list[dict]) -> dict[int, str]:
-    """MPI rank -> host name, from the workers' hello events."""
-    return {e["mpi_rank"]: e.get("host") for e in events if e.get("event") == "hello" and "mpi_rank" in e}
+def hosts_by_rank(events: list[dict], before: float | None = None) -> dict[int, str]:
+    """MPI rank -> host, from the newest ``hello`` of each rank (written before ``before``, if given)."""
+    return {e["mpi_rank"]: e["host"] for e in events
+            if e["event"] == "hello" and (before is None or e["t"] < before)}
 
 
 def run_progress(run_dir: str) -> dict:
@@ -199,8 +200,10 @@ def make_summary(run_dir: str) -> dict:
     s = build_summary(events, cfg)
     hosts = hosts_by_rank(events)
     P = cfg.ranks_per_node
+    decided = {e["generation"]: e["t"] for e in events if e["event"] == "decision"}
     for f in s["failures"]:
-        f["failed_hosts"] = sorted({hosts.get(n * P + r) for n in f["failed_nodes"] for r in range(P)} - {None})
+        at = hosts_by_rank(events, before=decided.get(f["generation"]))  # a requeued job runs elsewhere later
+        f["failed_hosts"] = sorted({at.get(n * P + r) for n in f["failed_nodes"] for r in range(P)} - {None})
     s["run_dir"] = os.path.abspath(run_dir)
     s["hosts"] = {str(k): v for k, v in sorted(hosts.items())}
     try:
@@ -238,7 +241,7 @@ def run_worker(run_dir: str, env: dict | None = None) -> int:
         except ProcessLookupError:
             pass
 
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCONT):  # not USR1/2: their default action would kill it
         old[sig] = signal.signal(sig, forward)
     try:
         return proc.wait()
@@ -274,10 +277,25 @@ def expected_survivors(run_dir: str) -> set[int]:
 
 
 def batch_alive(run_dir: str, stale_s: float = ALIVE_STALE_S) -> bool:
-    try:
-        return time.time() - os.stat(os.path.join(run_dir, ALIVE_FILE)).st_mtime < stale_s
-    except FileNotFoundError:
-        return False
+    """Whether the batch script's watcher still runs: True as soon as RUN_DIR/batch.alive is touched again
+    (it is touched every second), False once its mtime has not moved for ``stale_s`` seconds. Only the file's
+    own mtime values are compared, so the clocks of the file server and of this node do not matter."""
+    path = os.path.join(run_dir, ALIVE_FILE)
+
+    def mtime():
+        try:
+            return os.stat(path).st_mtime_ns
+        except FileNotFoundError:
+            return None
+
+    first = mtime()
+    end = time.monotonic() + stale_s
+    while time.monotonic() < end:
+        time.sleep(0.25)
+        m = mtime()
+        if m is not None and m != first:
+            return True
+    return False
 
 
 _COMPLETE_SNIPPET = """
@@ -334,6 +352,10 @@ def finish_headless(run_dir: str, wait_s: float = 60.0) -> dict | None:
             break
         time.sleep(0.5)
     s = write_summary(run_dir, extra={"finished_by": f"task {_task_id()} on {os.uname().nodename} (batch host dead)"})
+    if os.environ.get("DRAIN_FAILED", "1") not in ("0", "no", "false", ""):  # the watcher died with the batch host
+        for f in s["failures"]:
+            for h in f.get("failed_hosts", []):
+                drain(h, f"deadpool job {os.environ.get('SLURM_JOB_ID', '?')}: declared dead")
     job_id = os.environ.get("SLURM_JOB_ID")
     if job_id:
         with open(os.path.join(run_dir, "finisher.log"), "a") as fh:
@@ -396,6 +418,34 @@ def watch(run_dir: str, do_drain: bool = True, period: float = 1.0) -> None:
         time.sleep(period)
 
 
+# ---- no spare left: requeue ---------------------------------------------------------------------------------------
+def requeue_if_needed(run_dir: str) -> bool:
+    """If this attempt ended with a saved checkpoint and no finish, log ``requeued`` and ``scontrol requeue``
+    the job (it resumes from RUN_DIR/checkpoint). True if the job was requeued."""
+    from ..events import EventLog
+    from ..replica import persist
+
+    path = os.path.join(run_dir, "events.jsonl")
+    events = list(read_events(path)) if os.path.exists(path) else []
+    names = [e["event"] for e in events]
+    last_ckpt = max((i for i, n in enumerate(names) if n == "checkpoint_saved"), default=-1)
+    last_fin = max((i for i, n in enumerate(names) if n == "finished"), default=-1)
+    if last_ckpt < 0 or last_fin > last_ckpt:
+        return False
+    attempts = names.count("requeued")
+    if attempts >= load_config(run_dir).max_requeues:
+        print(f"[deadpool] not requeued: {attempts} requeues already (max_requeues)", file=sys.stderr)
+        return False
+    job_id = os.environ.get("SLURM_JOB_ID") or open(os.path.join(run_dir, "slurm_job_id")).read().strip()
+    EventLog(path).emit("requeued", attempt=attempts + 1, slurm_job_id=job_id,
+                        checkpoint=persist.latest(os.path.join(run_dir, "checkpoint")))
+    out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        print(f"[deadpool] scontrol requeue {job_id} failed: {out.stderr.strip()}", file=sys.stderr)
+        return False
+    return True
+
+
 # ---- CLI ----------------------------------------------------------------------------------------------------------
 def _config_from(a) -> RunConfig:
     from .cli import config_from_args
@@ -427,6 +477,8 @@ def main(argv=None) -> int:
     tk = sub.add_parser("task", help="(inside srun) run one worker, finish the job if the batch host died")
     tk.add_argument("run_dir")
     tk.add_argument("--no-finisher", action="store_true")
+    rq = sub.add_parser("requeue-if-needed", help="(batch script) requeue the job if no spare was left")
+    rq.add_argument("run_dir")
     wt = sub.add_parser("watch", help="(on the batch host) heartbeat file + drain dead nodes")
     wt.add_argument("run_dir")
     wt.add_argument("--drain", default="1")
@@ -451,6 +503,8 @@ def main(argv=None) -> int:
             return 0 if s["completed"] else 1
         elif a.cmd == "task":
             return task_main(a.run_dir, finisher=not a.no_finisher)
+        elif a.cmd == "requeue-if-needed":
+            return 0 if requeue_if_needed(a.run_dir) else 1
         elif a.cmd == "watch":
             watch(a.run_dir, do_drain=a.drain not in ("0", "no", "false", ""))
     except ConfigError as exc:

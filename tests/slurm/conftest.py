@@ -1,0 +1,73 @@
+"""Fixtures for the Slurm tests: a real local Slurm cluster (scripts/slurm-local-cluster.sh, 5 emulated nodes),
+node crashes that are recovered after each test, and the failure-free reference digest.
+
+The cluster needs root and apt (Debian 12); the module is skipped, with the reason, where either is missing.
+The session fixture brings the cluster up and always tears it down.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CLUSTER = os.path.join(ROOT, "scripts", "slurm-local-cluster.sh")
+NODES = 5
+STEPS = 80          # a run is ~20-40 s on 2 cores; the crash comes at CRASH_STEP
+CRASH_STEP = 25
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slurm: needs a real (local) Slurm cluster; brings one up with "
+                                       "scripts/slurm-local-cluster.sh (root, Debian, apt)")
+
+
+def _cluster(*args, timeout=300, check=True):
+    return subprocess.run(["bash", CLUSTER, *args], timeout=timeout, check=check, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    if os.geteuid() != 0:
+        pytest.skip("the local Slurm cluster needs root (scripts/slurm-local-cluster.sh up refuses otherwise)")
+    if not shutil.which("sbatch") and not shutil.which("apt-get"):
+        pytest.skip("no Slurm installed and no apt-get to install it (Debian 12 needed)")
+    try:
+        up = _cluster("up", str(NODES), timeout=600, check=False)
+    except subprocess.TimeoutExpired:
+        _cluster("down", timeout=120, check=False)
+        pytest.fail("slurm-local-cluster.sh up timed out")
+    if up.returncode != 0:
+        pytest.fail(f"slurm-local-cluster.sh up {NODES} failed:\n{up.stdout[-3000:]}\n{up.stderr[-3000:]}")
+    try:
+        yield NODES
+    finally:
+        _cluster("down", timeout=180, check=False)
+
+
+@pytest.fixture
+def fail_node(slurm_cluster):
+    """fail_node("node2") crashes a node now (every process SIGKILLed, no --wait); recovered after the test."""
+    failed = []
+
+    def _fail(node, mode="crash"):
+        _cluster("fail", node, mode, timeout=60)
+        failed.append(node)
+
+    yield _fail
+    for n in failed:
+        _cluster("recover", n, timeout=120, check=False)
+
+
+@pytest.fixture(scope="session")
+def reference_digest(tmp_path_factory):
+    """param_digest of the same run (4 + 1, STEPS) without any failure, launched locally (no Slurm)."""
+    from deadpool_hpc.config import RunConfig
+    from deadpool_hpc.launch.local import launch
+
+    s = launch(RunConfig(nodes=4, spares=1, steps=STEPS, run_dir=str(tmp_path_factory.mktemp("ref") / "run")),
+               timeout=240)
+    assert s["completed"], s
+    return s["param_digest"]

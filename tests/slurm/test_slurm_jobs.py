@@ -1,0 +1,174 @@
+"""Hot swap under a real Slurm: sbatch/train.sbatch and the submitit job, 4 active + 1 spare nodes, one node
+crashed mid-run with scripts/slurm-local-cluster.sh (power-loss emulation: every process of the node SIGKILLed).
+
+Each test checks that the job ends COMPLETED in sacct, that the summary records the swap of the crashed host,
+and that the final parameters are bit-identical to a failure-free local run. Kill-to-resume times and the
+phase shares are printed and appended to $DEADPOOL_SLURM_MEASURE (default /tmp/deadpool-slurm-measure.jsonl).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from deadpool_hpc.events import read_events
+
+pytestmark = pytest.mark.slurm
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STEPS = 80        # keep equal to conftest.STEPS (the reference run)
+CRASH_STEP = 25
+TRAIN = os.path.join(ROOT, "sbatch", "train.sbatch")
+VENV = sys.prefix  # the venv running the tests (has deadpool-hpc installed)
+MEASURE = os.environ.get("DEADPOOL_SLURM_MEASURE", "/tmp/deadpool-slurm-measure.jsonl")
+
+
+def _events(run_dir):
+    path = os.path.join(run_dir, "events.jsonl")
+    return list(read_events(path)) if os.path.exists(path) else []
+
+
+def _final_state(job_id, timeout=30):
+    """The job's final state in sacct (the allocation record; --no-kill leaves RESIZING records before it)."""
+    end = time.time() + timeout
+    state = None
+    while time.time() < end:
+        out = subprocess.run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "JobID,State"], capture_output=True,
+                             text=True, timeout=20).stdout
+        rows = [l.split("|") for l in out.splitlines() if l.split("|")[0] == job_id]
+        state = rows[-1][1].split()[0] if rows else None
+        if state not in (None, "RUNNING", "PENDING", "RESIZING", "COMPLETING"):
+            return state
+        time.sleep(1)
+    return state
+
+
+def _crash_when(run_dir, fail_node, pick_node, at_step, deadline, done):
+    """Poll the event log; once some rank logged step >= at_step, crash pick_node(events). Returns (node, t_kill)."""
+    while time.time() < deadline and not done():
+        ev = _events(run_dir)
+        steps = [e["step"] for e in ev if e["event"] == "step"]
+        if steps and max(steps) >= at_step:
+            node = pick_node(ev)
+            t = time.time()
+            fail_node(node)
+            return node, t
+        time.sleep(0.2)
+    raise AssertionError(f"the run never reached step {at_step} (events: {len(_events(run_dir))})")
+
+
+def _measure(label, summary, events, t_kill, extra=None):
+    f = summary["failures"][0]
+    t_resume = max(e["t"] for e in events if e["event"] == "resumed")
+    t_suspect = min(e["t"] for e in events if e["event"] == "suspect")
+    ph = dict(f["phases"], detect=t_suspect - t_kill)  # a real crash has no fault_injected event: measure from the kill
+    total = t_resume - t_kill
+    rec = {"test": label, "kill_to_resume_s": total, "phases_s": ph,
+           "phase_share": {k: (v / total if v is not None and total > 0 else None) for k, v in ph.items()},
+           "failed_hosts": f.get("failed_hosts"), "job": summary.get("slurm_job_id"), **(extra or {})}
+    print(f"\n[measure] {json.dumps(rec)}")
+    with open(MEASURE, "a") as fh:
+        fh.write(json.dumps(rec) + "\n")
+    return rec
+
+
+def _sbatch_with_crash(tmp_path, fail_node, pick_node, label, spares=1, wait_s=150):
+    run_dir = str(tmp_path / "run")
+    job = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", f"--nodes={4 + spares}",
+                          f"--export=ALL,NODES=4,SPARES={spares},STEPS={STEPS},RUN_DIR={run_dir},VENV={VENV}", TRAIN],
+                         capture_output=True, text=True, timeout=60, check=True).stdout.strip().split(";")[0]
+
+    def gone():
+        return not subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True, timeout=20).stdout.strip()
+
+    node, t_kill = _crash_when(run_dir, fail_node, pick_node, CRASH_STEP, time.time() + 150, gone)
+    end = time.time() + wait_s
+    while time.time() < end and not gone():
+        time.sleep(0.5)
+    state = _final_state(job)
+    out = "".join(open(p).read() for p in [str(tmp_path / f"deadpool-{job}.out")] if os.path.exists(p))
+    assert os.path.exists(os.path.join(run_dir, "summary.json")), f"no summary.json; job {job} {state}\n{out}"
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    return job, state, summary, node, t_kill, run_dir, out
+
+
+def _check(state, summary, node, reference_digest, out):
+    assert state == "COMPLETED", f"sacct state {state}\n{out}"
+    assert summary["completed"] and summary["steps_completed"] == STEPS, summary
+    assert summary["swaps"] == 1 and len(summary["failures"]) == 1, summary["failures"]
+    assert summary["failures"][0]["failed_hosts"] == [node], summary["failures"]
+    assert summary["param_digest"] == reference_digest, "parameters differ from the failure-free run"
+
+
+def test_sbatch_survives_node_crash(tmp_path, fail_node, reference_digest):
+    """(a) node2 (MPI rank 1, not the batch host) dies at step 25: the spare takes its place."""
+    job, state, s, node, t_kill, run_dir, out = _sbatch_with_crash(tmp_path, fail_node, lambda ev: "node2", "a")
+    _check(state, s, node, reference_digest, out)
+    assert "finished_by" not in s  # the batch script itself wrote the summary
+    _measure("sbatch-node2", s, _events(run_dir), t_kill)
+
+
+def test_sbatch_survives_crash_of_rank0_and_batch_host(tmp_path, fail_node, reference_digest):
+    """(b) the node of MPI rank 0, which is also the batch host (srun puts task 0 on the first node): the batch
+    script and srun die with it; the survivors train on, and the last task writes the summary and completes the
+    job (deadpool_hpc.launch.slurm.finish_headless)."""
+    def rank0_host(ev):
+        return next(e["host"] for e in ev if e["event"] == "hello" and e["mpi_rank"] == 0)
+
+    job, state, s, node, t_kill, run_dir, out = _sbatch_with_crash(tmp_path, fail_node, rank0_host, "b")
+    assert node == "node1"  # rank 0 ran on the first node of the allocation, which is the batch host
+    _check(state, s, node, reference_digest, out)
+    assert "batch host dead" in s.get("finished_by", ""), s.get("finished_by")
+    _measure("sbatch-rank0-batchhost", s, _events(run_dir), t_kill)
+
+
+def test_sbatch_without_spare_checkpoints_requeues_and_resumes(tmp_path, fail_node, reference_digest):
+    """(d) 4 active nodes, no spare: node2 dies; the ranks save a checkpoint of the cut step, the batch script
+    requeues the job, and the requeued job (on the 4 nodes left) resumes from it and completes."""
+    job, state, s, node, t_kill, run_dir, out = _sbatch_with_crash(tmp_path, fail_node, lambda ev: "node2", "d",
+                                                                   spares=0, wait_s=300)
+    assert state == "COMPLETED", f"sacct state {state}\n{out}"
+    assert s["completed"] and s["steps_completed"] == STEPS, s
+    assert s["requeues"] == 1 and s["swaps"] == 0, s
+    f = s["failures"][0]
+    assert f["requeued"] and f["failed_hosts"] == ["node2"], f
+    ev = _events(run_dir)
+    saved = [e for e in ev if e["event"] == "checkpoint_saved"]
+    resumed = [e for e in ev if e["event"] == "resumed_from_checkpoint"]
+    assert len(saved) == 1 and len(resumed) == 4 and {e["step"] for e in resumed} == {saved[0]["step"]}
+    assert "node2" not in {e["host"] for e in ev if e["event"] == "hello" and e["t"] > saved[0]["t"]}
+    assert s["param_digest"] == reference_digest, "parameters differ from the failure-free run"
+    t_first = min(e["t"] for e in ev if e["event"] == "step" and e["t"] > saved[0]["t"])
+    print(f"\n[measure] requeue: kill -> first step of the requeued job {t_first - t_kill:.1f} s")
+
+
+def test_submitit_survives_node_crash(tmp_path, fail_node, reference_digest):
+    """(c) the same run through submitit (HotSwapJob + executor()): node3 crashed at step 25."""
+    from deadpool_hpc.config import RunConfig
+    from deadpool_hpc.launch.submitit_job import HotSwapJob, executor
+
+    run_dir = str(tmp_path / "run")
+    cfg = RunConfig(nodes=4, spares=1, steps=STEPS, run_dir=run_dir)
+    ex = executor(str(tmp_path / "submitit"), cfg, timeout_min=10, slurm_partition="debug")
+    job = ex.submit(HotSwapJob(cfg))
+    try:
+        node, t_kill = _crash_when(run_dir, fail_node, lambda ev: "node3", CRASH_STEP, time.time() + 90, job.done)
+    except AssertionError:
+        errs = [e.get("error") for e in _events(run_dir) if e["event"] == "error"]
+        job.cancel(check=False)
+        logs = "".join(open(p).read()[-600:] for p in (tmp_path / "submitit").glob("*_0_log.err"))
+        if "MPIDI_UCX_comm_addr_exchange" in logs or not _events(run_dir):
+            pytest.xfail("MPI_Init failed/hung under submitit's srun (slurmd: 'mpi/pmi2: value not properly "
+                         "terminated in client request'); intermittent, see docs/slurm.md")
+        raise AssertionError(f"run did not reach step {CRASH_STEP}: {errs}\n{logs}")
+    end = time.time() + 180
+    while not job.done() and time.time() < end:  # submitit's result() has no timeout
+        time.sleep(1)
+    assert job.done(), f"submitit job {job.job_id} still running 180 s after the crash"
+    s = job.task(0).result()
+    state = _final_state(job.job_id)
+    _check(state, s, node, reference_digest, "")
+    _measure("submitit-node3", s, _events(run_dir), t_kill)
