@@ -115,10 +115,10 @@ class RunConfig:
         for f in self.faults:
             if f.target_kind == "node":
                 need(f.index < self.total_nodes,
-                     f"{f}: unknown kill target node{f.index}; this layout has node0..node{self.total_nodes - 1}")
+                     f"{f}: unknown fault target node{f.index}; this layout has node0..node{self.total_nodes - 1}")
             else:
                 need(f.index < self.world_size,
-                     f"{f}: unknown kill target rank{f.index}; this layout has rank0..rank{self.world_size - 1}")
+                     f"{f}: unknown fault target rank{f.index}; this layout has rank0..rank{self.world_size - 1}")
             need(f.step < self.steps, f"{f}: step {f.step} is past --steps {self.steps}; accepted: 0..{self.steps - 1}")
         need(self.spares == 0 or self.nodes >= 2,
              f"--nodes {self.nodes} with --spares {self.spares}: a rank's replica lives on another active node, "

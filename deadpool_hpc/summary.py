@@ -25,17 +25,20 @@ def build_summary(events: list[dict], config=None) -> dict:
     fin = by["finished"][-1] if by["finished"] else {}
     faults = sorted(by["fault_injected"], key=lambda e: e["t"])
     failures = []
+    prev_t = 0.0
     for d in sorted(by["decision"], key=lambda e: e["generation"]):
         g = d["generation"]
-        fault = next((f for f in faults if f.get("generation") == g - 1), None)
+        # the fault behind this decision: the last one injected since the previous decision
+        fault = next((f for f in reversed(faults) if prev_t < f["t"] < d["t_decided"]), None)
+        prev_t = d["t_decided"]
         sus = [e["t"] for e in by["suspect"] if e.get("generation") == g - 1]
         rec = [e for e in by["recovered"] if e.get("generation") == g]
         res = [e["t"] for e in by["resumed"] if e.get("generation") == g]
         t_detect = min(sus) if sus else d["t_decided"]
         t0 = fault["t"] if fault else t_detect
         t_agree = max([e["t_agreed"] for e in rec], default=d["t_decided"])
-        t_rebuild = max([e["t_rebuilt"] for e in rec], default=t_agree)
-        t_restore = max([e["t_restored"] for e in rec], default=t_rebuild)
+        t_rebuild = max([e["t_rebuilt"] for e in rec], default=None)
+        t_restore = max([e["t_restored"] for e in rec], default=None)
         t_resume = max(res, default=None)
         requeued = bool(d.get("exhausted"))
         if requeued:  # no spare: checkpoint, requeue, resume; "resumed" = first step of the new attempt
@@ -43,13 +46,11 @@ def build_summary(events: list[dict], config=None) -> dict:
             t_resume = min(later, default=None)
             rec = [e for e in by["resumed_from_checkpoint"] if e.get("generation") == g + 1]
             t_rebuild = t_restore = max([e["t"] for e in rec], default=t_agree)
-        phases = {
-            "detect": t_detect - t0,
-            "agree": t_agree - t_detect,
-            "rebuild": t_rebuild - t_agree,
-            "restore": t_restore - t_rebuild,
-            "recompute": (t_resume - t_restore) if t_resume is not None else None,
-        }
+        def span(a, b):
+            return (b - a) if a is not None and b is not None else None
+
+        phases = {"detect": span(t0, t_detect), "agree": span(t_detect, t_agree), "rebuild": span(t_agree, t_rebuild),
+                  "restore": span(t_rebuild, t_restore), "recompute": span(t_restore, t_resume)}
         failures.append({
             "kind": fault["kind"] if fault else "detected",
             "target": fault["target"] if fault else ",".join(f"node{n}" for n in d["failed_nodes"]),

@@ -18,8 +18,8 @@ def test_parse_fault():
     (dict(nodes=0), "--nodes 0"),
     (dict(spares=-1), "--spares -1"),
     (dict(steps=0), "--steps 0"),
-    (dict(faults=[Fault("kill", "node", 7, 10)]), "unknown kill target node7"),
-    (dict(faults=[Fault("kill", "rank", 3, 10)]), "unknown kill target rank3"),
+    (dict(faults=[Fault("kill", "node", 7, 10)]), "unknown fault target node7"),
+    (dict(faults=[Fault("kill", "rank", 3, 10)]), "unknown fault target rank3"),
     (dict(faults=[Fault("kill", "node", 1, 200)]), "past --steps"),
     (dict(spares=1, faults=[Fault("kill", "node", 1, 10), Fault("kill", "node", 2, 20)]), "only 1 spare"),
     (dict(nodes=1, spares=1), "at least 2 active nodes"),
@@ -36,7 +36,7 @@ def test_json_roundtrip():
 
 @pytest.mark.parametrize("args, needle", [
     (["--nodes", "0"], "--nodes 0"),
-    (["--kill", "node9@10"], "unknown kill target node9"),
+    (["--kill", "node9@10"], "unknown fault target node9"),
     (["--kill", "node1@500"], "past --steps"),
     (["--kill", "node1@10", "--kill", "node2@20"], "only 1 spare"),
 ])

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from deadpool_hpc.config import Fault, RunConfig
-from deadpool_hpc.control.fence import _start_ticks
+from deadpool_hpc.control.fence import _start_ticks, is_alive
 from deadpool_hpc.events import read_events
 from deadpool_hpc.launch.local import launch
 
@@ -22,7 +22,7 @@ def run(tmp_path, name, **kw):
     # whatever happened, no worker of this run may be left behind
     for e in read_events(os.path.join(cfg.run_dir, "events.jsonl")):
         if e["event"] == "hello":
-            assert _start_ticks(e["pid"]) != e["start"], f"worker pid {e['pid']} outlived the run"
+            assert not is_alive(e), f"worker pid {e['pid']} outlived the run"
     return summary
 
 
@@ -65,7 +65,8 @@ def test_hung_rank_is_detected_and_fenced(tmp_path, baseline):
     events = list(read_events(os.path.join(str(tmp_path / "hang2"), "events.jsonl")))
     inj = next(e for e in events if e["event"] == "fault_injected")
     assert inj["signal"] == "SIGSTOP"
-    assert all(_start_ticks(p) == -1 for p in inj["pids"]), "the hung process must be fenced (killed)"
+    assert not any(is_alive({"pid": p, "start": _start_ticks(p)}) for p in inj["pids"]), \
+        "the hung process must be fenced (killed)"
 
 
 def test_summary_file_written_by_cli(tmp_path):
@@ -106,3 +107,20 @@ def test_two_ranks_per_node_a_dead_rank_costs_its_whole_node(tmp_path):
     f = s["failures"][0]
     assert f["failed_nodes"] == [0] and f["promoted"] == {"0": 4, "1": 5}  # spare node 2 = MPI ranks 4, 5
     assert s["param_digest"] == base["param_digest"]
+
+
+def test_several_faults_one_run_two_spares_and_a_fault_on_a_spare(tmp_path, baseline):
+    s = run(tmp_path, "multi", spares=3, faults=[Fault("kill", "node", 4, 5),    # a spare: cannot fire, skipped
+                                                 Fault("kill", "node", 1, 10), Fault("hang", "rank", 2, 25)])
+    assert s["completed"] and s["steps_completed"] == STEPS, s
+    assert [f["target"] for f in s["failures"]] == ["node1", "rank2"] and s["swaps"] == 2 and s["spares_left"] == 1
+    assert all(f["recomputed_steps"] <= 1 for f in s["failures"])
+    events = list(read_events(os.path.join(str(tmp_path / "multi"), "events.jsonl")))
+    assert [e["target"] for e in events if e["event"] == "fault_skipped"] == ["node4"]
+    assert s["param_digest"] == baseline["param_digest"]
+
+
+def test_kill_at_the_first_step(tmp_path, baseline):
+    s = run(tmp_path, "first", faults=[Fault("kill", "node", 2, 0)])
+    check_recovered(s, baseline, "node2")
+    assert s["failures"][0]["cut_step"] == 0

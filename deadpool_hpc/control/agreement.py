@@ -91,4 +91,5 @@ def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare
         "members": members,
         "cut_step": cut,
         "recomputed_steps": max(0, done - cut),
+        "high_water": done,
     }

@@ -30,6 +30,16 @@ def _start_ticks(pid: int) -> int:
         return -1
 
 
+def is_alive(ident: dict) -> bool:
+    """True if the process described by ``ident`` (pid + start time) still runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{int(ident['pid'])}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError, KeyError, ValueError):
+        return False
+    return fields[0] not in ("Z", "X") and int(fields[19]) == ident.get("start")
+
+
 def fence(ident: dict) -> bool:
     """SIGKILL the process described by ``ident`` if it runs on this kernel. True if a signal was sent."""
     mine = identity()

@@ -253,6 +253,7 @@ class ControlPlane:
         self._check_agreement(decision)
         self.generation = g
         self.agent.generation = g
+        self.first_suspicion = None
         self.agent.failure.clear()
         # a suspicion raised after the decision belongs to the next generation
         if any(self.agent.is_suspected(m) for m in self.members):

@@ -43,6 +43,10 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(a) -> RunConfig:
+    import os
+
+    if a.summary and not os.path.isdir(os.path.dirname(os.path.abspath(a.summary))):
+        raise ConfigError(f"--summary {a.summary!r}: its directory does not exist")
     faults = [parse_fault("kill", s) for s in a.kill] + [parse_fault("hang", s) for s in a.hang]
     return RunConfig(nodes=a.nodes, spares=a.spares, ranks_per_node=a.ranks_per_node, steps=a.steps, faults=faults,
                      batch_size=a.batch_size, context=a.context, lr=a.lr, seed=a.seed,
@@ -61,8 +65,12 @@ def cmd_run(a) -> int:
     console = Console()
     console.print(f"[bold]deadpool run[/]: {cfg.nodes} nodes x {cfg.ranks_per_node} ranks + {cfg.spares} spare node(s), "
                   f"{cfg.steps} steps, faults: {', '.join(map(str, cfg.faults)) or 'none'}; run dir {cfg.run_dir}")
-    with LiveView(cfg, console) as view:
-        summary = launch(cfg, on_poll=view.update)
+    try:
+        with LiveView(cfg, console) as view:
+            summary = launch(cfg, on_poll=view.update)
+    except KeyboardInterrupt:
+        console.print(f"\ninterrupted: every process of the run was stopped; events so far in {cfg.run_dir}/events.jsonl")
+        return 130
     print_summary(summary, console)
     if cfg.summary_path:
         with open(cfg.summary_path, "w") as fh:

@@ -47,10 +47,11 @@ class LiveView:
                 self.t_fault = e["t"]
                 self._detected = False
                 self.roles[e["node"]] = "dead" if e["kind"] == "kill" else "hung"
-                self._note(f"step {e['step']}: {e['signal']} -> {e['target']} (node{e['node']}, pids {e['pids']})", "bold red")
+                where = "" if e["target"] == f"node{e['node']}" else f" on node{e['node']}"
+                self._note(f"step {e['step']}: {e['signal']} -> {e['target']}{where} (pids {e['pids']})", "bold red")
             elif kind == "suspect" and self.t_fault is not None and not self._detected:
                 self._detected = True
-                self._note(f"  detected: node{e['node']} suspected by rank {e.get('mpi_rank')} "
+                self._note(f"  detected: node{e['node']} suspected by MPI rank {e.get('mpi_rank')} "
                            f"(+{e['t'] - self.t_fault:.2f} s)", "yellow")
             elif kind == "decision":
                 for n in e["failed_nodes"]:
@@ -76,7 +77,9 @@ class LiveView:
                 base = self.t_fault or e["t"]
                 self._note(f"  resumed from the checkpoint at step {e['step']} (+{e['t'] - base:.2f} s)", "bold green")
             elif kind == "error":
-                self._note(f"error on rank {e.get('mpi_rank')}: {e['error']}", "bold red")
+                self._note(f"error on MPI rank {e.get('mpi_rank')}: {e['error']}", "bold red")
+            elif kind == "fault_skipped":
+                self._note(f"step {e['step']}: {e['kind']} {e['target']} skipped: {e['reason']}", "yellow")
         self.live.update(self._render())
 
     def _render(self):
@@ -119,7 +122,7 @@ def print_summary(summary: dict, console: Console | None = None) -> None:
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
         for x in summary["failures"]:
             f.add_column(f"{x['kind']} {x['target']} @{x['step']}", justify="right")
-        rows = [("kill -> first step after swap", [fmt(x["recovery_s"]) for x in summary["failures"]])]
+        rows = [("fault -> first step after recovery", [fmt(x["recovery_s"]) for x in summary["failures"]])]
         rows += [(f"  {p}", [fmt(x["phases"][p]) for x in summary["failures"]]) for p in PHASES]
         rows += [("cut step", [str(x["cut_step"]) for x in summary["failures"]]),
                  ("steps recomputed", [str(x["recomputed_steps"]) for x in summary["failures"]]),
@@ -131,4 +134,4 @@ def print_summary(summary: dict, console: Console | None = None) -> None:
         console.print(f)
     console.print(f"param_digest {summary['param_digest']}", soft_wrap=True)
     for err in summary.get("errors") or []:
-        console.print(f"[bold red]error:[/] {err}")
+        console.print(Text.assemble(("error: ", "bold red"), str(err)))

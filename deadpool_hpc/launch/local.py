@@ -21,7 +21,7 @@ import sys
 import time
 
 from ..config import RunConfig
-from ..control.fence import fence
+from ..control.fence import fence, is_alive
 from ..events import EventLog, EventTail, read_events
 from ..replica import persist
 from ..summary import build_summary
@@ -89,7 +89,7 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
     events = list(read_events(events_path)) if os.path.exists(events_path) else []
     summary = build_summary(events, cfg)
     summary["run_dir"] = run_dir
-    summary["launcher_rc"] = rc
+    summary["mpiexec_rc"] = rc  # non-zero whenever a rank was killed; "completed" says how the run went
     return summary
 
 
@@ -131,6 +131,9 @@ def _reap_workers(events_path: str) -> None:
     """Kill any worker of this run still alive (identified by pid + start time from its hello)."""
     if not os.path.exists(events_path):
         return
-    for e in read_events(events_path):
-        if e.get("event") == "hello":
-            fence(e)
+    hellos = [e for e in read_events(events_path) if e.get("event") == "hello"]
+    for e in hellos:
+        fence(e)
+    end = time.monotonic() + 5.0
+    while time.monotonic() < end and any(is_alive(e) for e in hellos):
+        time.sleep(0.05)

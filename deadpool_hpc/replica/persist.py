@@ -40,13 +40,14 @@ def save_shard(root: str, step: int, rank: int, tensors: list[torch.Tensor], rng
                 {"step": step, "rank": rank, "crc": _payload_crc([state[n] for n in NAMES])})
 
 
-def commit(root: str, step: int, world_size: int, generation: int) -> None:
+def commit(root: str, step: int, world_size: int, generation: int, high_water: int = -1) -> None:
     """Mark ``step`` complete. Raises ReplicaError if any rank's shard is missing."""
     d = os.path.join(root, f"step{step}")
     missing = [r for r in range(world_size) if not os.path.exists(os.path.join(d, f"rank{r}.json"))]
     if missing:
         raise ReplicaError(f"checkpoint step {step} lacks the shards of ranks {missing}; not committed")
-    _write_json(os.path.join(root, "LATEST"), {"step": step, "world_size": world_size, "generation": generation})
+    _write_json(os.path.join(root, "LATEST"), {"step": step, "world_size": world_size, "generation": generation,
+                                               "high_water": high_water})
 
 
 def latest(root: str) -> dict | None:

@@ -141,22 +141,22 @@ class Replicator:
             self.cv.notify_all()
 
     # ---- restore transfers (main thread, while paused; MPI runs in the agent thread) ---------
-    def send_held(self, dest: int, step: int, failure, timeout: float = 60.0) -> None:
-        """Send the verified held replica of ``step`` to ``dest`` (a promoted spare)."""
+    def send_held(self, dest: int, step: int, generation: int, timeout: float = 60.0) -> None:
+        """Send the verified held replica of ``step`` to ``dest`` (a promoted spare), tagged with the new
+        ``generation`` (the receiver has never been configured, so only the decision's number is shared)."""
         slot = self.held.get(step)
         hdr = self._header(self.held_rank, step, slot.crc)
-        g = self.generation
+        g = generation
         reqs = self.agent.call(lambda: [self.comm.Isend(hdr, dest=dest, tag=tag(RHDR, g)),
                                         self.comm.Isend(slot.buf, dest=dest, tag=tag(RDATA, g))])
         self._wait(reqs, dest, timeout)
 
-    def recv_restore(self, src: int, rank: int, step: int, failure, timeout: float = 60.0):
-        """Receive ``rank``'s replica of ``step`` from ``src`` into an own slot and verify it.
-
-        Returns the slot. Raises ReplicaError if the step, rank, size or CRC-32 do not match,
-        PeerFailure if ``src`` fails first.
+    def recv_restore(self, src: int, rank: int, step: int, generation: int, timeout: float = 60.0):
+        """Receive ``rank``'s replica of ``step`` from ``src`` (tagged with ``generation``) into an own
+        slot and verify it. Returns the slot. Raises ReplicaError if the step, rank, size or CRC-32 do
+        not match, PeerFailure if ``src`` fails first.
         """
-        g, MPI = self.generation, self.MPI
+        g, MPI = generation, self.MPI
         hbuf = np.empty(_HDR_BYTES, dtype=np.uint8)
         st = MPI.Status()
         req = self.agent.call(lambda: self.comm.Irecv(hbuf, source=src, tag=tag(RHDR, g)))

@@ -49,13 +49,15 @@ class Context:
         self._recovery: dict | None = None
         self.exit_code = 0
         self._faults = fault_injection.ordered(cfg.faults)
+        self._high_water = -1  # the highest step any rank had reached when the last recovery agreed
         self._t0 = time.time()
         addr = json.dumps(groups.host_store()) if control.me == 0 else None
         self._store0 = json.loads(control.bcast_text(addr, root=0))
         self.checkpoint_dir = os.path.join(cfg.run_dir, "checkpoint")
         self._resume = persist.latest(self.checkpoint_dir)
-        if self._resume is not None:  # a requeued job: carry on the generation count (faults fire once)
+        if self._resume is not None:  # a requeued job: carry on the generation count and the high-water step
             control.generation = control.agent.generation = self._resume["generation"] + 1
+            self._high_water = self._resume.get("high_water", -1)
         control.start()  # from here on only the agent thread calls MPI
 
     # ---- what the training function uses ---------------------------------------------------
@@ -97,6 +99,8 @@ class Context:
                 self._load_checkpoint(self._resume)
             self._configure_replicas()
             self._snapshot()
+            if self.config.replicate:
+                self.replicator.wait_committed(self.step, self.cp.failure)  # a fault at the first step needs it
             self.log.emit("started", rank=self.rank, generation=self.generation, world_size=self.world_size,
                           step=self.step)
         self._loop(step_fn)
@@ -117,8 +121,10 @@ class Context:
 
     def _one_step(self, step_fn) -> None:
         s = self.step
-        fault_injection.maybe_inject(self._faults, step=s, generation=self.generation, train_rank=self.rank,
-                                     mpi_rank=self.cp.me, ranks_per_node=self.cp.P, idents=self.cp.idents, log=self.log)
+        if s > self._high_water:  # faults fire on the first pass through their step, never on a recomputation
+            fault_injection.maybe_inject(self._faults, step=s, train_rank=self.rank, mpi_rank=self.cp.me,
+                                         ranks_per_node=self.cp.P, assignment=self.cp.assignment,
+                                         idents=self.cp.idents, log=self.log)
         t = time.perf_counter()
         metrics = step_fn(s) or {}
         dt = time.perf_counter() - t
@@ -177,6 +183,7 @@ class Context:
         was_rank = self.rank
         decision = self.cp.recover(report, self.groups.host_store)
         t_agreed = time.time()
+        self._high_water = max(self._high_water, decision["high_water"])
         if self.cp.me == decision["coordinator"]:
             self.log.emit("decision", generation=decision["generation"], failed_nodes=decision["failed_nodes"],
                           promoted=decision["promoted"], cut_step=decision["cut_step"],
@@ -205,10 +212,10 @@ class Context:
         rep = self.replicator
         for r, src in decision["sources"].items():  # holders send promoted ranks their replica
             if src == self.cp.me:
-                rep.send_held(decision["assignment"][int(r)], cut, self.cp.failure)
+                rep.send_held(decision["assignment"][int(r)], cut, decision["generation"])
         self.opt.bind(self.rank, self.cp.failure)
         if was_rank is None:
-            slot = rep.recv_restore(decision["sources"][str(self.rank)], self.rank, cut, self.cp.failure)
+            slot = rep.recv_restore(decision["sources"][str(self.rank)], self.rank, cut, decision["generation"])
         else:
             slot = rep.own.get(cut)
         rng = rep.layout.read(slot, self.opt.state_tensors())
@@ -233,7 +240,7 @@ class Context:
             persist.save_shard(self.checkpoint_dir, cut, r, shard, rng)
         self.cp.barrier()
         if self.cp.me == decision["coordinator"]:
-            persist.commit(self.checkpoint_dir, cut, self.world_size, decision["generation"])
+            persist.commit(self.checkpoint_dir, cut, self.world_size, decision["generation"], self._high_water)
             self.log.emit("checkpoint_saved", step=cut, generation=decision["generation"],
                           path=self.checkpoint_dir, reason="no spare node left")
         self.exit_code = 75  # EX_TEMPFAIL: requeue me
