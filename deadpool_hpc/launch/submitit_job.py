@@ -36,7 +36,7 @@ import secrets
 import time
 
 from ..config import RunConfig
-from . import slurm
+from . import slurm, slurm_job
 
 
 def srun_args(mpi: str = "pmi2") -> list[str]:
@@ -96,12 +96,12 @@ class HotSwapJob:
                 fh.write(f"{job_id}\n")
         env = dict(os.environ, DEADPOOL_JOB_SECRET=self.job_secret(job_id), OMP_NUM_THREADS="1",
                    MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        rc = slurm.run_worker(self.run_dir, env)
-        slurm.mark_exited(self.run_dir, rc)
+        rc = slurm_job.run_worker(self.run_dir, env)
+        slurm_job.mark_exited(self.run_dir, rc)
         if rank != 0:
             return rc
         end = time.monotonic() + self.wait_survivors_s
-        while time.monotonic() < end and not slurm.expected_survivors(self.run_dir) <= slurm.exited_tasks(self.run_dir):
+        while time.monotonic() < end and not slurm_job.expected_survivors(self.run_dir) <= slurm_job.exited_tasks(self.run_dir):
             time.sleep(0.5)
         summary = slurm.write_summary(self.run_dir, extra={"launcher": "submitit", "worker_rc": rc})
         return summary

@@ -114,7 +114,7 @@ def test_sbatch_survives_node_crash(tmp_path, fail_node, reference_digest):
 def test_sbatch_survives_crash_of_rank0_and_batch_host(tmp_path, fail_node, reference_digest):
     """(b) the node of MPI rank 0, which is also the batch host (srun puts task 0 on the first node): the batch
     script and srun die with it; the survivors train on, and the last task writes the summary and completes the
-    job (deadpool_hpc.launch.slurm.finish_headless)."""
+    job (deadpool_hpc.launch.slurm_job.finish_headless)."""
     def rank0_host(ev):
         return next(e["host"] for e in ev if e["event"] == "hello" and e["mpi_rank"] == 0)
 
