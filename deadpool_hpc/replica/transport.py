@@ -65,6 +65,7 @@ class Replicator:
         self._recv = None
         self._acks: list = []
         self._graveyard: list = []
+        self._landing = None      # receive buffer of the next replica (verified before it is copied in)
         self._busy_local = False
         self._paused = True
         self._stop = False
@@ -110,8 +111,8 @@ class Replicator:
     def quiesce(self) -> None:
         """Pause: finish the local copy in progress (a memcpy, it cannot hang), then abandon every
         transfer in flight and drop queued jobs. Abandoned buffers are kept alive (MPI may still
-        touch them) and a held slot that was being received is replaced, so no partial copy is
-        ever reported. Per-generation tags keep abandoned operations from matching later ones."""
+        touch them); held slots are only written after verification, so no partial copy is ever
+        reported. Per-generation tags keep abandoned operations from matching later ones."""
         with self.cv:
             self._paused = True
             self.jobs.clear()
@@ -123,8 +124,6 @@ class Replicator:
                 self._graveyard.append(self._send)
                 self._send = None
             if self._recv is not None:
-                if self._recv.get("slot") is not None:
-                    self.held.replace(self._recv["slot"])
                 self._graveyard.append(self._recv)
                 self._recv = None
 
@@ -232,18 +231,18 @@ class Replicator:
                     slot, self._to_send = self._to_send, None
                     self._start_send(slot)
                 self._progress_send()
-            except Exception:  # MPI error: the holder is gone; the agent suspects it
+            except Exception as exc:  # MPI error: the holder is gone; the agent suspects it
+                self.log.emit("replica_transfer_abandoned", peer=self.holder, error=f"{type(exc).__name__}: {exc}"[:300])
                 self._graveyard.append(self._send)
                 self._send = None
             try:
                 self._progress_recv()
-            except Exception:
-                if self._recv is not None and self._recv.get("slot") is not None:
-                    self.held.replace(self._recv["slot"])
+            except Exception as exc:
+                self.log.emit("replica_transfer_abandoned", peer=self.source, error=f"{type(exc).__name__}: {exc}"[:300])
                 self._graveyard.append(self._recv)
                 self._recv = None
             self.cv.notify_all()
-            return self._send is not None or (self._recv is not None and self._recv.get("slot") is not None)
+            return self._send is not None or (self._recv is not None and self._recv["hdr"] is not None)
 
     def _start_send(self, slot) -> None:
         g = self.generation
@@ -261,7 +260,7 @@ class Replicator:
         s = self._send
         if s is None:
             return
-        s["reqs"] = [r for r in s["reqs"] if not r.Test()]
+        s["reqs"] = [r for r in s["reqs"] if not _spin(r)]
         if not s["reqs"] and s["ack"].Test(s["status"]):
             body = self._parse_header(s["ackbuf"], s["status"].Get_count(self.MPI.BYTE))
             if body.get("step") == s["step"] and body.get("ok"):
@@ -275,44 +274,57 @@ class Replicator:
             self._send = None  # abandoned: the holder is gone
 
     def _progress_recv(self) -> None:
+        """Receive the next replica into a landing buffer (both receives posted at once, so the eager
+        fragments land in place, not in MPI's unexpected queue); verify it, then copy it into the held
+        slot that does not hold the newest verified copy. A held slot is never partially written."""
         if self.source is None:
             return
         MPI, g = self.MPI, self.generation
         r = self._recv
         if self.is_suspected(self.source):
             if r is not None:
-                if r["slot"] is not None:
-                    self.held.replace(r["slot"])
-                self._graveyard.append(r)
+                self._graveyard.append(r)  # its landing buffer goes with it: MPI may still write there
             self._recv = None
             self.source = None
             return
         if r is None:
-            buf = np.empty(_HDR_BYTES, dtype=np.uint8)
-            self._recv = r = {"hbuf": buf, "status": MPI.Status(), "slot": None,
-                              "req": self.comm.Irecv(buf, source=self.source, tag=tag(HDR, g))}
-        if r["slot"] is None:
-            if not r["req"].Test(r["status"]):
+            hbuf = np.empty(_HDR_BYTES, dtype=np.uint8)
+            land, self._landing = (self._landing if self._landing is not None
+                                   else np.empty(self.layout.nbytes, dtype=np.uint8)), None
+            self._recv = r = {"hbuf": hbuf, "status": MPI.Status(), "land": land, "hdr": None,
+                              "hreq": self.comm.Irecv(hbuf, source=self.source, tag=tag(HDR, g)),
+                              "dreq": self.comm.Irecv(land, source=self.source, tag=tag(DATA, g))}
+        if r["hdr"] is None:
+            if not r["hreq"].Test(r["status"]):
                 return
             r["hdr"] = self._parse_header(r["hbuf"], r["status"].Get_count(MPI.BYTE))
-            r["slot"] = self.held.begin()
-            r["req"] = self.comm.Irecv(r["slot"].buf, source=self.source, tag=tag(DATA, g))
-        if not r["req"].Test():
+        if not _spin(r["dreq"]):
             return
-        hdr, slot = r["hdr"], r["slot"]
+        hdr, land = r["hdr"], r["land"]
         ok, reason = True, ""
         if hdr["nbytes"] != self.layout.nbytes or hdr["rank"] != self.held_rank:
             ok, reason = False, (f"rank {hdr['rank']} / {hdr['nbytes']} bytes, expected rank {self.held_rank} / "
                                  f"{self.layout.nbytes}")
-        elif checksum(slot.buf) != hdr["crc"]:
+        elif checksum(land) != hdr["crc"]:
             ok, reason = False, "CRC-32 mismatch"
         if ok:
+            slot = self.held.begin()
+            slot.buf[:] = land
             slot.crc, slot.step = hdr["crc"], hdr["step"]
         else:
-            self.held.replace(slot)
             self.log.emit("replica_rejected", step=hdr["step"], source=self.source, reason=reason)
+        self._landing = land
         body = {"step": hdr["step"], "ok": ok, "reason": reason}
         ack = np.frombuffer(wire.encode("ack", body, self.secret), dtype=np.uint8).copy()
         self._acks = [(q, b) for (q, b) in self._acks if not q.Test()]
         self._acks.append((self.comm.Isend(ack, dest=self.source, tag=tag(ACK, g)), ack))
         self._recv = None
+
+
+def _spin(req, tries: int = 64) -> bool:
+    """Test ``req`` a few times in a row: each Test drives MPI's progress engine, which moves the
+    eager fragments of a large message; one Test per agent iteration would stretch a transfer."""
+    for _ in range(tries):
+        if req.Test():
+            return True
+    return False
