@@ -260,7 +260,7 @@ class Replicator:
         s = self._send
         if s is None:
             return
-        s["reqs"] = [r for r in s["reqs"] if not _spin(r)]
+        s["reqs"] = [r for r in s["reqs"] if not r.Test()]
         if not s["reqs"] and s["ack"].Test(s["status"]):
             body = self._parse_header(s["ackbuf"], s["status"].Get_count(self.MPI.BYTE))
             if body.get("step") == s["step"] and body.get("ok"):
