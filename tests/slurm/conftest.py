@@ -2,6 +2,7 @@
 node crashes that are recovered after each test, and the failure-free reference digest.
 
 The cluster needs root and apt (Debian 12); the module is skipped, with the reason, where either is missing.
+They run only with DEADPOOL_SLURM_TESTS=1 (not yet in CI): see docs/slurm.md, "Known problems".
 The session fixture brings the cluster up and always tears it down.
 """
 from __future__ import annotations
@@ -30,6 +31,9 @@ def _cluster(*args, timeout=300, check=True):
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
+    if os.environ.get("DEADPOOL_SLURM_TESTS") != "1":
+        pytest.skip("opt-in (DEADPOOL_SLURM_TESTS=1): MPI_Init of the MPICH wheel over Slurm's pmi2 plugin fails "
+                    "intermittently (slurmd: 'mpi/pmi2: value not properly terminated'), see docs/slurm.md")
     if os.geteuid() != 0:
         pytest.skip("the local Slurm cluster needs root (scripts/slurm-local-cluster.sh up refuses otherwise)")
     if not shutil.which("sbatch") and not shutil.which("apt-get"):
