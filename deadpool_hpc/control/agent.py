@@ -57,7 +57,7 @@ class Agent(threading.Thread):
         self._watch = True
         self._stop = threading.Event()
         self._pending: list = []  # (request, buffer, dest) of sends not yet completed
-        self._hb_req: dict[int, object] = {}
+        self._hb_req: dict[int, list] = {}  # heartbeat sends not yet completed, per peer (hb buffer is never freed)
         now = time.monotonic()
         self._last_seen = {p: now for p in range(self.size) if p != self.me}
         self._rejected = 0
@@ -222,13 +222,14 @@ class Agent(threading.Thread):
                 with self.lock:
                     peers = [p for p in range(self.size) if p != self.me and p not in self.suspected]
                 for p in peers:
-                    prev = self._hb_req.get(p)
-                    if prev is None or self._test(prev, p):
-                        try:
-                            self._hb_req[p] = self.comm.Isend(hb, dest=p, tag=TAG_CONTROL)
-                        except Exception as exc:
-                            self._hb_req.pop(p, None)
-                            self.suspect(p, f"send failed: {str(exc).splitlines()[-1][:120]}")
+                    # a new heartbeat every period, whether or not the previous send has completed:
+                    # gating on completion would silence a live peer whenever a completion is slow
+                    pending = [r for r in self._hb_req.get(p, []) if not self._test(r, p)][-32:]
+                    try:
+                        pending.append(self.comm.Isend(hb, dest=p, tag=TAG_CONTROL))
+                    except Exception as exc:
+                        self.suspect(p, f"send failed: {str(exc).splitlines()[-1][:120]}")
+                    self._hb_req[p] = pending
                 self.reap_sends()
             self._flush_outbox()
             self._run_calls()
