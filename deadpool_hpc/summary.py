@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .events import read_events
 
 
 def build_summary(events: list[dict], config=None) -> dict:
@@ -80,6 +79,3 @@ def build_summary(events: list[dict], config=None) -> dict:
         "errors": [e.get("error") for e in by["error"]],
     }
 
-
-def summarize_file(path: str, config=None) -> dict:
-    return build_summary(list(read_events(path)), config)
