@@ -25,6 +25,7 @@ import numpy as np
 
 from ..errors import JobAborted
 from . import fence as fencing
+from . import pmi_relay
 from .agent import Agent
 from .agreement import decide
 
@@ -39,6 +40,7 @@ def _mpi():
     # cma, a segfault in the next send). Replica payloads are small per rank, so send every
     # message eagerly: a dead sender then leaves a receive that never completes, which we abandon.
     os.environ.setdefault("UCX_RNDV_THRESH", "inf")
+    pmi_relay.install()  # under srun: keeps every PMI-1 request within Slurm's 1024-byte read (pmi_relay.py)
     mpi4py.rc.thread_level = "multiple"
     mpi4py.rc.finalize = False  # survivors exit with os._exit; MPI_Finalize with dead peers may hang
     from mpi4py import MPI
@@ -86,6 +88,7 @@ class ControlPlane:
         self.first_suspicion: float | None = None
         log.emit("hello", mpi_rank=self.me, node=self.me // ranks_per_node, **self.idents[self.me])
         self.agent = Agent(self.ctrl, secret, period, deadline, on_suspect=self._on_suspect)
+        self.agent.on_preempt = self._on_preempt
 
     def start(self) -> None:
         """Start the agent. From here on only the agent thread calls MPI (see agent.py)."""
@@ -140,6 +143,10 @@ class ControlPlane:
         if self.first_suspicion is None:
             self.first_suspicion = t
         self.log.emit("suspect", t=t, generation=self.generation, suspect=rank, node=rank // self.P, reason=reason)
+
+    def _on_preempt(self, source: int) -> None:
+        if source == self.me:  # the processes that got the signal say so; the others just follow
+            self.log.emit("preempt_requested", generation=self.generation)
 
     # ---- inbox ----------------------------------------------------------------------------
     def pump(self, timeout: float = 0.0) -> None:
@@ -230,7 +237,8 @@ class ControlPlane:
         reports = {m: ready[m] for m in alive}
         try:
             decision = decide(generation=g, ranks_per_node=self.P, assignment=self.assignment,
-                              spare_nodes=self.spare_nodes, failed=failed, reports=reports)
+                              spare_nodes=self.spare_nodes, failed=failed, reports=reports,
+                              preempt=self.agent.preempted.is_set())
         except Exception as exc:  # tell everybody, then raise the same error everywhere
             decision = {"generation": g, "error": type(exc).__name__, "message": str(exc), "members": alive}
         else:
@@ -255,8 +263,8 @@ class ControlPlane:
         self.agent.generation = g
         self.first_suspicion = None
         self.agent.failure.clear()
-        # a suspicion raised after the decision belongs to the next generation
-        if any(self.agent.is_suspected(m) for m in self.members):
+        # a suspicion (or a preemption) raised after the decision belongs to the next generation
+        if any(self.agent.is_suspected(m) for m in self.members) or self.agent.preempted.is_set():
             self.agent.failure.set()
         self._ready = {k: v for k, v in self._ready.items() if k > g}
 
