@@ -189,6 +189,7 @@ def watch(run_dir: str, do_drain: bool = True, period: float = 1.0) -> None:
     alive = os.path.join(run_dir, ALIVE_FILE)
     events_path = os.path.join(run_dir, "events.jsonl")
     drained: set[str] = set()
+    t_start = time.time()  # decisions of earlier attempts (a requeued job) were drained by their own watcher
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     while not stop:
@@ -198,10 +199,10 @@ def watch(run_dir: str, do_drain: bool = True, period: float = 1.0) -> None:
             try:
                 events = list(read_events(events_path))
                 P = load_config(run_dir).ranks_per_node
-                hosts = hosts_by_rank(events)
                 for e in events:
-                    if e["event"] != "decision":
+                    if e["event"] != "decision" or e["t"] < t_start:
                         continue
+                    hosts = hosts_by_rank(events, before=e["t"])  # where the ranks ran when it was decided
                     for n in e["failed_nodes"]:
                         for r in range(P):
                             h = hosts.get(n * P + r)
