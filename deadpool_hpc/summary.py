@@ -23,10 +23,21 @@ def build_summary(events: list[dict], config=None) -> dict:
     steps = sorted(by["step"], key=lambda e: (e["step"], e["t"]))
     fin = by["finished"][-1] if by["finished"] else {}
     faults = sorted(by["fault_injected"], key=lambda e: e["t"])
-    failures = []
+    failures, preemptions = [], []
     prev_t = 0.0
     for d in sorted(by["decision"], key=lambda e: e["generation"]):
         g = d["generation"]
+        if d.get("reason") == "preempted":  # Slurm's SIGUSR2: saved at the cut, requeued, resumed
+            later = [e["t"] for e in steps if e.get("generation", 0) > g and e["t"] > d["t_decided"]]
+            asked = [e["t"] for e in by["preempt_requested"] if e.get("generation") == g - 1]
+            saved = [e["t"] for e in by["checkpoint_saved"] if e.get("generation") == g]
+            preemptions.append({"generation": g, "cut_step": d["cut_step"],
+                                "t_signal": min(asked, default=None),
+                                "save_s": (max(saved) - min(asked)) if asked and saved else None,
+                                "resumed": bool(later),
+                                "signal_to_resume_s": (min(later) - min(asked)) if asked and later else None})
+            prev_t = d["t_decided"]
+            continue
         # the fault behind this decision: the last one injected since the previous decision
         fault = next((f for f in reversed(faults) if prev_t < f["t"] < d["t_decided"]), None)
         prev_t = d["t_decided"]
@@ -75,6 +86,7 @@ def build_summary(events: list[dict], config=None) -> dict:
         "swaps": sum(1 for f in failures if f["promoted"]),
         "requeues": len(by["requeued"]),
         "failures": failures,
+        "preemptions": preemptions,
         "bytes_replicated_per_rank_per_step": fin.get("bytes_per_rank_per_step"),
         "errors": [e.get("error") for e in by["error"]],
     }

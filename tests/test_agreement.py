@@ -69,3 +69,17 @@ def test_failed_spare_only_shrinks_the_spare_list():
     d = decide(generation=1, ranks_per_node=1, assignment=[0, 1, 2], spare_nodes=[3, 4], failed={3}, reports=reps)
     assert d["assignment"] == [0, 1, 2] and d["promoted"] == {} and d["spare_nodes"] == [4]
     assert d["cut_step"] == 4 and d["recomputed_steps"] == 0
+
+
+def test_preemption_saves_at_the_newest_common_step_without_promoting():
+    # nobody failed; one rank is a step behind: the cut is the newest step every rank holds
+    reps = reports({0: [11, 12], 1: [10, 11], 2: [11, 12]}, {})
+    reps[3] = {}
+    d = decide(generation=2, ranks_per_node=1, assignment=[0, 1, 2], spare_nodes=[3], failed=set(), reports=reps,
+               preempt=True)
+    assert d["exhausted"] and d["reason"] == "preempted"
+    assert d["promoted"] == {} and d["assignment"] == [0, 1, 2] and d["spare_nodes"] == [3]
+    assert d["cut_step"] == 11 and d["sources"] == {} and d["fenced"] == []
+    assert d["members"] == [0, 1, 2, 3]
+    swap = decide(generation=2, ranks_per_node=1, assignment=[0, 1, 2], spare_nodes=[3], failed=set(), reports=reps)
+    assert not swap["exhausted"] and swap["reason"] == "hot swap"

@@ -99,6 +99,43 @@ def test_no_spare_left_saves_checkpoint_requeues_and_resumes_identically(tmp_pat
     assert s["param_digest"] == baseline["param_digest"]
 
 
+def test_sigusr2_preemption_saves_requeues_and_resumes_identically(tmp_path, baseline):
+    """Slurm's warning before preemption or the time limit is SIGUSR2 (submitit's convention). Here one
+    rank gets it (a real signal) at step 15: every process must save at one agreed step, exit, be
+    requeued by the launcher and finish with the failure-free parameters."""
+    import signal
+    import threading
+    import time
+
+    run_dir = tmp_path / "preempt"
+    out = {}
+    th = threading.Thread(target=lambda: out.update(s=run(tmp_path, "preempt", requeue=True)), daemon=True)
+    th.start()
+    signalled = None
+    while th.is_alive() and signalled is None:
+        time.sleep(0.1)
+        path = run_dir / "events.jsonl"
+        ev = list(read_events(str(path))) if path.exists() else []
+        if max([e["step"] for e in ev if e["event"] == "step"], default=0) >= 15:
+            signalled = next(e for e in ev if e["event"] == "hello" and e["mpi_rank"] == 2)
+            os.kill(signalled["pid"], signal.SIGUSR2)
+    th.join(300)
+    s = out["s"]
+    assert signalled is not None, "the run ended before step 15"
+    assert s["completed"] and s["steps_completed"] == STEPS, s
+    assert s["failures"] == [] and s["requeues"] == 1 and s["swaps"] == 0, s
+    (p,) = s["preemptions"]
+    assert p["resumed"] and p["cut_step"] >= 15, p
+    events = list(read_events(str(run_dir / "events.jsonl")))
+    asked = [e for e in events if e["event"] == "preempt_requested"]
+    assert [e["mpi_rank"] for e in asked] == [2]
+    saved = [e for e in events if e["event"] == "checkpoint_saved"]
+    assert len(saved) == 1 and saved[0]["reason"] == "preempted" and saved[0]["step"] == p["cut_step"]
+    resumed = [e for e in events if e["event"] == "resumed_from_checkpoint"]
+    assert len(resumed) == 3 and {e["step"] for e in resumed} == {p["cut_step"]}
+    assert s["param_digest"] == baseline["param_digest"]
+
+
 def test_two_ranks_per_node_a_dead_rank_costs_its_whole_node(tmp_path):
     kw = dict(nodes=2, ranks_per_node=2, spares=1, steps=24)
     base = run(tmp_path, "p2base", **kw)

@@ -51,6 +51,9 @@ class Agent(threading.Thread):
         self.lock = threading.RLock()
         self.suspected: dict[int, float] = {}
         self.failure = threading.Event()
+        self.preempted = threading.Event()  # the job must save and leave (Slurm's SIGUSR2), see request_preempt
+        self.preempt_signal = False         # set by a signal handler (a plain store: safe there); read by this thread
+        self.on_preempt = None              # on_preempt(source_rank): called from this thread, once
         self.inbox: queue.Queue = queue.Queue()
         self.last_suspicion = 0.0
         self.generation = 0
@@ -146,6 +149,21 @@ class Agent(threading.Thread):
         if notify:
             self.broadcast("suspect", {"ranks": [rank], "reason": reason})
 
+    def request_preempt(self) -> None:
+        """Ask every live process to save a persistent checkpoint and leave (preemption or time limit).
+        Safe to call from a signal handler: it only sets a flag that this thread acts on."""
+        self.preempt_signal = True
+
+    def _preempt(self, source: int) -> None:
+        if self.preempted.is_set():
+            return
+        self.preempted.set()
+        self.failure.set()  # leave the generation: the recovery agreement decides the step to save
+        if source == self.me:
+            self.broadcast("preempt", {})
+        if self.on_preempt is not None:
+            self.on_preempt(source)
+
     def reap_sends(self) -> bool:
         """Drop completed sends (MPI thread only); True when none is queued or in flight."""
         with self.lock:
@@ -231,6 +249,8 @@ class Agent(threading.Thread):
                         self.suspect(p, f"send failed: {str(exc).splitlines()[-1][:120]}")
                     self._hb_req[p] = pending
                 self.reap_sends()
+            if self.preempt_signal and not self.preempted.is_set():
+                self._preempt(self.me)
             self._flush_outbox()
             self._run_calls()
             busy = False
@@ -256,6 +276,9 @@ class Agent(threading.Thread):
         if kind == "suspect":
             for r in body.get("ranks", []):
                 self.suspect(int(r), f"reported by rank {src}: {body.get('reason', '')}", notify=True)
+            return
+        if kind == "preempt":
+            self._preempt(src)
             return
         if kind == "teardown":
             self.failure.set()

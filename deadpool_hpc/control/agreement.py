@@ -29,7 +29,7 @@ def held_by(train_rank: int, ranks_per_node: int, active_nodes: int) -> int:
 
 
 def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare_nodes: list[int],
-           failed: set[int], reports: dict[int, dict]) -> dict:
+           failed: set[int], reports: dict[int, dict], preempt: bool = False) -> dict:
     """Plan the next generation.
 
     assignment[r] = MPI rank holding training rank r; spare_nodes = ids of live spare nodes, in
@@ -38,8 +38,10 @@ def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare
 
     Returns the decision dict (see keys below). When a lost active node finds no spare, the decision
     has ``exhausted`` True, no promotion, and still the cut step and the holder of every lost rank's
-    replica (the job saves a persistent checkpoint at the cut and is requeued). Raises ReplicaError
-    when some rank's state at a common step exists nowhere.
+    replica (the job saves a persistent checkpoint at the cut and is requeued). ``preempt`` (Slurm
+    announced preemption or the time limit with SIGUSR2) makes the decision ``exhausted`` too, with
+    no promotion: save at the cut and requeue. ``reason`` says which: "hot swap", "no spare node
+    left" or "preempted". Raises ReplicaError when some rank's state at a common step exists nowhere.
     """
     P = ranks_per_node
     W = len(assignment)
@@ -50,7 +52,8 @@ def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare
     new_assign = list(assignment)
     promoted: dict[int, int] = {}
     lost = [n for n in failed_nodes if n in active_nodes]
-    exhausted = len(lost) > len(spares)
+    exhausted = preempt or len(lost) > len(spares)
+    reason = "preempted" if preempt else ("no spare node left" if exhausted else "hot swap")
     for node in ([] if exhausted else lost):
         spare = spares.pop(0)
         slot = active_nodes.index(node)
@@ -87,6 +90,7 @@ def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare
         "promoted": {str(k): v for k, v in promoted.items()},
         "sources": {str(k): v for k, v in sources.items()},
         "exhausted": exhausted,
+        "reason": reason,
         "spare_nodes": spares,
         "members": members,
         "cut_step": cut,

@@ -187,7 +187,7 @@ class Context:
         if self.cp.me == decision["coordinator"]:
             self.log.emit("decision", generation=decision["generation"], failed_nodes=decision["failed_nodes"],
                           promoted=decision["promoted"], cut_step=decision["cut_step"],
-                          exhausted=decision.get("exhausted", False),
+                          exhausted=decision.get("exhausted", False), reason=decision.get("reason"),
                           recomputed_steps=decision["recomputed_steps"], store=decision["store"],
                           t_decided=decision["t_decided"], first_suspicion=self.cp.first_suspicion)
         if decision.get("exhausted"):
@@ -223,10 +223,12 @@ class Context:
         torch.set_rng_state(rng)
         self.step = cut
 
-    # ---- no spare left: persistent checkpoint, then requeue -----------------------------------
+    # ---- no spare left, or preempted: persistent checkpoint, then requeue ----------------------
     def _save_checkpoint(self, decision: dict) -> None:
         """Write every shard of the cut step this process holds (its own, and the replicas of lost
-        ranks it holds), wait for all members, and let the coordinator commit LATEST."""
+        ranks it holds), wait for all members, and let the coordinator commit LATEST. Used when a
+        lost node finds no spare and when Slurm announces preemption or the time limit (SIGUSR2):
+        either way the job is requeued and resumes at the cut."""
         cut, rep = decision["cut_step"], self.replicator
         mine = []
         if self.rank is not None and self.cp.me not in decision["fenced"]:
@@ -242,7 +244,7 @@ class Context:
         if self.cp.me == decision["coordinator"]:
             persist.commit(self.checkpoint_dir, cut, self.world_size, decision["generation"], self._high_water)
             self.log.emit("checkpoint_saved", step=cut, generation=decision["generation"],
-                          path=self.checkpoint_dir, reason="no spare node left")
+                          path=self.checkpoint_dir, reason=decision.get("reason", "no spare node left"))
         self.exit_code = 75  # EX_TEMPFAIL: requeue me
 
     def _load_checkpoint(self, meta: dict) -> None:

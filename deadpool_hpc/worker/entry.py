@@ -21,7 +21,22 @@ def load_train_fn(spec: str):
     return getattr(importlib.import_module(mod), fn)
 
 
+_signalled = {"usr2": False, "agent": None}  # SIGUSR2 may come before the control plane exists
+
+
+def _on_sigusr2(_sig, _frame) -> None:
+    """Slurm's warning before preemption or the time limit (``--signal=USR2@SECONDS``, submitit's
+    convention): save a persistent checkpoint at the next agreed step, exit 75, and be requeued.
+    Only stores flags (safe in a signal handler); the control plane's agent thread acts on them."""
+    _signalled["usr2"] = True
+    if _signalled["agent"] is not None:
+        _signalled["agent"].request_preempt()
+
+
 def main(argv=None) -> None:
+    import signal
+
+    signal.signal(signal.SIGUSR2, _on_sigusr2)  # first: USR2's default action would kill the rank
     argv = sys.argv[1:] if argv is None else argv
     run_dir = argv[0]
     import faulthandler
@@ -45,6 +60,9 @@ def main(argv=None) -> None:
     cp = ControlPlane(secret=bytes.fromhex(secret_hex), ranks_per_node=cfg.ranks_per_node, active_nodes=cfg.nodes,
                       period=cfg.heartbeat_period, deadline=cfg.heartbeat_deadline, log=log)
     log.base.update(mpi_rank=cp.me, node=cp.me // cfg.ranks_per_node)
+    _signalled["agent"] = cp.agent
+    if _signalled["usr2"]:
+        cp.agent.request_preempt()
     code = 0
     try:
         ctx = Context(cfg, cp, GenerationGroups("gloo", cfg.collective_timeout), log)
