@@ -22,14 +22,21 @@ ALIVE_STALE_S = 10.0  # the batch host counts as dead when batch.alive has not b
 
 
 # ---- inside the job: the task wrapper, the finisher, the watcher ------------------------------------------------
-def run_worker(run_dir: str, env: dict | None = None) -> int:
-    """Run ``python -m deadpool_hpc.worker.entry RUN_DIR`` as a child, passing on the PMI-2 descriptor that srun
-    gave this task (close_fds would otherwise close it), and forwarding Slurm's signals. Returns its exit code."""
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGCONT, signal.SIGUSR2)
+
+
+def run_worker(run_dir: str, env: dict | None = None, forward_signals=FORWARDED, on_start=None) -> int:
+    """Run ``python -m deadpool_hpc.worker.entry RUN_DIR`` as a child, passing on the PMI descriptor that srun
+    gave this task (close_fds would otherwise close it), and forwarding ``forward_signals`` to it (SIGUSR2 is
+    Slurm's warning before preemption or the time limit: the worker saves a checkpoint and exits 75).
+    ``on_start(proc)`` is called once the child runs. Returns its exit code."""
     env = dict(os.environ if env is None else env)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
     fds = tuple(int(env[k]) for k in ("PMI_FD",) if env.get(k, "").isdigit())
     proc = subprocess.Popen([sys.executable, "-m", "deadpool_hpc.worker.entry", run_dir], env=env, pass_fds=fds)
+    if on_start is not None:
+        on_start(proc)
     old = {}
 
     def forward(sig, _frame):
@@ -38,7 +45,7 @@ def run_worker(run_dir: str, env: dict | None = None) -> int:
         except ProcessLookupError:
             pass
 
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCONT):  # not USR1/2: their default action would kill it
+    for sig in forward_signals:
         old[sig] = signal.signal(sig, forward)
     try:
         return proc.wait()
@@ -51,15 +58,21 @@ def _task_id() -> int:
     return int(os.environ.get("SLURM_PROCID", os.environ.get("PMI_RANK", "0")))
 
 
+def _exited_dir(run_dir: str) -> str:
+    """RUN_DIR/exited/ATTEMPT: one marker per task that has exited, per attempt of the job (a requeued job keeps
+    its id and run directory; Slurm numbers its attempts with SLURM_RESTART_COUNT)."""
+    return os.path.join(run_dir, "exited", os.environ.get("SLURM_RESTART_COUNT", "0"))
+
+
 def mark_exited(run_dir: str, rc: int) -> None:
-    d = os.path.join(run_dir, "exited")
+    d = _exited_dir(run_dir)
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, str(_task_id())), "w") as fh:
         fh.write(f"{rc} {os.uname().nodename} {time.time()}\n")
 
 
 def exited_tasks(run_dir: str) -> set[int]:
-    return {int(os.path.basename(p)) for p in glob.glob(os.path.join(run_dir, "exited", "*"))
+    return {int(os.path.basename(p)) for p in glob.glob(os.path.join(_exited_dir(run_dir), "*"))
             if os.path.basename(p).isdigit()}
 
 

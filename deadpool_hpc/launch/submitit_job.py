@@ -21,11 +21,19 @@ constructed, on the submitting host (RUN_DIR must be on a filesystem the nodes s
 ``DEADPOOL_JOB_SECRET`` = HMAC-SHA256(secret file, Slurm job id), so the secret is never in a pickle or the
 environment of the submitting process, and differs per job.
 
+Preemption and time limit: ``HotSwapJob.checkpoint()`` is submitit's hook. Slurm sends SIGUSR2 to every task
+(submitit asks ``--signal=USR2@90``); the workers catch it, agree on a cut step and save a persistent checkpoint
+with torch.distributed.checkpoint (RUN_DIR/checkpoint, the same path as a job that ran out of spares), then exit 75.
+On task 0, submitit calls ``checkpoint()``, which forwards the signal to its worker, waits until the run logged
+``checkpoint_saved``, logs ``requeued`` and returns ``DelayedSubmission(self)``; submitit then requeues the job.
+The requeued job (same id, same RUN_DIR) resumes at the cut step, and ``job.result()`` is the final summary.
+If no checkpoint appears within ``checkpoint_wait_s``, ``checkpoint()`` returns None and submitit ends the job
+without requeueing it (``UncompletedJobError``).
+
 Limits: the batch host (the node of task 0) is special here as everywhere under sbatch. If it dies, the ranks
 train on and finish, but task 0's result is lost: ``job.task(0).result()`` raises, and the summary must be
-rebuilt with ``python -m deadpool_hpc.launch.slurm summary RUN_DIR``.
-TODO(checkpoint): ``checkpoint()`` (submitit's requeue on preemption/timeout) is not implemented: a requeued job
-would start from step 0. Implementing it needs the worker to write a resumable checkpoint on USR2.
+rebuilt with ``python -m deadpool_hpc.launch.slurm summary RUN_DIR``. A run that loses a node with no spare
+left saves a checkpoint but is not requeued on this path (the sbatch template requeues it).
 """
 from __future__ import annotations
 
@@ -33,9 +41,12 @@ import hashlib
 import hmac
 import os
 import secrets
+import shutil
+import signal
 import time
 
 from ..config import RunConfig
+from ..events import EventLog, read_events
 from . import slurm, slurm_job
 
 
@@ -49,7 +60,7 @@ def executor(folder: str, cfg: RunConfig, timeout_min: int = 60, **params):
     import submitit
 
     ex = submitit.AutoExecutor(folder=folder, cluster=params.pop("cluster", "slurm"))
-    add = {"no-kill": True, "no-requeue": True, "exclusive": True}  # as sbatch/train.sbatch
+    add = {"no-kill": True, "requeue": True, "exclusive": True}  # as sbatch/train.sbatch
     add.update(params.pop("slurm_additional_parameters", {}) or {})
     ex.update_parameters(nodes=cfg.total_nodes, tasks_per_node=cfg.ranks_per_node, timeout_min=timeout_min,
                          slurm_additional_parameters=add,
@@ -61,20 +72,21 @@ class HotSwapJob:
     """The submitit callable for one run. Construct it on the submitting host: it validates ``cfg``, writes
     RUN_DIR/config.json, clears the previous run's logs, and creates the secret file."""
 
-    def __init__(self, cfg: RunConfig, wait_survivors_s: float = 60.0):
+    def __init__(self, cfg: RunConfig, wait_survivors_s: float = 60.0, checkpoint_wait_s: float = 60.0):
         self.cfg = cfg
         self.run_dir = os.path.abspath(cfg.run_dir)
         self.wait_survivors_s = wait_survivors_s
+        self.checkpoint_wait_s = checkpoint_wait_s
+        self._worker = None  # this task's worker process (not pickled: see __getstate__)
+        self._saved_before = 0
         slurm.write_config(cfg, self.run_dir)
         for name in ("events.jsonl", "summary.json", "finisher.lock", "slurm_job_id"):
             try:
                 os.remove(os.path.join(self.run_dir, name))
             except FileNotFoundError:
                 pass
-        exited = os.path.join(self.run_dir, "exited")
-        if os.path.isdir(exited):
-            for n in os.listdir(exited):
-                os.remove(os.path.join(exited, n))
+        shutil.rmtree(os.path.join(self.run_dir, "exited"), ignore_errors=True)
+        shutil.rmtree(os.path.join(self.run_dir, "checkpoint"), ignore_errors=True)  # a new run starts at step 0
         path = os.path.join(self.run_dir, ".secret")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.write(fd, secrets.token_hex(32).encode())
@@ -96,7 +108,11 @@ class HotSwapJob:
                 fh.write(f"{job_id}\n")
         env = dict(os.environ, DEADPOOL_JOB_SECRET=self.job_secret(job_id), OMP_NUM_THREADS="1",
                    MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        rc = slurm_job.run_worker(self.run_dir, env)
+        self._saved_before = len(self._events("checkpoint_saved"))
+        # SIGUSR2 stays with submitit (its handler calls checkpoint() on task 0); the worker gets it from Slurm too
+        forward = tuple(s for s in slurm_job.FORWARDED if s != signal.SIGUSR2)
+        rc = slurm_job.run_worker(self.run_dir, env, forward_signals=forward,
+                                  on_start=lambda proc: setattr(self, "_worker", proc))
         slurm_job.mark_exited(self.run_dir, rc)
         if rank != 0:
             return rc
@@ -106,6 +122,37 @@ class HotSwapJob:
         summary = slurm.write_summary(self.run_dir, extra={"launcher": "submitit", "worker_rc": rc})
         return summary
 
-    # TODO(checkpoint): no checkpoint() on purpose. submitit would requeue on USR2 (timeout/preemption) and rerun
-    # the callable from step 0; add checkpoint() returning submitit.helpers.DelayedSubmission(self) once the worker
-    # can write and resume from a checkpoint.
+    def _events(self, name: str) -> list[dict]:
+        path = os.path.join(self.run_dir, "events.jsonl")
+        return [e for e in read_events(path) if e["event"] == name] if os.path.exists(path) else []
+
+    def checkpoint(self, *args, **kwargs):
+        """submitit's hook on preemption or time-out (SIGUSR2, task 0 only): make sure the worker got the signal,
+        wait up to ``checkpoint_wait_s`` seconds for the run's persistent checkpoint, and return the job to
+        requeue (it resumes from the checkpoint). Returns None, so that submitit does not requeue, when the run
+        already finished or no checkpoint was saved in time."""
+        from submitit.helpers import DelayedSubmission
+
+        if self._worker is not None and self._worker.returncode is None:
+            try:
+                os.kill(self._worker.pid, signal.SIGUSR2)
+            except ProcessLookupError:
+                pass
+        end = time.monotonic() + self.checkpoint_wait_s
+        while time.monotonic() < end:
+            if self._events("finished"):
+                return None
+            saved = self._events("checkpoint_saved")
+            if len(saved) > self._saved_before:
+                EventLog(os.path.join(self.run_dir, "events.jsonl")).emit(
+                    "requeued", attempt=len(self._events("requeued")) + 1, launcher="submitit",
+                    slurm_job_id=os.environ.get("SLURM_JOB_ID"), checkpoint_step=saved[-1]["step"],
+                    reason=saved[-1].get("reason"))
+                return DelayedSubmission(self)
+            time.sleep(0.2)
+        return None
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_worker"] = None  # a Popen is neither picklable nor meaningful in the requeued job
+        return state
