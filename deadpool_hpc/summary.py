@@ -75,8 +75,13 @@ def build_summary(events: list[dict], config=None) -> dict:
             "recomputed_steps": d["recomputed_steps"],
             "requeued": requeued,
         })
+    rates = sorted(e["tokens_per_s"] for e in steps if e.get("tokens_per_s"))
+    times = sorted(e["step_s"] for e in steps if e.get("step_s"))
     return {
         "completed": bool(fin) and (config is None or fin.get("steps") == config.steps),
+        # medians over rank 0's logged steps (recomputed ones included): the scaling study's numbers
+        "median_step_s": times[len(times) // 2] if times else None,
+        "median_tokens_per_s": rates[len(rates) // 2] if rates else None,
         "steps_completed": fin.get("steps", steps[-1]["step"] if steps else 0),
         "first_loss": steps[0].get("loss") if steps else None,
         "final_loss": steps[-1].get("loss") if steps else None,

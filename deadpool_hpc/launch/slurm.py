@@ -17,6 +17,7 @@ finisher when the batch host dies, drain, requeue) is in slurm_job.py.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import re
@@ -184,6 +185,30 @@ def status(run_dir_or_jobid: str) -> dict:
 
 
 # ---- summary ------------------------------------------------------------------------------------------------------
+def scaling_table(out_dir: str) -> list[dict]:
+    """One row per OUT_DIR/summary-n<size>.json of sbatch/scaling.sbatch, by active-node count: world size,
+    median step time (s) and throughput (tokens/s), and ``speedup`` / ``efficiency`` against the smallest size
+    (throughput ratio, and that ratio divided by the ratio of world sizes). Raises FileNotFoundError if OUT_DIR
+    holds no summary."""
+    rows = []
+    for path in glob.glob(os.path.join(out_dir, "summary-n*.json")):
+        s = json.load(open(path))
+        rows.append({"nodes": int(re.search(r"summary-n(\d+)\.json$", path).group(1)), "world_size": s["world_size"],
+                     "completed": s["completed"], "median_step_s": s.get("median_step_s"),
+                     "median_tokens_per_s": s.get("median_tokens_per_s"), "swaps": s["swaps"],
+                     "param_digest": s["param_digest"]})
+    if not rows:
+        raise FileNotFoundError(f"no summary-n<size>.json in {out_dir!r} (sbatch/scaling.sbatch writes them)")
+    rows.sort(key=lambda r: r["nodes"])
+    base = rows[0]
+    for r in rows:
+        if r["median_tokens_per_s"] and base["median_tokens_per_s"]:
+            r["speedup"] = r["median_tokens_per_s"] / base["median_tokens_per_s"]
+            r["efficiency"] = r["speedup"] / (r["world_size"] / base["world_size"])
+    return rows
+
+
+
 def make_summary(run_dir: str) -> dict:
     """build_summary over RUN_DIR/events.jsonl, plus where each rank ran and which hosts the failures took."""
     cfg = load_config(run_dir)
@@ -245,6 +270,8 @@ def main(argv=None) -> int:
     su = sub.add_parser("summary", help="write RUN_DIR/summary.json")
     su.add_argument("run_dir")
     su.add_argument("--out")
+    sc = sub.add_parser("scaling", help="table of a scaling sweep's summaries (sbatch/scaling.sbatch OUT_DIR)")
+    sc.add_argument("out_dir")
     tk = sub.add_parser("task", help="(inside srun) run one worker, finish the job if the batch host died")
     tk.add_argument("run_dir")
     tk.add_argument("--no-finisher", action="store_true")
@@ -272,6 +299,10 @@ def main(argv=None) -> int:
                   f"recovery_s={[round(x['recovery_s'], 2) if x['recovery_s'] else None for x in f]} "
                   f"digest={s['param_digest']}")
             return 0 if s["completed"] else 1
+        elif a.cmd == "scaling":
+            rows = scaling_table(a.out_dir)
+            print(json.dumps(rows, indent=1))
+            return 0 if rows and all(r["completed"] for r in rows) else 1
         elif a.cmd == "task":
             return slurm_job.task_main(a.run_dir, finisher=not a.no_finisher)
         elif a.cmd == "requeue-if-needed":

@@ -22,6 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 STEPS = 80        # keep equal to conftest.STEPS (the reference run)
 CRASH_STEP = 25
 TRAIN = os.path.join(ROOT, "sbatch", "train.sbatch")
+SCALING = os.path.join(ROOT, "sbatch", "scaling.sbatch")
 VENV = sys.prefix  # the venv running the tests (has deadpool-hpc installed)
 MEASURE = os.environ.get("DEADPOOL_SLURM_MEASURE", "/tmp/deadpool-slurm-measure.jsonl")
 
@@ -244,3 +245,24 @@ def test_submitit_preemption_checkpoints_requeues_and_resumes(tmp_path, slurm_cl
     print(f"\n[measure] {json.dumps(rec)}")
     with open(MEASURE, "a") as fh:
         fh.write(json.dumps(rec) + "\n")
+
+
+def test_scaling_template_writes_one_summary_per_size(tmp_path, slurm_cluster):
+    """(g) sbatch/scaling.sbatch as a job array over active-node counts 2 and 3 (+1 spare): one completed run and
+    one summary per size, and `python -m deadpool_hpc.launch.slurm scaling` tabulates them."""
+    out_dir = tmp_path / "scaling"
+    job = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", "--array=0-1", "--nodes=4",
+                          f"--export=ALL,SIZES=2 3,SPARES=1,STEPS=20,OUT_DIR={out_dir},VENV={VENV},TRAIN_SBATCH={TRAIN}",
+                          SCALING], capture_output=True, text=True, timeout=60, check=True).stdout.strip().split(";")[0]
+    end = time.time() + 240
+    while time.time() < end and subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True,
+                                                timeout=20).stdout.strip():
+        time.sleep(1)
+    states = {_final_state(f"{job}_{i}") for i in (0, 1)}
+    assert states == {"COMPLETED"}, states
+    table = subprocess.run([sys.executable, "-m", "deadpool_hpc.launch.slurm", "scaling", str(out_dir)],
+                           capture_output=True, text=True, timeout=60)
+    assert table.returncode == 0, table.stdout + table.stderr
+    rows = json.loads(table.stdout)
+    assert [(r["nodes"], r["world_size"], r["completed"]) for r in rows] == [(2, 2, True), (3, 3, True)]
+    assert all(r["median_tokens_per_s"] > 0 for r in rows) and rows[0]["speedup"] == 1.0
