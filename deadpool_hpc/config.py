@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -108,6 +109,10 @@ class RunConfig:
         need(self.batch_size >= 1, f"--batch-size {self.batch_size!r}: accepted: 1 or more")
         need(self.context >= 2, f"--context {self.context!r}: accepted: 2 or more")
         need(self.d_model % self.n_head == 0, f"--d-model {self.d_model} is not divisible by --n-head {self.n_head}")
+        need(isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and 0 < self.lr <= 1,
+             f"--lr {self.lr!r}: accepted: a learning rate in (0, 1], e.g. 3e-3")
+        need(isinstance(self.max_requeues, int) and self.max_requeues >= 0,
+             f"max_requeues {self.max_requeues!r}: accepted: 0 or more")
         need(self.heartbeat_period > 0, f"heartbeat period {self.heartbeat_period!r} s: must be > 0")
         need(self.heartbeat_deadline > 2 * self.heartbeat_period,
              f"heartbeat deadline {self.heartbeat_deadline!r} s: must exceed twice the period ({self.heartbeat_period} s)")

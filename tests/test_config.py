@@ -23,6 +23,9 @@ def test_parse_fault():
     (dict(faults=[Fault("kill", "node", 1, 200)]), "past --steps"),
     (dict(spares=1, faults=[Fault("kill", "node", 1, 10), Fault("kill", "node", 2, 20)]), "only 1 spare"),
     (dict(nodes=1, spares=1), "at least 2 active nodes"),
+    (dict(lr=0.0), r"--lr 0.0: accepted"),
+    (dict(lr=float("nan")), r"--lr nan"),
+    (dict(max_requeues=-1), "max_requeues -1"),
 ])
 def test_bad_layouts_name_the_value(kwargs, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -39,6 +42,7 @@ def test_json_roundtrip():
     (["--kill", "node9@10"], "unknown fault target node9"),
     (["--kill", "node1@500"], "past --steps"),
     (["--kill", "node1@10", "--kill", "node2@20"], "only 1 spare"),
+    (["--lr", "-1"], "--lr -1.0"),
 ])
 def test_cli_rejects_bad_input_with_exit_2_before_starting(tmp_path, args, needle):
     run_dir = tmp_path / "run"
