@@ -36,8 +36,10 @@ def build_summary(events: list[dict], config=None) -> dict:
                                 "save_s": (max(saved) - min(asked)) if asked and saved else None,
                                 "resumed": bool(later),
                                 "signal_to_resume_s": (min(later) - min(asked)) if asked and later else None})
-            prev_t = d["t_decided"]
-            continue
+            if not d["failed_nodes"]:
+                prev_t = d["t_decided"]
+                continue
+            # a node was lost as well: it is also a failure (no swap; saved and requeued)
         # the fault behind this decision: the last one injected since the previous decision
         fault = next((f for f in reversed(faults) if prev_t < f["t"] < d["t_decided"]), None)
         prev_t = d["t_decided"]

@@ -46,6 +46,12 @@ def test_relay_process_rewrites_maxes_passes_requests_whole_and_closes_with_the_
     rank = socket.socket(fileno=int(env["PMI_FD"]))       # what MPICH would use
     try:
         assert pmi_relay.install(env) is None              # once per process
+        import signal
+
+        for sig in (signal.SIGUSR2, signal.SIGTERM):       # what Slurm sends to every process of a step
+            os.kill(pid, sig)
+        time.sleep(0.3)
+        assert os.waitpid(pid, os.WNOHANG) == (0, 0), "the relay died of a signal meant for the rank"
         rank.sendall(b"cmd=get_maxes\n")
         assert _recv_line(slurm) == b"cmd=get_maxes\n"
         slurm.sendall(b"cmd=maxes rc=0 kvsname_max=256 keylen_max=64 vallen_max=1024\n")

@@ -157,8 +157,8 @@ class Agent(threading.Thread):
     def _preempt(self, source: int) -> None:
         if self.preempted.is_set():
             return
-        self.preempted.set()
-        self.failure.set()  # leave the generation: the recovery agreement decides the step to save
+        self.preempted.set()  # acted on by the worker at its next step boundary (Context._one_step), never
+        # mid-recovery: a restore interrupted half-way would leave a promoted spare with no state to save
         if source == self.me:
             self.broadcast("preempt", {})
         if self.on_preempt is not None:

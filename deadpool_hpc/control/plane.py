@@ -263,8 +263,9 @@ class ControlPlane:
         self.agent.generation = g
         self.first_suspicion = None
         self.agent.failure.clear()
-        # a suspicion (or a preemption) raised after the decision belongs to the next generation
-        if any(self.agent.is_suspected(m) for m in self.members) or self.agent.preempted.is_set():
+        # a suspicion raised after the decision belongs to the next generation (a preemption waits for
+        # the next step boundary: Context._one_step)
+        if any(self.agent.is_suspected(m) for m in self.members):
             self.agent.failure.set()
         self._ready = {k: v for k, v in self._ready.items() if k > g}
 

@@ -18,8 +18,9 @@ The relay sits on the task's PMI socket (``PMI_FD``) and passes every byte throu
 lowers ``vallen_max`` in the ``cmd=maxes`` reply to ``VALLEN_MAX`` (512; ``DEADPOOL_PMI_VALLEN_MAX``
 overrides it). MPICH then cuts segments of
 255 bytes, and no request line exceeds about 600 bytes. It is a separate process, not a thread,
-because mpi4py calls MPI_Init with the GIL held. It dies with the rank (``PR_SET_PDEATHSIG``) and
-closes Slurm's socket when the rank's side closes, so slurmstepd sees a dead rank exactly as before.
+because mpi4py calls MPI_Init with the GIL held. It ignores the signals Slurm sends to a whole step
+(SIGUSR2 before a time limit, SIGTERM before a kill), dies with the rank (``PR_SET_PDEATHSIG``), and closes
+Slurm's socket when the rank's side closes, so slurmstepd sees a dead rank exactly as before.
 
 This file is also the relay's program: ``python -I pmi_relay.py UP_FD DOWN_FD PARENT_PID VALLEN_MAX``. It
 imports nothing from the package, so it starts in a few tens of milliseconds.
@@ -39,6 +40,10 @@ SLURM_READ_MAX = 1024     # bytes; slurmstepd's single read() of one PMI-1 reque
 
 _MAXES = re.compile(rb"^(cmd=maxes\b.*\bvallen_max=)(\d+)")
 _relay_fd = None          # the rank's end of the relay socket, kept open for the life of the process
+_children: list = []
+# Slurm signals every process of a step (--signal, scancel --signal, the TERM before a kill): the relay must
+# outlive them while its rank lives; it ends on EOF from the rank or PR_SET_PDEATHSIG.
+_IGNORED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def rewrite_reply(line: bytes, vallen_max: int = VALLEN_MAX) -> bytes:
@@ -83,9 +88,20 @@ def install(environ=os.environ) -> int | None:
         raise ValueError(f"DEADPOOL_PMI_VALLEN_MAX={vallen!r}: expected a positive number of bytes, e.g. 512")
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     down = theirs.fileno()
-    proc = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), str(up), str(down), str(os.getpid()),
-                             vallen],
-                            pass_fds=(up, down), stdin=subprocess.DEVNULL, close_fds=True)
+    # the relay ignores the step's signals (below); block them across the spawn so that none lands
+    # before it does (a blocked mask is inherited through exec; a pending ignored signal is dropped)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _IGNORED)
+    try:
+        proc = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), str(up), str(down),
+                                 str(os.getpid()), vallen],
+                                pass_fds=(up, down), stdin=subprocess.DEVNULL, close_fds=True)
+    except OSError:
+        mine.close()
+        theirs.close()
+        raise
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    _children.append(proc)             # keeps the Popen, so its exit status is collected, not left a zombie
     theirs.close()
     os.close(up)                       # the relay now holds Slurm's end alone
     _relay_fd = mine.detach()          # MPICH reads PMI_FD and uses this descriptor directly
@@ -115,9 +131,11 @@ def relay(up: int, down: int, vallen_max: int = VALLEN_MAX) -> None:
     Requests go up whole, one line per write; replies come down line by line through
     ``rewrite_reply``."""
     pending = {up: b"", down: b""}
+    poller = select.poll()  # not select(): descriptors may be numbered above 1024 in a big process
+    for fd in (up, down):
+        poller.register(fd, select.POLLIN)
     while True:
-        readable, _, _ = select.select([up, down], [], [])
-        for fd in readable:
+        for fd, _ev in poller.poll():
             try:
                 data = os.read(fd, 65536)
             except OSError:
@@ -144,8 +162,10 @@ def main(argv: list[str]) -> int:
         sys.stderr.write("usage: pmi_relay.py UP_FD DOWN_FD PARENT_PID VALLEN_MAX\n")
         return 2
     up, down, parent, vallen_max = (int(a) for a in argv)
+    for sig in _IGNORED:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _IGNORED)
     _die_with_parent(parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)      # Ctrl-C is for the rank; the relay ends with it
     try:
         relay(up, down, vallen_max)
     except OSError:

@@ -34,19 +34,26 @@ def run_worker(run_dir: str, env: dict | None = None, forward_signals=FORWARDED,
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
     fds = tuple(int(env[k]) for k in ("PMI_FD",) if env.get(k, "").isdigit())
-    proc = subprocess.Popen([sys.executable, "-m", "deadpool_hpc.worker.entry", run_dir], env=env, pass_fds=fds)
-    if on_start is not None:
-        on_start(proc)
+    # SIGUSR2 is blocked across the spawn: here until the forwarder is installed, and in the worker (which
+    # inherits the mask) until its handler is (worker/entry.py unblocks it); otherwise its default action
+    # would kill either process. A signal that arrives meanwhile stays pending and is delivered then.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
     old = {}
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "deadpool_hpc.worker.entry", run_dir], env=env, pass_fds=fds)
+        if on_start is not None:
+            on_start(proc)
 
-    def forward(sig, _frame):
-        try:
-            proc.send_signal(sig)
-        except ProcessLookupError:
-            pass
+        def forward(sig, _frame):
+            try:
+                proc.send_signal(sig)
+            except ProcessLookupError:
+                pass
 
-    for sig in forward_signals:
-        old[sig] = signal.signal(sig, forward)
+        for sig in forward_signals:
+            old[sig] = signal.signal(sig, forward)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     try:
         return proc.wait()
     finally:
@@ -244,11 +251,15 @@ def requeue_if_needed(run_dir: str) -> bool:
     if last_ckpt < 0 or last_fin > last_ckpt:
         return False
     attempts = names.count("requeued")
-    if attempts >= load_config(run_dir).max_requeues:
-        print(f"[deadpool] not requeued: {attempts} requeues already (max_requeues)", file=sys.stderr)
+    reason = events[last_ckpt].get("reason", "no spare node left")
+    # max_requeues caps requeues after lost nodes; a time limit or a preemption (SIGUSR2) is routine for a
+    # long job and is not counted
+    lost = sum(1 for e in events if e["event"] == "requeued" and e.get("reason") != "preempted")
+    if reason != "preempted" and lost >= load_config(run_dir).max_requeues:
+        print(f"[deadpool] not requeued: {lost} requeues after lost nodes already (max_requeues)", file=sys.stderr)
         return False
     job_id = os.environ.get("SLURM_JOB_ID") or open(os.path.join(run_dir, "slurm_job_id")).read().strip()
-    EventLog(path).emit("requeued", attempt=attempts + 1, slurm_job_id=job_id,
+    EventLog(path).emit("requeued", attempt=attempts + 1, slurm_job_id=job_id, reason=reason,
                         checkpoint=persist.latest(os.path.join(run_dir, "checkpoint")))
     out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
     if out.returncode != 0:

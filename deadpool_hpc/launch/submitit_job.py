@@ -33,7 +33,8 @@ without requeueing it (``UncompletedJobError``).
 Limits: the batch host (the node of task 0) is special here as everywhere under sbatch. If it dies, the ranks
 train on and finish, but task 0's result is lost: ``job.task(0).result()`` raises, and the summary must be
 rebuilt with ``python -m deadpool_hpc.launch.slurm summary RUN_DIR``. A run that loses a node with no spare
-left saves a checkpoint but is not requeued on this path (the sbatch template requeues it).
+left saves a checkpoint, and task 0 requeues the job (``scontrol requeue``, at most ``max_requeues`` times) as the
+sbatch template does; the requeued job resumes from it.
 """
 from __future__ import annotations
 
@@ -111,16 +112,38 @@ class HotSwapJob:
         self._saved_before = len(self._events("checkpoint_saved"))
         # SIGUSR2 stays with submitit (its handler calls checkpoint() on task 0); the worker gets it from Slurm too
         forward = tuple(s for s in slurm_job.FORWARDED if s != signal.SIGUSR2)
-        rc = slurm_job.run_worker(self.run_dir, env, forward_signals=forward,
-                                  on_start=lambda proc: setattr(self, "_worker", proc))
+        rc = self._unless_finished(lambda: slurm_job.run_worker(
+            self.run_dir, env, forward_signals=forward, on_start=lambda proc: setattr(self, "_worker", proc)))
         slurm_job.mark_exited(self.run_dir, rc)
         if rank != 0:
             return rc
+        self._unless_finished(self._wait_survivors)
+        if len(self._events("checkpoint_saved")) > self._saved_before and not self._events("finished"):
+            # no spare was left: the ranks saved a checkpoint. Requeue as the sbatch template does, and leave
+            # without a result (SystemExit: submitit records none), so the requeued job's result is the one read
+            if slurm_job.requeue_if_needed(self.run_dir):
+                raise SystemExit(75)
+        return slurm.write_summary(self.run_dir, extra={"launcher": "submitit", "worker_rc": rc})
+
+    def _wait_survivors(self) -> None:
         end = time.monotonic() + self.wait_survivors_s
         while time.monotonic() < end and not slurm_job.expected_survivors(self.run_dir) <= slurm_job.exited_tasks(self.run_dir):
             time.sleep(0.5)
-        summary = slurm.write_summary(self.run_dir, extra={"launcher": "submitit", "worker_rc": rc})
-        return summary
+
+    def _unless_finished(self, fn):
+        """Run fn(). A SIGUSR2 that comes when the run has already finished makes checkpoint() return None, and
+        submitit then raises UncompletedJobError from its handler, i.e. from inside fn: that is not a failure,
+        so finish the wait (the worker's exit code, or the survivors) and go on."""
+        from submitit.core.utils import UncompletedJobError
+
+        try:
+            return fn()
+        except UncompletedJobError:
+            if not self._events("finished"):
+                raise
+            if self._worker is not None and self._worker.returncode is None:
+                return self._worker.wait()
+            return fn()
 
     def _events(self, name: str) -> list[dict]:
         path = os.path.join(self.run_dir, "events.jsonl")

@@ -50,6 +50,7 @@ class Context:
         self.exit_code = 0
         self._faults = fault_injection.ordered(cfg.faults)
         self._high_water = -1  # the highest step any rank had reached when the last recovery agreed
+        self._preempt_ignored = False
         self._t0 = time.time()
         addr = json.dumps(groups.host_store()) if control.me == 0 else None
         self._store0 = json.loads(control.bcast_text(addr, root=0))
@@ -121,6 +122,8 @@ class Context:
 
     def _one_step(self, step_fn) -> None:
         s = self.step
+        if self.cp.agent.preempted.is_set():
+            self._leave_for_preemption()
         if s > self._high_water:  # faults fire on the first pass through their step, never on a recomputation
             fault_injection.maybe_inject(self._faults, step=s, train_rank=self.rank, mpi_rank=self.cp.me,
                                          ranks_per_node=self.cp.P, assignment=self.cp.assignment,
@@ -139,6 +142,19 @@ class Context:
             self.log.emit("step", step=self.step, generation=self.generation, step_s=dt,
                           tokens_per_s=tokens / dt if dt > 0 else 0.0,
                           **{k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+
+    def _leave_for_preemption(self) -> None:
+        """Slurm's SIGUSR2 reached some process: at this step boundary, leave the generation like for a
+        failure (the others break out of their collectives on our teardown); the agreement then decides
+        "preempted" and every rank saves the cut step. Without replicas there is no snapshot to agree
+        on, so the request is logged and ignored."""
+        if not self.config.replicate:
+            if not self._preempt_ignored:
+                self._preempt_ignored = True
+                self.log.emit("preempt_ignored", step=self.step, reason="--no-replicate: no snapshot to save")
+            return
+        self.cp.failure.set()
+        raise PeerFailure("preempted (SIGUSR2)")
 
     def _before_update(self) -> None:
         if self.config.replicate:

@@ -37,6 +37,8 @@ def main(argv=None) -> None:
     import signal
 
     signal.signal(signal.SIGUSR2, _on_sigusr2)  # first: USR2's default action would kill the rank
+    signal.siginterrupt(signal.SIGUSR2, False)  # SA_RESTART: a system call of another thread must not fail EINTR
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR2})  # the task wrapper spawns us with it blocked
     argv = sys.argv[1:] if argv is None else argv
     run_dir = argv[0]
     import faulthandler

@@ -196,6 +196,29 @@ def _wait_done(job, seconds):
     assert job.done(), f"submitit job {job.job_id} still running after {seconds} s"
 
 
+def test_submitit_without_spare_checkpoints_requeues_and_resumes(tmp_path, fail_node, reference_digest):
+    """(h) submitit, 4 active nodes and no spare: node2 dies; the ranks save a checkpoint, task 0 requeues the job
+    (as the template does), and the requeued job resumes from it; job.result() is the final summary."""
+    from deadpool_hpc.config import RunConfig
+    from deadpool_hpc.launch.submitit_job import HotSwapJob, executor
+
+    run_dir = str(tmp_path / "run")
+    cfg = RunConfig(nodes=4, spares=0, steps=STEPS, run_dir=run_dir)
+    job = executor(str(tmp_path / "submitit"), cfg, timeout_min=10, slurm_partition="debug").submit(HotSwapJob(cfg))
+    try:
+        _crash_when(run_dir, fail_node, lambda ev: "node2", CRASH_STEP, time.time() + 150, job.done)
+    except AssertionError as exc:
+        diag = _job_diagnostics(job.job_id, tmp_path / "submitit")
+        job.cancel(check=False)
+        raise AssertionError(f"{exc}\n{diag}") from None
+    _wait_done(job, 300)
+    s = job.task(0).result()
+    assert _final_state(job.job_id) == "COMPLETED"
+    assert s["completed"] and s["steps_completed"] == STEPS, s
+    assert s["requeues"] == 1 and s["swaps"] == 0 and s["failures"][0]["requeued"], s
+    assert s["param_digest"] == reference_digest, "parameters differ from the failure-free run"
+
+
 def test_submitit_survives_node_crash(tmp_path, fail_node, reference_digest):
     """(c) the same run through submitit (HotSwapJob + executor()): node3 crashed at step 25."""
     job, run_dir = _submitit_job(tmp_path)
