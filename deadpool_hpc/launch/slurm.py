@@ -192,8 +192,12 @@ def scaling_table(out_dir: str) -> list[dict]:
     holds no summary."""
     rows = []
     for path in glob.glob(os.path.join(out_dir, "summary-n*.json")):
-        s = json.load(open(path))
-        rows.append({"nodes": int(re.search(r"summary-n(\d+)\.json$", path).group(1)), "world_size": s["world_size"],
+        m = re.fullmatch(r"summary-n(\d+)\.json", os.path.basename(path))
+        if m is None:
+            continue
+        with open(path) as fh:
+            s = json.load(fh)
+        rows.append({"nodes": int(m.group(1)), "world_size": s["world_size"],
                      "completed": s["completed"], "median_step_s": s.get("median_step_s"),
                      "median_tokens_per_s": s.get("median_tokens_per_s"), "swaps": s["swaps"],
                      "param_digest": s["param_digest"]})
