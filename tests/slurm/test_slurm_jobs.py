@@ -179,14 +179,24 @@ def _job_diagnostics(job_id, folder):
     return f"squeue: {q.stdout.strip()!r}; nodes: {' '.join(nodes.stdout.split())}\n{logs}"
 
 
-def _submitit_job(tmp_path, name="run"):
+def _submitit_job(tmp_path, spares=1):
     from deadpool_hpc.config import RunConfig
     from deadpool_hpc.launch.submitit_job import HotSwapJob, executor
 
-    run_dir = str(tmp_path / name)
-    cfg = RunConfig(nodes=4, spares=1, steps=STEPS, run_dir=run_dir)
+    run_dir = str(tmp_path / "run")
+    cfg = RunConfig(nodes=4, spares=spares, steps=STEPS, run_dir=run_dir)
     ex = executor(str(tmp_path / "submitit"), cfg, timeout_min=10, slurm_partition="debug")
     return ex.submit(HotSwapJob(cfg)), run_dir
+
+
+def _submitit_at_step(tmp_path, job, run_dir, action, pick_node):
+    """_crash_when for a submitit job: on failure, cancel it and show why it never got there."""
+    try:
+        return _crash_when(run_dir, action, pick_node, CRASH_STEP, time.time() + 150, job.done)
+    except AssertionError as exc:
+        diag = _job_diagnostics(job.job_id, tmp_path / "submitit")
+        job.cancel(check=False)
+        raise AssertionError(f"{exc}\n{diag}") from None
 
 
 def _wait_done(job, seconds):
@@ -199,18 +209,8 @@ def _wait_done(job, seconds):
 def test_submitit_without_spare_checkpoints_requeues_and_resumes(tmp_path, fail_node, reference_digest):
     """(h) submitit, 4 active nodes and no spare: node2 dies; the ranks save a checkpoint, task 0 requeues the job
     (as the template does), and the requeued job resumes from it; job.result() is the final summary."""
-    from deadpool_hpc.config import RunConfig
-    from deadpool_hpc.launch.submitit_job import HotSwapJob, executor
-
-    run_dir = str(tmp_path / "run")
-    cfg = RunConfig(nodes=4, spares=0, steps=STEPS, run_dir=run_dir)
-    job = executor(str(tmp_path / "submitit"), cfg, timeout_min=10, slurm_partition="debug").submit(HotSwapJob(cfg))
-    try:
-        _crash_when(run_dir, fail_node, lambda ev: "node2", CRASH_STEP, time.time() + 150, job.done)
-    except AssertionError as exc:
-        diag = _job_diagnostics(job.job_id, tmp_path / "submitit")
-        job.cancel(check=False)
-        raise AssertionError(f"{exc}\n{diag}") from None
+    job, run_dir = _submitit_job(tmp_path, spares=0)
+    _submitit_at_step(tmp_path, job, run_dir, fail_node, lambda ev: "node2")
     _wait_done(job, 300)
     s = job.task(0).result()
     assert _final_state(job.job_id) == "COMPLETED"
@@ -222,12 +222,7 @@ def test_submitit_without_spare_checkpoints_requeues_and_resumes(tmp_path, fail_
 def test_submitit_survives_node_crash(tmp_path, fail_node, reference_digest):
     """(c) the same run through submitit (HotSwapJob + executor()): node3 crashed at step 25."""
     job, run_dir = _submitit_job(tmp_path)
-    try:
-        node, t_kill = _crash_when(run_dir, fail_node, lambda ev: "node3", CRASH_STEP, time.time() + 150, job.done)
-    except AssertionError as exc:
-        diag = _job_diagnostics(job.job_id, tmp_path / "submitit")
-        job.cancel(check=False)
-        raise AssertionError(f"{exc}\n{diag}") from None
+    node, t_kill = _submitit_at_step(tmp_path, job, run_dir, fail_node, lambda ev: "node3")
     _wait_done(job, 180)
     s = job.task(0).result()
     state = _final_state(job.job_id)
@@ -240,14 +235,9 @@ def test_submitit_preemption_checkpoints_requeues_and_resumes(tmp_path, slurm_cl
     here `scancel --signal=USR2`); the ranks save a persistent checkpoint at an agreed step, checkpoint() returns
     the job to requeue, submitit requeues it, and the requeued job resumes there and completes identically."""
     job, run_dir = _submitit_job(tmp_path)
-    try:
-        _crash_when(run_dir, lambda _n: subprocess.run(["scancel", "--signal=USR2", str(job.job_id)], check=True,
-                                                       timeout=30),
-                    lambda ev: None, CRASH_STEP, time.time() + 150, job.done)
-    except AssertionError as exc:
-        diag = _job_diagnostics(job.job_id, tmp_path / "submitit")
-        job.cancel(check=False)
-        raise AssertionError(f"{exc}\n{diag}") from None
+    _submitit_at_step(tmp_path, job, run_dir,
+                      lambda _n: subprocess.run(["scancel", "--signal=USR2", str(job.job_id)], check=True, timeout=30),
+                      lambda ev: None)
     t_signal = time.time()
     _wait_done(job, 240)
     s = job.task(0).result()
