@@ -103,13 +103,19 @@ def cmd_status(a) -> int:
         console.print(f"slurm: {st['slurm']}")
     run = st.get("run")
     if not run:
-        console.print(f"no run directory found for {a.target!r}")
+        console.print(f"no run directory found for {a.target!r}: pass the run directory instead (a submitit job, "
+                      f"or a template job whose RUN_DIR was set by hand)")
         return 1
     summary = make_summary(run["run_dir"]) if os.path.exists(os.path.join(run["run_dir"], "config.json")) else None
     if summary is None:
         console.print(run)
         return 1
     print_summary(summary, console)
+    state = (st.get("slurm") or {}).get("state")
+    if not summary["completed"] and state in ("PENDING", "RUNNING", "REQUEUED", "RESIZING", "COMPLETING"):
+        console.print(f"job {state}: at step {run.get('step', 0)} of {summary.get('steps_completed') or '?'} so far "
+                      "(the table above is the run until now)")
+        return 0
     return 0 if summary["completed"] else 1
 
 
@@ -132,7 +138,7 @@ def main(argv=None) -> int:
     a = parser.parse_args(argv)
     try:
         return a.fn(a)
-    except ConfigError as exc:
+    except (ConfigError, FileNotFoundError) as exc:
         print(f"deadpool: error: {exc}", file=sys.stderr)
         return 2
 

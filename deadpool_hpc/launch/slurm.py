@@ -88,9 +88,22 @@ def render(cfg: RunConfig, template: str | None = None, python: str | None = Non
 
 def submit(cfg: RunConfig, partition: str | None = None, time: str | None = None, account: str | None = None,
            extra: list[str] | None = None, template: str | None = None) -> str:
-    """Write the config, render the batch script into RUN_DIR/job.sbatch and submit it. Returns the job id."""
-    write_config(cfg)
+    """Write the config, render the batch script into RUN_DIR/job.sbatch and submit it. Returns the job id.
+
+    Raises ConfigError (before writing anything) if RUN_DIR belongs to a job that is still pending or running
+    (it reads RUN_DIR/config.json when it starts), and if sbatch refuses the job (bad --time, partition, ...)."""
     run_dir = os.path.abspath(cfg.run_dir)
+    try:
+        with open(os.path.join(run_dir, "slurm_job_id")) as fh:
+            previous = fh.read().strip()
+    except OSError:
+        previous = ""
+    if previous:
+        live = _run(["squeue", "-h", "-j", previous, "-o", "%T"]).split()
+        if live:
+            raise ConfigError(f"--run-dir {run_dir} belongs to job {previous}, which is still {live[0]}; accepted: "
+                              f"another --run-dir, or `scancel {previous}` first")
+    write_config(cfg)
     script = os.path.join(run_dir, "job.sbatch")
     with open(script, "w") as fh:
         fh.write(render(cfg, template))
@@ -101,7 +114,7 @@ def submit(cfg: RunConfig, partition: str | None = None, time: str | None = None
     cmd += list(extra or []) + [script]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     if out.returncode != 0:
-        raise RuntimeError(f"sbatch failed ({out.returncode}): {out.stderr.strip()}")
+        raise ConfigError(f"sbatch refused the job (exit {out.returncode}): {out.stderr.strip()}")
     job_id = out.stdout.strip().split(";")[0]
     with open(os.path.join(run_dir, "slurm_job_id"), "w") as fh:
         fh.write(job_id + "\n")
@@ -119,12 +132,13 @@ def _run(cmd: list[str], timeout: float = 20) -> str:
 
 def slurm_state(job_id: str) -> dict:
     """State, node list and exit code of a job: sacct (accounting), else scontrol (job still known to slurmctld)."""
-    out = _run(["sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", "JobID,State,NodeList,ExitCode,Elapsed"])
-    for line in out.splitlines():
-        f = line.split("|")
-        if len(f) >= 5 and f[0] == str(job_id):
-            return {"job_id": str(job_id), "state": f[1].split()[0], "nodelist": f[2], "exit_code": f[3],
-                    "elapsed": f[4], "source": "sacct"}
+    out = _run(["sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", "JobID,State,NodeList,ExitCode,Elapsed,WorkDir"])
+    # --no-kill leaves RESIZING records before the job's final one: the last record is the state
+    rows = [f for f in (line.split("|") for line in out.splitlines()) if len(f) >= 6 and f[0] == str(job_id)]
+    if rows:
+        f = rows[-1]
+        return {"job_id": str(job_id), "state": f[1].split()[0], "nodelist": f[2], "exit_code": f[3],
+                "elapsed": f[4], "work_dir": f[5], "source": "sacct"}
     out = _run(["scontrol", "show", "job", "-o", str(job_id)])
     if out:
         kv = dict(re.findall(r"(\w+)=(\S*)", out))
@@ -173,8 +187,16 @@ def status(run_dir_or_jobid: str) -> dict:
         if m and os.path.basename(m.group(1)) == "job.sbatch":
             run_dir = os.path.dirname(m.group(1))
     else:
-        raise ValueError(f"{arg!r} is neither a run directory nor a job id")
+        raise ConfigError(f"{arg!r} is neither a run directory nor a Slurm job id; accepted: JOBID or RUN_DIR")
     res = {"slurm": slurm_state(job_id) if job_id else None}
+    if run_dir is None and res["slurm"] and res["slurm"].get("work_dir"):
+        # slurmctld forgets a job MinJobAge after it ends; accounting keeps its working directory, which is
+        # RUN_DIR for `deadpool submit` (--chdir) and holds deadpool-run-JOBID for the template's default
+        wd = res["slurm"]["work_dir"]
+        for cand in (wd, os.path.join(wd, f"deadpool-run-{job_id}")):
+            if os.path.exists(os.path.join(cand, "config.json")):
+                run_dir = cand
+                break
     if run_dir:
         res["run"] = run_progress(run_dir)
         try:
@@ -313,7 +335,7 @@ def main(argv=None) -> int:
             return 0 if slurm_job.requeue_if_needed(a.run_dir) else 1
         elif a.cmd == "watch":
             slurm_job.watch(a.run_dir, do_drain=a.drain not in ("0", "no", "false", ""))
-    except ConfigError as exc:
+    except (ConfigError, FileNotFoundError) as exc:
         print(f"deadpool: error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -170,6 +170,34 @@ def test_sbatch_sigusr2_checkpoints_requeues_and_resumes(tmp_path, slurm_cluster
     (p,) = s["preemptions"]
     assert p["resumed"] and p["cut_step"] >= CRASH_STEP, p
     assert s["param_digest"] == reference_digest, "parameters differ from the failure-free run"
+    # a new job in the same run directory starts from step 0: the old checkpoint is not resumed
+    job2 = subprocess.run(["sbatch", "--parsable", "--wait", f"--chdir={tmp_path}", "--nodes=5",
+                           f"--export=ALL,NODES=4,SPARES=1,STEPS=5,RUN_DIR={run_dir},VENV={VENV}", TRAIN],
+                          capture_output=True, text=True, timeout=180)
+    s2 = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert job2.returncode == 0 and s2["completed"] and s2["steps_completed"] == 5, (job2.stderr, s2)
+    assert s2["requeues"] == 0 and s2["preemptions"] == [], s2
+    assert not [e for e in _events(run_dir) if e["event"] == "resumed_from_checkpoint"]
+
+
+def test_deadpool_submit_refuses_a_busy_run_dir_and_a_bad_time(tmp_path, slurm_cluster):
+    """`deadpool submit` bad input: sbatch's refusal and a run directory whose job is still queued give exit 2 and
+    a message naming the problem, and the queued job's config is not touched."""
+    cli = [sys.executable, "-m", "deadpool_hpc.launch.cli", "submit", "--nodes", "2", "--spares", "1", "--steps", "5"]
+    run_dir = str(tmp_path / "busy")
+    bad = subprocess.run(cli + ["--run-dir", run_dir, "--time", "bogus"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "sbatch refused the job" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+    first = subprocess.run(cli + ["--run-dir", run_dir, "--sbatch-arg=--begin=now+1hour"], capture_output=True,
+                           text=True, timeout=60)
+    assert first.returncode == 0, first.stderr
+    job = first.stdout.strip().splitlines()[-1]
+    try:
+        config = open(os.path.join(run_dir, "config.json")).read()
+        again = subprocess.run(cli + ["--run-dir", run_dir, "--steps", "7"], capture_output=True, text=True, timeout=60)
+        assert again.returncode == 2 and f"belongs to job {job}, which is still PENDING" in again.stderr, again.stderr
+        assert open(os.path.join(run_dir, "config.json")).read() == config
+    finally:
+        subprocess.run(["scancel", job], timeout=30)
 
 
 def _job_diagnostics(job_id, folder):
