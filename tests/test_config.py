@@ -43,6 +43,8 @@ def test_json_roundtrip():
     (["--kill", "node1@500"], "past --steps"),
     (["--kill", "node1@10", "--kill", "node2@20"], "only 1 spare"),
     (["--lr", "-1"], "--lr -1.0"),
+    (["--train-fn", "nosuch.module:train"], "cannot import 'nosuch.module'"),
+    (["--train-fn", "deadpool_hpc.train.demo:nosuch"], "has no function 'nosuch'"),
 ])
 def test_cli_rejects_bad_input_with_exit_2_before_starting(tmp_path, args, needle):
     run_dir = tmp_path / "run"

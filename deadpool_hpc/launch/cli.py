@@ -42,9 +42,27 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-fn", default=d.train_fn, help="module:function to train (default: the demo)")
 
 
+def check_train_fn(spec: str) -> None:
+    """Import the --train-fn "package.module:function" here, before any process starts. Raises ConfigError
+    naming the spec if it is malformed, cannot be imported, or is not callable."""
+    import importlib
+
+    mod, _, fn = spec.partition(":")
+    if not mod or not fn:
+        raise ConfigError(f"--train-fn {spec!r}: accepted: 'package.module:function'")
+    try:
+        module = importlib.import_module(mod)
+    except ImportError as exc:
+        raise ConfigError(f"--train-fn {spec!r}: cannot import {mod!r} ({exc}); accepted: an importable "
+                          f"'package.module:function'") from None
+    if not callable(getattr(module, fn, None)):
+        raise ConfigError(f"--train-fn {spec!r}: {mod} has no function {fn!r}")
+
+
 def config_from_args(a) -> RunConfig:
     import os
 
+    check_train_fn(a.train_fn)
     if a.summary and not os.path.isdir(os.path.dirname(os.path.abspath(a.summary))):
         raise ConfigError(f"--summary {a.summary!r}: its directory does not exist")
     faults = [parse_fault("kill", s) for s in a.kill] + [parse_fault("hang", s) for s in a.hang]
