@@ -27,15 +27,18 @@ def build_summary(events: list[dict], config=None) -> dict:
     prev_t = 0.0
     for d in sorted(by["decision"], key=lambda e: e["generation"]):
         g = d["generation"]
+        # after a saved checkpoint (no spare, or preempted): the first step of the requeued attempt
+        t_next_attempt = min((e["t"] for e in steps if e.get("generation", 0) > g and e["t"] > d["t_decided"]),
+                             default=None)
         if d.get("reason") == "preempted":  # Slurm's SIGUSR2: saved at the cut, requeued, resumed
-            later = [e["t"] for e in steps if e.get("generation", 0) > g and e["t"] > d["t_decided"]]
             asked = [e["t"] for e in by["preempt_requested"] if e.get("generation") == g - 1]
             saved = [e["t"] for e in by["checkpoint_saved"] if e.get("generation") == g]
             preemptions.append({"generation": g, "cut_step": d["cut_step"],
                                 "t_signal": min(asked, default=None),
                                 "save_s": (max(saved) - min(asked)) if asked and saved else None,
-                                "resumed": bool(later),
-                                "signal_to_resume_s": (min(later) - min(asked)) if asked and later else None})
+                                "resumed": t_next_attempt is not None,
+                                "signal_to_resume_s": (t_next_attempt - min(asked))
+                                if asked and t_next_attempt is not None else None})
             if not d["failed_nodes"]:
                 prev_t = d["t_decided"]
                 continue
@@ -54,8 +57,7 @@ def build_summary(events: list[dict], config=None) -> dict:
         t_resume = max(res, default=None)
         requeued = bool(d.get("exhausted"))
         if requeued:  # no spare: checkpoint, requeue, resume; "resumed" = first step of the new attempt
-            later = [e["t"] for e in steps if e.get("generation", 0) > g and e["t"] > d["t_decided"]]
-            t_resume = min(later, default=None)
+            t_resume = t_next_attempt
             rec = [e for e in by["resumed_from_checkpoint"] if e.get("generation") == g + 1]
             t_rebuild = t_restore = max([e["t"] for e in rec], default=t_agree)
         def span(a, b):

@@ -43,20 +43,22 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
 
 
 def check_train_fn(spec: str) -> None:
-    """Import the --train-fn "package.module:function" here, before any process starts. Raises ConfigError
-    naming the spec if it is malformed, cannot be imported, or is not callable."""
-    import importlib
+    """Import the --train-fn "package.module:function" here (worker.entry.load_train_fn, as each worker
+    will), before any process starts. Raises ConfigError naming the spec if that fails."""
+    from ..worker.entry import load_train_fn
 
-    mod, _, fn = spec.partition(":")
-    if not mod or not fn:
-        raise ConfigError(f"--train-fn {spec!r}: accepted: 'package.module:function'")
     try:
-        module = importlib.import_module(mod)
+        fn = load_train_fn(spec)
+    except ValueError:
+        raise ConfigError(f"--train-fn {spec!r}: accepted: 'package.module:function'") from None
     except ImportError as exc:
-        raise ConfigError(f"--train-fn {spec!r}: cannot import {mod!r} ({exc}); accepted: an importable "
-                          f"'package.module:function'") from None
-    if not callable(getattr(module, fn, None)):
-        raise ConfigError(f"--train-fn {spec!r}: {mod} has no function {fn!r}")
+        raise ConfigError(f"--train-fn {spec!r}: cannot import {spec.partition(':')[0]!r} ({exc}); accepted: an "
+                          f"importable 'package.module:function'") from None
+    except AttributeError:
+        fn = None
+    if not callable(fn):
+        mod, _, name = spec.partition(":")
+        raise ConfigError(f"--train-fn {spec!r}: {mod} has no function {name!r}")
 
 
 def config_from_args(a) -> RunConfig:
