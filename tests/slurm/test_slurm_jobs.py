@@ -47,6 +47,11 @@ def _final_state(job_id, timeout=30):
     return state
 
 
+def _host_of(mpi_rank):
+    """pick_node for _crash_when: the host MPI rank ``mpi_rank`` runs on in this job (whatever nodes Slurm gave it)."""
+    return lambda ev: next(e["host"] for e in ev if e["event"] == "hello" and e["mpi_rank"] == mpi_rank)
+
+
 def _crash_when(run_dir, fail_node, pick_node, at_step, deadline, done):
     """Poll the event log; once some rank logged step >= at_step, crash pick_node(events). Returns (node, t_kill)."""
     while time.time() < deadline and not done():
@@ -106,7 +111,7 @@ def _check(state, summary, node, reference_digest, out):
 
 def test_sbatch_survives_node_crash(tmp_path, fail_node, reference_digest):
     """(a) node2 (MPI rank 1, not the batch host) dies at step 25: the spare takes its place."""
-    job, state, s, node, t_kill, run_dir, out = _sbatch_with_crash(tmp_path, fail_node, lambda ev: "node2", "a")
+    job, state, s, node, t_kill, run_dir, out = _sbatch_with_crash(tmp_path, fail_node, _host_of(1), "a")
     _check(state, s, node, reference_digest, out)
     assert "finished_by" not in s  # the batch script itself wrote the summary
     _measure("sbatch-node2", s, _events(run_dir), t_kill)
@@ -129,18 +134,18 @@ def test_sbatch_survives_crash_of_rank0_and_batch_host(tmp_path, fail_node, refe
 def test_sbatch_without_spare_checkpoints_requeues_and_resumes(tmp_path, fail_node, reference_digest):
     """(d) 4 active nodes, no spare: node2 dies; the ranks save a checkpoint of the cut step, the batch script
     requeues the job, and the requeued job (on the 4 nodes left) resumes from it and completes."""
-    job, state, s, node, t_kill, run_dir, out = _sbatch_with_crash(tmp_path, fail_node, lambda ev: "node2", "d",
+    job, state, s, node, t_kill, run_dir, out = _sbatch_with_crash(tmp_path, fail_node, _host_of(1), "d",
                                                                    spares=0, wait_s=300)
     assert state == "COMPLETED", f"sacct state {state}\n{out}"
     assert s["completed"] and s["steps_completed"] == STEPS, s
     assert s["requeues"] == 1 and s["swaps"] == 0, s
     f = s["failures"][0]
-    assert f["requeued"] and f["failed_hosts"] == ["node2"], f
+    assert f["requeued"] and f["failed_hosts"] == [node], f
     ev = _events(run_dir)
     saved = [e for e in ev if e["event"] == "checkpoint_saved"]
     resumed = [e for e in ev if e["event"] == "resumed_from_checkpoint"]
     assert len(saved) == 1 and len(resumed) == 4 and {e["step"] for e in resumed} == {saved[0]["step"]}
-    assert "node2" not in {e["host"] for e in ev if e["event"] == "hello" and e["t"] > saved[0]["t"]}
+    assert node not in {e["host"] for e in ev if e["event"] == "hello" and e["t"] > saved[0]["t"]}
     assert s["param_digest"] == reference_digest, "parameters differ from the failure-free run"
     t_first = min(e["t"] for e in ev if e["event"] == "step" and e["t"] > saved[0]["t"])
     print(f"\n[measure] requeue: kill -> first step of the requeued job {t_first - t_kill:.1f} s")
@@ -238,7 +243,7 @@ def test_submitit_without_spare_checkpoints_requeues_and_resumes(tmp_path, fail_
     """(h) submitit, 4 active nodes and no spare: node2 dies; the ranks save a checkpoint, task 0 requeues the job
     (as the template does), and the requeued job resumes from it; job.result() is the final summary."""
     job, run_dir = _submitit_job(tmp_path, spares=0)
-    _submitit_at_step(tmp_path, job, run_dir, fail_node, lambda ev: "node2")
+    _submitit_at_step(tmp_path, job, run_dir, fail_node, _host_of(1))
     _wait_done(job, 300)
     s = job.task(0).result()
     assert _final_state(job.job_id) == "COMPLETED"
@@ -250,7 +255,7 @@ def test_submitit_without_spare_checkpoints_requeues_and_resumes(tmp_path, fail_
 def test_submitit_survives_node_crash(tmp_path, fail_node, reference_digest):
     """(c) the same run through submitit (HotSwapJob + executor()): node3 crashed at step 25."""
     job, run_dir = _submitit_job(tmp_path)
-    node, t_kill = _submitit_at_step(tmp_path, job, run_dir, fail_node, lambda ev: "node3")
+    node, t_kill = _submitit_at_step(tmp_path, job, run_dir, fail_node, _host_of(2))
     _wait_done(job, 180)
     s = job.task(0).result()
     state = _final_state(job.job_id)
