@@ -13,38 +13,65 @@ from dataclasses import dataclass, field
 
 from .errors import ConfigError
 
-_FAULT_RE = re.compile(r"^(node|rank)(\d+)@(\d+)$")
+# A recovery's phases, in order, as a fault spec names them (``--kill node2@rebuild``); see Fault.
+PHASES = ("detect", "agree", "decided", "rebuild", "restore", "resume")
+_FAULT_RE = re.compile(r"^(node|rank)(\d+)@(?:(\d+)|(" + "|".join(PHASES) + r")(?:#(\d+))?)$")
 
 
 @dataclass(frozen=True)
 class Fault:
-    """One injected failure: ``kind`` ("kill" = SIGKILL, "hang" = SIGSTOP) of ``target`` at ``step``.
+    """One injected failure: ``kind`` ("kill" = SIGKILL, "hang" = SIGSTOP) of ``target``.
 
-    ``target_kind`` is "node" (every process of emulated node ``index``) or "rank" (the process that
-    holds training rank ``index`` when step ``step`` starts).
+    ``target_kind`` is "node" (every process of emulated node ``index``, active or spare) or "rank"
+    (the process that holds training rank ``index`` at that moment). It fires either at ``step`` (when
+    training first reaches that step) or, when ``phase`` is set, when the target reaches that phase of
+    the ``nth`` recovery it takes part in (1 = the first):
+
+    - detect:  it has left the failed generation and is about to report to the coordinator;
+    - agree:   it has sent its report (or, as coordinator, asked for the reports) and waits for the decision;
+    - decided: it holds the decision and has not applied it yet;
+    - rebuild: it passed the rebuild barrier and is joining the new process group;
+    - restore: it serves a replica to a promoted rank, half-way through (a process that serves none: at the
+               start of its own restore);
+    - resume:  the first step after the recovery starts.
     """
 
     kind: str
     target_kind: str
     index: int
-    step: int
+    step: int | None = None
+    phase: str | None = None
+    nth: int = 1
 
     @property
     def target(self) -> str:
         return f"{self.target_kind}{self.index}"
 
+    @property
+    def when(self) -> str:
+        if self.phase is None:
+            return str(self.step)
+        return self.phase + (f"#{self.nth}" if self.nth != 1 else "")
+
     def __str__(self) -> str:
-        return f"--{self.kind} {self.target}@{self.step}"
+        return f"--{self.kind} {self.target}@{self.when}"
 
 
 def parse_fault(kind: str, spec: str) -> Fault:
-    """Parse ``node1@60`` / ``rank2@60`` for ``kind`` in {"kill", "hang"}. Raises ConfigError."""
+    """Parse ``node1@60`` / ``rank2@60`` (a step) or ``node2@rebuild`` / ``node2@agree#2`` (a phase of the
+    first / second recovery) for ``kind`` in {"kill", "hang"}. Raises ConfigError."""
     if kind not in ("kill", "hang"):
         raise ConfigError(f"fault kind {kind!r} is unknown; accepted: 'kill', 'hang'")
     m = _FAULT_RE.match(spec.strip())
     if not m:
-        raise ConfigError(f"--{kind} {spec!r} is not a fault spec; accepted: nodeN@STEP or rankN@STEP, e.g. node1@60")
-    return Fault(kind, m.group(1), int(m.group(2)), int(m.group(3)))
+        raise ConfigError(f"--{kind} {spec!r} is not a fault spec; accepted: nodeN@STEP or rankN@STEP (e.g. node1@60), "
+                          f"or nodeN@PHASE[#K] with PHASE one of {', '.join(PHASES)} (e.g. node2@rebuild)")
+    if m.group(3) is not None:
+        return Fault(kind, m.group(1), int(m.group(2)), int(m.group(3)))
+    nth = int(m.group(5) or 1)
+    if nth < 1:
+        raise ConfigError(f"--{kind} {spec!r}: the recovery number after # counts from 1")
+    return Fault(kind, m.group(1), int(m.group(2)), None, m.group(4), nth)
 
 
 @dataclass
@@ -71,11 +98,14 @@ class RunConfig:
     seed: int = 1337
     # fault tolerance
     replicate: bool = True
+    replicas: int = 1              # K: each rank's snapshot is held by the next K nodes (any K node losses survive)
     requeue: bool = False          # no spare left: save a checkpoint and start again from it
     max_requeues: int = 3
     heartbeat_period: float = 0.1
     heartbeat_deadline: float = 1.0
     collective_timeout: float = 60.0
+    hang_timeout: float = 60.0       # a rank whose training thread makes no progress this long is fenced (0: off)
+    rendezvous_timeout: float = 10.0 # joining a generation's process group (store connect + gloo full mesh)
     # output
     run_dir: str = "deadpool-run"
     summary_path: str | None = None
@@ -93,6 +123,18 @@ class RunConfig:
     @property
     def total_processes(self) -> int:
         return self.total_nodes * self.ranks_per_node
+
+    @property
+    def ready_timeout(self) -> float:
+        """Seconds the recovery coordinator waits for a live process's report before it suspects it: a process
+        whose heartbeats go on but whose training thread never reaches the recovery is stuck; its own watchdog
+        (``hang_timeout``) or, without one, the collective timeout bounds how long it may legitimately take."""
+        return (self.hang_timeout or self.collective_timeout) + 2 * self.heartbeat_deadline
+
+    @property
+    def recovery_timeout(self) -> float:
+        """Seconds a process waits for the decision of one recovery round before it gives up (clear exit)."""
+        return 2 * self.ready_timeout + self.rendezvous_timeout
 
     def validate(self) -> "RunConfig":
         """Check the layout and every fault against it. Returns self; raises ConfigError."""
@@ -117,6 +159,17 @@ class RunConfig:
         need(self.heartbeat_deadline > 2 * self.heartbeat_period,
              f"heartbeat deadline {self.heartbeat_deadline!r} s: must exceed twice the period ({self.heartbeat_period} s)")
         need(self.log_every >= 1, f"--log-every {self.log_every!r}: accepted: 1 or more")
+        need(isinstance(self.replicas, int) and self.replicas >= 0,
+             f"--replicas {self.replicas!r}: accepted: 0 or more")
+        need(not self.replicate or self.nodes == 1 or self.replicas < self.nodes,
+             f"--replicas {self.replicas} with --nodes {self.nodes}: each replica lives on another active node; "
+             f"accepted: --replicas 0..{self.nodes - 1}")
+        for name in ("hang_timeout", "rendezvous_timeout", "collective_timeout"):
+            v = getattr(self, name)
+            need(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 and (v > 0 or name == "hang_timeout"),
+                 f"--{name.replace('_', '-')} {v!r}: accepted: seconds > 0" + (" (0 turns it off)" if name == "hang_timeout" else ""))
+        need(not self.hang_timeout or self.hang_timeout > 2 * self.heartbeat_period,
+             f"--hang-timeout {self.hang_timeout!r}: accepted: 0 (off) or more than twice the heartbeat period")
         for f in self.faults:
             if f.target_kind == "node":
                 need(f.index < self.total_nodes,
@@ -124,14 +177,15 @@ class RunConfig:
             else:
                 need(f.index < self.world_size,
                      f"{f}: unknown fault target rank{f.index}; this layout has rank0..rank{self.world_size - 1}")
-            need(f.step < self.steps, f"{f}: step {f.step} is past --steps {self.steps}; accepted: 0..{self.steps - 1}")
+            if f.phase is None:
+                need(isinstance(f.step, int) and 0 <= f.step < self.steps,
+                     f"{f}: step {f.step} is past --steps {self.steps}; accepted: 0..{self.steps - 1}")
         need(self.spares == 0 or self.nodes >= 2,
              f"--nodes {self.nodes} with --spares {self.spares}: a rank's replica lives on another active node, "
              f"so hot-swap needs at least 2 active nodes")
-        need(self.requeue or len(self.faults) <= self.spares,
-             f"{len(self.faults)} node losses requested ({', '.join(map(str, self.faults))}) but only "
-             f"{self.spares} spare node(s); accepted: at most --spares faults (or --requeue, which saves a "
-             f"checkpoint and restarts when no spare is left)")
+        from . import faultplan
+
+        faultplan.check(self)
         return self
 
     def to_json(self) -> str:

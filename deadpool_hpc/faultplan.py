@@ -1,0 +1,155 @@
+"""Will this layout survive these injected faults? A pure simulation, run before any process starts.
+
+Owns the rules a fault spec is checked against (``check``); owns no process and no signal (injection is
+worker/faults.py). The simulation replays the faults in order, as the recovery would handle them:
+
+- a *round* is one recovery agreement (agreement.decide). Faults at one step are lost together and
+  start a round; a phase fault (``--kill node2@rebuild``) joins round ``nth``: before its decision for
+  the phases detect/agree/decided, after it (so the round fails and another follows) for rebuild/restore,
+  and at the first step after it (a new loss) for resume;
+- a *window* is the run of rounds between two stretches of training: every node lost in a window is lost
+  "together". A rank survives a window when at least one of its K replica holders (the same local index on
+  the next K active nodes, a ring: agreement.holders_of) is on a node not lost in the window and not
+  replaced in the previous window (a promoted node's replicas are only re-made by its first step);
+- each lost active node takes the first live spare; with none left the run saves a checkpoint and is
+  requeued (``--requeue``), or cannot go on.
+
+``check`` raises ConfigError naming the faults and the reason; ``rounds`` returns the simulated rounds
+for tests and docs.
+"""
+from __future__ import annotations
+
+from .errors import ConfigError
+
+PRE_DECISION = ("detect", "agree", "decided")
+POST_DECISION = ("rebuild", "restore")
+
+
+def check(cfg) -> None:
+    """Raise ConfigError if the run ``cfg`` (a RunConfig) cannot survive ``cfg.faults``."""
+    _Sim(cfg).run()
+
+
+def rounds(cfg) -> list[dict]:
+    """The simulated recovery rounds: [{"lost_nodes", "promoted", "requeued"}] in order."""
+    sim = _Sim(cfg)
+    sim.run()
+    return sim.log
+
+
+class _Sim:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.N, self.S, self.P = cfg.nodes, cfg.spares, cfg.ranks_per_node
+        self.K = cfg.replicas if cfg.replicate else 0
+        self.log: list[dict] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        self.active = list(range(self.N))                  # physical node of each logical node (slot)
+        self.spares = list(range(self.N, self.N + self.S))  # live spare nodes, in promotion order
+        self.dead: dict[int, str] = {}                      # physical node -> when it was lost
+
+    # ---- the replay --------------------------------------------------------------------------------------
+    def run(self) -> None:
+        faults = self.cfg.faults
+        phase = [f for f in faults if f.phase is not None]
+        round_no = 0
+        replaced_before: set[int] = set()
+        for s in sorted({f.step for f in faults if f.phase is None}):
+            new, where = [f for f in faults if f.phase is None and f.step == s], f"step {s}"
+            window: set[int] = set()     # logical nodes lost in this window
+            replaced: set[int] = set()   # logical nodes given a new node in this window
+            unfilled: set[int] = set()   # lost after a decision: filled by the next round
+            must_train = False
+            while True:
+                round_no += 1
+                pre = new + [f for f in phase if f.nth == round_no and f.phase in PRE_DECISION]
+                lost = self._lose(pre, where, must_train)
+                window |= lost
+                self._check_replicas(window, replaced_before, pre)
+                replaced |= set(self._promote(lost | unfilled, round_no, pre))
+                post = [f for f in phase if f.nth == round_no and f.phase in POST_DECISION]
+                unfilled = self._lose(post, f"recovery {round_no}", True)
+                window |= unfilled
+                self._check_replicas(window, replaced_before, pre + post)
+                resume = [f for f in phase if f.nth == round_no and f.phase == "resume"]
+                if unfilled:  # the round failed after its decision: another round follows, same window
+                    new, where, must_train = [], f"recovery {round_no}", False
+                elif resume:  # a new window: the nodes just promoted have not re-made their replicas yet
+                    replaced_before, window, replaced = replaced, set(), set()
+                    new, where, must_train = resume, f"the first step after recovery {round_no}", True
+                else:
+                    break
+            replaced_before = replaced
+        late = [f for f in phase if f.nth > round_no]
+        if late:
+            f = late[0]
+            raise ConfigError(f"{f}: no recovery happens before it (a phase fault needs an earlier fault at a step, "
+                              f"e.g. --kill node1@10)" if not round_no else
+                              f"{f}: the faults given cause {round_no} recover{'y' if round_no == 1 else 'ies'}, so "
+                              f"recovery {f.nth} never happens; accepted: a phase of recovery 1..{round_no}")
+
+    def _slot_of(self, node: int) -> int | None:
+        return self.active.index(node) if node in self.active else None
+
+    def _resolve(self, f) -> int:
+        """Physical node a fault hits now."""
+        return self.active[f.index // self.P] if f.target_kind == "rank" else f.index
+
+    def _lose(self, faults, when: str, must_train: bool) -> set[int]:
+        """Kill the targets of ``faults`` (at ``when``); returns the logical nodes (slots) lost. Spares lost leave
+        the pool. ``must_train``: the targets must be training then (post-decision and resume phases)."""
+        lost: set[int] = set()
+        for f in faults:
+            node = self._resolve(f)
+            if node in self.dead:
+                raise ConfigError(f"{f}: node{node} is already lost ({self.dead[node]}); accepted: a node alive then")
+            if must_train and node not in self.active:
+                raise ConfigError(f"{f}: node{node} is not training at {when} (it is a spare), so it never reaches "
+                                  f"the {f.phase} phase; accepted: a node that trains then")
+            self.dead[node] = f"{f} at {when}"
+            if node in self.spares:
+                self.spares.remove(node)
+            slot = self._slot_of(node)
+            if slot is not None:
+                lost.add(slot)
+        return lost
+
+    def _check_replicas(self, window: set[int], replaced_before: set[int], faults) -> None:
+        if not window:
+            return
+        named = ", ".join(map(str, faults))
+        if self.K == 0:
+            raise ConfigError(f"{named}: without replicas (--no-replicate or --replicas 0) a lost node's state exists "
+                              f"nowhere; accepted: --replicas 1 or more")
+        for slot in sorted(window):
+            holders = [(slot + j) % self.N for j in range(1, self.K + 1)]
+            if all(h in window or h in replaced_before for h in holders):
+                raise ConfigError(
+                    f"{named}: logical node {slot} and every holder of its replica (logical node(s) "
+                    f"{', '.join(map(str, holders))}) are lost together, so the state of its ranks survives nowhere; "
+                    f"accepted: --replicas {self.K + 1} (needs --nodes >= {self.K + 2}) or faults at different steps")
+
+    def _promote(self, lost: set[int], round_no: int, faults) -> dict[int, int]:
+        if not lost:
+            return {}
+        if len(lost) > len(self.spares):
+            if not self.cfg.requeue:
+                total = len(self.cfg.faults)
+                raise ConfigError(f"{total} fault(s) requested ({', '.join(map(str, self.cfg.faults))}): at "
+                                  f"{', '.join(map(str, faults))} no spare node is left (only {self.S} spare node(s)); accepted: "
+                                  f"more --spares, fewer faults, or --requeue (which saves a checkpoint and restarts "
+                                  f"when no spare is left)")
+            if any(f.phase is not None for f in self.cfg.faults):
+                raise ConfigError("phase faults (nodeN@PHASE) cannot be combined with a requeue (the requeued attempt "
+                                  "starts its recovery count again); accepted: enough --spares for every loss")
+            self.log.append({"round": round_no, "lost_slots": sorted(lost), "promoted": {}, "requeued": True})
+            self._reset()
+            return {}
+        promoted = {}
+        for slot in sorted(lost, key=lambda sl: self.active[sl]):
+            promoted[slot] = self.spares.pop(0)
+            self.active[slot] = promoted[slot]
+        self.log.append({"round": round_no, "lost_slots": sorted(lost), "promoted": promoted, "requeued": False})
+        return promoted
