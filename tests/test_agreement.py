@@ -1,24 +1,28 @@
 """The recovery decision as a pure function (control/agreement.py)."""
 import pytest
 
-from deadpool_hpc.control.agreement import decide, held_by, holder_of
+from deadpool_hpc.control.agreement import decide, held_by, holders_of
 from deadpool_hpc.errors import ReplicaError
 
 
-def reports(own_steps, held):
-    """own_steps: {mpi: [steps]}; held: {holder_mpi: (rank, [steps])}."""
+def reports(own_steps, held, assignment=None):
+    """own_steps: {mpi: [steps]} (own_rank from ``assignment``, default identity); held: {holder_mpi: (rank, [steps])}."""
     out = {}
     for m, steps in own_steps.items():
-        out[m] = {"own": steps, "done_step": max(steps)}
+        r = assignment.index(m) if assignment else m
+        out[m] = {"own_rank": r, "own": steps, "done_step": max(steps)}
     for m, (r, steps) in held.items():
         out.setdefault(m, {})["held"] = {str(r): steps}
     return out
 
 
 def test_ring_over_nodes():
-    assert [holder_of(r, 1, 3) for r in range(3)] == [1, 2, 0]
-    assert [holder_of(r, 2, 2) for r in range(4)] == [2, 3, 0, 1]
-    assert all(held_by(holder_of(r, 2, 3), 2, 3) == r for r in range(6))
+    assert [holders_of(r, 1, 3) for r in range(3)] == [[1], [2], [0]]
+    assert [holders_of(r, 2, 2) for r in range(4)] == [[2], [3], [0], [1]]
+    assert all(held_by(holders_of(r, 2, 3)[0], 2, 3) == [r] for r in range(6))
+    assert holders_of(1, 1, 4, k=2) == [2, 3] and held_by(1, 1, 4, k=2) == [0, 3]
+    with pytest.raises(ValueError, match="2 replica"):
+        holders_of(0, 1, 2, k=2)
 
 
 def test_node_loss_maps_to_spare_and_cuts_at_common_step():
@@ -68,6 +72,7 @@ def test_failed_spare_only_shrinks_the_spare_list():
     reps[4] = {}
     d = decide(generation=1, ranks_per_node=1, assignment=[0, 1, 2], spare_nodes=[3, 4], failed={3}, reports=reps)
     assert d["assignment"] == [0, 1, 2] and d["promoted"] == {} and d["spare_nodes"] == [4]
+    assert d["reason"] == "spare lost"
     assert d["cut_step"] == 4 and d["recomputed_steps"] == 0
 
 
@@ -82,4 +87,35 @@ def test_preemption_saves_at_the_newest_common_step_without_promoting():
     assert d["cut_step"] == 11 and d["sources"] == {} and d["fenced"] == []
     assert d["members"] == [0, 1, 2, 3]
     swap = decide(generation=2, ranks_per_node=1, assignment=[0, 1, 2], spare_nodes=[3], failed=set(), reports=reps)
-    assert not swap["exhausted"] and swap["reason"] == "hot swap"
+    assert not swap["exhausted"] and swap["reason"] == "rebuild"
+
+
+def test_k_replicas_survive_two_adjacent_losses():
+    # 4 nodes x 1 rank, K=2: rank 1's replicas on nodes 2 and 3, rank 2's on 3 and 0. Nodes 1 and 2 die.
+    reps = {0: {"own_rank": 0, "own": [7, 8], "held": {"2": [7, 8], "3": [7, 8]}, "done_step": 8},
+            3: {"own_rank": 3, "own": [7, 8], "held": {"1": [7, 8], "2": [7, 8]}, "done_step": 8},
+            4: {}, 5: {}}
+    d = decide(generation=1, ranks_per_node=1, assignment=[0, 1, 2, 3], spare_nodes=[4, 5], failed={1, 2},
+               reports=reps, replicas=2)
+    assert d["assignment"] == [0, 4, 5, 3] and d["cut_step"] == 8
+    assert d["sources"] == {"1": 3, "2": 3}  # ring order: the first live holder
+    with pytest.raises(ReplicaError, match="rank 1: its node and every holder"):
+        decide(generation=1, ranks_per_node=1, assignment=[0, 1, 2, 3], spare_nodes=[4, 5], failed={1, 2},
+               reports={0: reps[0], 3: {"own_rank": 3, "own": [8]}, 4: {}, 5: {}}, replicas=2)
+
+
+def test_a_promoted_spare_whose_restore_failed_is_restored_again_from_a_holder():
+    # generation 1 promoted spare 3 for rank 1, then the round failed before its restore (node 2, the first
+    # holder, died): rank 1's state now comes from the other holder, node 0.
+    reps = {0: {"own_rank": 0, "own": [9, 10], "held": {"1": [9, 10], "2": [9, 10]}, "done_step": 10},
+            3: {"own_rank": 1, "own": []}, 4: {}}
+    d = decide(generation=2, ranks_per_node=1, assignment=[0, 3, 2], spare_nodes=[4], failed={2}, reports=reps,
+               replicas=2)
+    assert d["assignment"] == [0, 3, 4] and d["promoted"] == {"2": 4}
+    assert d["sources"] == {"1": 0, "2": 0} and d["cut_step"] == 10
+
+
+def test_nobody_failed_is_a_rebuild_of_the_same_members():
+    reps = reports({0: [4, 5], 1: [5], 2: [4, 5]}, {})
+    d = decide(generation=3, ranks_per_node=1, assignment=[0, 1, 2], spare_nodes=[], failed=set(), reports=reps)
+    assert d["reason"] == "rebuild" and d["assignment"] == [0, 1, 2] and d["sources"] == {} and d["cut_step"] == 5

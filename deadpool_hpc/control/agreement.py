@@ -1,47 +1,54 @@
-"""The recovery decision: a pure function from (layout, failed set, survivors' reports) to a plan.
+"""The recovery decision: a pure function from (layout, failed set, live processes' reports) to a plan.
 
-The coordinator (the lowest-ranked live process) runs ``decide`` once every live process has
-reported; everybody else applies the result it receives. Being pure, it is unit-tested directly.
-Steps follow DESIGN.md "Recovery, in order": agree on the failed set, map every failed node to a
-spare node rank for rank, and cut at the newest step ``T`` whose state exists for every rank (a
-survivor's own snapshots, or a failed rank's replica at its holder).
+The coordinator of a recovery round (the lowest-ranked live process, plane.py) runs ``decide`` once every
+live process has reported; every member applies the result it receives. Being pure, it is unit-tested
+directly. Steps follow DESIGN.md "Recovery, in order": agree on the failed set, map every failed node to a
+spare node rank for rank, and cut at the newest step ``T`` whose state exists for every rank, then say
+where each rank's state at ``T`` comes from.
+
+Replica placement (``holders_of``): rank r's snapshot is held by the same local index on the next K
+active (logical) nodes, a ring, so any K simultaneous node losses leave a copy of every rank.
 """
 from __future__ import annotations
 
 from ..errors import ReplicaError
 
 
-def holder_of(train_rank: int, ranks_per_node: int, active_nodes: int) -> int:
-    """Training rank that holds ``train_rank``'s replica: same local index on the next node (a ring).
+def holders_of(train_rank: int, ranks_per_node: int, active_nodes: int, k: int = 1) -> list[int]:
+    """Training ranks that hold ``train_rank``'s replica: same local index on the next ``k`` nodes (a ring).
 
-    Raises ValueError for a single active node (no other node to hold a replica).
+    Raises ValueError when the ring is too small (fewer than k + 1 active nodes).
     """
-    if active_nodes < 2:
-        raise ValueError("replicas need at least 2 active nodes (a ring over nodes)")
+    if k >= active_nodes:
+        raise ValueError(f"{k} replica(s) need at least {k + 1} active nodes (a ring over nodes); have {active_nodes}")
     node, local = divmod(train_rank, ranks_per_node)
-    return ((node + 1) % active_nodes) * ranks_per_node + local
+    return [((node + j) % active_nodes) * ranks_per_node + local for j in range(1, k + 1)]
 
 
-def held_by(train_rank: int, ranks_per_node: int, active_nodes: int) -> int:
-    """Training rank whose replica ``train_rank`` holds (the ring's predecessor)."""
+def held_by(train_rank: int, ranks_per_node: int, active_nodes: int, k: int = 1) -> list[int]:
+    """Training ranks whose replica ``train_rank`` holds (its ``k`` predecessors on the ring)."""
     node, local = divmod(train_rank, ranks_per_node)
-    return ((node - 1) % active_nodes) * ranks_per_node + local
+    return [((node - j) % active_nodes) * ranks_per_node + local for j in range(1, k + 1)]
 
 
 def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare_nodes: list[int],
-           failed: set[int], reports: dict[int, dict], preempt: bool = False) -> dict:
+           failed: set[int], reports: dict[int, dict], preempt: bool = False, replicas: int = 1) -> dict:
     """Plan the next generation.
 
-    assignment[r] = MPI rank holding training rank r; spare_nodes = ids of live spare nodes, in
-    promotion order; failed = suspected MPI ranks; reports[m] = {"own": [steps], "held": {"r": [steps]},
-    "done_step": int} from each live process (spares report {}).
+    assignment[r] = MPI rank holding training rank r; spare_nodes = ids of live spare nodes, in promotion
+    order; failed = suspected MPI ranks; reports[m] from each live process m:
+    ``{"own_rank": r or None, "own": [steps], "held": {"r": [steps]}, "done_step": int}`` (a spare that holds
+    nothing reports {}). Only verified snapshots are reported; ``own`` counts for rank r only when the
+    process still holds r (a promoted spare whose restore failed reports no own steps).
 
-    Returns the decision dict (see keys below). When a lost active node finds no spare, the decision
-    has ``exhausted`` True, no promotion, and still the cut step and the holder of every lost rank's
-    replica (the job saves a persistent checkpoint at the cut and is requeued). ``preempt`` (Slurm
-    announced preemption or the time limit with SIGUSR2) makes the decision ``exhausted`` too, with
-    no promotion: save at the cut and requeue. ``reason`` says which: "hot swap", "no spare node
-    left" or "preempted". Raises ReplicaError when some rank's state at a common step exists nowhere.
+    Returns the decision dict (keys below). ``sources[r]`` names the MPI rank to pull rank r's state at the
+    cut from, for every rank whose process (new or old) lacks it locally: promoted spares, and ranks whose
+    process lost its state in a failed round. When a lost active node finds no spare, the decision has
+    ``exhausted`` True, no promotion, and still the cut and a source for every lost rank (the job saves a
+    persistent checkpoint there and is requeued). ``preempt`` (Slurm's warning) makes it ``exhausted`` too.
+    ``reason``: "hot swap", "no spare node left", "preempted", or "rebuild" (nobody failed: a collective
+    timed out or a round failed; same members, new process group). Raises ReplicaError, naming the rank,
+    when some rank's state at a common step exists nowhere.
     """
     P = ranks_per_node
     W = len(assignment)
@@ -51,11 +58,18 @@ def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare
     spares = [s for s in spare_nodes if s not in failed_nodes]
     new_assign = list(assignment)
     promoted: dict[int, int] = {}
+    replaced: dict[int, int] = {}  # lost node -> the spare node that takes its place
     lost = [n for n in failed_nodes if n in active_nodes]
     exhausted = preempt or len(lost) > len(spares)
-    reason = "preempted" if preempt else ("no spare node left" if exhausted else "hot swap")
+    if preempt:
+        reason = "preempted"
+    elif exhausted:
+        reason = "no spare node left"
+    else:
+        reason = "hot swap" if lost else ("spare lost" if failed_nodes else "rebuild")
     for node in ([] if exhausted else lost):
         spare = spares.pop(0)
+        replaced[node] = spare
         slot = active_nodes.index(node)
         for i in range(P):
             r = slot * P + i
@@ -64,23 +78,34 @@ def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare
     fenced = sorted(m for node in failed_nodes for m in range(node * P, node * P + P))
     members = sorted(m for m in reports if m // P not in failed_nodes)
 
-    sources: dict[int, int] = {}
-    common: set[int] | None = None
-    for r in range(W):
-        m = assignment[r]
-        if m // P not in failed_nodes:
-            avail = set(reports.get(m, {}).get("own", []))
-        else:
-            h = holder_of(r, P, N) if N >= 2 else None
-            hm = assignment[h] if h is not None else None
-            if hm is None or hm // P in failed_nodes:
-                raise ReplicaError(f"rank {r} and the holder of its replica were lost together; no state survives")
-            avail = set(reports.get(hm, {}).get("held", {}).get(str(r), []))
-            sources[r] = hm
-        common = avail if common is None else common & avail
+    def own_steps(m: int, r: int) -> set[int]:
+        rep = reports.get(m)
+        if m // P in failed_nodes or not rep or rep.get("own_rank") != r:
+            return set()
+        return set(rep.get("own", []))
+
+    held = {r: {} for r in range(W)}  # rank -> {step: [live MPI ranks holding a verified copy]}
+    for m in members:
+        for r, steps in (reports[m].get("held") or {}).items():
+            for s in steps:
+                held.setdefault(int(r), {}).setdefault(int(s), []).append(m)
+    avail = {r: own_steps(assignment[r], r) | set(held[r]) for r in range(W)}
+    gone = [r for r in range(W) if not avail[r]]
+    if gone:
+        r = gone[0]
+        raise ReplicaError(f"rank {r}: its node and every holder of its replica were lost together (failed nodes "
+                           f"{failed_nodes}); no copy of its state survives" + (f" (nor of ranks {gone[1:]})" if gone[1:] else ""))
+    common = set.intersection(*avail.values())
     if not common:
-        raise ReplicaError(f"no step whose state exists for every rank (reports: {reports})")
+        raise ReplicaError(f"no step whose state exists for every rank: {({r: sorted(a) for r, a in avail.items()})}")
     cut = max(common)
+    sources: dict[int, int] = {}
+    for r in range(W):
+        if cut in own_steps(new_assign[r], r):
+            continue
+        ring = [assignment[h] for h in holders_of(r, P, N, min(replicas, N - 1))] if N > 1 and replicas else []
+        have = held[r].get(cut, [])
+        sources[r] = next((m for m in ring if m in have), None) or have[0]
     done = max((rep.get("done_step", -1) for rep in reports.values() if rep), default=cut)
     return {
         "generation": generation,
@@ -88,6 +113,7 @@ def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare
         "fenced": fenced,
         "assignment": new_assign,
         "promoted": {str(k): v for k, v in promoted.items()},
+        "replaced": {str(k): v for k, v in replaced.items()},
         "sources": {str(k): v for k, v in sources.items()},
         "exhausted": exhausted,
         "reason": reason,
