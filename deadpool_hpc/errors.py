@@ -23,3 +23,12 @@ class WireError(ValueError):
 
 class JobAborted(RuntimeError):
     """Another process hit an error in user code and asked the whole job to stop."""
+
+
+class RecoveryTimeout(RuntimeError):
+    """A recovery round produced no decision within its deadline (``recovery_timeout``): the process gives up
+    with this clear error instead of waiting for ever."""
+
+
+class Fenced(RuntimeError):
+    """The agreed decision declares this process failed (a false suspicion, or a node cut off): it must stop."""

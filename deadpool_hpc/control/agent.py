@@ -10,9 +10,10 @@ survivors learn within one message latency of the first detection. A suspected p
 again: its messages are dropped (it is fenced by the recovery). Other messages are verified (HMAC,
 see wire.py) and handed to the main thread through ``inbox``.
 
-It is also the only thread that calls MPI once it runs: other threads hand it work through
-``call(fn)`` (run fn in this thread, return its result) and ``add_poller(obj)`` (``obj.poll()`` each
-iteration). Measured with the MPICH wheel's UCX netmod: a collective on one thread while another
+It is also the only thread that calls MPI once it runs: other threads queue messages (``send``) and
+register pollers (``add_poller(obj)``: ``obj.poll()`` each iteration, e.g. the progress watchdog). It
+never blocks: every MPI call it makes is non-blocking (Isend, Improbe + a matched receive of a message
+that has arrived, Test). Measured with the MPICH wheel's UCX netmod: a collective on one thread while another
 thread runs point-to-point traffic stalls delivery for good in about 1 run of 4, while the same
 traffic from one thread never did (0 of 8); the OFI netmod has no stall but aborts the process when
 a peer dies. So MPI is used from one thread, whatever level MPI_Init_thread grants.
@@ -36,7 +37,9 @@ class Agent(threading.Thread):
 
     comm: an MPI communicator used for nothing else (a Dup of COMM_WORLD). secret: the per-job key.
     period / deadline: heartbeat interval and silence that makes a peer suspected (seconds).
-    on_suspect(rank, reason, t): called from this thread when a peer becomes suspected.
+    on_suspect(rank, reason, t, last_heard): called (in whichever thread suspects) when a peer becomes
+    suspected; t and last_heard are wall times (last_heard: when this process last heard from it, None
+    when the suspicion was reported by another process that did not say).
     """
 
     def __init__(self, comm, secret: bytes, period: float, deadline: float, on_suspect=None):
@@ -54,6 +57,8 @@ class Agent(threading.Thread):
         self.preempted = threading.Event()  # the job must save and leave (Slurm's SIGUSR2), see request_preempt
         self.preempt_signal = False         # set by a signal handler (a plain store: safe there); read by this thread
         self.on_preempt = None              # on_preempt(source_rank): called from this thread, once
+        self.on_inject = None               # on_inject(body): a fault to fire on this process (worker/faults.py)
+        self.watchdog = None                # a Watchdog (watchdog.py) credited for this thread's own stalls
         self.inbox: queue.Queue = queue.Queue()
         self.last_suspicion = 0.0
         self.generation = 0
@@ -66,7 +71,6 @@ class Agent(threading.Thread):
         self._rejected = 0
         self.stalls = 0
         self._outbox: deque = deque()   # (dest, bytes) queued by any thread, sent by this one
-        self._calls: deque = deque()    # (fn, args, Future) to run in this thread
         self._pollers: list = []
 
     # ---- views -------------------------------------------------------------------------
@@ -101,31 +105,9 @@ class Agent(threading.Thread):
                 with self.lock:
                     self._pending.append((req, msg, dest))
 
-    # ---- running work in the MPI thread ------------------------------------------------------
-    def call(self, fn, *args, timeout: float | None = None):
-        """Run ``fn(*args)`` in this (the MPI) thread and return its result (or raise its error)."""
-        if threading.current_thread() is self:
-            return fn(*args)
-        fut = _Future()
-        self._calls.append((fn, args, fut))
-        if not fut.done.wait(timeout):
-            raise TimeoutError(f"MPI call {getattr(fn, '__name__', fn)} did not run within {timeout} s")
-        if fut.error is not None:
-            raise fut.error
-        return fut.value
-
     def add_poller(self, poller) -> None:
-        """Call ``poller.poll()`` on every iteration of this thread (it may use MPI)."""
+        """Call ``poller.poll()`` on every iteration of this thread (it may use MPI; it must not block)."""
         self._pollers.append(poller)
-
-    def _run_calls(self) -> None:
-        while self._calls:
-            fn, args, fut = self._calls.popleft()
-            try:
-                fut.value = fn(*args)
-            except BaseException as exc:  # handed back to the caller
-                fut.error = exc
-            fut.done.set()
 
     def broadcast(self, kind: str, body: dict, include_self: bool = False) -> None:
         """Send to every live peer (point-to-point; a dead peer cannot block it)."""
@@ -133,8 +115,9 @@ class Agent(threading.Thread):
             if p != self.me or include_self:
                 self.send(p, kind, body)
 
-    def suspect(self, rank: int, reason: str, notify: bool = True) -> None:
-        """Mark ``rank`` failed, wake the main thread, and tell every live peer (once)."""
+    def suspect(self, rank: int, reason: str, notify: bool = True, last_heard: float | None = None) -> None:
+        """Mark ``rank`` failed, wake the main thread, and tell every live peer (once). ``last_heard``: wall
+        time the suspect was last heard of (by default: by this process, from its heartbeats)."""
         if rank == self.me:
             return
         with self.lock:
@@ -142,12 +125,15 @@ class Agent(threading.Thread):
                 return
             t = time.time()
             self.suspected[rank] = t
-            self.last_suspicion = time.monotonic()
+            now = time.monotonic()
+            self.last_suspicion = now
+        if last_heard is None and rank in self._last_seen:
+            last_heard = t - (now - self._last_seen[rank])
         self.failure.set()
         if self.on_suspect is not None:
-            self.on_suspect(rank, reason, t)
+            self.on_suspect(rank, reason, t, last_heard)
         if notify:
-            self.broadcast("suspect", {"ranks": [rank], "reason": reason})
+            self.broadcast("suspect", {"ranks": [rank], "reason": reason, "last_heard": last_heard})
 
     def request_preempt(self) -> None:
         """Ask every live process to save a persistent checkpoint and leave (preemption or time limit).
@@ -219,6 +205,8 @@ class Agent(threading.Thread):
                 # now see is its own, so peers get the time back instead of being suspected
                 for p in self._last_seen:
                     self._last_seen[p] += stalled
+                if self.watchdog is not None:
+                    self.watchdog.credit(stalled)
                 self.stalls += 1
             # receive everything that has arrived: matched probe + receive of that very message
             # (a preposted any-source Irecv stalled for good under the UCX netmod, measured)
@@ -252,7 +240,6 @@ class Agent(threading.Thread):
             if self.preempt_signal and not self.preempted.is_set():
                 self._preempt(self.me)
             self._flush_outbox()
-            self._run_calls()
             busy = False
             for p in self._pollers:
                 busy = p.poll() or busy
@@ -260,7 +247,7 @@ class Agent(threading.Thread):
                 for p in [p for p, t in self._last_seen.items() if now - t > self.deadline]:
                     if not self.is_suspected(p):
                         self.suspect(p, f"no heartbeat for {now - self._last_seen[p]:.2f} s")
-            self._stop.wait(0.0005 if (busy or self._calls) else 0.005)
+            self._stop.wait(0.0005 if busy else 0.005)
 
     def _handle(self, src: int, buf, n: int, now: float) -> None:
         if self.is_suspected(src):
@@ -275,18 +262,18 @@ class Agent(threading.Thread):
             return
         if kind == "suspect":
             for r in body.get("ranks", []):
-                self.suspect(int(r), f"reported by rank {src}: {body.get('reason', '')}", notify=True)
+                self.suspect(int(r), f"reported by MPI rank {src}: {body.get('reason', '')}", notify=True,
+                             last_heard=body.get("last_heard"))
             return
         if kind == "preempt":
             self._preempt(src)
             return
-        if kind == "teardown":
-            self.failure.set()
+        if kind == "inject":
+            if self.on_inject is not None:
+                self.on_inject(body)
+            return
+        if kind == "teardown" and int(body.get("g", 0)) < self.generation:
+            return  # a round this process has already left behind
+        if kind in ("teardown", "collect"):
+            self.failure.set()  # a peer left the generation or a coordinator asks for reports: recover
         self.inbox.put((kind, src, body))
-
-
-class _Future:
-    def __init__(self):
-        self.done = threading.Event()
-        self.value = None
-        self.error: BaseException | None = None

@@ -40,14 +40,18 @@ def is_alive(ident: dict) -> bool:
     return fields[0] not in ("Z", "X") and int(fields[19]) == ident.get("start")
 
 
+def same_process(ident: dict) -> bool:
+    """True if ``ident`` names a process that runs now on this kernel (same boot id, pid and start time)."""
+    if not ident or not ident.get("boot") or ident["boot"] != identity()["boot"]:
+        return False
+    return _start_ticks(int(ident["pid"])) == ident.get("start")
+
+
 def fence(ident: dict) -> bool:
     """SIGKILL the process described by ``ident`` if it runs on this kernel. True if a signal was sent."""
-    mine = identity()
-    if not ident or not ident.get("boot") or ident["boot"] != mine["boot"]:
+    if not same_process(ident) or int(ident["pid"]) == os.getpid():
         return False
     pid = int(ident["pid"])
-    if pid == os.getpid() or _start_ticks(pid) != ident.get("start"):
-        return False
     try:
         os.kill(pid, signal.SIGKILL)
         return True

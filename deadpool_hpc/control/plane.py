@@ -1,33 +1,45 @@
-"""The control plane: MPI bootstrap, failure detection and agreement for one process.
+"""The control plane: MPI bootstrap, failure detection, agreement and barriers for one process.
 
-Owns: MPI initialisation (MPI_THREAD_MULTIPLE), the identity exchange used for fencing, the
-heartbeat agent (agent.py), the recovery agreement and the survivors' communicator, built each
-generation with ``MPI_Comm_create_group`` (only survivors call it, so the dead cannot block it).
-It does not own process groups, replicas or training state: the worker passes it a report and a
-callback that hosts the next generation's store, and applies the decision it returns.
+Owns: MPI initialisation (MPI_THREAD_MULTIPLE), the identity exchange used for fencing and to reach each
+process's replica server, the heartbeat agent (agent.py), the progress watchdog (watchdog.py), the recovery
+agreement, and barriers among the members of a generation. It does not own process groups, replicas or
+training state: the worker passes it a report and a callback that hosts the next generation's store, and
+applies the decision it returns.
 
-Agreement (DESIGN.md "Recovery"): every live process that leaves a generation sends ``ready`` with
-its report to the coordinator, the lowest-ranked live process. Once every live process has
-reported and no new suspicion arrived for ``settle`` seconds, the coordinator runs
-``agreement.decide``, hosts the new generation's store, and sends ``decision`` to every member. If
-the coordinator itself is suspected meanwhile, the next lowest takes over and members re-send.
-Members then build the survivors' communicator and check, with a non-blocking allreduce, that all
-hold the same decision.
+After start-up nothing here is an MPI collective: a collective that includes a dead or frozen process never
+returns on MPICH without ULFM (notes/ft-probes.md 2b), and ``MPI_Comm_create_group`` blocked the whole agent
+thread when a member died after reporting (issue 11, item 1). Agreement and barriers are point-to-point
+control messages; every wait has a deadline and watches the failure flag, and a failure at any moment of a
+recovery starts the next round.
+
+Agreement (DESIGN.md "Recovery"), one *round*: every process that leaves its generation broadcasts
+``teardown``. The coordinator, the lowest-ranked live process, asks every live process for its report
+(``collect``, with a fresh round id) and waits for each ``ready`` (a live process that does not answer
+within ``ready_timeout`` seconds has a stuck training thread: it is suspected). Once all live processes
+have answered and no suspicion arrived for ``settle`` seconds, it takes the newest view among the reports
+(the assignment of the highest applied generation: some members may have applied a decision others never
+received), runs ``agreement.decide``, hosts the new generation's store, and sends ``decision`` to every
+member. If the coordinator is suspected meanwhile, the next lowest takes over with a new round. A process
+accepts a decision newer than its generation from an unsuspected coordinator; if its waiting exceeds
+``recovery_timeout`` it gives up with RecoveryTimeout (a clear exit, never a hang).
 """
 from __future__ import annotations
 
-import hashlib
+import faulthandler
 import json
 import os
+import signal
+import sys
 import time
 
 import numpy as np
 
-from ..errors import JobAborted
+from ..errors import Fenced, JobAborted, PeerFailure, RecoveryTimeout
 from . import fence as fencing
 from . import pmi_relay
 from .agent import Agent
 from .agreement import decide
+from .watchdog import Watchdog
 
 _HELLO_BYTES = 512
 
@@ -36,9 +48,8 @@ def _mpi():
     import mpi4py
 
     # Measured with the MPICH wheel's UCX netmod: a rendezvous transfer whose sender dies kills the
-    # receiver (cross-memory attach: "process_vm_readv ... No such process", then SIGTERM; without
-    # cma, a segfault in the next send). Replica payloads are small per rank, so send every
-    # message eagerly: a dead sender then leaves a receive that never completes, which we abandon.
+    # receiver (cross-memory attach: "process_vm_readv ... No such process", then SIGTERM). Control
+    # messages are small; send every message eagerly.
     os.environ.setdefault("UCX_RNDV_THRESH", "inf")
     pmi_relay.install()  # under srun: keeps every PMI-1 request within Slurm's 1024-byte read (pmi_relay.py)
     mpi4py.rc.thread_level = "multiple"
@@ -51,12 +62,16 @@ def _mpi():
 class ControlPlane:
     """One process's view of the job's membership.
 
-    ranks_per_node / active_nodes / spare_nodes describe the initial layout (MPI rank m lives on
-    emulated node m // ranks_per_node). ``log`` is an EventLog.
+    ranks_per_node / active_nodes describe the initial layout (MPI rank m lives on node m // ranks_per_node).
+    ``log`` is an EventLog. Times are seconds: heartbeat ``period`` and ``deadline``; ``hang_timeout`` for the
+    progress watchdog (0: off); ``ready_timeout`` (coordinator waiting for a live process's report) and
+    ``recovery_timeout`` (a process waiting for a decision). ``replicas``: K, passed on to ``decide``.
+    ``extra_identity``: more fields for this process's identity record (e.g. its replica server address).
     """
 
-    def __init__(self, *, secret: bytes, ranks_per_node: int, active_nodes: int, period: float,
-                 deadline: float, log, settle: float = 0.02):
+    def __init__(self, *, secret: bytes, ranks_per_node: int, active_nodes: int, period: float, deadline: float,
+                 log, settle: float = 0.02, hang_timeout: float = 0.0, ready_timeout: float = 60.0,
+                 recovery_timeout: float = 120.0, replicas: int = 1, extra_identity: dict | None = None):
         MPI = _mpi()
         self.MPI = MPI
         world = MPI.COMM_WORLD
@@ -67,28 +82,35 @@ class ControlPlane:
         self.log = log
         self.secret = secret
         self.settle = settle
+        self.ready_timeout = ready_timeout
+        self.recovery_timeout = recovery_timeout
+        self.replicas = replicas
         for c in (MPI.COMM_SELF, world):
             c.Set_errhandler(MPI.ERRORS_RETURN)
         self.ctrl = world.Dup()
-        self.repl = world.Dup()
-        for c in (self.ctrl, self.repl):
-            c.Set_errhandler(MPI.ERRORS_RETURN)
+        self.ctrl.Set_errhandler(MPI.ERRORS_RETURN)
         self.generation = 0
         W = active_nodes * ranks_per_node
         self.assignment = list(range(W))
         self.spare_nodes = list(range(active_nodes, self.size // ranks_per_node))
         self.members = list(range(self.size))
-        self.idents = self._exchange_identities()
+        self.idents = self._exchange_identities(extra_identity or {})
         self._wire_up()
-        self.survivors = world
-        self._ready: dict[int, dict[int, dict]] = {}
+        self.coordinator: int | None = None  # of the last applied decision
+        self._round = 0
+        self._collects: dict[int, tuple] = {}        # coordinator MPI rank -> (its newest round id, its generation)
+        self._ready: dict[tuple, dict[int, dict]] = {}  # round id -> {MPI rank: ready body}
         self._decisions: dict[int, tuple[int, dict]] = {}
+        self._sync: dict[str, set[int]] = {}
         self._finish: dict | None = None
         self._abort: dict | None = None
         self.first_suspicion: float | None = None
         log.emit("hello", mpi_rank=self.me, node=self.me // ranks_per_node, **self.idents[self.me])
         self.agent = Agent(self.ctrl, secret, period, deadline, on_suspect=self._on_suspect)
         self.agent.on_preempt = self._on_preempt
+        self.watchdog = Watchdog(hang_timeout, self._on_hang)
+        self.agent.watchdog = self.watchdog
+        self.agent.add_poller(self.watchdog)
 
     def start(self) -> None:
         """Start the agent. From here on only the agent thread calls MPI (see agent.py)."""
@@ -96,17 +118,19 @@ class ControlPlane:
         self.agent._last_seen = {p: time.monotonic() for p in self.agent._last_seen}
         self.agent.start()
 
-    # ---- bootstrap ------------------------------------------------------------------------
-    def _exchange_identities(self) -> list[dict]:
-        mine = json.dumps(fencing.identity()).encode().ljust(_HELLO_BYTES, b" ")
+    # ---- bootstrap (every process alive: collectives are fine here) ---------------------------------------
+    def _exchange_identities(self, extra: dict) -> list[dict]:
+        mine = json.dumps({**fencing.identity(), **extra}).encode()
+        if len(mine) > _HELLO_BYTES:
+            raise ValueError(f"identity record of {len(mine)} bytes exceeds {_HELLO_BYTES}")
         out = np.empty(_HELLO_BYTES * self.size, dtype=np.uint8)
-        self.world.Allgather(np.frombuffer(mine, dtype=np.uint8), out)
+        self.world.Allgather(np.frombuffer(mine.ljust(_HELLO_BYTES, b" "), dtype=np.uint8), out)
         return [json.loads(out[i * _HELLO_BYTES:(i + 1) * _HELLO_BYTES].tobytes()) for i in range(self.size)]
 
     def _wire_up(self) -> None:
         """Connect every pair of processes at start-up, so no connection is made mid-recovery."""
         MPI = self.MPI
-        for comm in (self.world, self.ctrl, self.repl):
+        for comm in (self.world, self.ctrl):
             out = np.zeros(self.size, dtype=np.uint8)
             back = np.empty(self.size, dtype=np.uint8)
             reqs = []
@@ -125,7 +149,7 @@ class ControlPlane:
         self.world.Bcast(buf, root=root)
         return buf.tobytes().rstrip(b"\0").decode()
 
-    # ---- roles ----------------------------------------------------------------------------
+    # ---- roles ----------------------------------------------------------------------------------------------
     @property
     def train_rank(self) -> int | None:
         """Training rank this process holds now, or None while it is a spare."""
@@ -139,16 +163,33 @@ class ControlPlane:
         """threading.Event set when a peer is suspected or a peer tears the generation down."""
         return self.agent.failure
 
-    def _on_suspect(self, rank: int, reason: str, t: float) -> None:
+    def _on_suspect(self, rank: int, reason: str, t: float, last_heard: float | None) -> None:
         if self.first_suspicion is None:
             self.first_suspicion = t
-        self.log.emit("suspect", t=t, generation=self.generation, suspect=rank, node=rank // self.P, reason=reason)
+        self.log.emit("suspect", t=t, generation=self.generation, suspect=rank, node=rank // self.P, reason=reason,
+                      last_heard=last_heard)
 
     def _on_preempt(self, source: int) -> None:
         if source == self.me:  # the processes that got the signal say so; the others just follow
             self.log.emit("preempt_requested", generation=self.generation)
 
-    # ---- inbox ----------------------------------------------------------------------------
+    def _on_hang(self, stuck: float, where: str) -> None:
+        """The watchdog (agent thread): the training thread made no progress for ``stuck`` seconds. Declare this
+        process failed, so the others recover now, and end it (a stuck thread cannot be trusted to leave)."""
+        reason = f"training thread made no progress for {stuck:.1f} s (last at {where})"
+        self.log.emit("hang_detected", generation=self.generation, stuck_s=round(stuck, 3), where=where,
+                      timeout_s=self.watchdog.timeout)
+        print(f"deadpool: {reason}; its stacks:", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(all_threads=True)
+        self.agent.broadcast("suspect", {"ranks": [self.me], "reason": reason, "last_heard": time.time() - stuck})
+        self.agent._flush_outbox()
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end and not self.agent.reap_sends():
+            time.sleep(0.005)
+        self.log.sync()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    # ---- inbox ----------------------------------------------------------------------------------------------
     def pump(self, timeout: float = 0.0) -> None:
         """Move messages from the agent's inbox into per-kind tables. Raises JobAborted on ``abort``."""
         import queue
@@ -159,10 +200,14 @@ class ControlPlane:
                 kind, src, body = self.agent.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
-            if kind == "ready":
-                self._ready.setdefault(int(body["g"]), {})[src] = body["report"]
+            if kind == "collect":
+                self._collects[src] = (body["round"], int(body["g"]))
+            elif kind == "ready":
+                self._ready.setdefault(tuple(body["round"]), {})[src] = body
             elif kind == "decision":
                 self._decisions[int(body["generation"])] = (src, body)
+            elif kind == "sync":
+                self._sync.setdefault(body["tag"], set()).add(src)
             elif kind == "finish":
                 self._finish = body
             elif kind == "abort":
@@ -170,7 +215,7 @@ class ControlPlane:
             timeout = 0.0
             deadline = time.monotonic()
         if self._abort is not None:
-            raise JobAborted(f"rank {self._abort.get('mpi_rank')} aborted the job: {self._abort.get('error')}")
+            raise JobAborted(f"MPI rank {self._abort.get('mpi_rank')} aborted the job: {self._abort.get('error')}")
 
     def finished(self) -> dict | None:
         self.pump()
@@ -192,61 +237,122 @@ class ControlPlane:
         while time.monotonic() < end and not self.agent.sends_done():
             time.sleep(0.01)
 
-    # ---- recovery -------------------------------------------------------------------------
-    def recover(self, report: dict, host_store) -> dict:
+    # ---- recovery ---------------------------------------------------------------------------------------------
+    def recover(self, report: dict, host_store, on_phase=None) -> dict:
         """Agree on the next generation. Called by every live process after leaving the current one.
 
-        report: this process's {"own", "held", "done_step"} (see agreement.decide).
-        host_store(): () -> [host, port] of a fresh TCPStore served by this process; called only on
-        the coordinator. Returns the decision dict (agreement.decide's keys plus "store",
-        "coordinator", "t_decided"). Raises ReplicaError from ``decide`` (after
-        telling the other members), JobAborted if another process aborted.
+        report: this process's {"own_rank", "own", "held", "done_step"} (see agreement.decide).
+        host_store(): () -> [host, port] of a fresh TCPStore served by this process; called only on the
+        coordinator. on_phase(name): called at "agree" (report sent, or reports asked for) and "decided" (fault
+        injection for tests). Returns the decision dict (agreement.decide's keys plus "store", "coordinator",
+        "t_decided"). Raises ReplicaError from ``decide`` (after telling the members), Fenced if the decision
+        declares this process failed, JobAborted if another process aborted, RecoveryTimeout if no decision
+        comes within ``recovery_timeout`` seconds.
         """
-        g = self.generation + 1
+        on_phase = on_phase or (lambda _name: None)
         self.agent.failure.set()
         self.agent.broadcast("teardown", {"g": self.generation})
-        sent_to = None
+        end = time.monotonic() + self.recovery_timeout
+        answered: dict[int, list] = {}
+        my_round = None
+        told = False
         while True:
             self.pump(0.005)
-            if g in self._decisions:
-                src, decision = self._decisions[g]
-                if not self.agent.is_suspected(src):
-                    break
+            decision = self._take_decision()
+            if decision is not None:
+                break
             alive = self.agent.alive()
-            coord = alive[0]
-            if coord == self.me:
-                decision = self._coordinate(g, report, alive, host_store)
+            if alive[0] == self.me:
+                if my_round is None:
+                    my_round = self._start_round(alive)
+                    if not told:
+                        told = True
+                        on_phase("agree")
+                decision = self._coordinate(my_round, alive, report, host_store)
                 if decision is not None:
                     break
-            elif sent_to != coord:
-                self.agent.send(coord, "ready", {"g": g, "report": report})
-                sent_to = coord
+            else:
+                my_round = None
+                for src, (rid, _g) in list(self._collects.items()):
+                    if src in alive and answered.get(src) != rid:
+                        self.agent.send(src, "ready", self._ready_body(rid, report))
+                        answered[src] = rid
+                        if not told:
+                            told = True
+                            on_phase("agree")
+            if time.monotonic() > end:
+                raise RecoveryTimeout(f"no decision for a generation after {self.generation} within "
+                                      f"{self.recovery_timeout:.0f} s (coordinator: MPI rank {alive[0]})")
         if "error" in decision:
             raise _error_from(decision)
+        if self.me in decision["fenced"]:
+            raise Fenced(f"the decision for generation {decision['generation']} (coordinator MPI rank "
+                         f"{decision['coordinator']}) declares this process failed")
+        on_phase("decided")
         self._apply(decision)
         return decision
 
-    def _coordinate(self, g: int, report: dict, alive: list[int], host_store) -> dict | None:
-        ready = self._ready.setdefault(g, {})
-        ready[self.me] = report
-        if any(p not in ready for p in alive):
+    def _ready_body(self, rid, report: dict) -> dict:
+        return {"round": rid, "report": report, "applied": self.generation, "assignment": self.assignment,
+                "spare_nodes": self.spare_nodes}
+
+    def _start_round(self, alive: list[int]) -> tuple:
+        self._round += 1
+        rid = (self.me, self._round)
+        self._round_t0 = time.monotonic()
+        for p in alive:
+            if p != self.me:
+                self.agent.send(p, "collect", {"round": list(rid), "g": self.generation})
+        return rid
+
+    def _take_decision(self) -> dict | None:
+        """The newest decision for a generation after ours, from an unsuspected coordinator, naming us."""
+        best = None
+        for g, (src, body) in self._decisions.items():
+            named = self.me in body.get("members", []) or self.me in body.get("fenced", [])
+            if g > self.generation and not self.agent.is_suspected(src) and named:
+                if best is None or g > best["generation"]:
+                    best = body
+        return best
+
+    def _coordinate(self, rid: tuple, alive: list[int], report: dict, host_store) -> dict | None:
+        ready = self._ready.setdefault(rid, {})
+        ready[self.me] = self._ready_body(list(rid), report)
+        missing = [p for p in alive if p not in ready]
+        now = time.monotonic()
+        if missing:
+            if now - self._round_t0 > self.ready_timeout:
+                for p in missing:
+                    self.agent.suspect(p, f"no recovery report within {self.ready_timeout:.1f} s while its heartbeats "
+                                          f"go on: its training thread is stuck")
             return None
-        if time.monotonic() - self.agent.last_suspicion < self.settle:
+        if now - self.agent.last_suspicion < self.settle:
             return None
-        failed = {m for m in range(self.size) if self.agent.is_suspected(m)}
-        reports = {m: ready[m] for m in alive}
+        view = max((ready[m] for m in alive), key=lambda b: b["applied"])
+        g = view["applied"] + 1
+        P = self.P
+        in_job = set(view["assignment"]) | {n * P + i for n in view["spare_nodes"] for i in range(P)}
+        failed = {m for m in range(self.size) if self.agent.is_suspected(m) and m in in_job}
         try:
-            decision = decide(generation=g, ranks_per_node=self.P, assignment=self.assignment,
-                              spare_nodes=self.spare_nodes, failed=failed, reports=reports,
-                              preempt=self.agent.preempted.is_set())
+            decision = decide(generation=g, ranks_per_node=P, assignment=view["assignment"],
+                              spare_nodes=view["spare_nodes"], failed=failed,
+                              reports={m: ready[m]["report"] for m in alive}, preempt=self.agent.preempted.is_set(),
+                              replicas=self.replicas)
         except Exception as exc:  # tell everybody, then raise the same error everywhere
-            decision = {"generation": g, "error": type(exc).__name__, "message": str(exc), "members": alive}
+            decision = {"generation": g, "error": type(exc).__name__, "message": str(exc), "members": alive,
+                        "failed_nodes": sorted({m // P for m in failed}), "fenced": []}
         else:
             decision["store"] = host_store()
         decision["coordinator"] = self.me
         decision["t_decided"] = time.time()
+        decision["first_suspicion"] = self.first_suspicion
         for m in decision["members"]:
-            self.agent.send(m, "decision", decision)
+            if m != self.me:
+                self.agent.send(m, "decision", decision)
+        self._ready.pop(rid, None)
+        self.log.emit("decision", **{k: decision.get(k) for k in (
+            "generation", "failed_nodes", "promoted", "replaced", "sources", "cut_step", "exhausted", "reason", "recomputed_steps",
+            "store", "t_decided", "first_suspicion", "error", "message")})
         return decision
 
     def _apply(self, decision: dict) -> None:
@@ -257,46 +363,41 @@ class ControlPlane:
         self.assignment = list(decision["assignment"])
         self.spare_nodes = list(decision["spare_nodes"])
         self.members = list(decision["members"])
-        self.survivors = self.agent.call(self._create_group, self.members, 1000 + g)
-        self._check_agreement(decision)
+        self.coordinator = decision["coordinator"]
         self.generation = g
         self.agent.generation = g
         self.first_suspicion = None
         self.agent.failure.clear()
-        # a suspicion raised after the decision belongs to the next generation (a preemption waits for
-        # the next step boundary: Context._one_step)
+        # a suspicion raised after the decision belongs to the next round (a preemption waits for the next
+        # step boundary: Context._one_step)
         if any(self.agent.is_suspected(m) for m in self.members):
             self.agent.failure.set()
-        self._ready = {k: v for k, v in self._ready.items() if k > g}
+        self._decisions = {k: v for k, v in self._decisions.items() if k > g}
+        # a collect sent from generation g already asks for the next round: keep it
+        self._collects = {src: c for src, c in self._collects.items() if c[1] >= g}
 
-    def _create_group(self, members: list[int], tag: int):
-        # MPI_Comm_create_group: collective over the members only, so the dead cannot block it
-        return self.ctrl.Create_group(self.ctrl.Get_group().Incl(members), tag=tag)
-
-    def _check_agreement(self, decision: dict, timeout: float = 30.0) -> None:
-        keys = ("generation", "assignment", "cut_step", "members", "store")
-        digest = hashlib.sha256(json.dumps({k: decision[k] for k in keys}, sort_keys=True).encode()).digest()
-        mine = np.frombuffer(digest[:8], dtype=np.int64).copy()
-        lo, hi = np.empty_like(mine), np.empty_like(mine)
-        MPI, comm = self.MPI, self.survivors
-        reqs = self.agent.call(lambda: [comm.Iallreduce(mine, lo, op=MPI.MIN), comm.Iallreduce(mine, hi, op=MPI.MAX)])
+    def barrier(self, tag: str, participants: list[int], timeout: float) -> None:
+        """Wait until every MPI rank in ``participants`` has reached the barrier ``tag`` (point-to-point
+        messages, so a dead participant blocks nothing). Raises PeerFailure when a participant is suspected,
+        the failure flag is raised, or ``timeout`` seconds pass (naming who is missing)."""
+        for p in participants:
+            if p != self.me:
+                self.agent.send(p, "sync", {"tag": tag})
         end = time.monotonic() + timeout
-        while not self.agent.call(lambda: all([r.Test() for r in reqs])):
+        while True:
+            self.pump(0.002)
+            got = self._sync.get(tag, set()) | {self.me}
+            missing = [p for p in participants if p not in got]
+            if not missing:
+                self._sync.pop(tag, None)
+                return
+            dead = [p for p in participants if self.agent.is_suspected(p)]
+            if dead:
+                raise PeerFailure(f"barrier {tag}: MPI rank(s) {dead} failed")
+            if self.agent.failure.is_set():
+                raise PeerFailure(f"barrier {tag}: a peer failed")
             if time.monotonic() > end:
-                raise RuntimeError("agreement check did not complete: a member died during recovery")
-            time.sleep(0.001)
-        if lo[0] != mine[0] or hi[0] != mine[0]:
-            raise RuntimeError(f"members hold different decisions for generation {decision['generation']}")
-
-    def barrier(self, timeout: float = 120.0) -> None:
-        """Non-blocking barrier over the survivors' communicator, polled (raises on timeout)."""
-        comm = self.survivors
-        req = self.agent.call(comm.Ibarrier)
-        end = time.monotonic() + timeout
-        while not self.agent.call(req.Test):
-            if time.monotonic() > end:
-                raise RuntimeError("survivors' barrier did not complete: a member died")
-            time.sleep(0.002)
+                raise PeerFailure(f"barrier {tag}: MPI rank(s) {missing} did not arrive within {timeout:.1f} s")
 
     def exit(self, code: int = 0) -> None:
         """Leave without MPI_Finalize (peers may be dead); flush the event log first."""
