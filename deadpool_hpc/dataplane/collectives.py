@@ -2,33 +2,53 @@
 
 A blocked gloo collective cannot be interrupted, so the training thread never blocks in one:
 ``wait`` polls the work and the control plane's failure flag together and raises PeerFailure as
-soon as either reports a problem (notes/ft-probes.md 1c'). The abandoned work finishes or times out
-on its own, in the graveyard of dataplane.groups.
+soon as either reports a problem (notes/ft-probes.md 1c'), or when the collective has not completed
+within the ``Watch``'s timeout (a collective wedged with nobody at fault: the recovery then rebuilds the
+process group with the same members). The abandoned work finishes or times out on its own, in the
+graveyard of dataplane.groups. While it waits it tells the progress watchdog that the training thread
+is alive (waiting on peers is not a hang; control/watchdog.py).
 """
 from __future__ import annotations
 
 import threading
+import time
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 from ..errors import PeerFailure
 
 
-def wait(work, failure: threading.Event, poll: float = 0.0005) -> None:
-    """Wait for ``work`` (a torch.distributed Work). Raises PeerFailure if ``failure`` is set first
-    or the collective itself errors (e.g. gloo: "Connection closed by peer")."""
+@dataclass
+class Watch:
+    """What a wait of the training thread watches. failure: the control plane's failure flag; timeout:
+    seconds before a wait gives up (the collective timeout); beat(): the progress watchdog's beat."""
+
+    failure: threading.Event
+    timeout: float = 60.0
+    beat: object = field(default=lambda: None)
+
+
+def wait(work, watch: Watch, poll: float = 0.0005) -> None:
+    """Wait for ``work`` (a torch.distributed Work). Raises PeerFailure if the failure flag is set first,
+    the collective itself errors (e.g. gloo: "Connection closed by peer"), or ``watch.timeout`` passes."""
+    end = time.monotonic() + watch.timeout
+    failure = watch.failure
     while not work.is_completed():
         if failure.wait(poll):
             raise PeerFailure("a peer failed during a collective")
+        watch.beat()
+        if time.monotonic() > end:
+            raise PeerFailure(f"a collective did not complete within {watch.timeout:.0f} s (no peer suspected)")
     try:
         work.wait()
     except RuntimeError as exc:
         raise PeerFailure(f"collective failed: {exc}") from exc
 
 
-def all_reduce(tensor, failure, op=dist.ReduceOp.SUM) -> None:
-    wait(dist.all_reduce(tensor, op=op, async_op=True), failure)
+def all_reduce(tensor, watch: Watch, op=dist.ReduceOp.SUM) -> None:
+    wait(dist.all_reduce(tensor, op=op, async_op=True), watch)
 
 
-def all_gather(out, inp, failure) -> None:
-    wait(dist.all_gather_single(out, inp, async_op=True), failure)
+def all_gather(out, inp, watch: Watch) -> None:
+    wait(dist.all_gather_single(out, inp, async_op=True), watch)
