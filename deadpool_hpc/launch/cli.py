@@ -23,10 +23,18 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spares", type=int, default=d.spares, help="spare nodes allocated with the job")
     p.add_argument("--ranks-per-node", type=int, default=d.ranks_per_node)
     p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--kill", action="append", default=[], metavar="TARGET@STEP",
-                   help="SIGKILL nodeN or rankN when it reaches STEP (repeatable)")
-    p.add_argument("--hang", action="append", default=[], metavar="TARGET@STEP",
-                   help="SIGSTOP nodeN or rankN when it reaches STEP (repeatable)")
+    p.add_argument("--kill", action="append", default=[], metavar="TARGET@WHEN",
+                   help="SIGKILL nodeN or rankN when training reaches step WHEN, or when it reaches phase WHEN "
+                        "(detect, agree, decided, rebuild, restore, resume; #K: of the K-th recovery) (repeatable)")
+    p.add_argument("--hang", action="append", default=[], metavar="TARGET@WHEN",
+                   help="SIGSTOP nodeN or rankN, at a step or phase as for --kill (repeatable)")
+    p.add_argument("--replicas", type=int, default=d.replicas,
+                   help="K: each rank's snapshot lives on the next K nodes, so any K node losses at once survive")
+    p.add_argument("--hang-timeout", type=float, default=d.hang_timeout,
+                   help="seconds without progress of a rank's training thread before it is fenced (0: off); "
+                        "must exceed your longest step")
+    p.add_argument("--rendezvous-timeout", type=float, default=d.rendezvous_timeout,
+                   help="seconds to join a generation's process group before the recovery round is retried")
     p.add_argument("--summary", metavar="PATH", help="write the run summary JSON here")
     p.add_argument("--run-dir", default=d.run_dir, help="event log, config and logs of the run")
     p.add_argument("--batch-size", type=int, default=d.batch_size)
@@ -71,6 +79,7 @@ def config_from_args(a) -> RunConfig:
     return RunConfig(nodes=a.nodes, spares=a.spares, ranks_per_node=a.ranks_per_node, steps=a.steps, faults=faults,
                      batch_size=a.batch_size, context=a.context, lr=a.lr, seed=a.seed,
                      heartbeat_deadline=a.heartbeat_deadline, heartbeat_period=a.heartbeat_period,
+                     replicas=a.replicas, hang_timeout=a.hang_timeout, rendezvous_timeout=a.rendezvous_timeout,
                      replicate=not a.no_replicate, requeue=a.requeue, run_dir=a.run_dir, summary_path=a.summary,
                      log_every=a.log_every, train_fn=a.train_fn).validate()
 

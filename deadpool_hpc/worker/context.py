@@ -3,10 +3,11 @@
 ``Context.run(step_fn)`` runs ``step_fn(step)`` for each step, and around each step it injects the
 faults due, snapshots the state unique to this rank and hands it to the replica plane, and, when a
 peer fails, recovers: abandon the generation's process group, agree on the next generation (control
-plane), build its process group (data plane), restore every rank at the cut step (own snapshot, or
-a verified replica for a promoted spare), gather the parameters, re-replicate, and resume. Spare
-processes run the same function: they build the model and buffers, then wait in ``run`` until they
-are promoted or the run ends. The contract is in docs/worker-contract.md.
+plane), pass a barrier of the new generation's ranks, build its process group (data plane), restore
+every rank at the cut step (its own snapshot, or a verified replica pulled from a holder), gather the
+parameters, re-replicate, and resume. A failure during any of that starts the next recovery round.
+Spare processes run the same function: they build the model and buffers, then wait in ``run`` until
+they are promoted or the run ends. The contract is in docs/worker-contract.md.
 """
 from __future__ import annotations
 
@@ -17,15 +18,23 @@ import time
 
 import torch
 
-from ..control.agreement import held_by, holder_of
-from ..dataplane.groups import device_for
+from ..control.agreement import held_by, holders_of
 from ..dataplane import collectives
-from ..errors import PeerFailure
+from ..dataplane.collectives import Watch
+from ..dataplane.groups import device_for
+from ..errors import PeerFailure, RecoveryTimeout
 from ..replica import persist
 from ..replica.snapshot import StateLayout
 from ..replica.transport import Replicator
-from . import faults as fault_injection
+from .faults import Injector
 from .zero import ShardedAdamW
+
+MAX_FAILED_ROUNDS = 8  # recovery rounds in a row that fail before the run gives up (a clear exit)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 class Context:
@@ -35,7 +44,7 @@ class Context:
     generation; config (RunConfig); process_group (the current generation's default group).
     """
 
-    def __init__(self, cfg, control, groups, log, backend: str = "gloo"):
+    def __init__(self, cfg, control, groups, log, listener, backend: str = "gloo"):
         self.config = cfg
         self.cp = control
         self.groups = groups
@@ -46,12 +55,16 @@ class Context:
         self.step = 0
         self.opt: ShardedAdamW | None = None
         self.replicator: Replicator | None = None
+        self._listener = listener
         self._recovery: dict | None = None
+        self._rounds = 0  # recovery rounds this process took part in (phase faults count them)
         self.exit_code = 0
-        self._faults = fault_injection.ordered(cfg.faults)
+        self.watch = Watch(control.failure, cfg.collective_timeout, control.watchdog.beat)
+        self.faults = Injector(cfg.faults, mpi_rank=control.me, ranks_per_node=control.P, idents=control.idents,
+                               log=log, send=control.agent.send)
+        control.agent.on_inject = self.faults.on_message
         self._high_water = -1  # the highest step any rank had reached when the last recovery agreed
         self._preempt_ignored = False
-        self._t0 = time.time()
         addr = json.dumps(groups.host_store()) if control.me == 0 else None
         self._store0 = json.loads(control.bcast_text(addr, root=0))
         self.checkpoint_dir = os.path.join(cfg.run_dir, "checkpoint")
@@ -88,46 +101,55 @@ class Context:
         if self.opt is None:
             raise RuntimeError("Context.run needs an optimizer: call ctx.zero_adamw(model) first")
         rng = torch.get_rng_state()
-        layout = StateLayout([t for t in self._shard_shapes()], rng.numel())
-        self.replicator = Replicator(self.cp.repl, self.cp.secret, layout, self.cp.agent, self.log)
-        if self.rank is None:
-            if not self._wait_as_spare():
-                return
-        else:
-            self.groups.join(self.generation, self._store0, self.rank, self.world_size)
-            self.opt.bind(self.rank, self.cp.failure)
-            if self._resume is not None:
-                self._load_checkpoint(self._resume)
-            self._configure_replicas()
-            self._snapshot()
-            if self.config.replicate:
-                self.replicator.wait_committed(self.step, self.cp.failure)  # a fault at the first step needs it
-            self.log.emit("started", rank=self.rank, generation=self.generation, world_size=self.world_size,
-                          step=self.step)
-        self._loop(step_fn)
+        layout = StateLayout(self._shard_shapes(), rng.numel())
+        self.replicator = Replicator(self.cp.secret, layout, self.log, sock=self._listener,
+                                     timeout=self.config.collective_timeout)
+        self.replicator.serve_hook = self._serve_hook
+        if self.rank is None and not self._wait_as_spare():
+            return
+        self._loop(step_fn, started=self._recovery is not None)
 
     # ---- the loop ----------------------------------------------------------------------------
-    def _loop(self, step_fn) -> None:
+    def _loop(self, step_fn, started: bool) -> None:
         cfg = self.config
         while True:
             try:
+                if not started:
+                    self._start()
+                    started = True
                 while self.step < cfg.steps:
                     self._one_step(step_fn)
-                collectives.all_reduce(torch.zeros(1), self.cp.failure)  # everyone has finished
+                self.cp.watchdog.disarm()
+                collectives.all_reduce(torch.zeros(1), self.watch)  # everyone has finished
                 break
             except PeerFailure as exc:
                 if not self._recover(str(exc)):
                     return
+                started = True
         self._finish()
+
+    def _start(self) -> None:
+        """Generation 0 (or the first of a requeued attempt): join, load a checkpoint, first snapshot."""
+        self.groups.join(self.generation, self._store0, self.rank, self.world_size)
+        self.opt.bind(self.rank, self.watch)
+        if self._resume is not None:
+            self._load_checkpoint(self._resume)
+        self._configure_replicas()
+        self._snapshot()
+        if self.config.replicate:
+            self._wait_committed(self.step)  # a fault at the first step needs it
+        self.log.emit("started", rank=self.rank, generation=self.generation, world_size=self.world_size,
+                      step=self.step)
 
     def _one_step(self, step_fn) -> None:
         s = self.step
+        self.cp.watchdog.arm(f"step {s}")
         if self.cp.agent.preempted.is_set():
             self._leave_for_preemption()
+        if self._recovery is not None:
+            self.faults.at_phase("resume", self._rounds, self.rank)
         if s > self._high_water:  # faults fire on the first pass through their step, never on a recomputation
-            fault_injection.maybe_inject(self._faults, step=s, train_rank=self.rank, mpi_rank=self.cp.me,
-                                         ranks_per_node=self.cp.P, assignment=self.cp.assignment,
-                                         idents=self.cp.idents, log=self.log)
+            self.faults.at_step(s, self.rank, self.cp.assignment, self.cp.spare_nodes)
         t = time.perf_counter()
         metrics = step_fn(s) or {}
         dt = time.perf_counter() - t
@@ -158,7 +180,10 @@ class Context:
 
     def _before_update(self) -> None:
         if self.config.replicate:
-            self.replicator.wait_committed(self.step, self.cp.failure)
+            self._wait_committed(self.step)
+
+    def _wait_committed(self, step: int) -> None:
+        self.replicator.wait_committed(step, self.cp.failure, self.config.collective_timeout, beat=self.cp.watchdog.beat)
 
     def _snapshot(self) -> None:
         if self.config.replicate:
@@ -168,14 +193,14 @@ class Context:
         return [torch.empty(self.opt.shard), self.opt.exp_avg, self.opt.exp_avg_sq]
 
     def _configure_replicas(self) -> None:
-        cfg, P = self.config, self.cp.P
-        r = self.rank
-        if cfg.nodes < 2 or not cfg.replicate:
-            self.replicator.configure(self.generation, r, None, None, None)
+        cfg, P, r = self.config, self.cp.P, self.rank
+        k = min(cfg.replicas, cfg.nodes - 1) if cfg.replicate else 0
+        if r is None or k <= 0:
+            self.replicator.configure(self.generation, r, [], [])
             return
-        holder = self.cp.assignment[holder_of(r, P, cfg.nodes)]
-        held = held_by(r, P, cfg.nodes)
-        self.replicator.configure(self.generation, r, holder, self.cp.assignment[held], held)
+        addr = lambda t: self.cp.idents[self.cp.assignment[t]]["replica"]  # noqa: E731
+        self.replicator.configure(self.generation, r, [addr(h) for h in holders_of(r, P, cfg.nodes, k)],
+                                  held_by(r, P, cfg.nodes, k))
 
     # ---- recovery ----------------------------------------------------------------------------
     def _wait_as_spare(self) -> bool:
@@ -185,53 +210,84 @@ class Context:
             if self.cp.finished() is not None:
                 return False
             if self.cp.failure.wait(0.05):
-                if not self._recover("a peer failed", spare=True):
+                if not self._recover("a peer failed"):
                     return False
                 if self.rank is not None:
                     return True
 
-    def _recover(self, why: str, spare: bool = False) -> bool:
-        """Recover from a failure. Returns False if this process has no further part in the run."""
+    def _phase(self, name: str) -> None:
+        self.faults.at_phase(name, self._rounds, self.rank)
+
+    def _recover(self, why: str) -> bool:
+        """Recover from a failure, round after round until one succeeds. Returns False if this process has no
+        further part in the run (it saved a checkpoint, or stays a spare until the run ends: then True only
+        once promoted)."""
         t_fail = time.time()
+        self.cp.watchdog.disarm()
+        failed_rounds = 0
+        while True:
+            self._rounds += 1
+            try:
+                done = self._recover_round(why, t_fail)
+            except PeerFailure as exc:
+                failed_rounds += 1
+                self.log.emit("recovery_round_failed", generation=self.generation, rank=self.rank, round=self._rounds,
+                              error=str(exc)[:300])
+                if failed_rounds >= MAX_FAILED_ROUNDS:
+                    raise RecoveryTimeout(f"{failed_rounds} recovery rounds in a row failed; the last: {exc}") from exc
+                why = f"the previous recovery round failed: {exc}"
+                continue
+            return done
+
+    def _recover_round(self, why: str, t_fail: float) -> bool:
         self.groups.abandon()
         self.replicator.quiesce()
-        report = dict(self.replicator.report(), done_step=self.step) if not spare else {}
+        report = dict(self.replicator.report(), done_step=self.step if self.rank is not None else -1)
+        self._phase("detect")
         was_rank = self.rank
-        decision = self.cp.recover(report, self.groups.host_store)
+        decision = self.cp.recover(report, self.groups.host_store, on_phase=self._phase)
         t_agreed = time.time()
+        g = decision["generation"]
         self._high_water = max(self._high_water, decision["high_water"])
-        if self.cp.me == decision["coordinator"]:
-            self.log.emit("decision", generation=decision["generation"], failed_nodes=decision["failed_nodes"],
-                          promoted=decision["promoted"], cut_step=decision["cut_step"],
-                          exhausted=decision.get("exhausted", False), reason=decision.get("reason"),
-                          recomputed_steps=decision["recomputed_steps"], store=decision["store"],
-                          t_decided=decision["t_decided"], first_suspicion=self.cp.first_suspicion)
         if decision.get("exhausted"):
             self._save_checkpoint(decision)
             return False
         if self.rank is None:
             return True  # still a spare: keep waiting
-        self.groups.join(decision["generation"], decision["store"], self.rank, self.world_size)
+        self.opt.bind(self.rank, self.watch)
+        self._serving = {int(r) for r, src in decision["sources"].items() if src == self.cp.me}
+        ranks = [decision["assignment"][r] for r in range(self.world_size)]
+        self.cp.barrier(f"rebuild{g}", ranks, self.config.rendezvous_timeout)
+        self._phase("rebuild")
+        self.groups.join(g, decision["store"], self.rank, self.world_size)
         t_rebuilt = time.time()
-        self._restore(decision, was_rank)
+        if not self._serving:
+            self._phase("restore")
+        self._restore(decision)
         t_restored = time.time()
         self._configure_replicas()
         self._snapshot()
         self._recovery = {"t_fail": t_fail, "recomputed_steps": decision["recomputed_steps"]}
-        self.log.emit("recovered", generation=self.generation, rank=self.rank, promoted=was_rank is None,
-                      why=why[:200], t_fail=t_fail, t_agreed=t_agreed, t_rebuilt=t_rebuilt, t_restored=t_restored,
-                      cut_step=decision["cut_step"], failed_nodes=decision["failed_nodes"])
+        self.log.emit("recovered", generation=g, rank=self.rank, promoted=was_rank is None, why=why[:200],
+                      t_fail=t_fail, t_agreed=t_agreed, t_rebuilt=t_rebuilt, t_restored=t_restored,
+                      cut_step=decision["cut_step"], failed_nodes=decision["failed_nodes"], round=self._rounds,
+                      rss_bytes=_rss_bytes())
         return True
 
-    def _restore(self, decision: dict, was_rank) -> None:
+    _serving: set = set()
+
+    def _serve_hook(self, rank: int, step: int, sent: int, total: int) -> None:
+        """Called by the replica server after each chunk it serves: the "restore" phase fault fires half-way."""
+        if rank in self._serving and 2 * sent >= total:
+            self._phase("restore")
+
+    def _restore(self, decision: dict) -> None:
         cut = decision["cut_step"]
+        src = decision["sources"].get(str(self.rank))
         rep = self.replicator
-        for r, src in decision["sources"].items():  # holders send promoted ranks their replica
-            if src == self.cp.me:
-                rep.send_held(decision["assignment"][int(r)], cut, decision["generation"])
-        self.opt.bind(self.rank, self.cp.failure)
-        if was_rank is None:
-            slot = rep.recv_restore(decision["sources"][str(self.rank)], self.rank, cut, decision["generation"])
+        if src is not None:
+            slot = rep.fetch(self.cp.idents[src]["replica"], self.rank, cut, self.cp.failure,
+                             self.config.collective_timeout)
         else:
             slot = rep.own.get(cut)
         rng = rep.layout.read(slot, self.opt.state_tensors())
@@ -241,26 +297,27 @@ class Context:
 
     # ---- no spare left, or preempted: persistent checkpoint, then requeue ----------------------
     def _save_checkpoint(self, decision: dict) -> None:
-        """Write every shard of the cut step this process holds (its own, and the replicas of lost
-        ranks it holds), wait for all members, and let the coordinator commit LATEST. Used when a
-        lost node finds no spare and when Slurm announces preemption or the time limit (SIGUSR2):
-        either way the job is requeued and resumes at the cut."""
-        cut, rep = decision["cut_step"], self.replicator
+        """Write every shard of the cut step this process holds (its own, and those of lost ranks whose
+        source it is), wait for all members, and let the coordinator commit LATEST. Used when a lost node
+        finds no spare and when Slurm announces preemption or the time limit (SIGUSR2): either way the job
+        is requeued and resumes at the cut. A member lost while saving fails the barrier: the next round
+        decides again (with the lost member's shards taken from their holders)."""
+        cut, rep, g = decision["cut_step"], self.replicator, decision["generation"]
         mine = []
-        if self.rank is not None and self.cp.me not in decision["fenced"]:
+        if self.rank is not None and str(self.rank) not in decision["sources"]:
             mine.append((self.rank, rep.own.get(cut)))
         for r, src in decision["sources"].items():
             if src == self.cp.me:
-                mine.append((int(r), rep.held.get(cut)))
+                mine.append((int(r), rep.held(int(r)).get(cut)))
         shard = [torch.empty_like(t) for t in self._shard_shapes()]
         for r, slot in mine:
-            rng = rep.layout.read(slot, shard)  # verifies the CRC-32
+            rng = rep.layout.read(slot, shard)  # verifies the checksum
             persist.save_shard(self.checkpoint_dir, cut, r, shard, rng)
-        self.cp.barrier()
+        self.cp.barrier(f"saved{g}", decision["members"], self.config.collective_timeout)
         if self.cp.me == decision["coordinator"]:
-            persist.commit(self.checkpoint_dir, cut, self.world_size, decision["generation"], self._high_water)
-            self.log.emit("checkpoint_saved", step=cut, generation=decision["generation"],
-                          path=self.checkpoint_dir, reason=decision.get("reason", "no spare node left"))
+            persist.commit(self.checkpoint_dir, cut, self.world_size, g, self._high_water)
+            self.log.emit("checkpoint_saved", step=cut, generation=g, path=self.checkpoint_dir,
+                          reason=decision.get("reason", "no spare node left"))
         self.exit_code = 75  # EX_TEMPFAIL: requeue me
 
     def _load_checkpoint(self, meta: dict) -> None:

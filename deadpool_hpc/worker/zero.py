@@ -56,13 +56,14 @@ class ShardedAdamW:
         self.exp_avg = torch.zeros(self.shard)
         self.exp_avg_sq = torch.zeros(self.shard)
         self.rank: int | None = None
-        self.failure = None
+        self.watch = None
         self.before_update = lambda: None
 
-    def bind(self, rank: int, failure) -> None:
-        """Take shard ``rank`` (call again when the process is promoted or its rank changes)."""
+    def bind(self, rank: int, watch) -> None:
+        """Take shard ``rank`` (call again when the process is promoted or its rank changes); ``watch``: the
+        dataplane.collectives.Watch every collective of a step waits under."""
         self.rank = rank
-        self.failure = failure
+        self.watch = watch
         lo = rank * self.shard
         self._lo, self._hi = lo, lo + self.shard
         self._decay = self._decay_full[lo:lo + self.shard]
@@ -86,7 +87,7 @@ class ShardedAdamW:
         Raises PeerFailure if a peer fails during any collective (state may then be half-updated:
         the recovery restores it from the snapshot of the cut step).
         """
-        W, f = self.world_size, self.failure
+        W, f = self.world_size, self.watch
         with torch.no_grad():
             for p, (off, n) in zip(self.params, self._offsets):
                 if p.grad is None:
@@ -117,4 +118,4 @@ class ShardedAdamW:
 
     def gather(self) -> None:
         """All-gather the shards into the full flat parameters (pollable)."""
-        collectives.all_gather(self.flat, self.flat[self._lo:self._hi].clone(), self.failure)
+        collectives.all_gather(self.flat, self.flat[self._lo:self._hi].clone(), self.watch)
