@@ -1,21 +1,26 @@
 """Run summary: derived from the event log alone, so a launcher, a Slurm job or ``deadpool status``
-can rebuild it after the fact. Phase boundaries per failure (seconds, DESIGN.md "Recovery"):
+can rebuild it after the fact. One failure per recovery decision that lost a node (or failed to be
+made); phase boundaries per failure (seconds, DESIGN.md "Recovery"):
 
-- detect:    fault injected (or first suspicion)  -> first suspicion by any survivor
-- agree:     first suspicion                      -> last member holds the decision
-- rebuild:   decision                             -> last rank joined the new process group
-- restore:   process group built                  -> last rank restored its state at the cut step
-- recompute: restored                             -> last rank completed its first step after the swap
+- detect:    the fault                -> first suspicion by any survivor
+- agree:     first suspicion          -> last member holds the decision
+- rebuild:   decision                 -> last rank joined the new process group
+- restore:   process group built      -> last rank restored its state at the cut step
+- recompute: restored                 -> last rank completed its first step after the swap
 
-``recovery_s`` (fault -> first completed step after the swap) is their sum.
+``recovery_s`` (fault -> first completed step after the swap) is their sum. The fault's time is the
+``fault_injected`` event when our own injection caused it; otherwise (a crash, a SIGTERM, a node lost under
+Slurm) nobody saw it happen, and it is *estimated* as the last time any survivor heard from the lost
+processes (``t_fault_source``: "last heartbeat heard"). A decision whose round failed (a second fault
+during the recovery) has no rebuild/restore of its own; its failure is recovered when a later round
+resumes training, and ``rounds`` counts the decisions it took.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 
 
-
-def build_summary(events: list[dict], config=None) -> dict:
+def build_summary(events: list[dict], config=None) -> dict:  # noqa: C901
     """Summarise a run from its events (list of dicts as written by events.EventLog)."""
     by = defaultdict(list)
     for e in events:
@@ -23,10 +28,14 @@ def build_summary(events: list[dict], config=None) -> dict:
     steps = sorted(by["step"], key=lambda e: (e["step"], e["t"]))
     fin = by["finished"][-1] if by["finished"] else {}
     faults = sorted(by["fault_injected"], key=lambda e: e["t"])
+    used: set[int] = set()
     failures, preemptions = [], []
-    prev_t = 0.0
-    for d in sorted(by["decision"], key=lambda e: e["generation"]):
+    decisions = sorted(by["decision"], key=lambda e: (e["generation"], e["t_decided"]))
+    P = config.ranks_per_node if config else 1
+    for d in decisions:
         g = d["generation"]
+        if "reason" not in d and not d.get("error"):
+            continue
         # after a saved checkpoint (no spare, or preempted): the first step of the requeued attempt
         t_next_attempt = min((e["t"] for e in steps if e.get("generation", 0) > g and e["t"] > d["t_decided"]),
                              default=None)
@@ -39,46 +48,9 @@ def build_summary(events: list[dict], config=None) -> dict:
                                 "resumed": t_next_attempt is not None,
                                 "signal_to_resume_s": (t_next_attempt - min(asked))
                                 if asked and t_next_attempt is not None else None})
-            if not d["failed_nodes"]:
-                prev_t = d["t_decided"]
-                continue
-            # a node was lost as well: it is also a failure (no swap; saved and requeued)
-        # the fault behind this decision: the last one injected since the previous decision
-        fault = next((f for f in reversed(faults) if prev_t < f["t"] < d["t_decided"]), None)
-        prev_t = d["t_decided"]
-        sus = [e["t"] for e in by["suspect"] if e.get("generation") == g - 1]
-        rec = [e for e in by["recovered"] if e.get("generation") == g]
-        res = [e["t"] for e in by["resumed"] if e.get("generation") == g]
-        t_detect = min(sus) if sus else d["t_decided"]
-        t0 = fault["t"] if fault else t_detect
-        t_agree = max([e["t_agreed"] for e in rec], default=d["t_decided"])
-        t_rebuild = max([e["t_rebuilt"] for e in rec], default=None)
-        t_restore = max([e["t_restored"] for e in rec], default=None)
-        t_resume = max(res, default=None)
-        requeued = bool(d.get("exhausted"))
-        if requeued:  # no spare: checkpoint, requeue, resume; "resumed" = first step of the new attempt
-            t_resume = t_next_attempt
-            rec = [e for e in by["resumed_from_checkpoint"] if e.get("generation") == g + 1]
-            t_rebuild = t_restore = max([e["t"] for e in rec], default=t_agree)
-        def span(a, b):
-            return (b - a) if a is not None and b is not None else None
-
-        phases = {"detect": span(t0, t_detect), "agree": span(t_detect, t_agree), "rebuild": span(t_agree, t_rebuild),
-                  "restore": span(t_rebuild, t_restore), "recompute": span(t_restore, t_resume)}
-        failures.append({
-            "kind": fault["kind"] if fault else "detected",
-            "target": fault["target"] if fault else ",".join(f"node{n}" for n in d["failed_nodes"]),
-            "step": fault["step"] if fault else d["cut_step"],
-            "generation": g,
-            "failed_nodes": d["failed_nodes"],
-            "promoted": d["promoted"],
-            "spare_nodes_used": sorted({m // (config.ranks_per_node if config else 1) for m in d["promoted"].values()}),
-            "cut_step": d["cut_step"],
-            "recovery_s": (t_resume - t0) if t_resume is not None else None,
-            "phases": phases,
-            "recomputed_steps": d["recomputed_steps"],
-            "requeued": requeued,
-        })
+        if not d.get("failed_nodes") and not d.get("error"):
+            continue  # a preemption alone, or a rebuild with nobody lost
+        failures += _failures(d, by, steps, faults, used, t_next_attempt, P)
     rates = sorted(e["tokens_per_s"] for e in steps if e.get("tokens_per_s"))
     times = sorted(e["step_s"] for e in steps if e.get("step_s"))
     return {
@@ -100,3 +72,77 @@ def build_summary(events: list[dict], config=None) -> dict:
         "errors": [e.get("error") for e in by["error"]],
     }
 
+
+def _failures(d: dict, by, steps, faults, used: set, t_next_attempt, P: int) -> list[dict]:
+    """The failures one decision recovers: one per injected fault behind it (the earliest not yet matched
+    fault on each lost node, before the decision), and one for the lost nodes no injection explains."""
+    lost = set(d.get("failed_nodes") or [])
+    out, unexplained = [], set(lost)
+    for i, f in enumerate(faults):
+        if i not in used and f["t"] < d["t_decided"] and f.get("node") in unexplained:
+            used.add(i)
+            unexplained.discard(f["node"])
+            out.append(_failure(d, by, f, {f["node"]}, t_next_attempt, P))
+    if unexplained or not out:
+        out.append(_failure(d, by, None, unexplained, t_next_attempt, P))
+    return out
+
+
+def _failure(d: dict, by, fault, lost: set, t_next_attempt, P: int) -> dict:
+    g = d["generation"]
+    sus = [e for e in by["suspect"] if e.get("generation") == g - 1 and (e.get("node") in lost or not lost)]
+    t_detect = min((e["t"] for e in sus), default=d["t_decided"])
+    heard = [e["last_heard"] for e in sus if e.get("last_heard") is not None]
+    if fault is not None:
+        t0, source = fault["t"], "fault_injected"
+    elif heard:
+        t0, source = max(heard), "last heartbeat heard (estimated)"
+    else:
+        t0, source = t_detect, "first suspicion (no earlier trace)"
+    rec = [e for e in by["recovered"] if e.get("generation") == g]
+    # recovered when training resumed: this decision's round, or a later one if this round failed
+    later = [e for e in by["resumed"] if e.get("generation", -1) >= g and e["t"] > d["t_decided"]]
+    t_resume = min((e["t"] for e in later), default=None)
+    t_agree = max([e["t_agreed"] for e in rec], default=d["t_decided"])
+    t_rebuild = max([e["t_rebuilt"] for e in rec], default=None)
+    t_restore = max([e["t_restored"] for e in rec], default=None)
+    requeued = bool(d.get("exhausted"))
+    if requeued:  # no spare: checkpoint, requeue, resume; "resumed" = first step of the new attempt
+        t_resume = t_next_attempt
+        res = [e for e in by["resumed_from_checkpoint"] if e.get("generation") == g + 1]
+        t_rebuild = t_restore = max([e["t"] for e in res], default=t_agree)
+    rounds = 1 + len({e["generation"] for e in by["decision"]
+                      if e["generation"] > g and (t_resume is None or e["t_decided"] < t_resume)})
+
+    def span(a, b):
+        return (b - a) if a is not None and b is not None else None
+
+    spares = {v for k, v in (d.get("replaced") or {}).items() if int(k) in lost}
+    promoted = {r: m for r, m in (d.get("promoted") or {}).items() if m // P in spares}
+    if d.get("error"):
+        outcome = f"unrecoverable: {d['error']}: {d.get('message', '')}"
+    elif requeued:
+        outcome = "checkpoint + requeue"
+    elif promoted:
+        outcome = "hot swap" if rec else "hot swap (round failed; a later round recovered it)"
+    else:
+        outcome = "spare lost" if lost else d.get("reason", "")
+    return {
+        "kind": fault["kind"] if fault else "not injected",
+        "target": fault["target"] if fault else ",".join(f"node{n}" for n in sorted(lost)),
+        "step": fault.get("step") if fault else d.get("cut_step"),
+        "phase": fault.get("phase") if fault else None,
+        "generation": g,
+        "failed_nodes": sorted(lost),
+        "promoted": promoted,
+        "spare_nodes_used": sorted(spares),
+        "cut_step": d.get("cut_step"),
+        "t_fault_source": source,
+        "recovery_s": span(t0, t_resume),
+        "phases": {"detect": span(t0, t_detect), "agree": span(t_detect, t_agree), "rebuild": span(t_agree, t_rebuild),
+                   "restore": span(t_rebuild, t_restore), "recompute": span(t_restore, t_resume)},
+        "recomputed_steps": d.get("recomputed_steps"),
+        "requeued": requeued,
+        "rounds": rounds,
+        "outcome": outcome,
+    }
