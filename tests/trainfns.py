@@ -1,0 +1,57 @@
+"""Training functions for the end-to-end tests (``--train-fn trainfns:NAME`` with this folder on PYTHONPATH).
+
+Each is an ordinary user function (docs/worker-contract.md) with one twist the test needs.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from deadpool_hpc.train.demo import train as demo_train
+
+
+def frozen_rank2(ctx) -> None:
+    """The demo, but training rank 2's training thread sleeps "for ever" at step ``DEADPOOL_TEST_FREEZE_STEP``
+    (default 25), once per run (a marker file in the run directory): its process and heartbeat thread stay
+    alive, only its progress stops (issue 11, item 2)."""
+    freeze_at = int(os.environ.get("DEADPOOL_TEST_FREEZE_STEP", "25"))
+    marker = os.path.join(ctx.config.run_dir, "froze")
+
+    run = ctx.run
+
+    def run_frozen(step_fn):
+        def step(s: int):
+            if s == freeze_at and ctx.rank == 2 and not os.path.exists(marker):
+                open(marker, "w").close()
+                time.sleep(10**6)
+            return step_fn(s)
+        run(step)
+
+    ctx.run = run_frozen
+    demo_train(ctx)
+
+
+def big_mlp(ctx) -> None:
+    """A 2-layer MLP whose ZeRO-1 state (parameter shard + 2 AdamW moments) is ``DEADPOOL_TEST_STATE_MB`` MB per
+    rank (default 200): a real-size replica, with little compute per step."""
+    mb = float(os.environ.get("DEADPOOL_TEST_STATE_MB", "200"))
+    shard = int(mb * 2**20 / 12)                 # 3 float32 tensors of `shard` elements
+    total = shard * ctx.world_size
+    width = 64
+    hidden = max(1, total // (2 * width))
+    torch.manual_seed(ctx.config.seed)
+    model = torch.nn.Sequential(torch.nn.Linear(width, hidden, bias=False), torch.nn.Tanh(),
+                                torch.nn.Linear(hidden, width, bias=False))
+    opt = ctx.zero_adamw(model, lr=1e-3)
+
+    def step(s: int) -> dict:
+        g = torch.Generator().manual_seed(s * 1000 + ctx.rank)
+        x = torch.randn(4, width, generator=g)
+        loss = (model(x) - x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        return {"loss": opt.step(s, loss)}
+
+    ctx.run(step)
