@@ -241,7 +241,7 @@ def test_a_push_signed_with_another_secret_is_rejected_before_its_payload(reps):
     t = time.monotonic()
     with pytest.raises(PeerFailure, match=r"step 5 not committed within 1 s.*no ack from 127\.0\.0\.1"):
         me.wait_committed(5, threading.Event(), 1.0)
-    assert 0.9 < time.monotonic() - t < 2.0
+    assert 0.9 < time.monotonic() - t < 3.0
     assert holder.report()["held"] == {"0": []}
     assert any("HMAC" in e["reason"] for e in holder.log_.named("replica_rejected"))
     assert me.log_.named("replica_transfer_abandoned")
@@ -304,18 +304,18 @@ def test_holder_killed_mid_push(reps, peers):
     me.submit(1, state, NO_RNG)
     h.wait_for("mid_push")
     t_kill = h.signal(signal.SIGKILL)
-    wait_until(lambda: me.log_.named("replica_transfer_abandoned"), 1.0, "the push to notice the kill")
-    assert time.monotonic() - t_kill < 1.0
+    wait_until(lambda: me.log_.named("replica_transfer_abandoned"), 1.5, "the push to notice the kill")
+    assert time.monotonic() - t_kill < 1.5
     flag = threading.Event()
     threading.Timer(0.2, flag.set).start()
     t = time.monotonic()
     with pytest.raises(PeerFailure, match="a peer failed"):
         me.wait_committed(1, flag, 30)
-    assert time.monotonic() - t < 0.5
+    assert time.monotonic() - t < 1.5      # the flag, not the 30 s timeout
     t = time.monotonic()
     with pytest.raises(PeerFailure, match=r"not committed within 0\.5 s .*no ack from 127\.0\.0\.1:\d+ \(last: PeerGone"):
         me.wait_committed(1, threading.Event(), 0.5)
-    assert 0.45 < time.monotonic() - t < 1.5
+    assert 0.45 < time.monotonic() - t < 2.0
 
 
 def test_holder_frozen_mid_push_and_quiesce_is_prompt(reps, peers):
@@ -331,11 +331,11 @@ def test_holder_frozen_mid_push_and_quiesce_is_prompt(reps, peers):
     t = time.monotonic()
     with pytest.raises(PeerFailure, match="a peer failed"):
         me.wait_committed(1, flag, 30)
-    assert time.monotonic() - t < 0.5
+    assert time.monotonic() - t < 1.5      # the flag, not the 30 s timeout
     t = time.monotonic()
     with pytest.raises(PeerFailure, match=r"not committed within 0\.5 s"):
         me.wait_committed(1, threading.Event(), 0.5)
-    assert 0.45 < time.monotonic() - t < 1.5
+    assert 0.45 < time.monotonic() - t < 2.0
     assert not me.log_.named("replica_transfer_abandoned")   # a frozen peer: the push is still waiting
     t = time.monotonic()
     me.quiesce()
@@ -388,13 +388,13 @@ def test_fetch_from_a_killed_server_fails_fast(reps, peers):
     threading.Thread(target=lambda: (srv.wait_for("mid_serve"), killed.append(srv.signal(signal.SIGKILL)))).start()
     with pytest.raises(PeerFailure, match=r"rank 1 step 4 from 127\.0\.0\.1:\d+ failed: .*closed the connection after"):
         me.fetch(srv.address, 1, 4, threading.Event(), 30)
-    assert killed and time.monotonic() - killed[0] < 1.0
+    assert killed and time.monotonic() - killed[0] < 1.5
     assert me.report()["own"] == []          # the half-written slot is never reported
     srv.proc.wait(5)                         # gone for good (its listening socket too): refused at once
     t = time.monotonic()
     with pytest.raises(PeerFailure, match="cannot connect.*ECONNREFUSED"):
         me.fetch(srv.address, 1, 4, threading.Event(), 30)
-    assert time.monotonic() - t < 0.5
+    assert time.monotonic() - t < 1.0
 
 
 def test_fetch_from_a_frozen_server_respects_timeout_and_failure_flag(reps, peers):
@@ -406,13 +406,13 @@ def test_fetch_from_a_frozen_server_respects_timeout_and_failure_flag(reps, peer
     t = time.monotonic()
     with pytest.raises(PeerFailure, match="deadline passed"):
         me.fetch(srv.address, 1, 4, threading.Event(), 2.0)
-    assert 1.9 < time.monotonic() - t < 2.6
+    assert 1.9 < time.monotonic() - t < 3.5
     flag = threading.Event()
     threading.Timer(0.3, flag.set).start()
     t = time.monotonic()
     with pytest.raises(PeerFailure, match="failure flag set"):
         me.fetch(srv.address, 1, 4, flag, 30)   # connects (the kernel answers for it), then nothing comes
-    assert 0.25 < time.monotonic() - t < 0.6
+    assert 0.25 < time.monotonic() - t < 1.5   # the flag, not the 30 s timeout
 
 
 # ---- quiesce and configure on the receiving side -------------------------------------------------
@@ -508,3 +508,28 @@ def test_200mb_push_and_fetch_leave_a_5ms_ticker_alone(reps, peers):
     print(f"200 MB: push {n / t_push / 1e6:.0f} MB/s, fetch {n / t_fetch / 1e6:.0f} MB/s, "
           f"ticker's longest gap {max(gaps) * 1e3:.1f} ms")
     assert max(gaps) < 0.25
+
+
+def test_memory_stays_flat_across_generations_of_pushes_and_fetches(reps):
+    """No per-transfer payload buffers and no graveyard: resident memory does not grow per generation."""
+    def rss_mb() -> float:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+
+    n = 8 << 20
+    me, holder, spare = reps(n), reps(n), reps(n)
+    state, flag, step, after = state_of(n, 16), threading.Event(), 0, []
+    for gen in range(5):
+        for r in (me, holder, spare):
+            r.quiesce()
+        me.configure(gen, 0, [holder.address], [])
+        holder.configure(gen, None, [], [0])
+        spare.configure(gen, None, [], [])
+        for _ in range(4):
+            step += 1
+            me.submit(step, state, NO_RNG)
+            me.wait_committed(step, flag, 10)
+            assert spare.fetch(holder.address, 0, step, flag, 10).step == step
+        gc.collect()
+        after.append(rss_mb())
+    assert max(after[1:]) - after[0] < 5, f"resident MB after each generation: {after}"

@@ -493,6 +493,7 @@ class Replicator:
                 else:
                     ok, reason = True, ""
                     slot.stamp(step, crc)
+                self._writing.discard(rank)   # before the ack: the sender's next push must not find it busy
             if not ok:
                 self.log.emit("replica_rejected", role="holder", peer=link.peer, rank=rank, step=step, reason=reason)
             link.send_msg("ack", {"rank": rank, "step": step, "crc": crc, "ok": ok, "reason": reason}, self.secret)
