@@ -494,6 +494,9 @@ def test_200mb_push_and_fetch_leave_a_5ms_ticker_alone(reps, peers):
     ticker = threading.Thread(target=tick)
     ticker.start()
     try:
+        time.sleep(1.0)                      # the machine is shared: what does the ticker see with nothing to do?
+        idle = max(gaps)
+        gaps.clear()
         t = time.monotonic()
         me.submit(1, state, NO_RNG)
         me.wait_committed(1, threading.Event(), 30)
@@ -506,8 +509,9 @@ def test_200mb_push_and_fetch_leave_a_5ms_ticker_alone(reps, peers):
         ticker.join()
     assert np.array_equal(slot.buf, state[0].numpy().view(np.uint8))
     print(f"200 MB: push {n / t_push / 1e6:.0f} MB/s, fetch {n / t_fetch / 1e6:.0f} MB/s, "
-          f"ticker's longest gap {max(gaps) * 1e3:.1f} ms")
-    assert max(gaps) < 0.25
+          f"ticker's longest gap {max(gaps) * 1e3:.1f} ms (idle: {idle * 1e3:.1f} ms)")
+    assert max(gaps) < 0.25 + idle, f"a 5 ms ticker waited {max(gaps):.3f} s (idle machine: {idle:.3f} s)"
+
 
 
 def test_memory_stays_flat_across_generations_of_pushes_and_fetches(reps):

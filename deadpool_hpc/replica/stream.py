@@ -101,10 +101,11 @@ class Link:
             if err not in (0, errno.EINPROGRESS, errno.EAGAIN):
                 raise PeerGone(f"cannot connect to replica peer {peer}: {errno.errorcode.get(err, err)}")
             link = cls(sock, peer, stop, deadline, idle)
+            poller = select.poll()   # not select.select: it fails on descriptors >= 1024
+            poller.register(sock, select.POLLOUT)
             while err != 0:
                 link.check()
-                _, w, _ = select.select([], [sock], [], POLL_S)
-                if w:
+                if poller.poll(POLL_S * 1000):
                     err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
                     if err:
                         raise PeerGone(f"cannot connect to replica peer {peer}: {errno.errorcode.get(err, err)}")
