@@ -83,7 +83,7 @@ class Replicator:
         self.wait_s = 0.0         # time spent in wait_committed
         self._cv = threading.Condition()
         self._held: dict[int, SlotPair] = {}
-        self._writing: set[int] = set()   # held ranks with a push being received
+        self._writing: dict[int, object] = {}   # held rank -> token of the push being received into it
         self._own_busy: str | None = None  # "copy" or "fetch" while one writes an own slot
         self._jobs: deque = deque()
         self._epoch = 0
@@ -449,6 +449,7 @@ class Replicator:
         rank, step, nbytes, crc = (hdr.get(k) for k in ("rank", "step", "nbytes", "crc"))
         slot = pair = None
         retry = False
+        token = object()
         with self._cv:
             epoch = self._epoch
             if not all(isinstance(v, int) for v in (rank, step, nbytes, crc)):
@@ -466,7 +467,7 @@ class Replicator:
                 pair = self._held[rank]
                 slot = pair.begin()
                 slot.rank = rank
-                self._writing.add(rank)
+                self._writing[rank] = token
         if reason is not None:
             if not retry:  # a retryable refusal (busy, not configured yet) is the pusher's to report if it gives up
                 self.log.emit("replica_rejected", role="holder", peer=link.peer, rank=rank, step=step, reason=reason[:300])
@@ -493,14 +494,19 @@ class Replicator:
                 else:
                     ok, reason = True, ""
                     slot.stamp(step, crc)
-                self._writing.discard(rank)   # before the ack: the sender's next push must not find it busy
+                self._release(rank, token)   # before the ack: the sender's next push must not find it busy
             if not ok:
                 self.log.emit("replica_rejected", role="holder", peer=link.peer, rank=rank, step=step, reason=reason)
             link.send_msg("ack", {"rank": rank, "step": step, "crc": crc, "ok": ok, "reason": reason}, self.secret)
         finally:
             with self._cv:
-                self._writing.discard(rank)
+                self._release(rank, token)
                 self._cv.notify_all()
+
+    def _release(self, rank: int, token: object) -> None:
+        """(under _cv) End this push's claim on ``rank``, never a later push's."""
+        if self._writing.get(rank) is token:
+            del self._writing[rank]
 
     def _serve(self, link: Link, req: dict) -> None:
         rank, step = req.get("rank"), req.get("step")
