@@ -510,11 +510,14 @@ class Replicator:
 
     def _serve(self, link: Link, req: dict) -> None:
         rank, step = req.get("rank"), req.get("step")
+        if not (isinstance(rank, int) and isinstance(step, int)):
+            link.send_msg("replica", {"ok": False, "reason": f"malformed fetch request {req}"}, self.secret)
+            return
         with self._cv:
-            slot = self.own.find(step) if isinstance(step, int) else None
+            slot = self.own.find(step)
             if slot is None or slot.rank != rank:
                 pair = self._held.get(rank)
-                slot = pair.find(step) if pair is not None and isinstance(step, int) else None
+                slot = pair.find(step) if pair is not None else None
             if slot is None:
                 reason = (f"no verified copy of rank {rank} step {step} here (own rank {self._my_rank}: "
                           f"{self.own.steps()}; held: {({str(r): p.steps() for r, p in self._held.items()})})")
