@@ -1,8 +1,12 @@
+import json
+
+import numpy as np
 import pytest
 import torch
 
 from deadpool_hpc.errors import ReplicaError
-from deadpool_hpc.replica.snapshot import SlotPair, StateLayout, checksum
+from deadpool_hpc.replica import persist
+from deadpool_hpc.replica.snapshot import COPY_CHUNK, CRC_PIECE, SlotPair, StateLayout, checksum
 
 
 def test_two_slots_never_overwrite_the_newest():
@@ -30,3 +34,58 @@ def test_layout_roundtrip_and_corruption_is_caught():
     slot.buf[3] ^= 0xFF
     with pytest.raises(ReplicaError, match="checksum"):
         layout.read(slot, out)
+
+
+def test_checksum_is_crc32c_and_can_be_continued_piece_by_piece():
+    assert checksum(b"123456789") == 0xE3069283          # the CRC-32C check value
+    data = np.random.default_rng(0).integers(0, 256, 3 * CRC_PIECE + 17, dtype=np.uint8)
+    whole = checksum(data)
+    assert checksum(data[1000:], checksum(data[:1000])) == whole
+    assert checksum(memoryview(data)) == checksum(bytearray(data)) == checksum(data.tobytes()) == whole
+    assert checksum(data[:16].view(np.float32)) == checksum(data[:16])   # any dtype counts as its bytes
+
+
+def test_chunked_write_checksums_the_whole_payload_and_can_be_stopped():
+    state = [torch.randn(3 * COPY_CHUNK // 4 + 5), torch.randn(7)]   # several copy chunks, then a small tensor
+    rng = torch.get_rng_state()
+    layout = StateLayout(state, rng.numel())
+    pair = SlotPair(layout.nbytes)
+    slot = pair.begin()
+    assert layout.write(slot, state, rng, step=3)
+    assert slot.step == 3 and slot.crc == checksum(slot.buf)
+    calls = []
+    other = pair.begin()
+    assert not layout.write(other, state, rng, step=4, should_stop=lambda: calls.append(1) or len(calls) > 2)
+    assert other.step is None and pair.steps() == [3] and len(calls) == 3
+
+
+def test_a_slot_being_read_is_never_handed_out_for_writing():
+    pair = SlotPair(8)
+    a = pair.begin(); a.stamp(1, 0)
+    b = pair.begin(); b.stamp(2, 0)
+    a.readers = 1                       # e.g. a fetch is serving step 1
+    with pytest.raises(ReplicaError, match="step 1 is being read"):
+        pair.begin()
+    assert pair.steps() == [1, 2]
+    a.readers = 0
+    assert pair.begin() is a and pair.steps() == [2]
+
+
+def test_checkpoint_shard_roundtrip_checks_its_crc32c(tmp_path):
+    root = str(tmp_path)
+    tensors = [torch.randn(10), torch.randn(10), torch.randn(10)]
+    rng = torch.get_rng_state()
+    persist.save_shard(root, 5, 0, tensors, rng)
+    persist.commit(root, 5, 1, generation=2)
+    meta = persist.latest(root)
+    out = [torch.empty(10) for _ in range(3)]
+    assert torch.equal(persist.load_shard(root, meta, 0, out), rng)
+    assert all(torch.equal(x, y) for x, y in zip(out, tensors))
+    rec_path = tmp_path / "step5" / "rank0.json"
+    rec = json.loads(rec_path.read_text())
+    rec_path.write_text(json.dumps(dict(rec, crc32c=rec["crc32c"] ^ 1)))
+    with pytest.raises(ReplicaError, match="rank 0 at step 5 fails its step/checksum check"):
+        persist.load_shard(root, meta, 0, out)
+    legacy = persist._legacy_crc32(tensors + [rng])     # a shard recorded by a version before CRC-32C
+    rec_path.write_text(json.dumps({"step": 5, "rank": 0, "crc": legacy}))
+    persist.load_shard(root, meta, 0, out)

@@ -3,10 +3,12 @@
 Layout under ``root`` (``RUN_DIR/checkpoint``): ``step{T}/rank{r}/`` holds one rank's unique state
 at step T (parameter shard, AdamW shard, RNG state), written with ``torch.distributed.checkpoint``
 (``no_dist``: each shard is written by whichever process holds it: the rank itself, or the holder of
-a lost rank's replica), plus ``rank{r}.json`` with the step and the CRC-32 of the payload. ``LATEST``
+a lost rank's replica), plus ``rank{r}.json`` with the step and the CRC-32C of the payload
+(``snapshot.checksum``; shards recorded with a zlib CRC-32 under ``crc`` by earlier versions are
+still verified with it). ``LATEST``
 names the newest *complete* checkpoint; it is written (temp file + rename) only after every rank's
 shard is on disk, so a half-written checkpoint is never read back as good, and ``load_shard``
-verifies the CRC-32 again.
+verifies the checksum again.
 """
 from __future__ import annotations
 
@@ -17,16 +19,25 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ..errors import ReplicaError
+from .snapshot import CRC_NAME, checksum
 
 NAMES = ("param_shard", "exp_avg", "exp_avg_sq", "rng")
 
 
 def _payload_crc(tensors) -> int:
+    crc = 0
+    for t in tensors:
+        crc = checksum(t.contiguous().view(torch.uint8).numpy(), crc)
+    return crc
+
+
+def _legacy_crc32(tensors) -> int:
+    """zlib CRC-32, as recorded (key ``crc``) by versions before CRC-32C: read-only compatibility."""
     import zlib
 
     crc = 0
     for t in tensors:
-        crc = zlib.crc32(t.contiguous().view(torch.uint8).numpy().tobytes(), crc)
+        crc = zlib.crc32(t.contiguous().view(torch.uint8).numpy(), crc)
     return crc & 0xFFFFFFFF
 
 
@@ -37,7 +48,7 @@ def save_shard(root: str, step: int, rank: int, tensors: list[torch.Tensor], rng
     state = dict(zip(NAMES, [t.clone() for t in tensors] + [rng.clone()]))
     dcp.save(state, checkpoint_id=os.path.join(d, f"rank{rank}"), no_dist=True)
     _write_json(os.path.join(d, f"rank{rank}.json"),
-                {"step": step, "rank": rank, "crc": _payload_crc([state[n] for n in NAMES])})
+                {"step": step, "rank": rank, CRC_NAME: _payload_crc([state[n] for n in NAMES])})
 
 
 def commit(root: str, step: int, world_size: int, generation: int, high_water: int = -1) -> None:
@@ -62,7 +73,7 @@ def latest(root: str) -> dict | None:
 def load_shard(root: str, meta: dict, rank: int, tensors: list[torch.Tensor]) -> torch.Tensor:
     """Load rank ``rank``'s state of ``meta['step']`` into ``tensors`` (in place); returns the RNG state.
 
-    Raises ReplicaError if the shard's step or CRC-32 does not match its record.
+    Raises ReplicaError if the shard's step or checksum does not match its record.
     """
     d = os.path.join(root, f"step{meta['step']}")
     with open(os.path.join(d, f"rank{rank}.json")) as fh:
@@ -70,8 +81,10 @@ def load_shard(root: str, meta: dict, rank: int, tensors: list[torch.Tensor]) ->
     rng = torch.get_rng_state()
     state = dict(zip(NAMES, [torch.empty_like(t) for t in tensors] + [torch.empty_like(rng)]))
     dcp.load(state, checkpoint_id=os.path.join(d, f"rank{rank}"), no_dist=True)
-    if rec["step"] != meta["step"] or _payload_crc([state[n] for n in NAMES]) != rec["crc"]:
-        raise ReplicaError(f"checkpoint shard of rank {rank} at step {meta['step']} fails its step/CRC-32 check")
+    payload = [state[n] for n in NAMES]
+    good = (_payload_crc(payload) == rec[CRC_NAME]) if CRC_NAME in rec else (_legacy_crc32(payload) == rec.get("crc"))
+    if rec["step"] != meta["step"] or not good:
+        raise ReplicaError(f"checkpoint shard of rank {rank} at step {meta['step']} fails its step/checksum check")
     with torch.no_grad():
         for dst, name in zip(tensors, NAMES):
             dst.copy_(state[name])

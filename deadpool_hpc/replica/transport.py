@@ -1,330 +1,583 @@
-"""Replica transport: ships each snapshot to its holder over MPI point-to-point, in the background.
+"""Replica transport: ships each snapshot to its holders and serves verified copies back, over TCP.
 
-For the rank it trains, a copier thread copies the state into a preallocated slot (overlapping the
-next forward/backward) and checksums it; the control-plane agent thread (the only thread that calls
-MPI, see control/agent.py) then sends a header (rank, step, size, CRC-32; HMAC-signed) and the raw
-payload to the holder, on a communicator used for nothing else. The holder verifies size, rank and
-checksum before it stamps its slot and acknowledges; a step is *committed* when its ack arrives.
-For the rank it holds, it receives into the slot that does not hold the newest verified copy.
-Nothing is pickled: payloads are raw bytes, headers are signed JSON (control/wire.py).
+Owns: this process's snapshot slots (``own``) and the replicas it holds for other training ranks
+(``held(rank)``); the background copy of the state into a slot; pushing it to the K holders and
+counting their acknowledgements (a step is *committed* once every holder acked a verified copy);
+receiving pushes; serving and pulling (``fetch``) verified copies for a restore. Does not own: who
+holds whom and whom to fetch from (the recovery decision, ``control/``; the caller passes addresses to
+``configure`` and ``fetch``), failure detection (a dead or frozen peer here only ends a transfer; the
+caller's failure flag and timeouts end the waits), the payload layout and checksum (``snapshot.py``),
+the socket mechanics (``stream.py``). No MPI: the control plane's heartbeats never wait behind a
+replica, whatever its size.
 
-Only point-to-point messages with per-generation tags are used, so a dead peer can block nothing:
-an operation whose peer is suspected is abandoned (its buffers kept alive, a half-received slot
-replaced), and a later generation's messages can never match it.
+Threads, none of which holds the GIL for long (socket I/O releases it; the CRC-32C takes it for about
+0.1 ms per MiB piece, ``snapshot.py``):
+- *accept*: accepts connections on ``address`` and gives each a short-lived handler thread, which
+  receives a push or serves a fetch;
+- *copier*: for each ``submit``, copies the state into ``own.begin()`` in 4 MiB chunks, each
+  checksummed while in cache (overlapping the next forward/backward), stamps the slot, then starts
+  one *push* thread per holder.
+
+Wire (each message framed and HMAC-signed with the job secret, ``stream.py``; payloads are raw bytes,
+nothing is pickled). A push: ``push {generation, rank, step, nbytes, crc}`` -> ``go {ok, reason,
+retry}`` -> payload -> ``ack {rank, step, crc, ok, reason}``. The holder checks the signature before
+anything else, refuses a rank it does not hold (``configure``), a wrong size, a quiesced state, or a
+rank already being written (``retry``: the pusher tries again every ``POLL_S`` until ``timeout``);
+it writes into the held slot that does not hold the newest verified copy (invalidated first), checks
+the CRC-32C, and only then stamps step and CRC and acks. An ack commits only the step, rank and CRC
+it names. A fetch: ``fetch {generation, rank, step}`` -> ``replica {ok, reason, rank, step, nbytes,
+crc}`` -> payload, served from a verified slot that is pinned (``Slot.readers``) while it is read.
+A push carries the sender's generation but is accepted by rank alone: a replica of step s is a
+replica of step s. A push begun before a ``quiesce``/``configure`` (an *epoch*) never stamps a held
+slot nor commits a step; a local copy under way is aborted between two chunks (or, if it had just
+finished, kept: it is complete and verified).
+
+Memory per process: 2 own slots + 2 slots per held rank, each of the payload's size, allocated at
+``configure`` and freed when the rank is no longer held; no landing buffer, no per-transfer payload
+buffer (payloads are received straight into their slot and checksummed there). With K replicas per
+rank spread evenly, each process holds K ranks: memory per rank = (2 + 2K) x payload bytes (pages
+become resident as slots are first written).
+
+Technique learned from torchft's ``HTTPTransport`` (pytorch/torchft,
+torchft/checkpointing/http_transport.py): a restore is a pull from a server thread in the process
+that has the state, at an address exchanged out of band, with a timeout on every socket operation, and
+a checkpoint still being staged is never served. Here instead: no pickle, a signed header and an
+end-to-end checksum, pushes for replication, abort flags checked between chunks.
 """
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections import deque
 
-import numpy as np
+from ..errors import PeerFailure, ReplicaError, WireError
+from .snapshot import Slot, SlotPair, StateLayout, checksum
+from .stream import POLL_S, Link, LinkError, Stopped, fmt
 
-from ..control import wire
-from ..errors import PeerFailure, ReplicaError
-from .snapshot import SlotPair, StateLayout, checksum
-
-HDR, DATA, ACK, RHDR, RDATA = 1, 2, 3, 4, 5
-_HDR_BYTES = 4096
-
-
-def tag(kind: int, generation: int) -> int:
-    return 100 + 10 * (generation % 100_000) + kind
+MAX_CONNECTIONS = 64      # concurrent incoming connections; more are closed at once
+HELLO_S = 10.0            # an incoming connection must send its first message within this
 
 
 class Replicator:
-    """Background snapshot + replication for one process.
+    """Background snapshot, replication and restore transfers for one process.
 
-    comm: MPI communicator for replica traffic only. agent: the control-plane Agent (runs MPI).
-    layout: StateLayout of this job's payload. log: EventLog.
+    secret: the job's HMAC key. layout: StateLayout of this job's payload. log: has ``emit(name, **fields)``.
+    host: the address peers reach this process at (bound as given; not a wildcard). timeout: seconds
+    without progress after which a push or an incoming transfer is abandoned.
+    Raises ValueError for a wildcard or empty host, OSError if it cannot listen.
     """
 
-    def __init__(self, comm, secret: bytes, layout: StateLayout, agent, log):
-        from mpi4py import MPI
-
-        self.MPI = MPI
-        self.comm = comm
+    def __init__(self, secret: bytes, layout: StateLayout, log, *, host: str, timeout: float = 30.0):
+        if host in ("", "0.0.0.0", "::"):
+            raise ValueError(f"Replicator host {host!r} is a wildcard; pass the address peers reach this "
+                             "process at (127.0.0.1 locally, the node's IP under Slurm)")
         self.secret = secret
         self.layout = layout
-        self.agent = agent
-        self.is_suspected = agent.is_suspected
         self.log = log
+        self.timeout = timeout
+        self.serve_hook = None    # test hook: serve_hook(rank, step, sent_bytes, total) after each piece served
+        self.receive_hook = None  # test hook: receive_hook(rank, step, received_bytes, total) after each piece of a push
         self.own = SlotPair(layout.nbytes)
-        self.held = SlotPair(layout.nbytes)
-        self.held_rank: int | None = None
-        self.cv = threading.Condition()
-        self.jobs: deque = deque()
-        self.local_done = -1
-        self.committed = -1
-        self.generation = 0
-        self.my_rank: int | None = None
-        self.holder: int | None = None
-        self.source: int | None = None
-        self._to_send = None      # a stamped own slot waiting for the MPI thread
-        self._send = None
-        self._recv = None
-        self._acks: list = []
-        self._graveyard: list = []
-        self._landing = None      # receive buffer of the next replica (verified before it is copied in)
-        self._busy_local = False
+        self.bytes_sent = 0       # payload bytes acked by holders
+        self.wait_s = 0.0         # time spent in wait_committed
+        self._cv = threading.Condition()
+        self._held: dict[int, SlotPair] = {}
+        self._writing: dict[int, object] = {}   # held rank -> token of the push being received into it
+        self._own_busy: str | None = None  # "copy" or "fetch" while one writes an own slot
+        self._jobs: deque = deque()
+        self._epoch = 0
         self._paused = True
-        self._stop = False
-        self.bytes_sent = 0
-        self.wait_s = 0.0
-        self._copier = threading.Thread(target=self._copy_loop, name="deadpool-snapshot", daemon=True)
-        self._copier.start()
-        agent.add_poller(self)
+        self._closed = False
+        self._generation = 0
+        self._my_rank: int | None = None
+        self._holders: list[tuple[str, int]] = []
+        self._committed = -1
+        self._pending: dict[int, set[str]] = {}   # step -> holders that have not acked it
+        self._refused: dict[int, str] = {}        # step -> why a holder refused it for good
+        self._last_reason: dict[str, str] = {}    # holder -> why its last push did not complete
+        self._links: set[Link] = set()            # pushes in either direction (quiesce aborts them)
+        self._other_links: set[Link] = set()      # fetches and serves (only close aborts them)
+        family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+        self._listener = socket.create_server((host, 0), family=family, backlog=MAX_CONNECTIONS)
+        self._listener.settimeout(POLL_S)
+        self._address = [host, self._listener.getsockname()[1]]
+        self._handlers = 0
+        self._threads = [threading.Thread(target=self._accept_loop, name="deadpool-replica-accept", daemon=True),
+                         threading.Thread(target=self._copy_loop, name="deadpool-snapshot", daemon=True)]
+        for t in self._threads:
+            t.start()
 
-    # ---- main-thread API --------------------------------------------------------------------
-    def configure(self, generation: int, my_rank: int | None, holder: int | None, source: int | None,
-                  held_rank: int | None) -> None:
-        """Set the peers of ``generation`` and resume. holder/source are MPI ranks (None: none)."""
-        with self.cv:
-            self.generation = generation
-            self.my_rank = my_rank
-            self.holder, self.source = holder, source
-            if held_rank != self.held_rank:
-                self.held.clear()
-            self.held_rank = held_rank
-            self._paused = False
-            self.cv.notify_all()
+    # ---- configuration and state ---------------------------------------------------------------
+    @property
+    def address(self) -> list:
+        """[host, port] of this process's replica server (JSON-serialisable)."""
+        return list(self._address)
 
-    def submit(self, step: int, tensors, rng) -> None:
-        """Snapshot ``tensors`` (+ ``rng`` bytes) as step ``step`` in the background, then replicate.
+    def held(self, rank: int) -> SlotPair:
+        """The slots holding replicas of training rank ``rank``. Raises ReplicaError if not held."""
+        with self._cv:
+            pair = self._held.get(rank)
+            if pair is None:
+                raise ReplicaError(f"this process holds no replica of rank {rank}; held ranks: {sorted(self._held)}")
+            return pair
 
-        The caller must not modify ``tensors`` until ``wait_committed(step)`` returns.
+    def configure(self, generation: int, my_rank: int | None, holders: list[list], held_ranks: list[int]) -> None:
+        """Set the peers of ``generation`` and resume (after quiesce, or at start).
+
+        my_rank: the training rank this process snapshots (None: a spare). holders: [host, port] of
+        the K processes that must hold my_rank's replica ([]: a step commits once copied locally).
+        held_ranks: training ranks whose replicas this process accepts. Held copies of ranks still
+        listed are kept; those of ranks no longer listed are freed. Raises ValueError on a malformed
+        argument (naming it).
         """
-        with self.cv:
-            self.jobs.append((step, tensors, rng))
-            self.cv.notify_all()
-
-    def wait_committed(self, step: int, failure) -> None:
-        """Block until the holder acknowledged ``step``. Raises PeerFailure if ``failure`` gets set."""
-        t0 = time.perf_counter()
-        with self.cv:
-            while self.committed < step:
-                if failure.is_set():
-                    raise PeerFailure(f"replica of step {step} not committed: a peer failed")
-                self.cv.wait(0.002)
-        self.wait_s += time.perf_counter() - t0
-
-    def quiesce(self) -> None:
-        """Pause: finish the local copy in progress (a memcpy, it cannot hang), then abandon every
-        transfer in flight and drop queued jobs. Abandoned buffers are kept alive (MPI may still
-        touch them); held slots are only written after verification, so no partial copy is ever
-        reported. Per-generation tags keep abandoned operations from matching later ones."""
-        with self.cv:
-            self._paused = True
-            self.jobs.clear()
-            self.cv.notify_all()
-            while self._busy_local:
-                self.cv.wait(0.005)
-            self._to_send = None
-            if self._send is not None:
-                self._graveyard.append(self._send)
-                self._send = None
-            if self._recv is not None:
-                self._graveyard.append(self._recv)
-                self._recv = None
+        hs = []
+        for h in holders:
+            if not (isinstance(h, (list, tuple)) and len(h) == 2 and isinstance(h[0], str)
+                    and isinstance(h[1], int) and 0 < h[1] < 65536):
+                raise ValueError(f"holder address {h!r} is not [host, port]")
+            hs.append((h[0], h[1]))
+        if hs and my_rank is None:
+            raise ValueError(f"holders {holders} given without a rank to replicate (my_rank is None)")
+        if len(set(hs)) != len(hs):
+            raise ValueError(f"holder addresses repeat: {holders}")
+        if any(not isinstance(r, int) or r < 0 for r in held_ranks):
+            raise ValueError(f"held_ranks {held_ranks} must be training ranks (ints >= 0)")
+        with self._cv:
+            self._epoch += 1                # whatever was in flight belongs to the previous configuration
+            self._generation = generation
+            self._my_rank = my_rank
+            for slot in self.own.slots:     # a snapshot of another rank's state is not this rank's
+                if my_rank is not None and slot.rank != my_rank and not slot.readers:
+                    slot.invalidate()
+            self._holders = hs
+            for r in list(self._held):
+                if r not in held_ranks:
+                    del self._held[r]       # freed once no transfer reads it
+            for r in held_ranks:
+                if r not in self._held:
+                    self._held[r] = SlotPair(self.layout.nbytes)
+            self._committed = -1
+            self._pending.clear()
+            self._refused.clear()
+            self._last_reason.clear()
+            self._paused = False
+            self._cv.notify_all()
 
     def report(self) -> dict:
-        with self.cv:
-            rep = {"own": self.own.steps()}
-            if self.held_rank is not None:
-                rep["held"] = {str(self.held_rank): self.held.steps()}
-            return rep
+        """Verified copies only: {"own_rank": int|None, "own": [steps], "held": {"<rank>": [steps]}}."""
+        with self._cv:
+            return {"own_rank": self._my_rank, "own": self.own.steps(),
+                    "held": {str(r): p.steps() for r, p in sorted(self._held.items())}}
 
-    def stop(self) -> None:
-        with self.cv:
-            self._stop = True
-            self.cv.notify_all()
+    # ---- snapshot and replication ----------------------------------------------------------------
+    def submit(self, step: int, tensors, rng) -> None:
+        """Snapshot ``tensors`` (+ ``rng``, uint8) as ``step`` in the background, then push it to every
+        holder. The caller must not modify ``tensors`` until ``wait_committed(step)`` returns."""
+        with self._cv:
+            self._jobs.append((step, tensors, rng))
+            self._cv.notify_all()
 
-    # ---- restore transfers (main thread, while paused; MPI runs in the agent thread) ---------
-    def send_held(self, dest: int, step: int, generation: int, timeout: float = 60.0) -> None:
-        """Send the verified held replica of ``step`` to ``dest`` (a promoted spare), tagged with the new
-        ``generation`` (the receiver has never been configured, so only the decision's number is shared)."""
-        slot = self.held.get(step)
-        hdr = self._header(self.held_rank, step, slot.crc)
-        g = generation
-        reqs = self.agent.call(lambda: [self.comm.Isend(hdr, dest=dest, tag=tag(RHDR, g)),
-                                        self.comm.Isend(slot.buf, dest=dest, tag=tag(RDATA, g))])
-        self._wait(reqs, dest, timeout)
+    def wait_committed(self, step: int, failure: threading.Event, timeout: float) -> None:
+        """Return once every holder acked a verified copy of ``step`` (no holders: once the local copy
+        is done). Raises PeerFailure when ``failure`` is set or after ``timeout`` seconds, ReplicaError
+        when a holder refused the step for good (wrong size, bad checksum)."""
+        t0 = time.monotonic()
+        end = t0 + timeout
+        try:
+            with self._cv:
+                while self._committed < step:
+                    if step in self._refused:
+                        raise ReplicaError(self._refused[step])
+                    if failure.is_set():
+                        raise PeerFailure(f"replica of step {step} not committed: a peer failed "
+                                          f"({self._waiting_for(step)})")
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        raise PeerFailure(f"replica of step {step} not committed within {timeout:g} s "
+                                          f"({self._waiting_for(step)})")
+                    self._cv.wait(min(left, 0.01))
+        finally:
+            self.wait_s += time.monotonic() - t0
 
-    def recv_restore(self, src: int, rank: int, step: int, generation: int, timeout: float = 60.0):
-        """Receive ``rank``'s replica of ``step`` from ``src`` (tagged with ``generation``) into an own
-        slot and verify it. Returns the slot. Raises ReplicaError if the step, rank, size or CRC-32 do
-        not match, PeerFailure if ``src`` fails first.
-        """
-        g, MPI = generation, self.MPI
-        hbuf = np.empty(_HDR_BYTES, dtype=np.uint8)
-        st = MPI.Status()
-        req = self.agent.call(lambda: self.comm.Irecv(hbuf, source=src, tag=tag(RHDR, g)))
-        self._wait([req], src, timeout, status=st)
-        hdr = self._parse_header(hbuf, st.Get_count(MPI.BYTE))
-        if hdr["rank"] != rank or hdr["step"] != step or hdr["nbytes"] != self.layout.nbytes:
-            raise ReplicaError(f"replica from MPI rank {src} is rank {hdr['rank']} step {hdr['step']} "
-                               f"({hdr['nbytes']} bytes); expected rank {rank} step {step} ({self.layout.nbytes} bytes)")
-        slot = self.own.begin()
-        req = self.agent.call(lambda: self.comm.Irecv(slot.buf, source=src, tag=tag(RDATA, g)))
-        self._wait([req], src, timeout)
-        if checksum(slot.buf) != hdr["crc"]:
-            self.own.replace(slot)
-            raise ReplicaError(f"replica of rank {rank} step {step} from MPI rank {src} fails its CRC-32")
-        slot.crc, slot.step = hdr["crc"], step
-        return slot
+    def _waiting_for(self, step: int) -> str:
+        pending = self._pending.get(step)
+        if pending is None:
+            return f"its local copy is not done; holders: {[fmt(h) for h in self._holders]}"
+        return "; ".join(f"no ack from {h}" + (f" (last: {self._last_reason[h]})" if h in self._last_reason else "")
+                         for h in sorted(pending)) or "all acked"
 
-    def _wait(self, reqs, peer, timeout, status=None) -> None:
-        end = time.monotonic() + timeout
-        test = (lambda: reqs[0].Test(status)) if status is not None else (lambda: all([r.Test() for r in reqs]))
-        while True:
-            try:
-                if self.agent.call(test):
-                    return
-            except Exception as exc:
-                raise PeerFailure(f"replica transfer with MPI rank {peer} failed: {exc}") from exc
-            if self.is_suspected(peer) or time.monotonic() > end:
-                raise PeerFailure(f"replica transfer with MPI rank {peer} did not complete")
-            time.sleep(0.0005)
+    def quiesce(self) -> None:
+        """Stop replicating: drop queued snapshots, abort the local copy in progress (its slot stays
+        invalid) and every push in flight in either direction (their target slots stay invalid), and
+        refuse new pushes until ``configure``. Serving fetches goes on. Returns within about 0.5 s."""
+        with self._cv:
+            self._paused = True
+            self._epoch += 1
+            self._jobs.clear()
+            links = list(self._links)
+            self._cv.notify_all()
+        for link in links:
+            link.shutdown()
+        end = time.monotonic() + 0.5
+        with self._cv:
+            while self._own_busy == "copy" and time.monotonic() < end:
+                self._cv.wait(0.005)
 
-    # ---- wire helpers ------------------------------------------------------------------------
-    def _header(self, rank: int, step: int, crc: int) -> np.ndarray:
-        body = {"rank": rank, "step": step, "nbytes": self.layout.nbytes, "crc": crc}
-        return np.frombuffer(wire.encode("replica", body, self.secret), dtype=np.uint8).copy()
-
-    def _parse_header(self, buf, n: int) -> dict:
-        kind, body = wire.decode(buf, n, self.secret)
-        if kind not in ("replica", "ack"):
-            raise ReplicaError(f"unexpected replica message {kind!r}")
-        return body
-
-    # ---- the copier thread (no MPI) ------------------------------------------------------------
     def _copy_loop(self) -> None:
         while True:
-            with self.cv:
-                while not self._stop and (self._paused or not self.jobs or self._to_send or self._send):
-                    self.cv.wait(0.01)
-                if self._stop:
+            with self._cv:
+                while not self._closed and (self._paused or not self._jobs):
+                    self._cv.wait(0.1)
+                if self._closed:
                     return
-                step, tensors, rng = self.jobs.popleft()
-                self._busy_local = True
-                slot = self.own.begin()
-            self.layout.write(slot, tensors, rng, step)
-            with self.cv:
-                self._busy_local = False
-                self.local_done = step
-                if self._paused:
-                    pass
-                elif self.holder is None:
-                    self.committed = step
-                else:
-                    self._to_send = slot
-                self.cv.notify_all()
-
-    # ---- the MPI part, called by the agent thread ----------------------------------------------
-    def poll(self) -> bool:
-        """Advance sends and receives; True while anything is in flight."""
-        with self.cv:
-            if self._paused:
-                return False
+                step, tensors, rng = self._jobs.popleft()
+                epoch = self._epoch
+                slot = self._claim_own("copy", lambda: self._epoch != epoch or self._closed)
+                if slot is None:
+                    continue
+                slot.rank = self._my_rank
             try:
-                if self._to_send is not None and self._send is None:
-                    slot, self._to_send = self._to_send, None
-                    self._start_send(slot)
-                self._progress_send()
-            except Exception as exc:  # MPI error: the holder is gone; the agent suspects it
-                self.log.emit("replica_transfer_abandoned", peer=self.holder, error=f"{type(exc).__name__}: {exc}"[:300])
-                self._graveyard.append(self._send)
-                self._send = None
+                done = self.layout.write(slot, tensors, rng, step, should_stop=lambda: self._epoch != epoch or self._closed)
+            except Exception as exc:  # a bad submit (shapes not those of the layout): fail its wait, keep the thread
+                done = False
+                with self._cv:
+                    self._refused[step] = f"snapshot of step {step} failed: {type(exc).__name__}: {exc}"
+            finally:
+                with self._cv:
+                    self._own_busy = None
+                    self._cv.notify_all()
+            with self._cv:
+                if not done or self._epoch != epoch:
+                    continue  # aborted (slot invalid) or finished just as we quiesced: valid, not pushed
+                if not self._holders:
+                    self._committed = max(self._committed, step)
+                    self._cv.notify_all()
+                    continue
+                self._pending[step] = {fmt(h) for h in self._holders}
+                slot.readers += len(self._holders)
+                for h in self._holders:
+                    threading.Thread(target=self._push, args=(slot, step, h, epoch), daemon=True,
+                                     name="deadpool-replica-push").start()
+
+    def _claim_own(self, who: str, give_up) -> Slot | None:
+        """(under _cv) Wait until no one writes an own slot and the next one has no readers; begin it."""
+        while self._own_busy or self.own.target().readers:
+            if give_up():
+                return None
+            self._cv.wait(0.01)
+        self._own_busy = who
+        return self.own.begin()
+
+    def _push(self, slot: Slot, step: int, holder, epoch: int) -> None:
+        peer = fmt(holder)
+        rank = self._my_rank
+        stop = lambda: ("quiesced" if self._epoch != epoch else None) or ("closed" if self._closed else None)
+        start = time.monotonic()
+        link = None
+        try:
+            while True:
+                link = Link.connect(holder, stop, idle=self.timeout)
+                self._track(link, self._links)
+                link.send_msg("push", {"generation": self._generation, "rank": rank, "step": step,
+                                       "nbytes": self.layout.nbytes, "crc": slot.crc}, self.secret)
+                kind, go = link.recv_msg(self.secret)
+                if kind != "go":
+                    raise WireError(f"expected 'go', got {kind!r}")
+                if go.get("ok"):
+                    break
+                reason = str(go.get("reason"))
+                self._note(epoch, peer, f"refused: {reason}")
+                if not go.get("retry") or time.monotonic() - start > self.timeout:
+                    return self._refuse(epoch, step, peer, reason)
+                self._untrack(link, self._links)
+                link.close()
+                link = None
+                with self._cv:
+                    self._cv.wait(POLL_S)
+                    if stop():
+                        raise Stopped(stop())
+            link.send(slot.buf)
+            kind, ack = link.recv_msg(self.secret)
+            if kind != "ack" or ack.get("rank") != rank or ack.get("step") != step or ack.get("crc") != slot.crc:
+                raise WireError(f"expected the ack of rank {rank} step {step} crc {slot.crc}, got {kind} {ack}")
+            if not ack.get("ok"):
+                return self._refuse(epoch, step, peer, str(ack.get("reason")))
+            with self._cv:
+                if self._epoch == epoch:
+                    self._last_reason.pop(peer, None)
+                    pending = self._pending.get(step, set())
+                    pending.discard(peer)
+                    self.bytes_sent += self.layout.nbytes
+                    if not pending:
+                        self._committed = max(self._committed, step)
+                    self._cv.notify_all()
+        except (LinkError, WireError, OSError) as exc:
+            self._note(epoch, peer, f"{type(exc).__name__}: {exc}")
+            self.log.emit("replica_transfer_abandoned", kind="push", peer=peer, rank=rank, step=step,
+                          done_bytes=getattr(exc, "done", None), nbytes=self.layout.nbytes,
+                          reason=f"{type(exc).__name__}: {exc}"[:300])
+        finally:
+            if link is not None:
+                self._untrack(link, self._links)
+                link.close()
+            with self._cv:
+                slot.readers -= 1
+                self._cv.notify_all()
+
+    def _note(self, epoch: int, peer: str, reason: str) -> None:
+        with self._cv:
+            if epoch == self._epoch:
+                self._last_reason[peer] = reason[:200]
+
+    def _refuse(self, epoch: int, step: int, peer: str, reason: str) -> None:
+        self.log.emit("replica_rejected", role="sender", peer=peer, rank=self._my_rank, step=step, reason=reason[:300])
+        with self._cv:
+            if epoch == self._epoch:
+                self._refused.setdefault(step, f"holder {peer} refused the replica of step {step}: {reason}")
+                self._cv.notify_all()
+
+    # ---- restore -------------------------------------------------------------------------------
+    def fetch(self, address, rank: int, step: int, failure: threading.Event, timeout: float) -> Slot:
+        """Pull training rank ``rank``'s verified copy of ``step`` from the process at ``address``
+        ([host, port]) into ``own.begin()``; verify rank, step, size and CRC-32C; stamp and return the slot.
+
+        Raises ReplicaError if the server holds no such copy or what arrives does not match (naming
+        expected and got), PeerFailure on a connection error, EOF, ``failure`` set, or ``timeout``
+        seconds passed. Returns or raises within ``timeout`` (+ ~POLL_S); notices ``failure`` within POLL_S.
+        """
+        peer = fmt(address)
+        what = f"replica of rank {rank} step {step} from {peer}"
+        stop = lambda: ("failure flag set" if failure.is_set() else None) or ("closed" if self._closed else None)
+        deadline = time.monotonic() + timeout
+        link, slot, claimed = None, None, False
+        try:
+            link = Link.connect(address, stop, deadline=deadline)
+            self._track(link, self._other_links)
+            link.send_msg("fetch", {"generation": self._generation, "rank": rank, "step": step}, self.secret)
+            kind, hdr = link.recv_msg(self.secret)
+            if kind != "replica":
+                raise ReplicaError(f"{what}: expected a 'replica' header, got {kind!r}")
+            if not hdr.get("ok"):
+                raise ReplicaError(f"{what}: {hdr.get('reason')}")
+            got = (hdr.get("rank"), hdr.get("step"), hdr.get("nbytes"))
+            if got != (rank, step, self.layout.nbytes) or not isinstance(hdr.get("crc"), int):
+                raise ReplicaError(f"{what}: got rank {got[0]} step {got[1]} ({got[2]} bytes); expected rank {rank} "
+                                   f"step {step} ({self.layout.nbytes} bytes)")
+            with self._cv:
+                slot = self._claim_own("fetch", lambda: stop() or time.monotonic() > deadline)
+                if slot is None:
+                    link.check()
+                    raise PeerFailure(f"{what}: an own slot stayed busy until the timeout ({timeout:g} s)")
+                claimed = True
+                slot.rank = rank
+            crc = _RunningCrc(slot.buf)
+            link.recv_into(slot.buf, crc.update)
+            if crc.value != hdr["crc"]:
+                self.log.emit("replica_rejected", role="fetcher", peer=peer, rank=rank, step=step,
+                              reason=f"checksum mismatch: header {hdr['crc']}, payload {crc.value}")
+                raise ReplicaError(f"{what} fails its checksum (header {hdr['crc']}, payload {crc.value})")
+            with self._cv:
+                slot.stamp(step, crc.value)
+            return slot
+        except WireError as exc:
+            raise ReplicaError(f"{what}: {exc}") from exc
+        except LinkError as exc:
+            self.log.emit("replica_transfer_abandoned", kind="fetch", peer=peer, rank=rank, step=step,
+                          done_bytes=exc.done, nbytes=self.layout.nbytes, reason=f"{type(exc).__name__}: {exc}"[:300])
+            raise PeerFailure(f"{what} failed: {exc}") from exc
+        finally:
+            if link is not None:
+                self._untrack(link, self._other_links)
+                link.close()
+            if claimed:
+                with self._cv:
+                    self._own_busy = None
+                    self._cv.notify_all()
+
+    # ---- the server side -----------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._closed:
             try:
-                self._progress_recv()
-            except Exception as exc:
-                self.log.emit("replica_transfer_abandoned", peer=self.source, error=f"{type(exc).__name__}: {exc}"[:300])
-                self._graveyard.append(self._recv)
-                self._recv = None
-            self.cv.notify_all()
-            return self._send is not None or (self._recv is not None and self._recv["hdr"] is not None)
+                sock, addr = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._closed:
+                    return
+                time.sleep(POLL_S)
+                continue
+            with self._cv:
+                full = self._handlers >= MAX_CONNECTIONS
+                if not full:
+                    self._handlers += 1
+            if full:
+                sock.close()
+                continue
+            threading.Thread(target=self._handle, args=(sock, addr), daemon=True, name="deadpool-replica-serve").start()
 
-    def _start_send(self, slot) -> None:
-        g = self.generation
-        hdr = self._header(self.my_rank, slot.step, slot.crc)
-        ack = np.empty(_HDR_BYTES, dtype=np.uint8)
-        self._send = {
-            "step": slot.step, "peer": self.holder, "ackbuf": ack, "hdr": hdr, "slot": slot,
-            "reqs": [self.comm.Isend(hdr, dest=self.holder, tag=tag(HDR, g)),
-                     self.comm.Isend(slot.buf, dest=self.holder, tag=tag(DATA, g))],
-            "ack": self.comm.Irecv(ack, source=self.holder, tag=tag(ACK, g)),
-            "status": self.MPI.Status(),
-        }
-
-    def _progress_send(self) -> None:
-        s = self._send
-        if s is None:
-            return
-        s["reqs"] = [r for r in s["reqs"] if not r.Test()]
-        if not s["reqs"] and s["ack"].Test(s["status"]):
-            body = self._parse_header(s["ackbuf"], s["status"].Get_count(self.MPI.BYTE))
-            if body.get("step") == s["step"] and body.get("ok"):
-                self.committed = s["step"]
-                self.bytes_sent += self.layout.nbytes
-            else:
-                self.log.emit("replica_rejected", step=s["step"], holder=s["peer"], reason=body.get("reason"))
-            self._send = None
-        elif self.is_suspected(s["peer"]):
-            self._graveyard.append(s)
-            self._send = None  # abandoned: the holder is gone
-
-    def _progress_recv(self) -> None:
-        """Receive the next replica into a landing buffer (both receives posted at once, so the eager
-        fragments land in place, not in MPI's unexpected queue); verify it, then copy it into the held
-        slot that does not hold the newest verified copy. A held slot is never partially written."""
-        if self.source is None:
-            return
-        MPI, g = self.MPI, self.generation
-        r = self._recv
-        if self.is_suspected(self.source):
-            if r is not None:
-                self._graveyard.append(r)  # its landing buffer goes with it: MPI may still write there
-            self._recv = None
-            self.source = None
-            return
-        if r is None:
-            hbuf = np.empty(_HDR_BYTES, dtype=np.uint8)
-            land, self._landing = (self._landing if self._landing is not None
-                                   else np.empty(self.layout.nbytes, dtype=np.uint8)), None
-            self._recv = r = {"hbuf": hbuf, "status": MPI.Status(), "land": land, "hdr": None,
-                              "hreq": self.comm.Irecv(hbuf, source=self.source, tag=tag(HDR, g)),
-                              "dreq": self.comm.Irecv(land, source=self.source, tag=tag(DATA, g))}
-        if r["hdr"] is None:
-            if not r["hreq"].Test(r["status"]):
+    def _handle(self, sock, addr) -> None:
+        link = Link(sock, f"{addr[0]}:{addr[1]}", lambda: "closed" if self._closed else None,
+                    deadline=time.monotonic() + min(HELLO_S, self.timeout))
+        self._track(link, self._other_links)
+        try:
+            try:
+                kind, body = link.recv_msg(self.secret)
+            except WireError as exc:
+                self.log.emit("replica_rejected", role="receiver", peer=link.peer, reason=str(exc)[:300])
                 return
-            r["hdr"] = self._parse_header(r["hbuf"], r["status"].Get_count(MPI.BYTE))
-        if not _spin(r["dreq"]):
+            link.deadline = None
+            link.idle = self.timeout
+            if kind == "push":
+                self._receive(link, body)
+            elif kind == "fetch":
+                self._serve(link, body)
+            else:
+                self.log.emit("replica_rejected", role="receiver", peer=link.peer, reason=f"unexpected message {kind!r}")
+        except (LinkError, WireError, OSError) as exc:
+            if not self._closed:
+                self.log.emit("replica_transfer_abandoned", kind="incoming", peer=link.peer,
+                              done_bytes=getattr(exc, "done", None), reason=f"{type(exc).__name__}: {exc}"[:300])
+        finally:
+            self._untrack(link, self._other_links)
+            self._untrack(link, self._links)
+            link.close()
+            with self._cv:
+                self._handlers -= 1
+
+    def _receive(self, link: Link, hdr: dict) -> None:
+        rank, step, nbytes, crc = (hdr.get(k) for k in ("rank", "step", "nbytes", "crc"))
+        slot = pair = None
+        retry = False
+        token = object()
+        with self._cv:
+            epoch = self._epoch
+            if not all(isinstance(v, int) for v in (rank, step, nbytes, crc)):
+                reason = f"malformed push header {hdr}"
+            elif nbytes != self.layout.nbytes:
+                reason = f"payload of {nbytes} bytes, expected {self.layout.nbytes}"
+            elif self._paused:
+                reason, retry = "not accepting pushes (quiesced, not yet configured)", True
+            elif rank not in self._held:
+                reason, retry = f"rank {rank} is not held here (held ranks: {sorted(self._held)})", True
+            elif rank in self._writing or self._held[rank].target().readers:
+                reason, retry = f"rank {rank}'s slot is busy (another push, or a fetch being served)", True
+            else:
+                reason = None
+                pair = self._held[rank]
+                slot = pair.begin()
+                slot.rank = rank
+                self._writing[rank] = token
+        if reason is not None:
+            if not retry:  # a retryable refusal (busy, not configured yet) is the pusher's to report if it gives up
+                self.log.emit("replica_rejected", role="holder", peer=link.peer, rank=rank, step=step, reason=reason[:300])
+            link.send_msg("go", {"ok": False, "reason": reason, "retry": retry}, self.secret)
             return
-        hdr, land = r["hdr"], r["land"]
-        ok, reason = True, ""
-        if hdr["nbytes"] != self.layout.nbytes or hdr["rank"] != self.held_rank:
-            ok, reason = False, (f"rank {hdr['rank']} / {hdr['nbytes']} bytes, expected rank {self.held_rank} / "
-                                 f"{self.layout.nbytes}")
-        elif checksum(land) != hdr["crc"]:
-            ok, reason = False, "CRC-32 mismatch"
-        if ok:
-            slot = self.held.begin()
-            slot.buf[:] = land
-            slot.crc, slot.step = hdr["crc"], hdr["step"]
-        else:
-            self.log.emit("replica_rejected", step=hdr["step"], source=self.source, reason=reason)
-        self._landing = land
-        body = {"step": hdr["step"], "ok": ok, "reason": reason}
-        ack = np.frombuffer(wire.encode("ack", body, self.secret), dtype=np.uint8).copy()
-        self._acks = [(q, b) for (q, b) in self._acks if not q.Test()]
-        self._acks.append((self.comm.Isend(ack, dest=self.source, tag=tag(ACK, g)), ack))
-        self._recv = None
+        try:
+            link.stop = lambda: ("quiesced" if self._epoch != epoch else None) or ("closed" if self._closed else None)
+            self._track(link, self._links)
+            link.send_msg("go", {"ok": True, "reason": "", "retry": False}, self.secret)
+            got = _RunningCrc(slot.buf)
+            hook = self.receive_hook
+            on_recv = got.update if hook is None else (lambda n: (got.update(n), hook(rank, step, n, nbytes)))
+            try:
+                link.recv_into(slot.buf, on_recv)
+            except LinkError as exc:
+                self.log.emit("replica_transfer_abandoned", kind="receive", peer=link.peer, rank=rank, step=step,
+                              done_bytes=exc.done, nbytes=nbytes, reason=f"{type(exc).__name__}: {exc}"[:300])
+                return
+            with self._cv:
+                if got.value != crc:
+                    ok, reason = False, f"checksum mismatch: header {crc}, payload {got.value}"
+                elif self._epoch != epoch or self._held.get(rank) is not pair:
+                    return  # quiesced or reconfigured while it arrived: dropped, the slot stays invalid
+                else:
+                    ok, reason = True, ""
+                    slot.stamp(step, crc)
+                self._release(rank, token)   # before the ack: the sender's next push must not find it busy
+            if not ok:
+                self.log.emit("replica_rejected", role="holder", peer=link.peer, rank=rank, step=step, reason=reason)
+            link.send_msg("ack", {"rank": rank, "step": step, "crc": crc, "ok": ok, "reason": reason}, self.secret)
+        finally:
+            with self._cv:
+                self._release(rank, token)
+                self._cv.notify_all()
+
+    def _release(self, rank: int, token: object) -> None:
+        """(under _cv) End this push's claim on ``rank``, never a later push's."""
+        if self._writing.get(rank) is token:
+            del self._writing[rank]
+
+    def _serve(self, link: Link, req: dict) -> None:
+        rank, step = req.get("rank"), req.get("step")
+        if not (isinstance(rank, int) and isinstance(step, int)):
+            link.send_msg("replica", {"ok": False, "reason": f"malformed fetch request {req}"}, self.secret)
+            return
+        with self._cv:
+            slot = self.own.find(step)
+            if slot is None or slot.rank != rank:
+                pair = self._held.get(rank)
+                slot = pair.find(step) if pair is not None else None
+            if slot is None:
+                reason = (f"no verified copy of rank {rank} step {step} here (own rank {self._my_rank}: "
+                          f"{self.own.steps()}; held: {({str(r): p.steps() for r, p in self._held.items()})})")
+            else:
+                slot.readers += 1
+                crc = slot.crc
+        if slot is None:
+            link.send_msg("replica", {"ok": False, "reason": reason}, self.secret)
+            return
+        try:
+            link.send_msg("replica", {"ok": True, "reason": "", "rank": rank, "step": step,
+                                      "nbytes": self.layout.nbytes, "crc": crc}, self.secret)
+            hook, total = self.serve_hook, self.layout.nbytes
+            link.send(slot.buf, None if hook is None else (lambda sent: hook(rank, step, sent, total)))
+        except LinkError as exc:
+            self.log.emit("replica_transfer_abandoned", kind="serve", peer=link.peer, rank=rank, step=step,
+                          done_bytes=exc.done, nbytes=self.layout.nbytes, reason=f"{type(exc).__name__}: {exc}"[:300])
+        finally:
+            with self._cv:
+                slot.readers -= 1
+                self._cv.notify_all()
+
+    # ---- bookkeeping ---------------------------------------------------------------------------
+    def _track(self, link: Link, links: set) -> None:
+        with self._cv:
+            links.add(link)
+
+    def _untrack(self, link: Link, links: set) -> None:
+        with self._cv:
+            links.discard(link)
+
+    def close(self) -> None:
+        """Stop every thread and transfer and close the sockets. Returns within about 1 s."""
+        with self._cv:
+            self._closed = True
+            self._epoch += 1
+            links = list(self._links | self._other_links)
+            self._cv.notify_all()
+        for link in links:
+            link.shutdown()
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+        end = time.monotonic() + 1.0
+        for t in self._threads:
+            t.join(max(0.0, end - time.monotonic()))
 
 
-def _spin(req, tries: int = 64) -> bool:
-    """Test ``req`` a few times in a row: each Test drives MPI's progress engine, which moves the
-    eager fragments of a large message; one Test per agent iteration would stretch a transfer."""
-    for _ in range(tries):
-        if req.Test():
-            return True
-    return False
+class _RunningCrc:
+    """CRC-32C of a buffer filled front to back, computed in pieces of >= 1 MiB as bytes arrive."""
+
+    PIECE = 1 << 20
+
+    def __init__(self, buf):
+        self.mv = memoryview(buf).cast("B")
+        self.done = 0
+        self.value = 0
+
+    def update(self, upto: int) -> None:
+        if upto - self.done >= self.PIECE or upto == len(self.mv):
+            self.value = checksum(self.mv[self.done:upto], self.value)
+            self.done = upto
