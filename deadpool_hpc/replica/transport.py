@@ -63,12 +63,16 @@ class Replicator:
     """Background snapshot, replication and restore transfers for one process.
 
     secret: the job's HMAC key. layout: StateLayout of this job's payload. log: has ``emit(name, **fields)``.
-    host: the address peers reach this process at (bound as given; not a wildcard). timeout: seconds
+    host: the address peers reach this process at (bound as given; not a wildcard), or ``sock``: a listening
+    socket already bound there (its address is exchanged before the layout is known). timeout: seconds
     without progress after which a push or an incoming transfer is abandoned.
     Raises ValueError for a wildcard or empty host, OSError if it cannot listen.
     """
 
-    def __init__(self, secret: bytes, layout: StateLayout, log, *, host: str, timeout: float = 30.0):
+    def __init__(self, secret: bytes, layout: StateLayout, log, *, host: str | None = None, sock=None,
+                 timeout: float = 30.0):
+        if sock is not None:  # a listening socket bound before the layout was known (worker/entry.py)
+            host = sock.getsockname()[0]
         if host in ("", "0.0.0.0", "::"):
             raise ValueError(f"Replicator host {host!r} is a wildcard; pass the address peers reach this "
                              "process at (127.0.0.1 locally, the node's IP under Slurm)")
@@ -98,8 +102,10 @@ class Replicator:
         self._last_reason: dict[str, str] = {}    # holder -> why its last push did not complete
         self._links: set[Link] = set()            # pushes in either direction (quiesce aborts them)
         self._other_links: set[Link] = set()      # fetches and serves (only close aborts them)
-        family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
-        self._listener = socket.create_server((host, 0), family=family, backlog=MAX_CONNECTIONS)
+        if sock is None:
+            family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+            sock = socket.create_server((host, 0), family=family, backlog=MAX_CONNECTIONS)
+        self._listener = sock
         self._listener.settimeout(POLL_S)
         self._address = [host, self._listener.getsockname()[1]]
         self._handlers = 0
@@ -178,10 +184,11 @@ class Replicator:
             self._jobs.append((step, tensors, rng))
             self._cv.notify_all()
 
-    def wait_committed(self, step: int, failure: threading.Event, timeout: float) -> None:
+    def wait_committed(self, step: int, failure: threading.Event, timeout: float, beat=None) -> None:
         """Return once every holder acked a verified copy of ``step`` (no holders: once the local copy
         is done). Raises PeerFailure when ``failure`` is set or after ``timeout`` seconds, ReplicaError
-        when a holder refused the step for good (wrong size, bad checksum)."""
+        when a holder refused the step for good (wrong size, bad checksum). ``beat()``, if given, is called
+        while it waits (the progress watchdog, control/watchdog.py: waiting on peers is not a hang)."""
         t0 = time.monotonic()
         end = t0 + timeout
         try:
@@ -197,6 +204,8 @@ class Replicator:
                         raise PeerFailure(f"replica of step {step} not committed within {timeout:g} s "
                                           f"({self._waiting_for(step)})")
                     self._cv.wait(min(left, 0.01))
+                    if beat is not None:
+                        beat()
         finally:
             self.wait_s += time.monotonic() - t0
 
