@@ -41,6 +41,9 @@ def main(argv=None) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR2})  # the task wrapper spawns us with it blocked
     argv = sys.argv[1:] if argv is None else argv
     run_dir = argv[0]
+    from . import lifeline
+
+    line = lifeline.start(os.path.join(run_dir, "events.jsonl"))  # local launcher only: its death ends the run
     import faulthandler
 
     faulthandler.enable()  # a crash in native code leaves its Python stacks in launcher.log
@@ -59,9 +62,13 @@ def main(argv=None) -> None:
     if len(secret_hex) < 32:
         sys.exit("DEADPOOL_JOB_SECRET is missing or shorter than 16 bytes (hex); the launcher sets it")
     log = EventLog(os.path.join(run_dir, "events.jsonl"))
+    if os.environ.get(lifeline.RUN_ENV):  # in every line, hello included: a launcher reaps only its own run
+        log.base["run"] = os.environ[lifeline.RUN_ENV]
     cp = ControlPlane(secret=bytes.fromhex(secret_hex), ranks_per_node=cfg.ranks_per_node, active_nodes=cfg.nodes,
                       period=cfg.heartbeat_period, deadline=cfg.heartbeat_deadline, log=log)
     log.base.update(mpi_rank=cp.me, node=cp.me // cfg.ranks_per_node)
+    if line is not None:
+        line.know(cp.idents, log)  # from now on a lost launcher takes every process of the run with it
     _signalled["agent"] = cp.agent
     if _signalled["usr2"]:
         cp.agent.request_preempt()
