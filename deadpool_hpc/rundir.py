@@ -22,6 +22,9 @@ Use::
         ...
         rd.write_summary(summary, also=cfg.summary_path)
 
+A resumed run (a requeued attempt, Slurm's ``RESUME=1``) takes the lock and skips ``clear()``: the event
+log goes on, and the workers start from ``checkpoint/LATEST``.
+
 The lock is ``flock`` on ``run.lock``, taken before anything in the directory is touched; its file
 descriptor is close-on-exec, so no child holds it, and the kernel releases it when the holder dies
 (even by SIGKILL). A directory on a file system without ``flock`` is refused.

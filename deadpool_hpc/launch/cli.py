@@ -5,7 +5,8 @@
   it; the last line printed is the Slurm job id.
 - ``deadpool status JOBID|RUN_DIR``: steps, failures, swaps and recovery times, from the run's event log.
 
-Exit 2 on bad input, before any process starts or any job is submitted; 1 if the run did not complete.
+Exit 2 on bad input (a run directory in use by another run included), before any process starts or any
+job is submitted; 1 if the run did not complete; 128 + N if signal N (SIGINT, SIGTERM, SIGHUP) stopped it.
 """
 from __future__ import annotations
 
