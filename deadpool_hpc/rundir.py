@@ -35,7 +35,6 @@ import fcntl
 import json
 import os
 import shutil
-import socket
 import stat
 import tempfile
 import time
@@ -202,8 +201,10 @@ class RunDir:
         except BlockingIOError:
             holder = _read_holder(fd)
             os.close(fd)
-            who = (f"pid {holder.get('pid')} on {holder.get('host')}" + (f", since {holder['since']}" if holder.get("since") else "")
-                   if holder.get("pid") else "another process")
+            who = "another process"
+            if holder.get("pid"):
+                who = f"pid {holder['pid']} on {holder.get('host')}" + (f", since {holder['since']}"
+                                                                       if holder.get("since") else "")
             raise RunDirBusy(f"--run-dir {self.path} is in use by another run ({who}); accepted: a directory no "
                              f"other run is using (wait for that run to end, stop it, or pick another --run-dir)",
                              holder) from None

@@ -11,7 +11,6 @@ job is submitted; 1 if the run did not complete; 128 + N if signal N (SIGINT, SI
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from ..config import RunConfig, parse_fault
@@ -112,7 +111,9 @@ def cmd_run(a) -> int:
         say(f"[bold red]processes of the run still alive after SIGKILL: {summary['processes_left']}[/]")
     if summary.get("interrupted"):
         sig = summary["interrupted"]
-        say(f"\ninterrupted by {sig} at step {summary['steps_completed']}: every process of the run was stopped; "
+        stopped = "some processes of the run survived SIGKILL" if summary.get("processes_left") else \
+            "every process of the run was stopped"
+        say(f"\ninterrupted by {sig} at step {summary['steps_completed']}: {stopped}; "
             f"summary in {where}, events in {summary['run_dir']}/events.jsonl")
         return 128 + int(signal.Signals[sig])
     return 0 if summary["completed"] else 1

@@ -87,9 +87,6 @@ class LiveView:
                 self._note(f"error on MPI rank {e.get('mpi_rank')}: {e['error']}", "bold red")
             elif kind == "fault_skipped":
                 self._note(f"step {e['step']}: {e['kind']} {e['target']} skipped: {e['reason']}", "yellow")
-            elif kind == "launcher_lost":
-                self._note(f"the launcher (pid {e['launcher']}) is gone: MPI rank {e.get('mpi_rank')} ends the run",
-                           "bold red")
         if not self._started:
             self._started = True
             self.live.__enter__()
@@ -131,7 +128,8 @@ def print_summary(summary: dict, console: Console | None = None) -> None:
     t = Table(title="run summary", show_header=False)
     t.add_column("what", style="bold")
     t.add_column("value")
-    t.add_row("completed", str(summary["completed"]))
+    t.add_row("completed", str(summary["completed"]) + (f" (stopped by {summary['interrupted']})"
+                                                         if summary.get("interrupted") else ""))
     t.add_row("steps", str(summary["steps_completed"]))
     t.add_row("failures / swaps / requeues", f"{len(summary['failures'])} / {summary['swaps']} / {summary.get('requeues', 0)}")
     t.add_row("first -> final loss", f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"
