@@ -146,6 +146,17 @@ def test_launcher_death_ends_every_process_of_the_run(tmp_path, sig):
     assert last["signal"] == sig and last["run"] == hellos[0]["run"]
 
 
+def test_sighup_under_nohup_leaves_the_run_alone(tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["nohup", *cli("run", "--nodes", "2", "--spares", "1", "--steps", "40", "--run-dir", str(run_dir))]
+    with started(args, tmp_path / "out.txt") as (p, seen):
+        wait_for(lambda: at_step(run_dir, 5), 120, "step 5", p)
+        os.kill(p.pid, signal.SIGHUP)
+        assert p.wait(300) == 0, (tmp_path / "out.txt").read_text()[-2000:]
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["completed"] and "interrupted" not in s, s
+
+
 # ---- the lifeline on its own (no hydra in between) ---------------------------------------------------------------
 WORKER = """
 import json, os, sys, time

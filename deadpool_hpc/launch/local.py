@@ -154,8 +154,9 @@ class _Interrupted(BaseException):
 class _StopSignals:
     """SIGTERM, SIGHUP and SIGINT stop the run: ``signum`` records the first one. The handler only
     records (the launcher's loop sees it within ``poll_s`` and kills the run's processes), except inside
-    ``raising()``, where it raises _Interrupted at once. The previous handlers come back on exit. Main
-    thread only (elsewhere Python cannot install handlers; the signals keep their usual action)."""
+    ``raising()``, where it raises _Interrupted at once. The previous handlers come back on exit. A signal
+    the launcher inherited as ignored (``nohup``: SIGHUP; a background job of a script: SIGINT) stays
+    ignored. Main thread only (elsewhere Python cannot install handlers; the signals keep their action)."""
 
     def __init__(self):
         self.signum: int | None = None
@@ -165,7 +166,8 @@ class _StopSignals:
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
-                self._old[sig] = signal.signal(sig, self._handle)
+                if signal.getsignal(sig) != signal.SIG_IGN:  # ignored on purpose (nohup, a background job): keep
+                    self._old[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc):
