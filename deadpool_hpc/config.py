@@ -153,6 +153,8 @@ class RunConfig:
         need(self.d_model % self.n_head == 0, f"--d-model {self.d_model} is not divisible by --n-head {self.n_head}")
         need(isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and 0 < self.lr <= 1,
              f"--lr {self.lr!r}: accepted: a learning rate in (0, 1], e.g. 3e-3")
+        need(isinstance(self.seed, int) and 0 <= self.seed < 2**64,
+             f"--seed {self.seed!r}: accepted: an integer in 0..{2**64 - 1} (torch.manual_seed's range)")
         need(isinstance(self.max_requeues, int) and self.max_requeues >= 0,
              f"max_requeues {self.max_requeues!r}: accepted: 0 or more")
         need(self.heartbeat_period > 0, f"heartbeat period {self.heartbeat_period!r} s: must be > 0")

@@ -30,6 +30,48 @@ def _start_ticks(pid: int) -> int:
         return -1
 
 
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state, ppid, ...), or None."""
+    try:
+        with open(f"/proc/{int(pid)}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def identity_of(pid: int) -> dict | None:
+    """The identity (as ``identity()``) of another process of this kernel, or None if there is none."""
+    fields = _stat(pid)
+    if fields is None or fields[0] in ("Z", "X"):
+        return None
+    me = identity()
+    return {"host": me["host"], "boot": me["boot"], "pid": int(pid), "start": int(fields[19])}
+
+
+def parent_of(pid: int) -> int | None:
+    """The parent pid of ``pid`` (0 for the kernel's own), or None if ``pid`` is gone."""
+    fields = _stat(pid)
+    return int(fields[1]) if fields is not None else None
+
+
+def descendants(pid: int) -> list[dict]:
+    """Identities of every live process below ``pid`` (children first), read once from /proc."""
+    kids: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            ppid = parent_of(int(name))
+            if ppid is not None:
+                kids.setdefault(ppid, []).append(int(name))
+    out, todo = [], list(kids.get(int(pid), []))
+    while todo:
+        p = todo.pop(0)
+        ident = identity_of(p)
+        if ident is not None:
+            out.append(ident)
+        todo += kids.get(p, [])
+    return out
+
+
 def is_alive(ident: dict) -> bool:
     """True if the process described by ``ident`` (pid + start time) still runs (a zombie does not)."""
     try:

@@ -5,12 +5,12 @@
   it; the last line printed is the Slurm job id.
 - ``deadpool status JOBID|RUN_DIR``: steps, failures, swaps and recovery times, from the run's event log.
 
-Exit 2 on bad input, before any process starts or any job is submitted; 1 if the run did not complete.
+Exit 2 on bad input (a run directory in use by another run included), before any process starts or any
+job is submitted; 1 if the run did not complete; 128 + N if signal N (SIGINT, SIGTERM, SIGHUP) stopped it.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from ..config import RunConfig, parse_fault
@@ -85,26 +85,57 @@ def config_from_args(a) -> RunConfig:
 
 
 def cmd_run(a) -> int:
+    import signal
+
+    from ..rundir import check_output_file, check_run_dir
+
+    check_run_dir(a.run_dir)  # paths first: a bad one fails before torch and --train-fn are imported
+    if a.summary is not None:
+        check_output_file(a.summary)
+    cfg = config_from_args(a)
     from rich.console import Console
 
     from .console import LiveView, print_summary
-    from .local import launch
+    from .local import Interrupted, launch
 
-    cfg = config_from_args(a)
     console = Console()
-    console.print(f"[bold]deadpool run[/]: {cfg.nodes} nodes x {cfg.ranks_per_node} ranks + {cfg.spares} spare node(s), "
-                  f"{cfg.steps} steps, faults: {', '.join(map(str, cfg.faults)) or 'none'}; run dir {cfg.run_dir}")
+    say = _sayer(console)
+    say(f"[bold]deadpool run[/]: {cfg.nodes} nodes x {cfg.ranks_per_node} ranks + {cfg.spares} spare node(s), "
+        f"{cfg.steps} steps, faults: {', '.join(map(str, cfg.faults)) or 'none'}; run dir {cfg.run_dir}")
     try:
         with LiveView(cfg, console) as view:
             summary = launch(cfg, on_poll=view.update)
-    except KeyboardInterrupt:
-        console.print(f"\ninterrupted: every process of the run was stopped; events so far in {cfg.run_dir}/events.jsonl")
+    except Interrupted as exc:
+        say(f"\ninterrupted ({exc}) before the run started: no process ran; {cfg.run_dir} is as it was")
+        return 128 + exc.signum
+    except KeyboardInterrupt:  # Ctrl-C before the launcher took SIGINT over: nothing had started
+        say(f"\ninterrupted before the run started: no process ran; {cfg.run_dir} is as it was")
         return 130
-    print_summary(summary, console)
-    if cfg.summary_path:
-        with open(cfg.summary_path, "w") as fh:
-            json.dump(summary, fh, indent=1)
+    try:
+        print_summary(summary, console)
+    except OSError:  # the terminal is gone (SIGHUP): the summary files are written already
+        pass
+    where = f"{summary['run_dir']}/summary.json" + (f" and {cfg.summary_path}" if cfg.summary_path else "")
+    if summary.get("processes_left"):
+        say(f"[bold red]processes of the run still alive after SIGKILL: {summary['processes_left']}[/]")
+    if summary.get("interrupted"):
+        sig = summary["interrupted"]
+        stopped = "some processes of the run survived SIGKILL" if summary.get("processes_left") else \
+            "every process of the run was stopped"
+        say(f"\ninterrupted by {sig} at step {summary['steps_completed']}: {stopped}; "
+            f"summary in {where}, events in {summary['run_dir']}/events.jsonl")
+        return 128 + int(signal.Signals[sig])
     return 0 if summary["completed"] else 1
+
+
+def _sayer(console):
+    """console.print that survives a terminal that is gone (after SIGHUP a write fails with EIO)."""
+    def say(text: str) -> None:
+        try:
+            console.print(text)
+        except OSError:
+            pass
+    return say
 
 
 def cmd_submit(a) -> int:

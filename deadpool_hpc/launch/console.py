@@ -24,15 +24,17 @@ class LiveView:
         self.lines: list[Text] = []
         self.t_fault: float | None = None
         self._detected = False
+        self.requeues = 0
         self.live = Live(self._render(), console=self.console, refresh_per_second=4, transient=False)
+        self._started = False
 
     def __enter__(self):
-        self.live.__enter__()
-        return self
+        return self  # the display starts with the first events: a run refused before it starts shows nothing
 
     def __exit__(self, *exc):
-        self.live.update(self._render())
-        self.live.__exit__(*exc)
+        if self._started:
+            self.live.update(self._render())
+            self.live.__exit__(*exc)
 
     def _note(self, text: str, style: str = "") -> None:
         self.lines.append(Text(text, style=style))
@@ -59,8 +61,12 @@ class LiveView:
                 for node in {m // self.cfg.ranks_per_node for m in e["promoted"].values()}:
                     self.roles[node] = "active"
                 base = self.t_fault or e["t_decided"]
-                self._note(f"  agreed: generation {e['generation']}, lost node(s) {e['failed_nodes']}, "
-                           f"promoted {e['promoted']}, cut at step {e['cut_step']} (+{e['t_decided'] - base:.2f} s)", "cyan")
+                lost = f"lost node(s) {e['failed_nodes']}" if e["failed_nodes"] else "no node lost"
+                plan = (f"promoted {e['promoted']}" if e["promoted"] else
+                        "preempted: save a checkpoint" if e.get("reason") == "preempted" else
+                        "no spare left: save a checkpoint")
+                self._note(f"  agreed: generation {e['generation']}, {lost}, {plan}, cut at step {e['cut_step']} "
+                           f"(+{e['t_decided'] - base:.2f} s)", "cyan")
             elif kind == "recovered" and e.get("rank") == 0:
                 base = self.t_fault or e["t_fail"]
                 self._note(f"  swapped+rebuilt (+{e['t_rebuilt'] - base:.2f} s), restored at step {e['cut_step']} "
@@ -69,10 +75,11 @@ class LiveView:
                 base = self.t_fault or e["t_fail"]
                 self._note(f"  resumed: step {e['step']} completed (+{e['t'] - base:.2f} s after the fault)", "bold green")
             elif kind == "checkpoint_saved":
-                self._note(f"  no spare left: checkpoint saved at step {e['step']}; requeueing", "bold yellow")
+                self._note(f"  {self.checkpoint_line(e)}", "bold yellow")
             elif kind == "requeued":
+                self.requeues += 1
                 self.roles = {n: ("active" if n < self.cfg.nodes else "spare") for n in self.roles}
-                self._note(f"requeued (attempt {e['attempt']})", "bold yellow")
+                self._note(f"requeued (attempt {e['attempt']}): restarting from the checkpoint", "bold yellow")
             elif kind == "resumed_from_checkpoint" and e.get("rank") == 0:
                 base = self.t_fault or e["t"]
                 self._note(f"  resumed from the checkpoint at step {e['step']} (+{e['t'] - base:.2f} s)", "bold green")
@@ -80,7 +87,22 @@ class LiveView:
                 self._note(f"error on MPI rank {e.get('mpi_rank')}: {e['error']}", "bold red")
             elif kind == "fault_skipped":
                 self._note(f"step {e['step']}: {e['kind']} {e['target']} skipped: {e['reason']}", "yellow")
+        if not self._started:
+            self._started = True
+            self.live.__enter__()
         self.live.update(self._render())
+
+    def checkpoint_line(self, e: dict) -> str:
+        """What a ``checkpoint_saved`` event means for this run: what the local launcher does next
+        (launch/local.py requeues only with --requeue, at most ``max_requeues`` times)."""
+        why = "preempted (SIGUSR2)" if e.get("reason") == "preempted" else "no spare left"
+        saved = f"{why}: checkpoint saved at step {e['step']}"
+        if self.cfg.requeue and self.requeues < self.cfg.max_requeues:
+            return f"{saved}; requeueing: the run restarts from it"
+        if self.cfg.requeue:
+            return (f"{saved}; the run stops here: it was requeued {self.requeues} times already, the most "
+                    f"--requeue allows ({self.cfg.max_requeues})")
+        return f"{saved}; the run stops here (without --requeue nothing restarts it)"
 
     def _render(self):
         s = self.last_step
@@ -106,7 +128,8 @@ def print_summary(summary: dict, console: Console | None = None) -> None:
     t = Table(title="run summary", show_header=False)
     t.add_column("what", style="bold")
     t.add_column("value")
-    t.add_row("completed", str(summary["completed"]))
+    t.add_row("completed", str(summary["completed"]) + (f" (stopped by {summary['interrupted']})"
+                                                         if summary.get("interrupted") else ""))
     t.add_row("steps", str(summary["steps_completed"]))
     t.add_row("failures / swaps / requeues", f"{len(summary['failures'])} / {summary['swaps']} / {summary.get('requeues', 0)}")
     t.add_row("first -> final loss", f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"
@@ -126,7 +149,8 @@ def print_summary(summary: dict, console: Console | None = None) -> None:
         rows += [(f"  {p}", [fmt(x["phases"][p]) for x in summary["failures"]]) for p in PHASES]
         rows += [("cut step", [str(x["cut_step"]) for x in summary["failures"]]),
                  ("steps recomputed", [str(x["recomputed_steps"]) for x in summary["failures"]]),
-                 ("replaced by", ["checkpoint + requeue" if x.get("requeued") else
+                 ("replaced by", [("checkpoint + requeue" if x.get("recovery_s") is not None else "checkpoint, run stopped")
+                                  if x.get("requeued") else
                                   ", ".join(f"node{n}" for n in x.get("spare_nodes_used", [])) or "-"
                                   for x in summary["failures"]])]
         for name, vals in rows:

@@ -7,24 +7,43 @@ the launcher: killing a proxy ends the job (hydra asserts on a lost proxy socket
 node's death is the death of its rank processes, which is what a fault spec does. No other process
 is special: the store of each generation lives in a worker.
 
-``launch`` returns the run summary (summary.build_summary) after every process has exited; any
-worker still alive then (there should be none) is killed by pid, after checking its start time.
+The run's own lifecycle:
+
+- One run per run directory: ``launch`` locks it (rundir.RunDir) before touching anything in it; a
+  second run is refused with RunDirBusy (exit 2 from the CLI).
+- Every run has a random run id (``DEADPOOL_RUN_ID``); workers log it in every event, and the
+  launcher only ever signals processes it started: mpiexec's process tree as read from /proc, and
+  the ``hello`` identities of its own run id, each checked by pid + start time.
+- SIGTERM, SIGHUP and SIGINT stop the run: every process is killed, an ``interrupted`` event is
+  logged, and the summary (``interrupted``: the signal's name) is written as at a normal end.
+- The launcher's death by any signal, SIGKILL included, ends the run within seconds: mpiexec gets a
+  parent-death signal (SIGKILL), and every worker runs a lifeline (worker/lifeline.py) that watches
+  the launcher's pid and, when it is gone, kills the run's processes and itself.
+
+``launch`` returns the run summary (summary.build_summary) after every process has exited.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 
 from ..config import RunConfig
-from ..control.fence import fence, is_alive
+from ..control.fence import descendants, fence, is_alive
 from ..events import EventLog, EventTail, read_events
 from ..replica import persist
+from ..rundir import RunDir, check_output_file, check_run_dir
 from ..summary import build_summary
+from ..worker.lifeline import launcher_env
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 
 def mpiexec_path() -> str:
@@ -36,21 +55,6 @@ def mpiexec_path() -> str:
     if not found:
         raise FileNotFoundError("mpiexec not found; install the MPICH wheel: pip install mpich mpi4py")
     return found
-
-
-def prepare_run_dir(cfg: RunConfig) -> str:
-    """Make a fresh run directory (a previous run's events and checkpoints are removed)."""
-    run_dir = os.path.abspath(cfg.run_dir)
-    os.makedirs(run_dir, exist_ok=True)
-    for name in ("events.jsonl", "summary.json", "launcher.log"):
-        try:
-            os.remove(os.path.join(run_dir, name))
-        except FileNotFoundError:
-            pass
-    shutil.rmtree(os.path.join(run_dir, "checkpoint"), ignore_errors=True)
-    with open(os.path.join(run_dir, "config.json"), "w") as fh:
-        fh.write(cfg.to_json())
-    return run_dir
 
 
 def emulated_node_env(cfg: RunConfig) -> dict[str, str]:
@@ -72,80 +76,188 @@ def command(cfg: RunConfig, run_dir: str) -> list[str]:
             sys.executable, "-m", "deadpool_hpc.worker.entry", run_dir]
 
 
+class Interrupted(KeyboardInterrupt):
+    """A stop signal (``signum``) arrived before the run started: nothing ran, the run directory is as it was."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | None = None) -> dict:
-    """Run ``cfg`` on this machine and return its summary.
+    """Run ``cfg`` on this machine and return its summary (also written to RUN_DIR/summary.json and to
+    ``cfg.summary_path`` if set).
 
     on_poll(events) is called with the new events every ``poll_s`` seconds (the live console).
-    timeout: seconds before the whole run is killed (None: no limit). Raises ConfigError first for
-    a bad config; a run that fails still returns a summary (``completed`` False).
+    timeout: seconds before the whole run is killed (None: no limit; TimeoutError). Raises ConfigError
+    first, before any process starts, for a bad config or a run directory or summary path that cannot be
+    used, and RunDirBusy (a ConfigError) if another run holds the run directory. A run that fails still
+    returns a summary (``completed`` False); so does a run stopped by SIGTERM, SIGHUP or SIGINT (when
+    ``launch`` runs in the main thread): its processes are killed, ``interrupted`` (the signal's name) is
+    logged and set in the summary. Such a signal before any process started raises Interrupted.
     """
     cfg.validate()
-    _terminate_on_sigterm()
+    run_dir = check_run_dir(cfg.run_dir)
+    if cfg.summary_path:
+        check_output_file(cfg.summary_path)
     from ..train.corpus import load_tokens
 
-    if cfg.train_fn.startswith("deadpool_hpc.train."):
-        load_tokens()  # build the corpus cache once, and fail here (clearly) if the corpus is missing
-    run_dir = prepare_run_dir(cfg)
-    env = dict(os.environ, DEADPOOL_JOB_SECRET=secrets.token_hex(32), DEADPOOL_STORE_HOST="127.0.0.1",
-               OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", **emulated_node_env(cfg))
-    events_path = os.path.join(run_dir, "events.jsonl")
-    start = time.monotonic()
-    tail = EventTail(events_path)
-    for attempt in range(cfg.max_requeues + 1 if cfg.requeue else 1):
-        if attempt:
-            EventLog(events_path).emit("requeued", attempt=attempt, checkpoint=persist.latest(os.path.join(run_dir, "checkpoint")))
-        rc, new = _run_once(cfg, run_dir, env, events_path, tail, on_poll, poll_s, timeout, start)
-        this = {e["event"] for e in new}
-        if "finished" in this or "checkpoint_saved" not in this:
-            break
-    events = list(read_events(events_path)) if os.path.exists(events_path) else []
-    summary = build_summary(events, cfg)
-    summary["run_dir"] = run_dir
-    summary["mpiexec_rc"] = rc  # non-zero whenever a rank was killed; "completed" says how the run went
+    run_id = secrets.token_hex(8)
+    rd = RunDir(run_dir)
+    with _StopSignals() as stop, rd.locked(run_id):  # the lock comes before anything in the directory is touched
+        if cfg.train_fn.startswith("deadpool_hpc.train."):
+            try:
+                with stop.raising():  # the first build of the corpus cache takes a while: stop at once there
+                    load_tokens()  # build the corpus cache once, and fail here (clearly) if the corpus is missing
+            except _Interrupted:
+                pass
+        if stop.signum:
+            raise Interrupted(stop.signum)
+        rd.clear()
+        rd.write_config(cfg)
+        env = dict(os.environ, DEADPOOL_JOB_SECRET=secrets.token_hex(32), DEADPOOL_STORE_HOST="127.0.0.1",
+                   OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", **emulated_node_env(cfg),
+                   **launcher_env(run_id))
+        log = EventLog(rd.events, run=run_id)
+        start = time.monotonic()
+        tail = EventTail(rd.events)
+        rc, left = None, []
+        for attempt in range(cfg.max_requeues + 1 if cfg.requeue else 1):
+            if stop.signum:
+                break
+            if attempt:
+                log.emit("requeued", attempt=attempt, checkpoint=persist.latest(rd.checkpoint))
+            rc, new, left = _run_once(cfg, rd, env, tail, on_poll, poll_s, timeout, start, stop, run_id)
+            this = {e["event"] for e in new}
+            if "finished" in this or "checkpoint_saved" not in this:
+                break
+        signum = stop.signum  # what came later (while the summary is written) changes nothing
+        events = [e for e in read_events(rd.events) if e.get("run", run_id) == run_id] \
+            if os.path.exists(rd.events) else []
+        summary = build_summary(events, cfg)
+        summary["run_dir"] = run_dir
+        summary["mpiexec_rc"] = rc  # non-zero whenever a rank was killed; "completed" says how the run went
+        summary["processes_left"] = [int(i["pid"]) for i in left]  # alive 5 s after SIGKILL: should never happen
+        if signum and not summary["completed"]:
+            name = signal.Signals(signum).name
+            log.emit("interrupted", signal=name, step=summary["steps_completed"])
+            summary["interrupted"] = name
+        rd.write_summary(summary, also=cfg.summary_path)
+        log.close()
     return summary
 
 
-def _run_once(cfg, run_dir, env, events_path, tail, on_poll, poll_s, timeout, start):
-    """One mpiexec of the whole job; returns (its exit status, the events it added)."""
+class _Interrupted(BaseException):
+    """Raised by the stop-signal handler inside ``_StopSignals.raising()``."""
+
+
+class _StopSignals:
+    """SIGTERM, SIGHUP and SIGINT stop the run: ``signum`` records the first one. The handler only
+    records (the launcher's loop sees it within ``poll_s`` and kills the run's processes), except inside
+    ``raising()``, where it raises _Interrupted at once. The previous handlers come back on exit. A signal
+    the launcher inherited as ignored (``nohup``: SIGHUP; a background job of a script: SIGINT) stays
+    ignored. Main thread only (elsewhere Python cannot install handlers; the signals keep their action)."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._raise = False
+        self._old: dict = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                if signal.getsignal(sig) != signal.SIG_IGN:  # ignored on purpose (nohup, a background job): keep
+                    self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        return False
+
+    @contextmanager
+    def raising(self):
+        if self.signum:
+            raise _Interrupted()
+        self._raise = True
+        try:
+            yield
+        finally:
+            self._raise = False
+
+    def _handle(self, signum, _frame):
+        if self.signum is None:
+            self.signum = signum
+        if self._raise:
+            self._raise = False
+            raise _Interrupted()
+
+
+def _die_with_parent(sig: int = signal.SIGKILL):
+    """A ``preexec_fn`` that gives the child a parent-death signal (prctl PR_SET_PDEATHSIG): when the
+    launcher dies, even by SIGKILL, the kernel sends ``sig`` to mpiexec. (It fires when the thread that
+    spawned the child ends: ``launch`` waits for mpiexec in that thread.) Resolved before the fork, so the
+    child only makes two system calls."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+    pr_set_pdeathsig = 1
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, int(sig), 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+def _run_once(cfg, rd, env, tail, on_poll, poll_s, timeout, start, stop, run_id):
+    """One mpiexec of the whole job; returns (its exit status, the events it added, the processes of the
+    run still alive after they were killed). Returns early, with every process of the run killed, once
+    ``stop`` has recorded a signal."""
     new: list[dict] = []
-    with open(os.path.join(run_dir, "launcher.log"), "ab") as out:
-        proc = subprocess.Popen(command(cfg, run_dir), env=env, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+    with open(rd.launcher_log, "ab") as out:
+        proc = subprocess.Popen(command(cfg, rd.path), env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent())
         try:
             while True:
                 done = proc.poll() is not None
-                batch = tail.poll()
+                batch = [e for e in tail.poll() if e.get("run", run_id) == run_id]
                 new += batch
                 if on_poll and batch:
-                    on_poll(batch)
-                if done:
+                    try:
+                        on_poll(batch)
+                    except OSError:  # the terminal is gone (SIGHUP): the run goes on, unseen
+                        on_poll = None
+                if done or stop.signum:
                     break
                 if timeout is not None and time.monotonic() - start > timeout:
                     raise TimeoutError(f"run exceeded {timeout} s")
                 time.sleep(poll_s)
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            _reap_workers(events_path)
-    return proc.returncode, new
+            left = _stop_run(proc, rd.events, run_id)
+    return proc.returncode, new, left
 
 
-def _terminate_on_sigterm() -> None:
-    """Turn SIGTERM into SystemExit, so the ``finally`` that kills the job's processes runs."""
-    import threading
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-
-
-def _reap_workers(events_path: str) -> None:
-    """Kill any worker of this run still alive (identified by pid + start time from its hello)."""
-    if not os.path.exists(events_path):
-        return
-    hellos = [e for e in read_events(events_path) if e.get("event") == "hello"]
-    for e in hellos:
-        fence(e)
-    end = time.monotonic() + 5.0
-    while time.monotonic() < end and any(is_alive(e) for e in hellos):
+def _stop_run(proc: subprocess.Popen, events_path: str, run_id: str, wait_s: float = 5.0) -> list[dict]:
+    """Kill what is left of one mpiexec's run: mpiexec's process tree (the hydra proxies are in sessions
+    of their own, so its process group is not enough) and the workers of this run id that logged hello
+    (a worker whose proxy died is no longer in the tree). Each process is checked by pid + start time
+    before it is signalled. Waits up to ``wait_s`` seconds; returns the processes still alive then."""
+    tree = descendants(proc.pid) if proc.poll() is None else []
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    targets = tree + _hellos(events_path, run_id)
+    for ident in targets:
+        fence(ident)
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end and any(is_alive(i) for i in targets):
         time.sleep(0.05)
+    return [i for i in targets if is_alive(i)]
+
+
+def _hellos(events_path: str, run_id: str) -> list[dict]:
+    """The identities in the ``hello`` events of run ``run_id`` (other runs' processes are never ours)."""
+    if not os.path.exists(events_path):
+        return []
+    return [e for e in read_events(events_path) if e.get("event") == "hello" and e.get("run") == run_id]

@@ -58,6 +58,9 @@ def main(argv=None) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR2})  # the task wrapper spawns us with it blocked
     argv = sys.argv[1:] if argv is None else argv
     run_dir = argv[0]
+    from . import lifeline
+
+    line = lifeline.start(os.path.join(run_dir, "events.jsonl"))  # local launcher only: its death ends the run
     import faulthandler
 
     faulthandler.enable()  # a crash in native code leaves its Python stacks in launcher.log
@@ -77,6 +80,8 @@ def main(argv=None) -> None:
     if len(secret_hex) < 32:
         sys.exit("DEADPOOL_JOB_SECRET is missing or shorter than 16 bytes (hex); the launcher sets it")
     log = EventLog(os.path.join(run_dir, "events.jsonl"))
+    if os.environ.get(lifeline.RUN_ENV):  # in every line, hello included: a launcher reaps only its own run
+        log.base["run"] = os.environ[lifeline.RUN_ENV]
     # this process's replica server (replica/transport.py), bound where its peers reach it
     listener = socket.create_server((store_host(), 0), backlog=64)
     cp = ControlPlane(secret=bytes.fromhex(secret_hex), ranks_per_node=cfg.ranks_per_node, active_nodes=cfg.nodes,
@@ -85,6 +90,8 @@ def main(argv=None) -> None:
                       recovery_timeout=cfg.recovery_timeout, replicas=cfg.replicas if cfg.replicate else 0,
                       extra_identity={"replica": list(listener.getsockname()[:2])})
     log.base.update(mpi_rank=cp.me, node=cp.me // cfg.ranks_per_node)
+    if line is not None:
+        line.know(cp.idents, log)  # from now on a lost launcher takes every process of the run with it
     _signalled["agent"] = cp.agent
     if _signalled["usr2"]:
         cp.agent.request_preempt()

@@ -1,0 +1,272 @@
+"""The run directory: its paths, its one-run-at-a-time lock, fresh vs resumed runs, crash-safe writes.
+
+Owns where each file of a run lives, which checks a path must pass to be a run directory, the lock
+that keeps a second run out, what a fresh run removes, and atomic JSON writes. Does not own what the
+files hold (config.py, events.py, summary.py) nor the checkpoint format (replica/persist.py).
+
+Layout of ``RUN_DIR``::
+
+    run.lock       locked (flock) by the run that uses the directory; says who: {pid, start, host, run_id, since}
+    config.json    the RunConfig of the run (written atomically)
+    events.jsonl   the event log (events.py), appended by every process
+    launcher.log   stdout/stderr of mpiexec and the workers (local launcher)
+    summary.json   the run summary, written when the launcher ends, interrupted or not
+    checkpoint/    persistent checkpoints: no spare left, or preempted (replica/persist.py)
+
+Use::
+
+    rd = RunDir(check_run_dir(path))          # ConfigError for a path that cannot be a run directory
+    with rd.locked(run_id):                   # RunDirBusy (a ConfigError) if another run holds it
+        rd.clear()                            # a fresh run: the previous run's outputs go
+        rd.write_config(cfg)
+        ...
+        rd.write_summary(summary, also=cfg.summary_path)
+
+A resumed run (a requeued attempt, Slurm's ``RESUME=1``) takes the lock and skips ``clear()``: the event
+log goes on, and the workers start from ``checkpoint/LATEST``.
+
+The lock is ``flock`` on ``run.lock``, taken before anything in the directory is touched; its file
+descriptor is close-on-exec, so no child holds it, and the kernel releases it when the holder dies
+(even by SIGKILL). A directory on a file system without ``flock`` is refused.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import stat
+import tempfile
+import time
+from contextlib import contextmanager
+
+from .errors import ConfigError
+
+LOCK = "run.lock"
+OUTPUTS = ("events.jsonl", "summary.json", "launcher.log")  # what a fresh run removes, with checkpoint/
+
+
+class RunDirBusy(ConfigError):
+    """Another live run holds the directory's lock. ``holder``: what it wrote in run.lock (may be {})."""
+
+    def __init__(self, message: str, holder: dict):
+        super().__init__(message)
+        self.holder = holder
+
+
+def check_run_dir(path: str, option: str = "--run-dir") -> str:
+    """Check that ``path`` can be (or already is) a run directory; return it absolute. Touches nothing.
+
+    Refused (ConfigError naming the value and what is accepted): an empty path, an existing file, a path
+    under a file, a directory that cannot be written, and an existing, non-empty directory that no
+    deadpool run has used (a fresh run deletes the previous run's files there, so ``--run-dir .`` in a
+    project with a ``checkpoint/`` folder would lose it)."""
+    if not path or not str(path).strip():
+        raise ConfigError(f"{option} {path!r}: empty; accepted: a directory path (default deadpool-run)")
+    full = os.path.abspath(path)
+    if os.path.lexists(full) and not os.path.isdir(full):
+        raise ConfigError(f"{option} {path!r}: {full} exists and is not a directory; accepted: a new or "
+                          f"existing directory")
+    existing = full
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"{option} {path!r}: {existing} is not a directory, so {full} cannot be made")
+    _check_writable(existing, f"{option} {path!r}")
+    if existing == full and os.listdir(full) and not is_run_dir(full):
+        raise ConfigError(f"{option} {path!r}: {full} holds other files and no deadpool run ({LOCK}, "
+                          f"config.json or events.jsonl of a run); a run there would delete files; accepted: "
+                          f"a new or empty directory, or one a deadpool run used")
+    return full
+
+
+_CONFIG_KEYS = {"nodes", "spares", "ranks_per_node", "steps", "run_dir", "train_fn"}  # in every RunConfig written
+
+
+def is_run_dir(path: str) -> bool:
+    """True if a deadpool run used ``path``: it has run.lock, an event log, or a config.json written from a
+    RunConfig (every field known, and the layout fields there: ``{"lr": 1}`` is somebody else's)."""
+    if os.path.exists(os.path.join(path, LOCK)) or os.path.exists(os.path.join(path, "events.jsonl")):
+        return True
+    try:
+        from .config import RunConfig
+
+        with open(os.path.join(path, "config.json")) as fh:
+            text = fh.read()
+        RunConfig.from_json(text)
+        return _CONFIG_KEYS <= set(json.loads(text))
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def check_output_file(path: str, option: str = "--summary") -> str:
+    """Check that a file can be written at ``path`` (its directory exists and takes new files; an existing
+    target is not a directory and can be written); return it absolute. Leaves nothing behind. Raises
+    ConfigError naming the value."""
+    if not path or not str(path).strip():
+        raise ConfigError(f"{option} {path!r}: empty; accepted: a file path")
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        raise ConfigError(f"{option} {path!r}: {full} is a directory; accepted: a file path, e.g. "
+                          f"{os.path.join(path, 'summary.json')}")
+    parent = os.path.dirname(full)
+    if not os.path.isdir(parent):
+        what = "does not exist" if not os.path.lexists(parent) else "is not a directory"
+        raise ConfigError(f"{option} {path!r}: its directory {parent} {what}")
+    _check_writable(parent, f"{option} {path!r}")
+    if os.path.exists(full):
+        try:
+            os.close(os.open(full, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC))
+        except OSError as exc:
+            raise ConfigError(f"{option} {path!r}: {full} cannot be written ({exc.strerror})") from None
+    return full
+
+
+def _check_writable(directory: str, what: str) -> None:
+    """Create and remove a file in ``directory`` (access() lies for root and some file systems)."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".deadpool-check-", dir=directory)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as exc:
+        raise ConfigError(f"{what}: cannot create files in {directory} ({exc.strerror or exc})") from None
+
+
+def write_json(path: str, obj) -> None:
+    """Write ``obj`` as JSON to ``path`` crash-safely: a temp file in the same directory, fsync, rename.
+    A path that exists and is not a regular file (``/dev/stdout``, a FIFO) is written in place."""
+    data = (json.dumps(obj, indent=1) + "\n").encode()
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):
+        with open(path, "wb") as fh:
+            fh.write(data)
+        return
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+class RunDir:
+    """One run directory (an absolute path; see the module docstring for its layout)."""
+
+    def __init__(self, path: str):
+        self.path = os.path.abspath(path)
+        self._lock_fd: int | None = None
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    @property
+    def events(self) -> str:
+        return self.file("events.jsonl")
+
+    @property
+    def config(self) -> str:
+        return self.file("config.json")
+
+    @property
+    def launcher_log(self) -> str:
+        return self.file("launcher.log")
+
+    @property
+    def summary(self) -> str:
+        return self.file("summary.json")
+
+    @property
+    def checkpoint(self) -> str:
+        return self.file("checkpoint")
+
+    # ---- the lock ------------------------------------------------------------------------------------------
+    def acquire(self, run_id: str = "") -> None:
+        """Create the directory if needed and lock it for this process (non-blocking). Raises RunDirBusy
+        naming the directory and the holder (pid, host) if another run holds it, ConfigError if the
+        directory cannot be created or locked. Nothing else in the directory is touched."""
+        try:
+            os.makedirs(self.path, exist_ok=True)
+            fd = os.open(self.file(LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise ConfigError(f"--run-dir {self.path}: cannot create {LOCK} there ({exc.strerror or exc})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            who = "another process"
+            if holder.get("pid"):
+                who = f"pid {holder['pid']} on {holder.get('host')}" + (f", since {holder['since']}"
+                                                                       if holder.get("since") else "")
+            raise RunDirBusy(f"--run-dir {self.path} is in use by another run ({who}); accepted: a directory no "
+                             f"other run is using (wait for that run to end, stop it, or pick another --run-dir)",
+                             holder) from None
+        except OSError as exc:
+            os.close(fd)
+            raise ConfigError(f"--run-dir {self.path}: cannot lock {LOCK} ({exc.strerror or exc}); accepted: a "
+                              f"directory on a file system with flock (a local disk)") from None
+        from .control.fence import identity
+
+        me = identity()
+        info = {"pid": me["pid"], "start": me["start"], "host": me["host"], "run_id": run_id,
+                "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        self._lock_fd = fd
+
+    def release(self) -> None:
+        """Release the lock (closing the descriptor releases it; run.lock stays, it is harmless)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    @contextmanager
+    def locked(self, run_id: str = ""):
+        """``acquire`` for the duration of a ``with`` block."""
+        self.acquire(run_id)
+        try:
+            yield self
+        finally:
+            self.release()
+
+    # ---- fresh run, outputs -----------------------------------------------------------------------------------
+    def clear(self) -> None:
+        """A fresh run: remove the previous run's event log, summary, launcher log and checkpoints.
+        Only while holding the lock."""
+        assert self._lock_fd is not None, "RunDir.clear() without the lock"
+        for name in OUTPUTS:
+            try:
+                os.remove(self.file(name))
+            except FileNotFoundError:
+                pass
+        shutil.rmtree(self.checkpoint, ignore_errors=True)
+
+    def write_config(self, cfg) -> str:
+        """Write ``cfg`` (a RunConfig) to config.json atomically. Returns the path."""
+        tmp = f"{self.config}.{os.getpid()}.tmp"
+        with open(tmp, "w") as fh:
+            fh.write(cfg.to_json())
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.config)
+        return self.config
+
+    def write_summary(self, summary: dict, also: str | None = None) -> None:
+        """Write ``summary`` to summary.json and, if given, to ``also`` (the user's --summary), each atomically."""
+        write_json(self.summary, summary)
+        if also:
+            write_json(also, summary)
+
+
+def _read_holder(fd: int) -> dict:
+    try:
+        return json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except (OSError, ValueError):
+        return {}
