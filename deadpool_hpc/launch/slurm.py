@@ -98,16 +98,67 @@ def render(cfg: RunConfig, template: str | None = None, python: str | None = Non
     return "\n".join(lines[:at] + pinned + lines[at:])
 
 
+def _partition_of(extra: list[str] | None) -> str | None:
+    """The partition named in extra sbatch arguments (``--partition=P``, ``--partition P``, ``-pP``, ``-p P``)."""
+    args = list(extra or [])
+    found = None
+    for i, a in enumerate(args):
+        if a.startswith("--partition="):
+            found = a.split("=", 1)[1]
+        elif a in ("--partition", "-p") and i + 1 < len(args):
+            found = args[i + 1]
+        elif a.startswith("-p") and len(a) > 2 and not a.startswith("--"):
+            found = a[2:]
+    return found
+
+
+def check_partition(cfg: RunConfig, partition: str | None = None) -> dict | None:
+    """Refuse a job that could never start: raises ConfigError, naming the numbers, when the partition (default:
+    Slurm's default partition) has fewer nodes than ``nodes + spares``, allows fewer per job (MaxNodes), or has
+    fewer than that many nodes with ``ranks_per_node`` CPUs. (Slurm would accept such a job and leave it pending
+    for ever, reason PartitionNodeLimit.) Down or drained nodes do not count against the job: they may come back.
+    Returns what was checked, or None when Slurm does not know the partition or cannot be asked (sbatch then
+    says why)."""
+    out = _run(["scontrol", "show", "partition", "-o"] + ([partition] if partition else []))
+    parts = [dict(re.findall(r"(\w+)=(\S*)", line)) for line in out.splitlines() if line.strip()]
+    part = next((p for p in parts if (p.get("PartitionName") == partition if partition else p.get("Default") == "YES")),
+                None)
+    if part is None:
+        return None
+    name = part["PartitionName"]
+    need = cfg.total_nodes
+    total = int(part.get("TotalNodes", "0") or 0)
+    max_nodes = part.get("MaxNodes", "UNLIMITED")
+    what = f"the job needs {need} nodes ({cfg.nodes} active + {cfg.spares} spare)"
+    if total and need > total:
+        raise ConfigError(f"{what} but partition {name!r} has {total}: it could never start (Slurm would leave it "
+                          f"pending for ever, PartitionNodeLimit); accepted: --nodes + --spares <= {total}, or "
+                          f"another --partition")
+    if max_nodes.isdigit() and need > int(max_nodes):
+        raise ConfigError(f"{what} but partition {name!r} allows at most {max_nodes} per job (MaxNodes): it could "
+                          f"never start; accepted: --nodes + --spares <= {max_nodes}, or another --partition")
+    cpus = [int(c) for c in _run(["sinfo", "-h", "-N", "-p", name, "-o", "%c"]).split() if c.isdigit()]
+    fit = sum(1 for c in cpus if c >= cfg.ranks_per_node)
+    if cpus and fit < need:
+        raise ConfigError(f"--ranks-per-node {cfg.ranks_per_node} needs {cfg.ranks_per_node} CPUs on each of {need} "
+                          f"nodes, but partition {name!r} has {fit} node(s) with that many (CPUs per node: "
+                          f"{', '.join(map(str, sorted(set(cpus))))}): it could never start; accepted: "
+                          f"--ranks-per-node <= {sorted(cpus, reverse=True)[min(need, len(cpus)) - 1]}")
+    return {"partition": name, "nodes": total, "max_nodes": max_nodes, "cpus_per_node": sorted(set(cpus))}
+
+
 def submit(cfg: RunConfig, partition: str | None = None, time: str | None = None, account: str | None = None,
            extra: list[str] | None = None, template: str | None = None) -> str:
     """Write the config, render the batch script into RUN_DIR/job.sbatch and submit it. Returns the job id.
     A relative run directory or summary path means this process's current directory (the submitter's).
 
-    Raises ConfigError (before writing anything) if RUN_DIR belongs to a job that is still pending or running
-    (it reads RUN_DIR/config.json when it starts), and if sbatch refuses the job (bad --time, partition, ...)."""
+    Raises ConfigError (before writing anything) if the partition can never run the job (check_partition), if
+    RUN_DIR belongs to a job that is still pending or running (it reads RUN_DIR/config.json when it starts),
+    and if sbatch refuses the job (bad --time, partition, ...)."""
     run_dir = os.path.abspath(cfg.run_dir)
     if cfg.summary_path:
         cfg.summary_path = os.path.abspath(cfg.summary_path)
+    check_partition(cfg, _partition_of(extra) or partition)
     try:
         with open(os.path.join(run_dir, "slurm_job_id")) as fh:
             previous = fh.read().strip()
