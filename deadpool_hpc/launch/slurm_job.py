@@ -343,13 +343,14 @@ def settle(run_dir: str, since: float | None = None, srun_rc: int | None = None)
             job_id = open(os.path.join(run_dir, "slurm_job_id")).read().strip()
         except OSError:
             job_id = None
-    log = EventLog(path)
     if finished and last["finished"] > last.get("checkpoint_saved", -1):
         return {"action": "none"}
     if not saved:
         signals = [e["signal"] for e in mine if e["event"] == "batch_signal"]
         if not signals or finished:
             return {"action": "none"}
+    log = EventLog(path)
+    if not saved:
         why = (f"the batch shell got SIG{'/SIG'.join(dict.fromkeys(signals))} and the ranks ended without saving"
                f"{f' (srun exit {srun_rc})' if srun_rc is not None else ''}")
         if "TERM" in signals and srun_rc is not None and srun_rc >= 128:
