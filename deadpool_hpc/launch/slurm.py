@@ -9,10 +9,15 @@
 - ``summary``       RUN_DIR/summary.json from the event log (exit 0 iff the run completed)
 - ``task``          one Slurm task: run the worker, then, if the batch script died with its node, finish the job
 - ``watch``         on the batch host: touch RUN_DIR/batch.alive every second; drain the nodes the run declares dead
+- ``end``           (batch script, after srun) requeue the job if it should go on, else write the summary
 
 The ranks are launched by ``srun --no-kill --kill-on-bad-exit=0 --mpi=pmi2`` inside an allocation made with
 ``--no-kill`` (docs/slurm.md explains why, with measurements). What runs inside the job (task wrapper, watcher,
-finisher when the batch host dies, drain, requeue) is in slurm_job.py.
+finisher when the batch host dies, drain, requeue or stop) is in slurm_job.py.
+
+Paths: a relative ``--run-dir``, ``--summary`` or ``CONFIG`` means the submitter's current directory on every
+launch path (``deadpool submit`` makes them absolute before it submits; the templates resolve them against
+``$SLURM_SUBMIT_DIR``; ``HotSwapJob`` against the directory it is constructed in).
 """
 from __future__ import annotations
 
@@ -47,9 +52,13 @@ def template_path(name: str = "train.sbatch") -> str:
 
 
 def write_config(cfg: RunConfig, run_dir: str | None = None) -> str:
-    """Validate ``cfg`` and write it to RUN_DIR/config.json (run_dir defaults to cfg.run_dir). Returns the path."""
+    """Validate ``cfg`` and write it to RUN_DIR/config.json (run_dir defaults to cfg.run_dir). Returns the path.
+    A relative run_dir or ``summary_path`` is made absolute against this process's current directory (the
+    submitter's, on every launch path)."""
     run_dir = os.path.abspath(run_dir or cfg.run_dir)
     cfg.run_dir = run_dir
+    if cfg.summary_path:
+        cfg.summary_path = os.path.abspath(cfg.summary_path)
     cfg.validate()
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, "config.json")
@@ -66,9 +75,10 @@ def load_config(run_dir: str) -> RunConfig:
 
 
 def render(cfg: RunConfig, template: str | None = None, python: str | None = None, job_name: str | None = None) -> str:
-    """The batch script for ``cfg``: the template with ``--nodes`` set to nodes + spares and CONFIG/RUN_DIR/PYTHON
-    pinned (the config must already be in RUN_DIR/config.json, see write_config)."""
-    text = open(template or template_path()).read()
+    """The batch script for ``cfg``: the template with ``--nodes`` set to nodes + spares and CONFIG/RUN_DIR/PYTHON/
+    SUMMARY/DEADPOOL_HOME pinned (the config must already be in RUN_DIR/config.json, see write_config)."""
+    template = template or template_path()
+    text = open(template).read()
     run_dir = os.path.abspath(cfg.run_dir)
     text, n = re.subn(r"(?m)^#SBATCH --nodes=\d+$", f"#SBATCH --nodes={cfg.total_nodes}", text)
     if n != 1:
@@ -80,19 +90,75 @@ def render(cfg: RunConfig, template: str | None = None, python: str | None = Non
               f"CONFIG={shlex.quote(os.path.join(run_dir, 'config.json'))}",
               f"RUN_DIR={shlex.quote(run_dir)}",
               f"PYTHON=${{PYTHON:-{shlex.quote(python or sys.executable)}}}",
-              f"SUMMARY=${{SUMMARY:-{shlex.quote(cfg.summary_path) if cfg.summary_path else ''}}}", ""]
+              f"SUMMARY=${{SUMMARY:-{shlex.quote(os.path.abspath(cfg.summary_path)) if cfg.summary_path else ''}}}",
+              f"DEADPOOL_HOME=${{DEADPOOL_HOME:-{shlex.quote(os.path.dirname(os.path.dirname(os.path.abspath(template))))}}}",
+              ""]
     lines = text.split("\n")
     at = max(i for i, l in enumerate(lines) if l.startswith("#SBATCH")) + 1
     return "\n".join(lines[:at] + pinned + lines[at:])
 
 
+def _partition_of(extra: list[str] | None) -> str | None:
+    """The partition named in extra sbatch arguments (``--partition=P``, ``--partition P``, ``-pP``, ``-p P``)."""
+    args = list(extra or [])
+    found = None
+    for i, a in enumerate(args):
+        if a.startswith("--partition="):
+            found = a.split("=", 1)[1]
+        elif a in ("--partition", "-p") and i + 1 < len(args):
+            found = args[i + 1]
+        elif a.startswith("-p") and len(a) > 2 and not a.startswith("--"):
+            found = a[2:]
+    return found
+
+
+def check_partition(cfg: RunConfig, partition: str | None = None) -> dict | None:
+    """Refuse a job that could never start: raises ConfigError, naming the numbers, when the partition (default:
+    Slurm's default partition) has fewer nodes than ``nodes + spares``, allows fewer per job (MaxNodes), or has
+    fewer than that many nodes with ``ranks_per_node`` CPUs. (Slurm would accept such a job and leave it pending
+    for ever, reason PartitionNodeLimit.) Down or drained nodes do not count against the job: they may come back.
+    Returns what was checked, or None when Slurm does not know the partition or cannot be asked (sbatch then
+    says why)."""
+    out = _run(["scontrol", "show", "partition", "-o"] + ([partition] if partition else []))
+    parts = [dict(re.findall(r"(\w+)=(\S*)", line)) for line in out.splitlines() if line.strip()]
+    part = next((p for p in parts if (p.get("PartitionName") == partition if partition else p.get("Default") == "YES")),
+                None)
+    if part is None:
+        return None
+    name = part["PartitionName"]
+    need = cfg.total_nodes
+    total = int(part.get("TotalNodes", "0") or 0)
+    max_nodes = part.get("MaxNodes", "UNLIMITED")
+    what = f"the job needs {need} nodes ({cfg.nodes} active + {cfg.spares} spare)"
+    if total and need > total:
+        raise ConfigError(f"{what} but partition {name!r} has {total}: it could never start (Slurm would leave it "
+                          f"pending for ever, PartitionNodeLimit); accepted: --nodes + --spares <= {total}, or "
+                          f"another --partition")
+    if max_nodes.isdigit() and need > int(max_nodes):
+        raise ConfigError(f"{what} but partition {name!r} allows at most {max_nodes} per job (MaxNodes): it could "
+                          f"never start; accepted: --nodes + --spares <= {max_nodes}, or another --partition")
+    cpus = [int(c) for c in _run(["sinfo", "-h", "-N", "-p", name, "-o", "%c"]).split() if c.isdigit()]
+    fit = sum(1 for c in cpus if c >= cfg.ranks_per_node)
+    if cpus and fit < need:
+        raise ConfigError(f"--ranks-per-node {cfg.ranks_per_node} needs {cfg.ranks_per_node} CPUs on each of {need} "
+                          f"nodes, but partition {name!r} has {fit} node(s) with that many (CPUs per node: "
+                          f"{', '.join(map(str, sorted(set(cpus))))}): it could never start; accepted: "
+                          f"--ranks-per-node <= {sorted(cpus, reverse=True)[min(need, len(cpus)) - 1]}")
+    return {"partition": name, "nodes": total, "max_nodes": max_nodes, "cpus_per_node": sorted(set(cpus))}
+
+
 def submit(cfg: RunConfig, partition: str | None = None, time: str | None = None, account: str | None = None,
            extra: list[str] | None = None, template: str | None = None) -> str:
     """Write the config, render the batch script into RUN_DIR/job.sbatch and submit it. Returns the job id.
+    A relative run directory or summary path means this process's current directory (the submitter's).
 
-    Raises ConfigError (before writing anything) if RUN_DIR belongs to a job that is still pending or running
-    (it reads RUN_DIR/config.json when it starts), and if sbatch refuses the job (bad --time, partition, ...)."""
+    Raises ConfigError (before writing anything) if the partition can never run the job (check_partition), if
+    RUN_DIR belongs to a job that is still pending or running (it reads RUN_DIR/config.json when it starts),
+    and if sbatch refuses the job (bad --time, partition, ...)."""
     run_dir = os.path.abspath(cfg.run_dir)
+    if cfg.summary_path:
+        cfg.summary_path = os.path.abspath(cfg.summary_path)
+    check_partition(cfg, _partition_of(extra) or partition)
     try:
         with open(os.path.join(run_dir, "slurm_job_id")) as fh:
             previous = fh.read().strip()
@@ -253,10 +319,35 @@ def make_summary(run_dir: str) -> dict:
         s["slurm_job_id"] = open(os.path.join(run_dir, "slurm_job_id")).read().strip()
     except OSError:
         s["slurm_job_id"] = os.environ.get("SLURM_JOB_ID")
+    # signals that reached the batch shell, and why the run stopped short (slurm_job.settle), if it did
+    s["signals"] = [{"signal": e.get("signal"), "t": e["t"], "host": e.get("host")} for e in events
+                    if e["event"] == "batch_signal"]
+    t_fin = max((e["t"] for e in events if e["event"] == "finished"), default=None)
+    stops = [e for e in events if e["event"] == "stopped" and (t_fin is None or e["t"] > t_fin)]
+    s["stopped"] = ({k: stops[-1].get(k) for k in ("t", "reason", "job_state", "checkpoint_step")}
+                    if stops else None)
+    try:
+        with open(os.path.join(run_dir, "checkpoint", "LATEST")) as fh:
+            s["checkpoint"] = json.load(fh)  # what a requeue, or a new job with RESUME=1, resumes from
+    except (OSError, ValueError):
+        s["checkpoint"] = None
     return s
 
 
+def summary_out(run_dir: str) -> str | None:
+    """Where the run's summary goes besides RUN_DIR/summary.json: $DEADPOOL_SUMMARY (set by the batch script
+    from SUMMARY, absolute), else the config's ``summary_path`` (made absolute when the config was written)."""
+    out = os.environ.get("DEADPOOL_SUMMARY")
+    if out:
+        return out
+    try:
+        return load_config(run_dir).summary_path or None
+    except (OSError, ValueError):
+        return None
+
+
 def write_summary(run_dir: str, out: str | None = None, extra: dict | None = None) -> dict:
+    """make_summary (plus ``extra``) to RUN_DIR/summary.json and, if given, ``out``; both written atomically."""
     s = make_summary(run_dir)
     s.update(extra or {})
     for path in [os.path.join(run_dir, "summary.json")] + ([out] if out else []):
@@ -265,6 +356,27 @@ def write_summary(run_dir: str, out: str | None = None, extra: dict | None = Non
             json.dump(s, fh, indent=1)
         os.replace(tmp, path)
     return s
+
+
+def end_attempt(run_dir: str, out: str | None = None, since: float | None = None, srun_rc: int | None = None) -> int:
+    """The batch script's last word (after srun returned): slurm_job.settle decides whether the job is requeued;
+    if it is not, write the summary (RUN_DIR/summary.json and ``out``). Returns the batch script's exit status:
+    0 when the run completed or the job was requeued, 143 when a SIGTERM ended the ranks before they could save,
+    1 otherwise (a run stopped with a checkpoint ends its job CANCELLED or PREEMPTED whatever this says)."""
+    from . import slurm_job
+
+    how = slurm_job.settle(run_dir, since=since, srun_rc=srun_rc)
+    if how["action"] == "requeued":
+        print(f"[deadpool] checkpoint saved ({how['reason']}), job {os.environ.get('SLURM_JOB_ID', '')} requeued")
+        return 0
+    s = write_summary(run_dir, out)
+    f = s["failures"]
+    print(f"[deadpool] summary: completed={s['completed']} steps={s['steps_completed']} final_loss={s['final_loss']} "
+          f"swaps={s['swaps']} recovery_s={[round(x['recovery_s'], 2) if x['recovery_s'] else None for x in f]} "
+          f"digest={s['param_digest']}" + (f" stopped: {s['stopped']['reason']}" if s["stopped"] else ""))
+    if s["completed"]:
+        return 0
+    return 143 if how.get("killed") else 1
 
 
 # ---- CLI ----------------------------------------------------------------------------------------------------------
@@ -301,8 +413,13 @@ def main(argv=None) -> int:
     tk = sub.add_parser("task", help="(inside srun) run one worker, finish the job if the batch host died")
     tk.add_argument("run_dir")
     tk.add_argument("--no-finisher", action="store_true")
-    rq = sub.add_parser("requeue-if-needed", help="(batch script) requeue the job if no spare was left")
+    rq = sub.add_parser("requeue-if-needed", help="(batch scripts rendered before `end`) requeue the job if it should go on")
     rq.add_argument("run_dir")
+    en = sub.add_parser("end", help="(batch script, after srun) requeue the job if it should go on, else write the summary")
+    en.add_argument("run_dir")
+    en.add_argument("--out", help="also write the summary here")
+    en.add_argument("--since", type=float, help="when this attempt started (wall time, s)")
+    en.add_argument("--srun-rc", type=int)
     wt = sub.add_parser("watch", help="(on the batch host) heartbeat file + drain dead nodes")
     wt.add_argument("run_dir")
     wt.add_argument("--drain", default="1")
@@ -333,6 +450,8 @@ def main(argv=None) -> int:
             return slurm_job.task_main(a.run_dir, finisher=not a.no_finisher)
         elif a.cmd == "requeue-if-needed":
             return 0 if slurm_job.requeue_if_needed(a.run_dir) else 1
+        elif a.cmd == "end":
+            return end_attempt(a.run_dir, a.out, a.since, a.srun_rc)
         elif a.cmd == "watch":
             slurm_job.watch(a.run_dir, do_drain=a.drain not in ("0", "no", "false", ""))
     except (ConfigError, FileNotFoundError) as exc:

@@ -1,21 +1,28 @@
-"""Inside a Slurm job: the task wrapper, the batch-host watcher, the finisher, drain and requeue.
+"""Inside a Slurm job: the task wrapper, the batch-host watcher, the finisher, and what ends an attempt.
 
-``python -m deadpool_hpc.launch.slurm task|watch|requeue-if-needed`` run these (sbatch/train.sbatch).
+``python -m deadpool_hpc.launch.slurm task|watch|end`` run these (sbatch/train.sbatch).
 The batch host is an ordinary node of the allocation: if it dies, the batch script and srun die with
 it but the ranks train on; each task then checks whether the watcher still touches RUN_DIR/batch.alive,
 and the last one to exit writes summary.json and completes the job itself (docs/slurm.md).
+
+Signals (docs/slurm.md, "Signals"): SIGUSR2 and SIGTERM mean "save and leave" to a worker. When an attempt
+ended with a checkpoint saved, ``settle`` decides: requeue the job if Slurm is not ending it (a signal to a
+running job: ``--signal``, preemption's notice, ``scancel -s``), or if it hit its time limit after making
+progress; otherwise (``scancel``, the end of a preemption's grace time) log ``stopped`` and requeue nothing.
 """
 from __future__ import annotations
 
 import glob
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 
 from ..events import read_events
-from .slurm import hosts_by_rank, load_config, write_summary
+from .slurm import hosts_by_rank, load_config, summary_out, write_summary
 
 ALIVE_FILE = "batch.alive"
 ALIVE_STALE_S = 10.0  # the batch host counts as dead when batch.alive has not been touched for this long
@@ -23,26 +30,25 @@ ALIVE_STALE_S = 10.0  # the batch host counts as dead when batch.alive has not b
 
 # ---- inside the job: the task wrapper, the finisher, the watcher ------------------------------------------------
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGCONT, signal.SIGUSR2)
+STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)  # "save a checkpoint at the next agreed step and leave" (worker.entry)
 
 
 def run_worker(run_dir: str, env: dict | None = None, forward_signals=FORWARDED, on_start=None) -> int:
     """Run ``python -m deadpool_hpc.worker.entry RUN_DIR`` as a child, passing on the PMI descriptor that srun
-    gave this task (close_fds would otherwise close it), and forwarding ``forward_signals`` to it (SIGUSR2 is
-    Slurm's warning before preemption or the time limit: the worker saves a checkpoint and exits 75).
-    ``on_start(proc)`` is called once the child runs. Returns its exit code."""
+    gave this task (close_fds would otherwise close it), and forwarding ``forward_signals`` to it (SIGUSR2 and
+    SIGTERM: the worker saves a checkpoint at the next agreed step and exits 75).
+    ``on_start(proc)`` is called once the child runs and the forwarders are in place. Returns its exit code."""
     env = dict(os.environ if env is None else env)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
     fds = tuple(int(env[k]) for k in ("PMI_FD",) if env.get(k, "").isdigit())
-    # SIGUSR2 is blocked across the spawn: here until the forwarder is installed, and in the worker (which
-    # inherits the mask) until its handler is (worker/entry.py unblocks it); otherwise its default action
-    # would kill either process. A signal that arrives meanwhile stays pending and is delivered then.
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+    # SIGUSR2 and SIGTERM are blocked across the spawn: here until the forwarder is installed, and in the worker
+    # (which inherits the mask) until its handler is (worker/entry.py unblocks them); otherwise their default
+    # action would kill either process. A signal that arrives meanwhile stays pending and is delivered then.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
     old = {}
     try:
         proc = subprocess.Popen([sys.executable, "-m", "deadpool_hpc.worker.entry", run_dir], env=env, pass_fds=fds)
-        if on_start is not None:
-            on_start(proc)
 
         def forward(sig, _frame):
             try:
@@ -52,6 +58,8 @@ def run_worker(run_dir: str, env: dict | None = None, forward_signals=FORWARDED,
 
         for sig in forward_signals:
             old[sig] = signal.signal(sig, forward)
+        if on_start is not None:
+            on_start(proc)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     try:
@@ -65,17 +73,33 @@ def _task_id() -> int:
     return int(os.environ.get("SLURM_PROCID", os.environ.get("PMI_RANK", "0")))
 
 
+def _attempt_dir(run_dir: str, what: str) -> str:
+    return os.path.join(run_dir, what, os.environ.get("SLURM_RESTART_COUNT", "0"))
+
+
 def _exited_dir(run_dir: str) -> str:
     """RUN_DIR/exited/ATTEMPT: one marker per task that has exited, per attempt of the job (a requeued job keeps
     its id and run directory; Slurm numbers its attempts with SLURM_RESTART_COUNT)."""
-    return os.path.join(run_dir, "exited", os.environ.get("SLURM_RESTART_COUNT", "0"))
+    return _attempt_dir(run_dir, "exited")
+
+
+def _mark(run_dir: str, what: str, text: str) -> None:
+    d = _attempt_dir(run_dir, what)
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, str(_task_id())), "w") as fh:
+        fh.write(f"{text} {os.uname().nodename} {time.time()}\n")
 
 
 def mark_exited(run_dir: str, rc: int) -> None:
-    d = _exited_dir(run_dir)
-    os.makedirs(d, exist_ok=True)
-    with open(os.path.join(d, str(_task_id())), "w") as fh:
-        fh.write(f"{rc} {os.uname().nodename} {time.time()}\n")
+    _mark(run_dir, "exited", str(rc))
+
+
+def mark_ready(run_dir: str, pid: int) -> None:
+    """RUN_DIR/ready/ATTEMPT/TASK: this task's worker runs and signals reach it safely (they are forwarded, and
+    blocked in the worker until its handler is in place). The batch script waits for every task's marker
+    before it passes a signal of its own on to the ranks: a rank killed by a signal before that point would
+    leave the others waiting in MPI_Init."""
+    _mark(run_dir, "ready", str(pid))
 
 
 def exited_tasks(run_dir: str) -> set[int]:
@@ -153,8 +177,9 @@ def complete_job(job_id: str, rc: int) -> str:
 
 def finish_headless(run_dir: str, wait_s: float = 60.0) -> dict | None:
     """Called by each task after its worker exited. If the batch script is gone (its node died), one task (the
-    first to take RUN_DIR/finisher.lock) waits for the other survivors, writes summary.json and ends the job.
-    Returns the summary if this task finished the job, else None."""
+    first to take RUN_DIR/finisher.lock) waits for the other survivors, writes summary.json (and the run's
+    ``--summary`` path, see slurm.summary_out) and ends the job. Returns the summary if this task finished the
+    job, else None."""
     if batch_alive(run_dir):
         return None
     try:
@@ -168,7 +193,8 @@ def finish_headless(run_dir: str, wait_s: float = 60.0) -> dict | None:
         if expected_survivors(run_dir) <= exited_tasks(run_dir):
             break
         time.sleep(0.5)
-    s = write_summary(run_dir, extra={"finished_by": f"task {_task_id()} on {os.uname().nodename} (batch host dead)"})
+    s = write_summary(run_dir, out=summary_out(run_dir),
+                      extra={"finished_by": f"task {_task_id()} on {os.uname().nodename} (batch host dead)"})
     if os.environ.get("DRAIN_FAILED", "1") not in ("0", "no", "false", ""):  # the watcher died with the batch host
         for f in s["failures"]:
             for h in f.get("failed_hosts", []):
@@ -184,7 +210,11 @@ def finish_headless(run_dir: str, wait_s: float = 60.0) -> dict | None:
 
 
 def task_main(run_dir: str, finisher: bool = True) -> int:
-    rc = run_worker(run_dir)
+    rc = run_worker(run_dir, on_start=lambda proc: mark_ready(run_dir, proc.pid))
+    # the job may be ending (scancel, time limit: SIGTERM now, SIGKILL after KillWait): the exit marker and the
+    # finisher's work must not be cut short by a second signal
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     mark_exited(run_dir, rc)
     if finisher and os.environ.get("SLURM_JOB_ID"):
         finish_headless(run_dir)
@@ -205,14 +235,19 @@ def drain(node: str, reason: str) -> bool:
 
 
 def watch(run_dir: str, do_drain: bool = True, period: float = 1.0) -> None:
-    """Run on the batch host until killed: keep RUN_DIR/batch.alive fresh, drain each node the run declares dead."""
+    """Run on the batch host while the batch script lives: keep RUN_DIR/batch.alive fresh, drain each node the
+    run declares dead. SIGTERM, SIGUSR2, SIGINT and SIGHUP are ignored (``scancel --full``, a cancel or the time
+    limit signal every process of the batch step; the watcher must outlive the ranks' save, or the tasks would
+    take the batch host for dead): the batch script ends it with SIGKILL, and it ends by itself when the batch
+    script (its parent) is gone."""
     alive = os.path.join(run_dir, ALIVE_FILE)
     events_path = os.path.join(run_dir, "events.jsonl")
     drained: set[str] = set()
     t_start = time.time()  # decisions of earlier attempts (a requeued job) were drained by their own watcher
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-    while not stop:
+    for sig in STOP_SIGNALS + (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    parent = os.getppid()
+    while os.getppid() == parent:
         with open(alive, "a"):
             os.utime(alive)
         if do_drain and os.path.exists(events_path):
@@ -236,35 +271,126 @@ def watch(run_dir: str, do_drain: bool = True, period: float = 1.0) -> None:
         time.sleep(period)
 
 
-# ---- no spare left: requeue ---------------------------------------------------------------------------------------
-def requeue_if_needed(run_dir: str) -> bool:
-    """If this attempt ended with a saved checkpoint and no finish, log ``requeued`` and ``scontrol requeue``
-    the job (it resumes from RUN_DIR/checkpoint). True if the job was requeued."""
+# ---- how an attempt ends: requeue, or stop ------------------------------------------------------------------------
+def job_state(job_id: str | None) -> tuple[str | None, str | None]:
+    """Slurm's (JobState, Reason) of a job, from ``scontrol show job``; (None, None) when unknown. While Slurm ends
+    a job (scancel, the time limit, the end of a preemption's grace time) its JobState is COMPLETING (measured,
+    Slurm 22.05); Reason is TimeLimit for the time limit."""
+    if not job_id:
+        return None, None
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None, None
+    state = re.search(r"\bJobState=(\S+)", out.stdout)
+    reason = re.search(r"\bReason=(\S+)", out.stdout)
+    return (state.group(1) if state else None), (reason.group(1) if reason else None)
+
+
+def _accounted_state(job_id: str) -> str | None:
+    """sacct's state of a job being ended (CANCELLED, PREEMPTED, ...): the words for the ``stopped`` event."""
+    try:
+        out = subprocess.run(["sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", "JobID,State"], capture_output=True,
+                             text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    rows = [line.split("|") for line in out.splitlines() if line.split("|")[0] == str(job_id)]
+    return rows[-1][1].strip() if rows and len(rows[-1]) > 1 else None
+
+
+def _this_attempt(events: list[dict], since: float | None) -> list[dict]:
+    """The events of the attempt that started at ``since`` (default: after the last ``requeued``)."""
+    if since is None:
+        starts = [i for i, e in enumerate(events) if e["event"] == "requeued"]
+        return events[starts[-1] + 1:] if starts else events
+    return [e for e in events if e["t"] >= since]
+
+
+def _latest_checkpoint(run_dir: str) -> dict | None:
+    """RUN_DIR/checkpoint/LATEST (as replica.persist.latest, without importing torch: this runs within KillWait)."""
+    try:
+        with open(os.path.join(run_dir, "checkpoint", "LATEST")) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def settle(run_dir: str, since: float | None = None, srun_rc: int | None = None) -> dict:
+    """Decide how this attempt of the job ends, once its ranks have exited (the batch script after srun, task 0
+    under submitit). ``since``: when the attempt started (wall time, s). Returns {"action": ...}:
+
+    - ``requeued``: a checkpoint was saved in this attempt and the job goes on: a signal to a running job
+      (``--signal``, a preemption's notice, ``scancel -s USR2|TERM``), no spare left (at most ``max_requeues``
+      times), or the time limit (only if this attempt got past the step it resumed from). ``requeued`` is
+      logged and ``scontrol requeue`` run; the requeued job resumes from the checkpoint.
+    - ``stopped``: a checkpoint was saved but the job is not requeued: Slurm is ending it (``scancel``, the end
+      of a preemption's grace time; Slurm itself requeues a preempted job if its PreemptMode says so), or
+      ``max_requeues`` was reached, or ``scontrol requeue`` was refused. Or the batch shell was signalled and the
+      ranks ended without saving (srun answers a SIGTERM of its own by killing its step). ``stopped`` is logged.
+    - ``none``: nothing to decide (the run finished, or ended without a checkpoint and without a signal).
+    """
     from ..events import EventLog
-    from ..replica import persist
 
     path = os.path.join(run_dir, "events.jsonl")
     events = list(read_events(path)) if os.path.exists(path) else []
-    names = [e["event"] for e in events]
-    last_ckpt = max((i for i, n in enumerate(names) if n == "checkpoint_saved"), default=-1)
-    last_fin = max((i for i, n in enumerate(names) if n == "finished"), default=-1)
-    if last_ckpt < 0 or last_fin > last_ckpt:
-        return False
-    attempts = names.count("requeued")
-    reason = events[last_ckpt].get("reason", "no spare node left")
-    # max_requeues caps requeues after lost nodes; a time limit or a preemption (SIGUSR2) is routine for a
-    # long job and is not counted
-    lost = sum(1 for e in events if e["event"] == "requeued" and e.get("reason") != "preempted")
-    if reason != "preempted" and lost >= load_config(run_dir).max_requeues:
-        print(f"[deadpool] not requeued: {lost} requeues after lost nodes already (max_requeues)", file=sys.stderr)
-        return False
-    job_id = os.environ.get("SLURM_JOB_ID") or open(os.path.join(run_dir, "slurm_job_id")).read().strip()
-    EventLog(path).emit("requeued", attempt=attempts + 1, slurm_job_id=job_id, reason=reason,
-                        checkpoint=persist.latest(os.path.join(run_dir, "checkpoint")))
-    out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
-    if out.returncode != 0:
-        print(f"[deadpool] scontrol requeue {job_id} failed: {out.stderr.strip()}", file=sys.stderr)
-        return False
-    return True
+    mine = _this_attempt(events, since)
+    last = {e["event"]: i for i, e in enumerate(mine)}
+    finished = "finished" in last
+    saved = [e for e in mine if e["event"] == "checkpoint_saved"]
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if not job_id:
+        try:
+            job_id = open(os.path.join(run_dir, "slurm_job_id")).read().strip()
+        except OSError:
+            job_id = None
+    if finished and last["finished"] > last.get("checkpoint_saved", -1):
+        return {"action": "none"}
+    if not saved:
+        signals = [e["signal"] for e in mine if e["event"] == "batch_signal"]
+        if not signals or finished:
+            return {"action": "none"}
+    log = EventLog(path)
+    if not saved:
+        why = (f"the batch shell got SIG{'/SIG'.join(dict.fromkeys(signals))} and the ranks ended without saving"
+               f"{f' (srun exit {srun_rc})' if srun_rc is not None else ''}")
+        if "TERM" in signals and srun_rc is not None and srun_rc >= 128:
+            why += ": srun answers a SIGTERM of its own by killing its step (SIGKILL), e.g. `scancel --full -s TERM`"
+        log.emit("stopped", reason=why, slurm_job_id=job_id, checkpoint=_latest_checkpoint(run_dir))
+        return {"action": "stopped", "reason": why, "killed": True}
+    ckpt = saved[-1]
+    reason = ckpt.get("reason", "no spare node left")
+    state, slurm_reason = job_state(job_id)
+    ending = state in ("COMPLETING", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "FAILED", "DEADLINE")
+    resumed = [e["step"] for e in mine if e["event"] == "resumed_from_checkpoint"]
+    why_not = None
+    if ending and slurm_reason != "TimeLimit":
+        acct = _accounted_state(job_id) if job_id else None
+        why_not = f"Slurm is ending the job ({acct or state}{f', {slurm_reason}' if slurm_reason not in (None, 'None') else ''})"
+    elif ending and resumed and ckpt["step"] <= max(resumed):
+        why_not = f"time limit, and this attempt made no progress (resumed at step {max(resumed)})"
+    elif reason != "preempted":
+        # max_requeues caps requeues after lost nodes; a signal (preemption, time limit) is routine for a long
+        # job and is not counted
+        lost = sum(1 for e in events if e["event"] == "requeued" and e.get("reason") != "preempted")
+        if lost >= load_config(run_dir).max_requeues:
+            why_not = f"{lost} requeues after lost nodes already (max_requeues)"
+    if why_not is None and job_id:
+        attempts = sum(1 for e in events if e["event"] == "requeued")
+        log.emit("requeued", attempt=attempts + 1, slurm_job_id=job_id, reason=reason,
+                 time_limit=slurm_reason == "TimeLimit" or None, checkpoint=_latest_checkpoint(run_dir))
+        out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+        if out.returncode == 0:
+            return {"action": "requeued", "reason": reason}
+        why_not = f"scontrol requeue {job_id} failed: {out.stderr.strip()}"
+    why_not = why_not or "no Slurm job id"
+    print(f"[deadpool] not requeued: {why_not}; checkpoint of step {ckpt['step']} in {run_dir}/checkpoint "
+          f"(a new job with RESUME=1 and this RUN_DIR resumes there)", file=sys.stderr)
+    log.emit("stopped", reason=why_not, slurm_job_id=job_id, job_state=state, checkpoint_step=ckpt["step"],
+             checkpoint=_latest_checkpoint(run_dir))
+    return {"action": "stopped", "reason": why_not, "checkpoint_step": ckpt["step"]}
 
 
+def requeue_if_needed(run_dir: str) -> bool:
+    """settle() for callers that only ask "was the job requeued?" (the batch scripts of jobs rendered before
+    ``end`` existed)."""
+    return settle(run_dir)["action"] == "requeued"

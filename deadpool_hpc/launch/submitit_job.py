@@ -3,13 +3,21 @@
     from deadpool_hpc.launch.submitit_job import HotSwapJob, executor
     ex = executor("submitit-logs", cfg, slurm_partition="debug")     # nodes = cfg.nodes + cfg.spares, --no-kill
     job = ex.submit(HotSwapJob(cfg))
-    summary = job.task(0).result()                                   # the run summary (dict); see docs/slurm.md
+    summary = job.result()      # the run summary (dict) of a completed run; raises otherwise (see below)
 
 submitit runs the callable once per Slurm task (one task per node and rank, ``tasks_per_node`` =
 ``cfg.ranks_per_node``), each inside submitit's own ``srun``. Every task starts the ordinary worker
 (``python -m deadpool_hpc.worker.entry RUN_DIR``) as a child, handing it the PMI-2 descriptor srun gave the task,
 so the MPI ranks are exactly those of ``sbatch/train.sbatch``. Task 0 then waits for the other survivors and
 returns the summary built from the event log; the other tasks return their worker's exit code.
+
+Results: the jobs ``executor()`` submits are ``HotSwapSlurmJob``s, whose ``result()`` is task 0's, the summary
+(submitit's own ``Job.result()`` refuses a job of several tasks). It is returned only for a run that completed:
+a job that Slurm ended (``scancel``; the end of a preemption's grace time) leaves no result, so ``result()``
+raises submitit's ``UncompletedJobError`` (state CANCELLED, ...), after task 0 wrote RUN_DIR/summary.json
+(``stopped``, and the checkpoint the ranks saved when they got SIGTERM); a run that failed raises
+``RunIncomplete`` (as submitit's ``FailedJobError``) naming the step reached, the errors and the summary's path.
+``cfg.summary_path`` (relative: to the directory ``HotSwapJob`` is constructed in) gets a copy of the summary.
 
 What makes the step survive a node crash is in ``executor()``: ``#SBATCH --no-kill`` (job) through
 ``slurm_additional_parameters`` and ``srun --no-kill --kill-on-bad-exit=0 --mpi=pmi2`` (step) through
@@ -28,7 +36,10 @@ On task 0, submitit calls ``checkpoint()``, which forwards the signal to its wor
 ``checkpoint_saved``, logs ``requeued`` and returns ``DelayedSubmission(self)``; submitit then requeues the job.
 The requeued job (same id, same RUN_DIR) resumes at the cut step, and ``job.result()`` is the final summary.
 If no checkpoint appears within ``checkpoint_wait_s``, ``checkpoint()`` returns None and submitit ends the job
-without requeueing it (``UncompletedJobError``).
+without requeueing it (``UncompletedJobError``). SIGTERM (``scancel -s TERM``, a preemption's notice without
+``--signal``, ``scancel``, the time limit) reaches every task; submitit ignores it, the workers save a checkpoint
+and exit 75, and task 0 decides as the batch template does (``slurm_job.settle``): requeue if the job goes on,
+stop (no result) if Slurm is ending it.
 
 Limits: the batch host (the node of task 0) is special here as everywhere under sbatch. If it dies, the ranks
 train on and finish, but task 0's result is lost: ``job.task(0).result()`` raises, and the summary must be
@@ -44,6 +55,7 @@ import os
 import secrets
 import shutil
 import signal
+import sys
 import time
 
 from ..config import RunConfig
@@ -55,12 +67,45 @@ def srun_args(mpi: str = "pmi2") -> list[str]:
     return ["--no-kill", "--kill-on-bad-exit=0", f"--mpi={mpi}"]
 
 
+class RunIncomplete(RuntimeError):
+    """Raised by task 0 (so ``job.result()`` raises submitit's FailedJobError with this message) when the run
+    ended without completing and Slurm was not ending the job: an error, or no spare and no requeue left."""
+
+
+_job_class = None
+
+
+def hot_swap_job_class():
+    """``HotSwapSlurmJob``: submitit's SlurmJob whose ``result()`` is task 0's (the run summary) instead of
+    submitit's "use results()" assertion for a job of several tasks. (Built on first use: submitit is imported
+    only by those who use it.)"""
+    global _job_class
+    if _job_class is None:
+        import submitit
+
+        class HotSwapSlurmJob(submitit.SlurmJob):
+            def result(self):
+                """The run summary (dict), returned by task 0 of a run that completed. Raises submitit's
+                UncompletedJobError if the job ended without a result (cancelled, preempted, its batch host
+                lost), FailedJobError if the run failed (RunIncomplete)."""
+                if self._sub_jobs:
+                    return self._sub_jobs[0].result()
+                return super().result()
+
+        _job_class = HotSwapSlurmJob
+    return _job_class
+
+
 def executor(folder: str, cfg: RunConfig, timeout_min: int = 60, **params):
-    """A submitit AutoExecutor sized and flagged for ``cfg``. Extra ``params`` go to update_parameters
-    (e.g. ``slurm_partition="debug"``); ``slurm_additional_parameters`` are merged with ours."""
+    """A submitit AutoExecutor sized and flagged for ``cfg``; the jobs it submits are HotSwapSlurmJobs
+    (``job.result()`` is the run summary). Extra ``params`` go to update_parameters (e.g.
+    ``slurm_partition="debug"``); ``slurm_additional_parameters`` are merged with ours."""
     import submitit
 
     ex = submitit.AutoExecutor(folder=folder, cluster=params.pop("cluster", "slurm"))
+    inner = getattr(ex, "_executor", None)  # AutoExecutor wraps the cluster's executor, which makes the Job objects
+    if inner is not None and issubclass(hot_swap_job_class(), inner.job_class):
+        inner.job_class = hot_swap_job_class()
     add = {"no-kill": True, "requeue": True, "exclusive": True}  # as sbatch/train.sbatch
     add.update(params.pop("slurm_additional_parameters", {}) or {})
     ex.update_parameters(nodes=cfg.total_nodes, tasks_per_node=cfg.ranks_per_node, timeout_min=timeout_min,
@@ -109,6 +154,7 @@ class HotSwapJob:
                 fh.write(f"{job_id}\n")
         env = dict(os.environ, DEADPOOL_JOB_SECRET=self.job_secret(job_id), OMP_NUM_THREADS="1",
                    MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        t0 = time.time()
         self._saved_before = len(self._events("checkpoint_saved"))
         # SIGUSR2 stays with submitit (its handler calls checkpoint() on task 0); the worker gets it from Slurm too
         forward = tuple(s for s in slurm_job.FORWARDED if s != signal.SIGUSR2)
@@ -118,12 +164,26 @@ class HotSwapJob:
         if rank != 0:
             return rc
         self._unless_finished(self._wait_survivors)
-        if len(self._events("checkpoint_saved")) > self._saved_before and not self._events("finished"):
-            # no spare was left: the ranks saved a checkpoint. Requeue as the sbatch template does, and leave
-            # without a result (SystemExit: submitit records none), so the requeued job's result is the one read
-            if slurm_job.requeue_if_needed(self.run_dir):
-                raise SystemExit(75)
-        return slurm.write_summary(self.run_dir, extra={"launcher": "submitit", "worker_rc": rc})
+        # the ranks saved a checkpoint (no spare left, SIGTERM): requeue as the sbatch template does if the job goes
+        # on, and leave without a result (SystemExit: submitit records none), so the requeued job's is the one read
+        how = slurm_job.settle(self.run_dir, since=t0)
+        if how["action"] == "requeued":
+            raise SystemExit(75)
+        s = slurm.write_summary(self.run_dir, out=slurm.summary_out(self.run_dir),
+                                extra={"launcher": "submitit", "worker_rc": rc})
+        if s["completed"]:
+            return s
+        where = f"summary in {os.path.join(self.run_dir, 'summary.json')}"
+        if s["checkpoint"]:
+            where += f"; checkpoint of step {s['checkpoint']['step']} in {os.path.join(self.run_dir, 'checkpoint')}"
+        if how["action"] == "stopped" and not how.get("killed") and slurm_job.job_state(job_id)[0] != "RUNNING":
+            # Slurm is ending the job (scancel): no result, so result() raises UncompletedJobError with its state
+            print(f"[deadpool] job {job_id} stopped at step {s['steps_completed']} of {self.cfg.steps}: "
+                  f"{how['reason']}; {where}", file=sys.stderr, flush=True)
+            raise SystemExit(1)
+        raise RunIncomplete(f"the run did not complete: step {s['steps_completed']} of {self.cfg.steps}"
+                            f"{'; stopped: ' + s['stopped']['reason'] if s['stopped'] else ''}"
+                            f"{'; errors: ' + '; '.join(map(str, s['errors'])) if s['errors'] else ''}; {where}")
 
     def _wait_survivors(self) -> None:
         end = time.monotonic() + self.wait_survivors_s

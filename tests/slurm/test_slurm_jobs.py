@@ -15,55 +15,11 @@ import time
 
 import pytest
 
-from deadpool_hpc.events import read_events
+from slurm_helpers import (CRASH_STEP, MEASURE, ROOT, SCALING, STEPS, TRAIN, VENV, crash_when as _crash_when,
+                           events as _events, final_state as _final_state, host_of as _host_of, job_output,
+                           wait_gone)
 
 pytestmark = pytest.mark.slurm
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-STEPS = 80        # keep equal to conftest.STEPS (the reference run)
-CRASH_STEP = 25
-TRAIN = os.path.join(ROOT, "sbatch", "train.sbatch")
-SCALING = os.path.join(ROOT, "sbatch", "scaling.sbatch")
-VENV = sys.prefix  # the venv running the tests (has deadpool-hpc installed)
-MEASURE = os.environ.get("DEADPOOL_SLURM_MEASURE", "/tmp/deadpool-slurm-measure.jsonl")
-
-
-def _events(run_dir):
-    path = os.path.join(run_dir, "events.jsonl")
-    return list(read_events(path)) if os.path.exists(path) else []
-
-
-def _final_state(job_id, timeout=30):
-    """The job's final state in sacct (the allocation record; --no-kill leaves RESIZING records before it)."""
-    end = time.time() + timeout
-    state = None
-    while time.time() < end:
-        out = subprocess.run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "JobID,State"], capture_output=True,
-                             text=True, timeout=20).stdout
-        rows = [l.split("|") for l in out.splitlines() if l.split("|")[0] == job_id]
-        state = rows[-1][1].split()[0] if rows else None
-        if state not in (None, "RUNNING", "PENDING", "RESIZING", "COMPLETING"):
-            return state
-        time.sleep(1)
-    return state
-
-
-def _host_of(mpi_rank):
-    """pick_node for _crash_when: the host MPI rank ``mpi_rank`` runs on in this job (whatever nodes Slurm gave it)."""
-    return lambda ev: next(e["host"] for e in ev if e["event"] == "hello" and e["mpi_rank"] == mpi_rank)
-
-
-def _crash_when(run_dir, fail_node, pick_node, at_step, deadline, done):
-    """Poll the event log; once some rank logged step >= at_step, crash pick_node(events). Returns (node, t_kill)."""
-    while time.time() < deadline and not done():
-        ev = _events(run_dir)
-        steps = [e["step"] for e in ev if e["event"] == "step"]
-        if steps and max(steps) >= at_step:
-            node = pick_node(ev)
-            t = time.time()
-            fail_node(node)
-            return node, t
-        time.sleep(0.2)
-    raise AssertionError(f"the run never reached step {at_step} (events: {len(_events(run_dir))})")
 
 
 def _measure(label, summary, events, t_kill, extra=None):
@@ -82,9 +38,13 @@ def _measure(label, summary, events, t_kill, extra=None):
 
 
 def _sbatch_with_crash(tmp_path, fail_node, pick_node, label, spares=1, wait_s=150):
+    """The template, submitted from tmp_path/submit with a relative SUMMARY (the job itself runs in tmp_path:
+    --chdir), so each test also checks that the summary lands in the submitter's directory."""
     run_dir = str(tmp_path / "run")
+    (tmp_path / "submit").mkdir()
     job = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", f"--nodes={4 + spares}",
-                          f"--export=ALL,NODES=4,SPARES={spares},STEPS={STEPS},RUN_DIR={run_dir},VENV={VENV}", TRAIN],
+                          f"--export=ALL,NODES=4,SPARES={spares},STEPS={STEPS},RUN_DIR={run_dir},VENV={VENV},"
+                          f"SUMMARY=s.json", TRAIN], cwd=tmp_path / "submit",
                          capture_output=True, text=True, timeout=60, check=True).stdout.strip().split(";")[0]
 
     def gone():
@@ -98,6 +58,7 @@ def _sbatch_with_crash(tmp_path, fail_node, pick_node, label, spares=1, wait_s=1
     out = "".join(open(p).read() for p in [str(tmp_path / f"deadpool-{job}.out")] if os.path.exists(p))
     assert os.path.exists(os.path.join(run_dir, "summary.json")), f"no summary.json; job {job} {state}\n{out}"
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert json.load(open(tmp_path / "submit" / "s.json")) == summary, "SUMMARY=s.json: not in the submit directory"
     return job, state, summary, node, t_kill, run_dir, out
 
 
@@ -119,8 +80,8 @@ def test_sbatch_survives_node_crash(tmp_path, fail_node, reference_digest):
 
 def test_sbatch_survives_crash_of_rank0_and_batch_host(tmp_path, fail_node, reference_digest):
     """(b) the node of MPI rank 0, which is also the batch host (srun puts task 0 on the first node): the batch
-    script and srun die with it; the survivors train on, and the last task writes the summary and completes the
-    job (deadpool_hpc.launch.slurm_job.finish_headless)."""
+    script and srun die with it; the survivors train on, and the last task writes the summary (RUN_DIR/summary.json
+    and the relative SUMMARY, in the submit directory) and completes the job (slurm_job.finish_headless)."""
     def rank0_host(ev):
         return next(e["host"] for e in ev if e["event"] == "hello" and e["mpi_rank"] == 0)
 
@@ -185,10 +146,20 @@ def test_sbatch_sigusr2_checkpoints_requeues_and_resumes(tmp_path, slurm_cluster
     assert not [e for e in _events(run_dir) if e["event"] == "resumed_from_checkpoint"]
 
 
-def test_deadpool_submit_refuses_a_busy_run_dir_and_a_bad_time(tmp_path, slurm_cluster):
-    """`deadpool submit` bad input: sbatch's refusal and a run directory whose job is still queued give exit 2 and
-    a message naming the problem, and the queued job's config is not touched."""
+def test_deadpool_submit_refuses_a_busy_run_dir_a_bad_time_and_an_impossible_size(tmp_path, slurm_cluster):
+    """`deadpool submit` bad input: more nodes (or ranks per node) than the partition has, sbatch's refusal, and a
+    run directory whose job is still queued give exit 2 and a message naming the problem, and the queued job's
+    config is not touched."""
     cli = [sys.executable, "-m", "deadpool_hpc.launch.cli", "submit", "--nodes", "2", "--spares", "1", "--steps", "5"]
+    # a job the partition can never run (Slurm would accept it and leave it pending, PartitionNodeLimit)
+    too_big = subprocess.run(cli[:4] + ["--nodes", "8", "--spares", "1", "--run-dir", str(tmp_path / "big")],
+                             capture_output=True, text=True, timeout=60)
+    assert too_big.returncode == 2 and "needs 9 nodes (8 active + 1 spare) but partition 'debug' has 5" in too_big.stderr, \
+        too_big.stderr
+    assert not (tmp_path / "big").exists()  # refused before anything was written
+    cpus = subprocess.run(cli + ["--ranks-per-node", "3", "--run-dir", str(tmp_path / "big")], capture_output=True,
+                          text=True, timeout=60)
+    assert cpus.returncode == 2 and "--ranks-per-node 3 needs 3 CPUs on each of 3 nodes" in cpus.stderr, cpus.stderr
     run_dir = str(tmp_path / "busy")
     bad = subprocess.run(cli + ["--run-dir", run_dir, "--time", "bogus"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "sbatch refused the job" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
@@ -245,7 +216,7 @@ def test_submitit_without_spare_checkpoints_requeues_and_resumes(tmp_path, fail_
     job, run_dir = _submitit_job(tmp_path, spares=0)
     _submitit_at_step(tmp_path, job, run_dir, fail_node, _host_of(1))
     _wait_done(job, 300)
-    s = job.task(0).result()
+    s = job.result()  # HotSwapSlurmJob: task 0's result, the summary
     assert _final_state(job.job_id) == "COMPLETED"
     assert s["completed"] and s["steps_completed"] == STEPS, s
     assert s["requeues"] == 1 and s["swaps"] == 0 and s["failures"][0]["requeued"], s
@@ -257,7 +228,8 @@ def test_submitit_survives_node_crash(tmp_path, fail_node, reference_digest):
     job, run_dir = _submitit_job(tmp_path)
     node, t_kill = _submitit_at_step(tmp_path, job, run_dir, fail_node, _host_of(2))
     _wait_done(job, 180)
-    s = job.task(0).result()
+    s = job.result()
+    assert job.task(0).result() == s
     state = _final_state(job.job_id)
     _check(state, s, node, reference_digest, "")
     _measure("submitit-node3", s, _events(run_dir), t_kill)
@@ -273,7 +245,7 @@ def test_submitit_preemption_checkpoints_requeues_and_resumes(tmp_path, slurm_cl
                       lambda ev: None)
     t_signal = time.time()
     _wait_done(job, 240)
-    s = job.task(0).result()
+    s = job.result()
     assert _final_state(job.job_id) == "COMPLETED"
     assert s["completed"] and s["steps_completed"] == STEPS, s
     assert s["failures"] == [] and s["swaps"] == 0 and s["requeues"] == 1, s
@@ -293,22 +265,48 @@ def test_submitit_preemption_checkpoints_requeues_and_resumes(tmp_path, slurm_cl
         fh.write(json.dumps(rec) + "\n")
 
 
-def test_scaling_template_writes_one_summary_per_size(tmp_path, slurm_cluster):
-    """(g) sbatch/scaling.sbatch as a job array over active-node counts 2 and 3 (+1 spare): one completed run and
-    one summary per size, and `python -m deadpool_hpc.launch.slurm scaling` tabulates them."""
-    out_dir = tmp_path / "scaling"
-    job = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", "--array=0-1", "--nodes=4",
-                          f"--export=ALL,SIZES=2 3,SPARES=1,STEPS=20,OUT_DIR={out_dir},VENV={VENV},TRAIN_SBATCH={TRAIN}",
-                          SCALING], capture_output=True, text=True, timeout=60, check=True).stdout.strip().split(";")[0]
-    end = time.time() + 240
-    while time.time() < end and subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True,
-                                                timeout=20).stdout.strip():
-        time.sleep(1)
+def test_scaling_template_from_another_directory_writes_one_summary_per_size(tmp_path, slurm_cluster):
+    """(g) sbatch/scaling.sbatch as a job array over active-node counts 2 and 3 (+1 spare), submitted as in the
+    issue from a directory that is not the checkout, with a relative OUT_DIR and neither TRAIN_SBATCH nor VENV:
+    the template finds train.sbatch next to itself and the checkout's .venv (through the job's Command). One
+    completed run and one summary per size, and `python -m deadpool_hpc.launch.slurm scaling` tabulates them."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    own_venv = os.path.realpath(VENV) == os.path.realpath(os.path.join(ROOT, ".venv"))
+    env = "ALL,SIZES=2 3,SPARES=1,STEPS=20,OUT_DIR=scaling" + ("" if own_venv else f",VENV={VENV}")
+    job = subprocess.run(["sbatch", "--parsable", "--array=0-1", "--nodes=4", f"--export={env}", SCALING],
+                         cwd=elsewhere, capture_output=True, text=True, timeout=60, check=True).stdout.strip().split(";")[0]
+    assert wait_gone(job, 240), f"job array {job} still queued after 240 s"
     states = {_final_state(f"{job}_{i}") for i in (0, 1)}
-    assert states == {"COMPLETED"}, states
+    out = "".join(job_output(elsewhere / f"deadpool-scaling-{job}_{i}.out") for i in (0, 1))
+    assert states == {"COMPLETED"}, f"{states}\n{out}"
+    out_dir = elsewhere / "scaling"
     table = subprocess.run([sys.executable, "-m", "deadpool_hpc.launch.slurm", "scaling", str(out_dir)],
                            capture_output=True, text=True, timeout=60)
     assert table.returncode == 0, table.stdout + table.stderr
     rows = json.loads(table.stdout)
     assert [(r["nodes"], r["world_size"], r["completed"]) for r in rows] == [(2, 2, True), (3, 3, True)]
     assert all(r["median_tokens_per_s"] > 0 for r in rows) and rows[0]["speedup"] == 1.0
+
+
+def test_templates_say_which_variable_to_set(tmp_path, slurm_cluster):
+    """A template that cannot find the package or its neighbour stops at once (exit 2) and names the variable to
+    set: a copy of train.sbatch whose PYTHON cannot import deadpool_hpc, and a copy of scaling.sbatch alone."""
+    import shutil
+
+    copies = tmp_path / "copies"
+    copies.mkdir()
+    shutil.copy(TRAIN, copies / "train.sbatch")
+    shutil.copy(SCALING, copies / "lonely-scaling.sbatch")
+    no_pkg = subprocess.run(["sbatch", "--wait", "--nodes=2", "--export=ALL,NODES=1,SPARES=1,STEPS=5,PYTHON=/usr/bin/python3",
+                             "copies/train.sbatch"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    job = no_pkg.stdout.split()[-1]
+    out = job_output(tmp_path / f"deadpool-{job}.out")
+    assert no_pkg.returncode == 2 and "'/usr/bin/python3' cannot import deadpool_hpc" in out and "Set VENV=" in out, out
+    (tmp_path / "lonely").mkdir()
+    shutil.move(copies / "lonely-scaling.sbatch", tmp_path / "lonely" / "scaling.sbatch")
+    lonely = subprocess.run(["sbatch", "--wait", "--nodes=2", "--export=ALL,SIZES=1", "lonely/scaling.sbatch"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    job = lonely.stdout.split()[-1]
+    out = "".join(job_output(p) for p in tmp_path.glob(f"deadpool-scaling-{job}_*.out"))
+    assert lonely.returncode == 2 and "Set TRAIN_SBATCH=" in out and "DEADPOOL_HOME=" in out, out

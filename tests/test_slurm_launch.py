@@ -1,0 +1,46 @@
+"""The Slurm launch's path rules and rendering, without a cluster (tests/slurm runs the real jobs).
+
+A relative --run-dir or --summary means the submitter's current directory on every launch path; the rendered
+batch script pins absolute paths and the checkout it came from (DEADPOOL_HOME).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+
+from deadpool_hpc.config import RunConfig
+from deadpool_hpc.launch import slurm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_write_config_and_render_make_relative_paths_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = RunConfig(nodes=2, spares=1, steps=5, run_dir="runs/a", summary_path="s.json")
+    path = slurm.write_config(cfg)
+    written = json.load(open(path))
+    assert written["run_dir"] == str(tmp_path / "runs" / "a") and written["summary_path"] == str(tmp_path / "s.json")
+    text = slurm.render(cfg)
+    assert re.search(r"(?m)^#SBATCH --nodes=3$", text)
+    assert f"SUMMARY=${{SUMMARY:-{tmp_path / 's.json'}}}" in text
+    assert f"RUN_DIR={tmp_path / 'runs' / 'a'}" in text
+    assert f"DEADPOOL_HOME=${{DEADPOOL_HOME:-{ROOT}}}" in text  # the checkout whose template was rendered
+    monkeypatch.delenv("DEADPOOL_SUMMARY", raising=False)
+    assert slurm.summary_out(str(tmp_path / "runs" / "a")) == str(tmp_path / "s.json")
+    monkeypatch.setenv("DEADPOOL_SUMMARY", "/elsewhere/x.json")  # what the batch script exports to the tasks
+    assert slurm.summary_out(str(tmp_path / "runs" / "a")) == "/elsewhere/x.json"
+
+
+def test_partition_named_in_extra_sbatch_arguments():
+    assert slurm._partition_of(["--partition=gpu"]) == "gpu"
+    assert slurm._partition_of(["--time", "1:00", "--partition", "gpu"]) == "gpu"
+    assert slurm._partition_of(["-pgpu"]) == "gpu" and slurm._partition_of(["-p", "gpu"]) == "gpu"
+    assert slurm._partition_of(["--signal=B:USR2@120"]) is None and slurm._partition_of(None) is None
+
+
+def test_templates_are_valid_bash():
+    for name in ("train.sbatch", "scaling.sbatch"):
+        r = subprocess.run(["bash", "-n", os.path.join(ROOT, "sbatch", name)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
