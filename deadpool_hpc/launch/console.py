@@ -50,12 +50,26 @@ class LiveView:
                 self._detected = False
                 self.roles[e["node"]] = "dead" if e["kind"] == "kill" else "hung"
                 where = "" if e["target"] == f"node{e['node']}" else f" on node{e['node']}"
-                self._note(f"step {e['step']}: {e['signal']} -> {e['target']}{where} (pids {e['pids']})", "bold red")
-            elif kind == "suspect" and self.t_fault is not None and not self._detected:
+                when = f"step {e['step']}" if e.get("phase") is None else f"recovery phase {e['phase']}"
+                self._note(f"{when}: {e['signal']} -> {e['target']}{where} (pids {e['pids']})", "bold red")
+            elif kind == "hang_detected":
+                self._note(f"  node{e.get('node')}: training thread stuck for {e['stuck_s']:.1f} s at {e['where']}: "
+                           f"fenced by its watchdog", "yellow")
+            elif kind == "suspect" and not self._detected:
                 self._detected = True
-                self._note(f"  detected: node{e['node']} suspected by MPI rank {e.get('mpi_rank')} "
-                           f"(+{e['t'] - self.t_fault:.2f} s)", "yellow")
+                if self.t_fault is not None:
+                    since = f"+{e['t'] - self.t_fault:.2f} s"
+                elif e.get("last_heard") is not None:
+                    since = f"~{e['t'] - e['last_heard']:.2f} s after it was last heard (not injected: estimated)"
+                else:
+                    since = "not injected"
+                self._note(f"  detected: node{e['node']} suspected by MPI rank {e.get('mpi_rank')} ({since})", "yellow")
+            elif kind == "recovery_round_failed" and e.get("rank") == 0:
+                self._note(f"  recovery round failed, next round: {e['error'][:120]}", "yellow")
+            elif kind == "decision" and e.get("error"):
+                self._note(f"  no recovery possible: {e['error']}: {e.get('message', '')[:160]}", "bold red")
             elif kind == "decision":
+                self._detected = False
                 for n in e["failed_nodes"]:
                     self.roles[n] = "dead"
                 for node in {m // self.cfg.ranks_per_node for m in e["promoted"].values()}:
@@ -64,7 +78,8 @@ class LiveView:
                 lost = f"lost node(s) {e['failed_nodes']}" if e["failed_nodes"] else "no node lost"
                 plan = (f"promoted {e['promoted']}" if e["promoted"] else
                         "preempted: save a checkpoint" if e.get("reason") == "preempted" else
-                        "no spare left: save a checkpoint")
+                        "no spare left: save a checkpoint" if e.get("exhausted") else
+                        f"{e.get('reason')}: no promotion")
                 self._note(f"  agreed: generation {e['generation']}, {lost}, {plan}, cut at step {e['cut_step']} "
                            f"(+{e['t_decided'] - base:.2f} s)", "cyan")
             elif kind == "recovered" and e.get("rank") == 0:
@@ -144,10 +159,13 @@ def print_summary(summary: dict, console: Console | None = None) -> None:
         f.add_column("")
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
         for x in summary["failures"]:
-            f.add_column(f"{x['kind']} {x['target']} @{x['step']}", justify="right")
+            at = x["step"] if x.get("phase") is None else x["phase"]
+            f.add_column(f"{x['kind']} {x['target']} @{at}", justify="right")
         rows = [("fault -> first step after recovery", [fmt(x["recovery_s"]) for x in summary["failures"]])]
         rows += [(f"  {p}", [fmt(x["phases"][p]) for x in summary["failures"]]) for p in PHASES]
-        rows += [("cut step", [str(x["cut_step"]) for x in summary["failures"]]),
+        rows += [("fault time from", [x.get("t_fault_source", "-") for x in summary["failures"]]),
+                 ("outcome", [x.get("outcome", "-") for x in summary["failures"]]),
+                 ("cut step", [str(x["cut_step"]) for x in summary["failures"]]),
                  ("steps recomputed", [str(x["recomputed_steps"]) for x in summary["failures"]]),
                  ("replaced by", [("checkpoint + requeue" if x.get("recovery_s") is not None else "checkpoint, run stopped")
                                   if x.get("requeued") else
