@@ -105,6 +105,7 @@ class ControlPlane:
         self._finish: dict | None = None
         self._abort: dict | None = None
         self.first_suspicion: float | None = None
+        self.on_member_lost = None  # on_member_lost(): a member of the current generation was suspected (any thread)
         log.emit("hello", mpi_rank=self.me, node=self.me // ranks_per_node, **self.idents[self.me])
         self.agent = Agent(self.ctrl, secret, period, deadline, on_suspect=self._on_suspect)
         self.agent.on_preempt = self._on_preempt
@@ -166,6 +167,8 @@ class ControlPlane:
     def _on_suspect(self, rank: int, reason: str, t: float, last_heard: float | None) -> None:
         if self.first_suspicion is None:
             self.first_suspicion = t
+        if rank in self.members and self.on_member_lost is not None:
+            self.on_member_lost()
         self.log.emit("suspect", t=t, generation=self.generation, suspect=rank, node=rank // self.P, reason=reason,
                       last_heard=last_heard)
 
@@ -357,12 +360,12 @@ class ControlPlane:
 
     def _apply(self, decision: dict) -> None:
         g = decision["generation"]
+        self.assignment = list(decision["assignment"])
+        self.spare_nodes = list(decision["spare_nodes"])
+        self.members = list(decision["members"])  # first: fencing the failed below is no loss of a member
         for m in decision["fenced"]:
             self.agent.suspect(m, "fenced by decision", notify=False)
             fencing.fence(self.idents[m])
-        self.assignment = list(decision["assignment"])
-        self.spare_nodes = list(decision["spare_nodes"])
-        self.members = list(decision["members"])
         self.coordinator = decision["coordinator"]
         self.generation = g
         self.agent.generation = g

