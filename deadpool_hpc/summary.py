@@ -122,7 +122,7 @@ def _failure(d: dict, by, fault, lost: set, t_next_attempt, P: int) -> dict:
     if d.get("error"):
         outcome = f"unrecoverable: {d['error']}: {d.get('message', '')}"
     elif requeued:
-        outcome = "checkpoint + requeue"
+        outcome = "checkpoint saved" + (" + requeue" if t_next_attempt is not None else "")
     elif promoted:
         outcome = "hot swap" if rec else "hot swap (round failed; a later round recovered it)"
     else:

@@ -89,3 +89,22 @@ def test_checkpoint_shard_roundtrip_checks_its_crc32c(tmp_path):
     legacy = persist._legacy_crc32(tensors + [rng])     # a shard recorded by a version before CRC-32C
     rec_path.write_text(json.dumps({"step": 5, "rank": 0, "crc": legacy}))
     persist.load_shard(root, meta, 0, out)
+
+
+def test_the_slot_written_keeps_what_a_recovery_may_need():
+    """After a rollback to step s, re-writing s must not destroy the only valid copy of s (a second failure
+    while it is written would leave no copy of the cut step): steps ahead of s go first."""
+    from deadpool_hpc.replica.snapshot import SlotPair
+
+    def pair(a, b):
+        p = SlotPair(8)
+        p.slots[0].step, p.slots[1].step = a, b
+        return p
+
+    assert pair(9, 10).target(9).step == 10          # rollback: the future goes, 9 stays
+    assert pair(10, 9).target(9).step == 10
+    assert pair(8, 9).target(9).step == 8            # s already held: keep it
+    assert pair(8, 9).target(10).step == 8           # the ordinary case: the older goes
+    assert pair(None, 9).target(10).step is None
+    assert pair(9, 10).target(11).step == 9
+    assert pair(9, 10).target().step == 9            # no step given: the one not holding the newest

@@ -403,7 +403,9 @@ class ControlPlane:
                 raise PeerFailure(f"barrier {tag}: MPI rank(s) {missing} did not arrive within {timeout:.1f} s")
 
     def exit(self, code: int = 0) -> None:
-        """Leave without MPI_Finalize (peers may be dead); flush the event log first."""
+        """Leave without MPI_Finalize (peers may be dead), after the queued control messages have left (a peer
+        may still wait for them: the barrier of a checkpoint save, say)."""
+        self.wait_sends()
         self.agent.stop()
         os._exit(code)
 

@@ -74,21 +74,36 @@ class Slot:
 
 
 class SlotPair:
-    """Two slots: ``begin`` hands out the one not holding the newest step, invalidated."""
+    """Two slots: ``begin(step)`` hands out the one whose loss costs nothing, invalidated."""
 
     def __init__(self, nbytes: int):
         self.nbytes = nbytes
         self.slots = [Slot(nbytes), Slot(nbytes)]
 
-    def target(self) -> Slot:
-        """The slot ``begin`` would hand out (the one not holding the newest verified step)."""
+    def target(self, step: int | None = None) -> Slot:
+        """The slot ``begin(step)`` would hand out for writing ``step``. In order: an empty slot; a slot ahead of
+        ``step`` (after a rollback to ``step`` its state will never be needed: the recovery cut at ``step``);
+        the slot that does not already hold ``step``; the older slot. So the copy a recovery may need (``step``
+        itself, else the newest step before it) stays valid while the other slot is written. Without ``step``:
+        the slot not holding the newest step."""
         a, b = self.slots
-        newest = a if (a.step is not None and (b.step is None or a.step > b.step)) else b
-        return b if newest is a else a
+        for slot in self.slots:
+            if slot.step is None:
+                return slot
+        if step is not None:
+            ahead = [x for x in self.slots if x.step > step]
+            if ahead:
+                return max(ahead, key=lambda x: x.step)
+            if a.step == step:
+                return b
+            if b.step == step:
+                return a
+        return a if a.step < b.step else b
 
-    def begin(self) -> Slot:
-        """Invalidate and return the slot to write next. Raises ReplicaError if a transfer reads it."""
-        slot = self.target()
+    def begin(self, step: int | None = None) -> Slot:
+        """Invalidate and return the slot to write ``step`` into (``target``). Raises ReplicaError if a transfer
+        reads it."""
+        slot = self.target(step)
         if slot.readers:
             raise ReplicaError(f"the slot of step {slot.step} is being read by {slot.readers} transfer(s)")
         slot.invalidate()

@@ -14,7 +14,7 @@ Threads, none of which holds the GIL for long (socket I/O releases it; the CRC-3
 0.1 ms per MiB piece, ``snapshot.py``):
 - *accept*: accepts connections on ``address`` and gives each a short-lived handler thread, which
   receives a push or serves a fetch;
-- *copier*: for each ``submit``, copies the state into ``own.begin()`` in 4 MiB chunks, each
+- *copier*: for each ``submit``, copies the state into ``own.begin(step)`` in 4 MiB chunks, each
   checksummed while in cache (overlapping the next forward/backward), stamps the slot, then starts
   one *push* thread per holder.
 
@@ -242,7 +242,7 @@ class Replicator:
                     return
                 step, tensors, rng = self._jobs.popleft()
                 epoch = self._epoch
-                slot = self._claim_own("copy", lambda: self._epoch != epoch or self._closed)
+                slot = self._claim_own("copy", lambda: self._epoch != epoch or self._closed, step)
                 if slot is None:
                     continue
                 slot.rank = self._my_rank
@@ -269,14 +269,15 @@ class Replicator:
                     threading.Thread(target=self._push, args=(slot, step, h, epoch), daemon=True,
                                      name="deadpool-replica-push").start()
 
-    def _claim_own(self, who: str, give_up) -> Slot | None:
-        """(under _cv) Wait until no one writes an own slot and the next one has no readers; begin it."""
-        while self._own_busy or self.own.target().readers:
+    def _claim_own(self, who: str, give_up, step: int) -> Slot | None:
+        """(under _cv) Wait until no one writes an own slot and the one to write ``step`` into has no readers;
+        begin it."""
+        while self._own_busy or self.own.target(step).readers:
             if give_up():
                 return None
             self._cv.wait(0.01)
         self._own_busy = who
-        return self.own.begin()
+        return self.own.begin(step)
 
     def _push(self, slot: Slot, step: int, holder, epoch: int) -> None:
         peer = fmt(holder)
@@ -349,7 +350,7 @@ class Replicator:
     # ---- restore -------------------------------------------------------------------------------
     def fetch(self, address, rank: int, step: int, failure: threading.Event, timeout: float) -> Slot:
         """Pull training rank ``rank``'s verified copy of ``step`` from the process at ``address``
-        ([host, port]) into ``own.begin()``; verify rank, step, size and CRC-32C; stamp and return the slot.
+        ([host, port]) into ``own.begin(step)``; verify rank, step, size and CRC-32C; stamp and return the slot.
 
         Raises ReplicaError if the server holds no such copy or what arrives does not match (naming
         expected and got), PeerFailure on a connection error, EOF, ``failure`` set, or ``timeout``
@@ -374,7 +375,7 @@ class Replicator:
                 raise ReplicaError(f"{what}: got rank {got[0]} step {got[1]} ({got[2]} bytes); expected rank {rank} "
                                    f"step {step} ({self.layout.nbytes} bytes)")
             with self._cv:
-                slot = self._claim_own("fetch", lambda: stop() or time.monotonic() > deadline)
+                slot = self._claim_own("fetch", lambda: stop() or time.monotonic() > deadline, step)
                 if slot is None:
                     link.check()
                     raise PeerFailure(f"{what}: an own slot stayed busy until the timeout ({timeout:g} s)")
@@ -469,12 +470,12 @@ class Replicator:
                 reason, retry = "not accepting pushes (quiesced, not yet configured)", True
             elif rank not in self._held:
                 reason, retry = f"rank {rank} is not held here (held ranks: {sorted(self._held)})", True
-            elif rank in self._writing or self._held[rank].target().readers:
+            elif rank in self._writing or self._held[rank].target(step).readers:
                 reason, retry = f"rank {rank}'s slot is busy (another push, or a fetch being served)", True
             else:
                 reason = None
                 pair = self._held[rank]
-                slot = pair.begin()
+                slot = pair.begin(step)
                 slot.rank = rank
                 self._writing[rank] = token
         if reason is not None:
