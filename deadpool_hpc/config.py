@@ -106,6 +106,7 @@ class RunConfig:
     collective_timeout: float = 60.0
     hang_timeout: float = 60.0       # a rank whose training thread makes no progress this long is fenced (0: off)
     rendezvous_timeout: float = 10.0 # joining a generation's process group (store connect + gloo full mesh)
+    startup_timeout: float = 300.0   # MPI start-up and the first collectives (a process lost there ends the run)
     # output
     run_dir: str = "deadpool-run"
     summary_path: str | None = None
@@ -166,7 +167,7 @@ class RunConfig:
         need(not self.replicate or self.nodes == 1 or self.replicas < self.nodes,
              f"--replicas {self.replicas} with --nodes {self.nodes}: each replica lives on another active node; "
              f"accepted: --replicas 0..{self.nodes - 1}")
-        for name in ("hang_timeout", "rendezvous_timeout", "collective_timeout"):
+        for name in ("hang_timeout", "rendezvous_timeout", "collective_timeout", "startup_timeout"):
             v = getattr(self, name)
             need(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 and (v > 0 or name == "hang_timeout"),
                  f"--{name.replace('_', '-')} {v!r}: accepted: seconds > 0" + (" (0 turns it off)" if name == "hang_timeout" else ""))

@@ -31,4 +31,9 @@ class RecoveryTimeout(RuntimeError):
 
 
 class Fenced(RuntimeError):
-    """The agreed decision declares this process failed (a false suspicion, or a node cut off): it must stop."""
+    """The others declared this process failed (a false suspicion, a frozen process woken up, a node cut off):
+    it learns so from a ``fenced`` notice or from the decision, and must stop."""
+
+
+class RunFinished(RuntimeError):
+    """The run completed (rank 0 said so) while this process was recovering: it has nothing left to do."""

@@ -81,7 +81,9 @@ class _Sim:
                     new, where, must_train = resume, f"the first step after recovery {round_no}", True
                 else:
                     break
-            replaced_before = replaced
+            # a later step's window finds the promoted nodes' replicas re-made: the first step after a recovery
+            # commits every rank's snapshot at all its holders before any update (worker/context.py)
+            replaced_before = set()
         late = [f for f in phase if f.nth > round_no]
         if late:
             f = late[0]

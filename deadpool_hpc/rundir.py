@@ -265,6 +265,16 @@ class RunDir:
             write_json(also, summary)
 
 
+def check_free(path: str) -> None:
+    """Raise RunDirBusy (exit 2 in the CLI) if a run holds ``path``'s lock now; take and release it otherwise.
+    Used where a run is prepared in one process and runs in others (``deadpool submit``, submitit's HotSwapJob),
+    before the preparation touches the directory; the run itself then holds the lock (sbatch/train.sbatch,
+    HotSwapJob's task 0)."""
+    rd = RunDir(path)
+    rd.acquire("check")
+    rd.release()
+
+
 def _read_holder(fd: int) -> dict:
     try:
         return json.loads(os.pread(fd, 4096, 0).decode() or "{}")

@@ -30,7 +30,10 @@ def build_summary(events: list[dict], config=None) -> dict:  # noqa: C901
     faults = sorted(by["fault_injected"], key=lambda e: e["t"])
     used: set[int] = set()
     failures, preemptions = [], []
-    decisions = sorted(by["decision"], key=lambda e: (e["generation"], e["t_decided"]))
+    # two decisions for one generation: the first was never applied (its coordinator died before anyone held
+    # it, and the next coordinator decided that generation again); the last one counts
+    decisions = sorted({e["generation"]: e for e in sorted(by["decision"], key=lambda e: e["t_decided"])}.values(),
+                       key=lambda e: e["generation"])
     P = config.ranks_per_node if config else 1
     for d in decisions:
         g = d["generation"]

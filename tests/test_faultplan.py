@@ -79,3 +79,10 @@ def test_requeue_when_no_spare_is_left():
     cfg("kill node1@10", "kill node2@20", spares=1, requeue=True).validate()
     with pytest.raises(ConfigError, match="cannot be combined with a requeue"):
         cfg("kill node1@10", "kill node2@agree", spares=0, requeue=True, replicas=2).validate()
+
+
+def test_a_promoted_node_holds_replicas_again_after_its_first_step():
+    # node1 -> node2 (the spare) at step 40; at step 120 node0 dies: its replica is on logical node 1, now node2,
+    # which re-made it at its first step after the swap (a review found this refused)
+    cfg("kill node1@40", "kill node0@120", nodes=2, spares=2, steps=200).validate()
+    cfg("kill node1@40", "kill node0@70", nodes=3, spares=2).validate()

@@ -66,6 +66,63 @@ def test_second_failure_at_each_recovery_phase(tmp_path, baseline, phase):
     assert [(e["target"], e["phase"]) for e in inj] == [("node1", None), ("node2", phase)]
 
 
+@pytest.mark.parametrize("phase", ["decided", "rebuild"])
+def test_the_coordinator_and_store_host_lost_during_a_recovery(tmp_path, baseline, phase):
+    """node0 coordinates node1's recovery and hosts the new generation's store; it dies once it has sent the
+    decision, or while the others join the process group it serves the store of."""
+    s = run(tmp_path, phase, "kill node1@10", f"kill node0@{phase}", replicas=2)
+    assert s["completed"] and s["param_digest"] == baseline, s
+    assert [f["target"] for f in s["failures"]] == ["node1", "node0"]
+    assert all(f["recovery_s"] < 8.0 for f in s["failures"]), s["failures"]  # never the rendezvous timeout
+
+
+def test_a_hung_rank_of_a_two_rank_node_does_not_make_its_node_mate_coordinator(tmp_path):
+    """MPI rank 0 shares node 0 with the hung rank 1: it must not coordinate (it would host the store and be
+    fenced with its node), or the others wait out the rendezvous timeout (a review found 24 s)."""
+    kw = dict(nodes=2, ranks_per_node=2, steps=24, rendezvous_timeout=10.0)
+    base = run(tmp_path, "p2base", spares=0, **kw)
+    s = run(tmp_path, "p2hang", "hang rank1@12", spares=1, **kw)
+    assert s["completed"] and s["param_digest"] == base["param_digest"], s
+    (f,) = s["failures"]
+    assert f["failed_nodes"] == [0] and f["rounds"] == 1 and f["recovery_s"] < 5.0, f
+    (d,) = [e for e in events(tmp_path / "p2hang") if e["event"] == "decision"]
+    assert d["mpi_rank"] == 2, "the coordinator must be on a node that is not being fenced"
+
+
+def test_a_process_lost_during_start_up_ends_the_run_with_the_reason(tmp_path):
+    """Start-up is MPI collectives (nothing can time them out): each process has a start-up deadline. One worker
+    of this run (found by its command line, which names this test's run directory) is frozen (SIGSTOP) as it
+    appears: the others give up at their deadline, and the launcher ends the frozen one."""
+    run_dir = tmp_path / "startup"
+    out = {}
+    th = threading.Thread(target=lambda: out.update(s=run(tmp_path, "startup", startup_timeout=8.0)), daemon=True)
+    t0 = time.monotonic()
+    th.start()
+    victim = None
+    while th.is_alive() and victim is None and time.monotonic() - t0 < 120:
+        victim = next(iter(_workers_of(run_dir)), None)
+        time.sleep(0.005)
+    assert victim is not None, "no worker of the run appeared"
+    os.kill(victim, signal.SIGSTOP)
+    th.join(120)
+    assert not th.is_alive(), "the run hung at start-up"
+    s = out["s"]
+    assert not s["completed"] and any("StartupTimeout" in (e or "") for e in s["errors"]), s
+    assert time.monotonic() - t0 < 60
+
+
+def _workers_of(run_dir) -> list[int]:
+    pids = []
+    for d in os.listdir("/proc"):
+        try:
+            cmd = open(f"/proc/{d}/cmdline", "rb").read().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if b"deadpool_hpc.worker.entry" in cmd and str(run_dir).encode() in cmd:
+            pids.append(int(d))
+    return pids
+
+
 def test_an_idle_spare_killed_during_the_agreement(tmp_path, baseline):
     """The issue's first repro: a spare dies after it reported to the coordinator (it used to hang the
     agent thread in MPI_Comm_create_group for ever)."""
@@ -122,7 +179,7 @@ def test_a_fault_we_did_not_inject_is_reported_with_an_estimated_detection(tmp_p
     est = s["failures"][0]["phases"]["detect"]
     assert 0.5 < est < 3.0, f
     sus = [e for e in events(run_dir) if e["event"] == "suspect" and e["last_heard"] is not None]
-    assert min(abs(e["last_heard"] - t_kill) for e in sus) < 0.5
+    assert min(abs(e["last_heard"] - t_kill) for e in sus) < 1.0
 
 
 def test_kill_a_spare_through_the_cli(tmp_path, baseline):

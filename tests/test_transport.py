@@ -255,10 +255,10 @@ def test_a_wrong_size_or_an_unheld_rank_is_rejected(reps):
     big.submit(1, state_of((1 << 16) + 4, 6), NO_RNG)
     with pytest.raises(ReplicaError, match="65540 bytes, expected 65536"):
         big.wait_committed(1, threading.Event(), 10)
-    other = reps(1 << 16, timeout=0.5)   # rank 9 is not held: "retry" until its timeout, then refused
-    other.configure(0, 9, [holder.address], [])
+    other = reps(1 << 16, timeout=0.5)   # rank 9 is not held: "retry" until its timeout, then refused: transient
+    other.configure(0, 9, [holder.address], [])  # (a holder busy or not yet configured: the recovery's to fix)
     other.submit(1, state_of(1 << 16, 7), NO_RNG)
-    with pytest.raises(ReplicaError, match=r"rank 9 is not held here \(held ranks: \[0\]\)"):
+    with pytest.raises(PeerFailure, match=r"still refused after 0.5 s: rank 9 is not held here \(held ranks: \[0\]\)"):
         other.wait_committed(1, threading.Event(), 10)
     assert holder.report()["held"] == {"0": []}
     assert [e["reason"] for e in holder.log_.named("replica_rejected")] == ["payload of 65540 bytes, expected 65536"]
@@ -443,12 +443,30 @@ def test_quiesce_drops_an_incoming_push_but_keeps_serving(reps):
     assert holder.report()["held"] == {"0": [1]}      # step 2's slot stays invalid
     slot = spare.fetch(holder.address, 0, 1, threading.Event(), 10)   # serving goes on while quiesced
     assert np.array_equal(slot.buf, payload)
+    me.configure(1, 0, [holder.address], [])  # the next generation (a recovery reconfigures every process)
     me.submit(3, state, NO_RNG)          # a new push to a quiesced holder is refused ("retry") ...
     time.sleep(0.2)
     assert holder.report()["held"] == {"0": [1]}
     holder.configure(1, None, [], [0])   # ... and lands once it is configured again
     me.wait_committed(3, threading.Event(), 10)
     assert holder.report()["held"] == {"0": [1, 3]}
+
+
+def test_a_push_from_an_older_generation_cannot_evict_a_newer_copy(reps):
+    """A process left behind on an older generation (fenced but alive, or a stale push in flight) must not
+    replace the copies the live rank committed since (a review found step 9 of generation 3 evicting step 11)."""
+    n = 1 << 16
+    holder, live, stale = reps(n), reps(n), reps(n)
+    holder.configure(5, None, [], [0])
+    live.configure(5, 0, [holder.address], [])
+    for step in (10, 11):
+        live.submit(step, state_of(n, step), NO_RNG)
+        live.wait_committed(step, threading.Event(), 10)
+    stale.configure(3, 0, [holder.address], [])
+    stale.submit(9, state_of(n, 9), NO_RNG)
+    with pytest.raises(ReplicaError, match="push of generation 3; this holder is at generation 5"):
+        stale.wait_committed(9, threading.Event(), 10)
+    assert holder.report()["held"] == {"0": [10, 11]}
 
 
 def test_configure_keeps_still_held_ranks_and_frees_the_others(reps):

@@ -59,6 +59,7 @@ class Agent(threading.Thread):
         self.on_preempt = None              # on_preempt(source_rank): called from this thread, once
         self.on_inject = None               # on_inject(body): a fault to fire on this process (worker/faults.py)
         self.watchdog = None                # a Watchdog (watchdog.py) credited for this thread's own stalls
+        self.fenced: str | None = None      # why the others declared this process failed (it must stop)
         self.inbox: queue.Queue = queue.Queue()
         self.last_suspicion = 0.0
         self.generation = 0
@@ -90,12 +91,12 @@ class Agent(threading.Thread):
             self.inbox.put((kind, self.me, body))
             return
         msg = np.frombuffer(wire.encode(kind, body, self.secret), dtype=np.uint8).copy()
-        self._outbox.append((dest, msg))
+        self._outbox.append((dest, msg, False))
 
     def _flush_outbox(self) -> None:
         while self._outbox:
-            dest, msg = self._outbox.popleft()
-            if self.is_suspected(dest):
+            dest, msg, to_suspect = self._outbox.popleft()
+            if self.is_suspected(dest) and not to_suspect:
                 continue
             try:
                 req = self.comm.Isend(msg, dest=dest, tag=TAG_CONTROL)
@@ -130,6 +131,10 @@ class Agent(threading.Thread):
         if last_heard is None and rank in self._last_seen:
             last_heard = t - (now - self._last_seen[rank])
         self.failure.set()
+        # tell the suspect itself (the only message it still gets from us): if it lives on (a false suspicion, a
+        # frozen process woken up), it must stop instead of carrying on alone (control/plane.py, Fenced)
+        self._outbox.append((rank, np.frombuffer(wire.encode("fenced", {"reason": reason}, self.secret),
+                                                 dtype=np.uint8).copy(), True))
         if self.on_suspect is not None:
             self.on_suspect(rank, reason, t, last_heard)
         if notify:
@@ -151,17 +156,19 @@ class Agent(threading.Thread):
             self.on_preempt(source)
 
     def reap_sends(self) -> bool:
-        """Drop completed sends (MPI thread only); True when none is queued or in flight."""
+        """Drop completed sends (MPI thread only); True when none is queued or in flight to a live peer."""
         with self.lock:
             pending = list(self._pending)
         alive = [(r, m, d) for (r, m, d) in pending if not self._test(r, d)]
         with self.lock:
             self._pending = alive
-            return not alive and not self._outbox
+        return self.sends_done()
 
     def sends_done(self) -> bool:
+        """True when no send is queued, or in flight to a peer not suspected (a send to a dead peer never
+        completes on MPICH: it is kept, its buffer alive, but nobody waits for it)."""
         with self.lock:
-            return not self._pending and not self._outbox
+            return not self._outbox and all(d in self.suspected for (_r, _m, d) in self._pending)
 
     def stop_watching(self) -> None:
         """Stop suspecting silent peers (used at the end of the run, when peers exit on purpose)."""
@@ -267,6 +274,10 @@ class Agent(threading.Thread):
             return
         if kind == "preempt":
             self._preempt(src)
+            return
+        if kind == "fenced":
+            self.fenced = self.fenced or f"MPI rank {src} declared this process failed: {body.get('reason', '')}"
+            self.failure.set()
             return
         if kind == "inject":
             if self.on_inject is not None:

@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 
-from ..errors import Fenced, JobAborted, PeerFailure, RecoveryTimeout
+from ..errors import Fenced, JobAborted, PeerFailure, RecoveryTimeout, RunFinished
 from . import fence as fencing
 from . import pmi_relay
 from .agent import Agent
@@ -204,7 +204,8 @@ class ControlPlane:
             except queue.Empty:
                 break
             if kind == "collect":
-                self._collects[src] = (body["round"], int(body["g"]))
+                if int(body["g"]) >= self.generation:  # a collect from before our last decision is stale
+                    self._collects[src] = (body["round"], int(body["g"]))
             elif kind == "ready":
                 self._ready.setdefault(tuple(body["round"]), {})[src] = body
             elif kind == "decision":
@@ -219,6 +220,8 @@ class ControlPlane:
             deadline = time.monotonic()
         if self._abort is not None:
             raise JobAborted(f"MPI rank {self._abort.get('mpi_rank')} aborted the job: {self._abort.get('error')}")
+        if self.agent.fenced:
+            raise Fenced(self.agent.fenced)
 
     def finished(self) -> dict | None:
         self.pump()
@@ -250,7 +253,7 @@ class ControlPlane:
         injection for tests). Returns the decision dict (agreement.decide's keys plus "store", "coordinator",
         "t_decided"). Raises ReplicaError from ``decide`` (after telling the members), Fenced if the decision
         declares this process failed, JobAborted if another process aborted, RecoveryTimeout if no decision
-        comes within ``recovery_timeout`` seconds.
+        comes within ``recovery_timeout`` seconds, RunFinished if the run ended meanwhile.
         """
         on_phase = on_phase or (lambda _name: None)
         self.agent.failure.set()
@@ -261,10 +264,12 @@ class ControlPlane:
         told = False
         while True:
             self.pump(0.005)
+            if self._finish is not None:
+                raise RunFinished("the run finished while this process was recovering")
             decision = self._take_decision()
             if decision is not None:
                 break
-            alive = self.agent.alive()
+            alive = self._coordinator_candidates()
             if alive[0] == self.me:
                 if my_round is None:
                     my_round = self._start_round(alive)
@@ -294,6 +299,13 @@ class ControlPlane:
         on_phase("decided")
         self._apply(decision)
         return decision
+
+    def _coordinator_candidates(self) -> list[int]:
+        """Live processes, those on a node with a suspected process last: the coordinator (the first) must not be
+        one the decision is about to fence (it would host the new store and vanish with it)."""
+        alive = self.agent.alive()
+        bad = {m // self.P for m in range(self.size) if self.agent.is_suspected(m)}
+        return sorted(alive, key=lambda m: (m // self.P in bad, m))
 
     def _ready_body(self, rid, report: dict) -> dict:
         return {"round": rid, "report": report, "applied": self.generation, "assignment": self.assignment,

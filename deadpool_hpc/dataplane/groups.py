@@ -17,7 +17,7 @@ Every wait here has a deadline: joining a generation (store connect + gloo's ful
 by ``rendezvous_timeout`` (a member that dies mid-rendezvous makes the others fail within it, never hang;
 torch releases the GIL meanwhile, measured, so heartbeats go on), after which the group's own timeout is
 set to the collective timeout. Memory stays flat across generations (an abandoned group held 8-70 MB of
-gloo buffers, measured): only the two newest hosted stores are kept, and once the next generation is built
+gloo buffers, measured): only the newest hosted store is kept (and closed as soon as a member is lost), and once the next generation is built
 the abandoned groups are dropped by a short-lived background thread. Dropping a group whose collective is
 still pending blocks until that collective times out, but with the GIL released (measured: 2.2 s to drop,
 longest pause of another thread 0.17 s), so training and heartbeats go on meanwhile.
@@ -28,6 +28,7 @@ import datetime as dt
 import os
 import socket
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -78,25 +79,37 @@ class GenerationGroups:
             dead, self._hosted = self._hosted, []
         del dead
 
-    def join(self, generation: int, store_addr, rank: int, world_size: int):
+    def join(self, generation: int, store_addr, rank: int, world_size: int, failure=None):
         """Initialise the default process group of ``generation`` as ``rank`` of ``world_size``.
 
-        store_addr: [host, port] of the generation's store. Returns the process group. Raises PeerFailure if
-        the rendezvous does not complete within ``rendezvous_timeout`` seconds (a member died or froze).
+        store_addr: [host, port] of the generation's store. failure: the control plane's failure flag, watched
+        while connecting to the store (in tries of at most 1 s: a dead store host is retried by torch until
+        the timeout). Returns the process group. Raises PeerFailure if the failure flag rises while connecting,
+        or the rendezvous does not complete within ``rendezvous_timeout`` seconds (a member died or froze).
         """
         from ..errors import PeerFailure
 
         if dist.is_initialized():
             self.abandon()
         host, port = store_addr
+        limit = self.rendezvous_timeout.total_seconds()
+        end = time.monotonic() + limit
         try:
-            client = dist.TCPStore(host, int(port), is_master=False, timeout=self.rendezvous_timeout)
+            while True:
+                try:
+                    client = dist.TCPStore(host, int(port), is_master=False, timeout=dt.timedelta(
+                        seconds=max(0.1, min(1.0, end - time.monotonic()))))
+                    break
+                except RuntimeError:
+                    if (failure is not None and failure.is_set()) or time.monotonic() >= end:
+                        raise
+            client.set_timeout(dt.timedelta(seconds=max(0.1, end - time.monotonic())))
             dist.init_process_group(self.backend, store=dist.PrefixStore(f"gen{generation}", client),
                                     rank=rank, world_size=world_size, timeout=self.rendezvous_timeout)
         except (RuntimeError, ValueError) as exc:  # DistStoreError / DistNetworkError / gloo errors
             self._clear_registry()
-            raise PeerFailure(f"joining generation {generation}'s process group failed within "
-                              f"{self.rendezvous_timeout.total_seconds():.0f} s: {str(exc).splitlines()[0][:200]}") from exc
+            raise PeerFailure(f"joining generation {generation}'s process group failed within {limit:.0f} s: "
+                              f"{str(exc).splitlines()[0][:200]}") from exc
         self._client = client
         self._release_graveyard()
         pg = c10d._get_default_group()

@@ -35,6 +35,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                         "must exceed your longest step")
     p.add_argument("--rendezvous-timeout", type=float, default=d.rendezvous_timeout,
                    help="seconds to join a generation's process group before the recovery round is retried")
+    p.add_argument("--startup-timeout", type=float, default=d.startup_timeout,
+                   help="seconds for MPI start-up and the first collectives; a process lost before training "
+                        "starts ends the run with an error after this long")
     p.add_argument("--summary", metavar="PATH", help="write the run summary JSON here")
     p.add_argument("--run-dir", default=d.run_dir, help="event log, config and logs of the run")
     p.add_argument("--batch-size", type=int, default=d.batch_size)
@@ -80,6 +83,7 @@ def config_from_args(a) -> RunConfig:
                      batch_size=a.batch_size, context=a.context, lr=a.lr, seed=a.seed,
                      heartbeat_deadline=a.heartbeat_deadline, heartbeat_period=a.heartbeat_period,
                      replicas=a.replicas, hang_timeout=a.hang_timeout, rendezvous_timeout=a.rendezvous_timeout,
+                     startup_timeout=a.startup_timeout,
                      replicate=not a.no_replicate, requeue=a.requeue, run_dir=a.run_dir, summary_path=a.summary,
                      log_every=a.log_every, train_fn=a.train_fn).validate()
 

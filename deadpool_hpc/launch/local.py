@@ -138,6 +138,9 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
         summary["run_dir"] = run_dir
         summary["mpiexec_rc"] = rc  # non-zero whenever a rank was killed; "completed" says how the run went
         summary["processes_left"] = [int(i["pid"]) for i in left]  # alive 5 s after SIGKILL: should never happen
+        if rc and not summary["errors"] and not any(e["event"] == "started" for e in events) and not signum:
+            summary["errors"].append(f"the job ended before training started (mpiexec exit status {rc}): a process "
+                                     f"died during MPI start-up; see {rd.launcher_log}")
         if signum and not summary["completed"]:
             name = signal.Signals(signum).name
             log.emit("interrupted", signal=name, step=summary["steps_completed"])
@@ -216,13 +219,25 @@ def _run_once(cfg, rd, env, tail, on_poll, poll_s, timeout, start, stop, run_id)
     ``stop`` has recorded a signal."""
     new: list[dict] = []
     with open(rd.launcher_log, "ab") as out:
+        t_spawn = time.monotonic()
         proc = subprocess.Popen(command(cfg, rd.path), env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent())
+        t_error = None
+        started = False
         try:
             while True:
                 done = proc.poll() is not None
                 batch = [e for e in tail.poll() if e.get("run", run_id) == run_id]
                 new += batch
+                started = started or any(e["event"] in ("started", "spare_ready") for e in batch)
+                if not started and time.monotonic() - t_spawn > cfg.startup_timeout + 10:
+                    EventLog(rd.events, run=run_id).emit(
+                        "error", error=f"StartupTimeout: the job did not start within {cfg.startup_timeout:.0f} s "
+                                       f"(--startup-timeout): a process died or froze during MPI start-up; the stacks "
+                                       f"where each one waited are in {rd.launcher_log}")
+                    break
+                if t_error is None and any(e["event"] == "error" for e in batch):
+                    t_error = time.monotonic()  # the job is ending: a process that cannot (frozen) is ended below
                 if on_poll and batch:
                     try:
                         on_poll(batch)
@@ -230,6 +245,8 @@ def _run_once(cfg, rd, env, tail, on_poll, poll_s, timeout, start, stop, run_id)
                         on_poll = None
                 if done or stop.signum:
                     break
+                if t_error is not None and time.monotonic() - t_error > 5 + 2 * cfg.heartbeat_deadline:
+                    break  # a process of the job reported an error and the others told to stop; some did not
                 if timeout is not None and time.monotonic() - start > timeout:
                     raise TimeoutError(f"run exceeded {timeout} s")
                 time.sleep(poll_s)

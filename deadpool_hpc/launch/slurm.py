@@ -33,6 +33,7 @@ import sys
 from ..config import RunConfig
 from ..errors import ConfigError
 from ..events import read_events
+from ..rundir import check_free
 from ..summary import build_summary
 
 TEMPLATE_ENV = "DEADPOOL_SBATCH_TEMPLATE"
@@ -169,6 +170,7 @@ def submit(cfg: RunConfig, partition: str | None = None, time: str | None = None
         if live:
             raise ConfigError(f"--run-dir {run_dir} belongs to job {previous}, which is still {live[0]}; accepted: "
                               f"another --run-dir, or `scancel {previous}` first")
+    check_free(run_dir)  # a run in progress there (a local one, or a job's batch shell) keeps its files
     write_config(cfg)
     script = os.path.join(run_dir, "job.sbatch")
     with open(script, "w") as fh:

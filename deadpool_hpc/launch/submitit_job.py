@@ -60,6 +60,7 @@ import time
 
 from ..config import RunConfig
 from ..events import EventLog, read_events
+from ..rundir import RunDir, check_free
 from . import slurm, slurm_job
 
 
@@ -125,6 +126,8 @@ class HotSwapJob:
         self.checkpoint_wait_s = checkpoint_wait_s
         self._worker = None  # this task's worker process (not pickled: see __getstate__)
         self._saved_before = 0
+        self._lock = None
+        check_free(self.run_dir)  # a job still running there must keep its files (RunDirBusy: a ConfigError)
         slurm.write_config(cfg, self.run_dir)
         for name in ("events.jsonl", "summary.json", "finisher.lock", "slurm_job_id"):
             try:
@@ -150,6 +153,8 @@ class HotSwapJob:
         job_id = os.environ.get("SLURM_JOB_ID") or str(env_info.job_id).split("_")[0]
         rank = env_info.global_rank
         if rank == 0:
+            self._lock = RunDir(self.run_dir)
+            self._lock.acquire(f"slurm job {job_id}")  # held by task 0 while the run lives (one run per directory)
             with open(os.path.join(self.run_dir, "slurm_job_id"), "w") as fh:
                 fh.write(f"{job_id}\n")
         env = dict(os.environ, DEADPOOL_JOB_SECRET=self.job_secret(job_id), OMP_NUM_THREADS="1",
@@ -238,4 +243,5 @@ class HotSwapJob:
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_worker"] = None  # a Popen is neither picklable nor meaningful in the requeued job
+        state["_lock"] = None    # nor is a held lock (the requeued task 0 takes it again)
         return state

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -92,7 +93,7 @@ def load_shard(root: str, meta: dict, rank: int, tensors: list[torch.Tensor]) ->
 
 
 def _write_json(path: str, obj: dict) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
+    tmp = f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
     with open(tmp, "w") as fh:
         json.dump(obj, fh)
         fh.flush()

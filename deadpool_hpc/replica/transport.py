@@ -98,7 +98,7 @@ class Replicator:
         self._holders: list[tuple[str, int]] = []
         self._committed = -1
         self._pending: dict[int, set[str]] = {}   # step -> holders that have not acked it
-        self._refused: dict[int, str] = {}        # step -> why a holder refused it for good
+        self._refused: dict[int, tuple] = {}      # step -> (why a holder refused it, transient?)
         self._last_reason: dict[str, str] = {}    # holder -> why its last push did not complete
         self._links: set[Link] = set()            # pushes in either direction (quiesce aborts them)
         self._other_links: set[Link] = set()      # fetches and serves (only close aborts them)
@@ -186,8 +186,9 @@ class Replicator:
 
     def wait_committed(self, step: int, failure: threading.Event, timeout: float, beat=None) -> None:
         """Return once every holder acked a verified copy of ``step`` (no holders: once the local copy
-        is done). Raises PeerFailure when ``failure`` is set or after ``timeout`` seconds, ReplicaError
-        when a holder refused the step for good (wrong size, bad checksum). ``beat()``, if given, is called
+        is done). Raises PeerFailure when ``failure`` is set, after ``timeout`` seconds, or when a holder kept
+        answering "retry" (busy, not yet configured) past the transfer timeout; ReplicaError when a holder refused
+        the step for good (wrong size, bad checksum). ``beat()``, if given, is called
         while it waits (the progress watchdog, control/watchdog.py: waiting on peers is not a hang)."""
         t0 = time.monotonic()
         end = t0 + timeout
@@ -195,7 +196,8 @@ class Replicator:
             with self._cv:
                 while self._committed < step:
                     if step in self._refused:
-                        raise ReplicaError(self._refused[step])
+                        why, transient = self._refused[step]
+                        raise (PeerFailure if transient else ReplicaError)(why)
                     if failure.is_set():
                         raise PeerFailure(f"replica of step {step} not committed: a peer failed "
                                           f"({self._waiting_for(step)})")
@@ -251,7 +253,7 @@ class Replicator:
             except Exception as exc:  # a bad submit (shapes not those of the layout): fail its wait, keep the thread
                 done = False
                 with self._cv:
-                    self._refused[step] = f"snapshot of step {step} failed: {type(exc).__name__}: {exc}"
+                    self._refused[step] = (f"snapshot of step {step} failed: {type(exc).__name__}: {exc}", False)
             finally:
                 with self._cv:
                     self._own_busy = None
@@ -298,8 +300,11 @@ class Replicator:
                     break
                 reason = str(go.get("reason"))
                 self._note(epoch, peer, f"refused: {reason}")
-                if not go.get("retry") or time.monotonic() - start > self.timeout:
+                if not go.get("retry"):
                     return self._refuse(epoch, step, peer, reason)
+                if time.monotonic() - start > self.timeout:  # busy or not configured for too long: transient
+                    return self._refuse(epoch, step, peer, f"still refused after {self.timeout:g} s: {reason}",
+                                        transient=True)
                 self._untrack(link, self._links)
                 link.close()
                 link = None
@@ -340,11 +345,11 @@ class Replicator:
             if epoch == self._epoch:
                 self._last_reason[peer] = reason[:200]
 
-    def _refuse(self, epoch: int, step: int, peer: str, reason: str) -> None:
+    def _refuse(self, epoch: int, step: int, peer: str, reason: str, transient: bool = False) -> None:
         self.log.emit("replica_rejected", role="sender", peer=peer, rank=self._my_rank, step=step, reason=reason[:300])
         with self._cv:
             if epoch == self._epoch:
-                self._refused.setdefault(step, f"holder {peer} refused the replica of step {step}: {reason}")
+                self._refused.setdefault(step, (f"holder {peer} refused the replica of step {step}: {reason}", transient))
                 self._cv.notify_all()
 
     # ---- restore -------------------------------------------------------------------------------
@@ -460,10 +465,15 @@ class Replicator:
         slot = pair = None
         retry = False
         token = object()
+        generation = hdr.get("generation")
         with self._cv:
             epoch = self._epoch
-            if not all(isinstance(v, int) for v in (rank, step, nbytes, crc)):
+            if not all(isinstance(v, int) for v in (rank, step, nbytes, crc, generation)):
                 reason = f"malformed push header {hdr}"
+            elif generation < self._generation and not self._paused:
+                # a process still on an older generation (one the others left: fenced, or not yet told) must not
+                # evict a copy the live rank has committed since
+                reason = f"push of generation {generation}; this holder is at generation {self._generation}"
             elif nbytes != self.layout.nbytes:
                 reason = f"payload of {nbytes} bytes, expected {self.layout.nbytes}"
             elif self._paused:

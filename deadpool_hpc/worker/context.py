@@ -22,7 +22,7 @@ from ..control.agreement import held_by, holders_of
 from ..dataplane import collectives
 from ..dataplane.collectives import Watch
 from ..dataplane.groups import device_for
-from ..errors import PeerFailure, RecoveryTimeout
+from ..errors import PeerFailure, RecoveryTimeout, RunFinished
 from ..replica import persist
 from ..replica.snapshot import StateLayout
 from ..replica.transport import Replicator
@@ -131,7 +131,7 @@ class Context:
 
     def _start(self) -> None:
         """Generation 0 (or the first of a requeued attempt): join, load a checkpoint, first snapshot."""
-        self.groups.join(self.generation, self._store0, self.rank, self.world_size)
+        self.groups.join(self.generation, self._store0, self.rank, self.world_size, self.cp.failure)
         self.opt.bind(self.rank, self.watch)
         if self._resume is not None:
             self._load_checkpoint(self._resume)
@@ -217,6 +217,8 @@ class Context:
                     return True
 
     def _phase(self, name: str) -> None:
+        if name == "decided" and self.faults.wants_phase(name, self._rounds, self.rank):
+            self.cp.wait_sends()  # a coordinator dies once its decision has reached the members, not before
         self.faults.at_phase(name, self._rounds, self.rank)
 
     def _recover(self, why: str) -> bool:
@@ -230,6 +232,8 @@ class Context:
             self._rounds += 1
             try:
                 done = self._recover_round(why, t_fail)
+            except RunFinished:
+                return False
             except PeerFailure as exc:
                 failed_rounds += 1
                 self.log.emit("recovery_round_failed", generation=self.generation, rank=self.rank, round=self._rounds,
@@ -258,9 +262,10 @@ class Context:
         self.opt.bind(self.rank, self.watch)
         self._serving = {int(r) for r, src in decision["sources"].items() if src == self.cp.me}
         ranks = [decision["assignment"][r] for r in range(self.world_size)]
-        self.cp.barrier(f"rebuild{g}", ranks, self.config.rendezvous_timeout)
+        # the tag names the coordinator too: two decisions for one generation (a coordinator change) never meet
+        self.cp.barrier(f"rebuild{g}.{decision['coordinator']}", ranks, self.config.rendezvous_timeout)
         self._phase("rebuild")
-        self.groups.join(g, decision["store"], self.rank, self.world_size)
+        self.groups.join(g, decision["store"], self.rank, self.world_size, self.cp.failure)
         t_rebuilt = time.time()
         if not self._serving:
             self._phase("restore")
@@ -314,9 +319,10 @@ class Context:
         for r, slot in mine:
             rng = rep.layout.read(slot, shard)  # verifies the checksum
             persist.save_shard(self.checkpoint_dir, cut, r, shard, rng)
-        self.cp.barrier(f"saved{g}", decision["members"], self.config.collective_timeout)
+        self.cp.barrier(f"saved{g}.{decision['coordinator']}", decision["members"], self.config.collective_timeout)
+        # every member commits (the same LATEST, written by rename): the coordinator may die right here
+        persist.commit(self.checkpoint_dir, cut, self.world_size, g, self._high_water)
         if self.cp.me == decision["coordinator"]:
-            persist.commit(self.checkpoint_dir, cut, self.world_size, g, self._high_water)
             self.log.emit("checkpoint_saved", step=cut, generation=g, path=self.checkpoint_dir,
                           reason=decision.get("reason", "no spare node left"))
         self.exit_code = 75  # EX_TEMPFAIL: requeue me
@@ -335,16 +341,15 @@ class Context:
 
     def _finish(self) -> None:
         if self.rank == 0:
+            self.cp.finish({"steps": self.step})  # first: hashing a large model takes a while, nobody waits for it
             self.log.emit("finished", generation=self.generation, steps=self.step, param_digest=self.param_digest(),
                           world_size=self.world_size, spares_left=len(self.cp.spare_nodes),
                           bytes_per_rank_per_step=self.replicator.layout.nbytes if self.config.replicate else 0,
                           replica_wait_s=self.replicator.wait_s)
             self.log.sync()
-            self.cp.finish({"steps": self.step})
             self.cp.wait_sends()
-            time.sleep(0.2)
         else:
-            end = time.monotonic() + 5 * self.config.heartbeat_deadline
+            end = time.monotonic() + self.config.collective_timeout
             self.cp.agent.stop_watching()
             while self.cp.finished() is None and time.monotonic() < end:
                 time.sleep(0.02)

@@ -86,6 +86,11 @@ def main(argv=None) -> None:
         cfg = RunConfig.from_json(fh.read())
     if not cfg.replicate:  # no snapshot to save (preempt_ignored): SIGTERM keeps its default action, ending us
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # Start-up deadline: MPI_Init and the first collectives (identity exchange, broadcast, barrier) cannot time
+    # out, and a process lost meanwhile blocks them for ever; mpi4py holds the GIL in MPI_Init, so no Python
+    # thread could act. faulthandler's watchdog is a C thread: it prints every thread's stack to stderr (the
+    # launcher's log, or the task's under Slurm) and exits 1.
+    faulthandler.dump_traceback_later(cfg.startup_timeout, exit=True)
     secret_hex = os.environ.get("DEADPOOL_JOB_SECRET", "")
     if len(secret_hex) < 32:
         sys.exit("DEADPOOL_JOB_SECRET is missing or shorter than 16 bytes (hex); the launcher sets it")
@@ -108,6 +113,7 @@ def main(argv=None) -> None:
     code = 0
     try:
         ctx = Context(cfg, cp, GenerationGroups("gloo", cfg.collective_timeout, cfg.rendezvous_timeout), log, listener)
+        faulthandler.cancel_dump_traceback_later()  # the control plane runs: every wait from here on has its own
         load_train_fn(cfg.train_fn)(ctx)
         code = ctx.exit_code
     except Fenced as exc:  # declared failed by the others: leave quietly (they go on without this process)
