@@ -32,3 +32,16 @@ class RecoveryTimeout(RuntimeError):
 
 class Fenced(RuntimeError):
     """The agreed decision declares this process failed (a false suspicion, or a node cut off): it must stop."""
+
+
+class ChannelError(RuntimeError):
+    """The local channel between a node agent and a training process failed: a refused or broken connection,
+    a malformed frame, or a reply that did not come within its deadline."""
+
+
+class AgentLost(ChannelError):
+    """The training process's node agent is gone (its end of the channel closed): the process must exit."""
+
+
+class ChannelTimeout(ChannelError, TimeoutError):
+    """A wait on the local channel reached its deadline (the other side is frozen, busy, or never answered)."""
