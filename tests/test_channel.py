@@ -404,6 +404,26 @@ def test_sealed_buffers_and_a_wrong_size_are_refused():
         buf.close()
 
 
+def test_a_buffer_sent_may_be_closed_by_the_agent_at_once(agents):
+    before = memfds()
+    agent = agents()
+    c = AgentClient.connect(agent.srv.name, SECRET, 0, 20)
+    try:
+        agent.expect("hello")
+        buf = SharedBuffer.create(1000)
+        buf.array[:] = 42
+        assert agent.srv.send(0, "slots", {"nbytes": 1000, "count": 1}, fds=[buf.fd])
+        buf.close()                                    # the queued frame holds its own duplicate
+        body = c.get("slots", 10)
+        got = SharedBuffer.attach(body["_fds"][0], 1000)
+        assert (got.array == 42).all()
+        got.close()
+    finally:
+        c.close()
+        agent.close()
+    assert memfds() == before
+
+
 def test_progress_beats_are_seen_by_the_agent(agents, children):
     agent = agents()
     child = children("beats", agent.srv.name, beats=12345)
@@ -498,6 +518,7 @@ def test_the_client_notices_its_agent_s_death_at_once(children):
         assert c.lost.wait(2.0)
         th.join(2.0)
         assert lost and lost[0][0] - t < 0.5 and "closed" in lost[0][1], lost
+        print(f"the client saw its agent's SIGKILL after {(lost[0][0] - t) * 1000:.1f} ms")
         assert errors and errors[0][0] - t < 0.5, errors
         with pytest.raises(AgentLost):
             c.send("ping", {})

@@ -221,7 +221,8 @@ class ChannelServer:
     # ---- sending (any thread) -------------------------------------------------------------
     def send(self, local_rank: int, kind: str, body: dict, fds=()) -> bool:
         """Queue message ``kind`` for ``local_rank`` and write what the kernel takes now (never blocks). ``fds``:
-        open fds to pass with it (SCM_RIGHTS; they stay open here, the receiver gets duplicates).
+        open fds to pass with it (SCM_RIGHTS). They are duplicated when queued, so the caller may close its own at
+        once; the receiver gets its own copies.
 
         Returns False if ``local_rank`` has no open connection, or if this message would take its outbox past
         ``max_outbox`` bytes (the connection is then dropped: ``poll`` reports it closed). Raises WireError for
@@ -252,7 +253,7 @@ class ChannelServer:
             self._wake()
             return False
         was_empty = not c.out
-        c.out.append([memoryview(frame), list(fds)])
+        c.out.append([memoryview(frame), [os.dup(fd) for fd in fds]])
         c.out_bytes += len(frame)
         if was_empty:
             self._flush(c)
@@ -269,6 +270,8 @@ class ChannelServer:
                     n = c.sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))],
                                        socket.MSG_NOSIGNAL)
                     c.out[0][1] = []
+                    for fd in fds:   # our duplicates: the kernel passed its own references
+                        os.close(fd)
                 else:
                     n = c.sock.send(data, socket.MSG_NOSIGNAL)
             except (BlockingIOError, InterruptedError):
@@ -459,6 +462,9 @@ class ChannelServer:
             pass
         c.sock.close()
         c.reader.close()
+        for _, fds in c.out:
+            for fd in fds:
+                os.close(fd)
         c.out.clear()
         c.out_bytes = 0
 
