@@ -21,7 +21,6 @@ import statistics
 import subprocess
 import sys
 import threading
-import time
 
 from deadpool_hpc.agent.channel import ChannelServer
 from deadpool_hpc.agent.store import GenerationStore
@@ -102,7 +101,8 @@ def main() -> None:
     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     print(f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; {a.rounds} rounds x {a.n}")
     print(f"round trip, agent channel      : {med['rtt_us']:7.1f} us  (median of round medians)")
-    print(f"round trip, bare socketpair    : {med['raw_us']:7.1f} us  ratio channel/bare {med['rtt_us'] / med['raw_us']:.1f}")
+    print(f"round trip, bare socketpair    : {med['raw_us']:7.1f} us  "
+          f"ratio channel/bare {med['rtt_us'] / med['raw_us']:.1f}")
     print(f"AgentStore.get (key present)   : {med['store_get_us']:7.1f} us")
     print(f"ProgressPage.beat()            : {med['beat_ns']:7.1f} ns")
     print(f"Watchdog.beat() (in-process)   : {med['watchdog_ns']:7.1f} ns  ratio page/watchdog "

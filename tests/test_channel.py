@@ -5,11 +5,11 @@ Run: DEADPOOL_SLURM_TESTS=0 .venv/bin/python -m pytest -q tests/test_channel.py
 """
 from __future__ import annotations
 
+import base64
 import json
 import os
 import queue
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from deadpool_hpc.agent.channel import HEADER, ChannelServer, encode_frame
+from deadpool_hpc.agent.channel import ChannelServer
 from deadpool_hpc.agent.shm import ProgressPage, SharedBuffer, slot_pair
 from deadpool_hpc.agent.store import GenerationStore
 from deadpool_hpc.errors import AgentLost, ChannelError, ChannelTimeout, PeerFailure
@@ -194,13 +194,13 @@ elif mode == "beats":
     c.send("beaten", {"n": a["beats"]})
     c.get("finish", 60)
 elif mode == "slots":
-    import numpy as np
+    import numpy as np, torch
     from deadpool_hpc.replica.snapshot import checksum
     bufs = c.attach_slots(a["nbytes"], 20)
     pattern = np.random.default_rng(a["seed"]).integers(0, 256, a["nbytes"], dtype=np.uint8)
-    bufs[0].tensor.copy_(__import__("torch").from_numpy(pattern))   # the training side writes with torch
+    bufs[0].tensor.copy_(torch.from_numpy(pattern))   # the training side writes with torch
     c.send("written", {"slot": 0, "step": 7, "crc": checksum(pattern)})
-    body = c.get("check", 20)        # the agent wrote slot 1: read it here
+    c.get("check", 20)               # the agent wrote slot 1: read it here
     c.send("seen", {"crc": checksum(bufs[1].array)})
     c.get("finish", 20)
     for b in bufs:
@@ -576,8 +576,8 @@ def test_generation_store_replicates_parks_and_fails_every_wait_at_once():
     stores.update({n: GenerationStore(3, broadcast=bcast(n)) for n in range(3)})
     replies = []
     send = lambda lr, kind, body: replies.append((time.monotonic(), lr, kind, body))  # noqa: E731
-    import base64
-    assert stores[0].handle(0, "store_set", {"id": 1, "generation": 3, "key": "a", "value": base64.b64encode(b"\0x").decode()}, send)
+    value = base64.b64encode(b"\0x").decode()
+    assert stores[0].handle(0, "store_set", {"id": 1, "generation": 3, "key": "a", "value": value}, send)
     assert replies[-1][3] == {"ok": True, "id": 1} and all("a" in s for s in stores.values())
     stores[2].handle(1, "store_get", {"id": 2, "generation": 3, "key": "a"}, send)
     assert replies[-1][3]["value"] == base64.b64encode(b"\0x").decode()

@@ -83,8 +83,9 @@ class AgentClient:
         """Connect to the agent's channel ``name`` (default: ``$DEADPOOL_AGENT_SOCK``) as ``local_rank``.
 
         Retries while nobody listens yet, sends ``hello {local_rank, pid}``, waits for the ``welcome`` and maps the
-        progress page it carries; all within ``timeout`` seconds. on_lost(why): called once, from the reader
-        thread, when the agent's end closes (the caller should make the process exit: its agent is gone).
+        progress page it carries; all within ``timeout`` seconds. on_lost(why): called once, from the thread that
+        noticed (the reader at EOF, or a sender whose write failed), when the agent's end closes or the channel
+        breaks (the caller should make the process exit: its agent is gone).
         send_timeout: seconds ``send`` may wait for room in the socket buffer.
 
         Raises ChannelError when the agent refuses (the reason, when it could be read), closes the connection, or
@@ -121,9 +122,11 @@ class AgentClient:
             except OSError as exc:
                 raise ChannelError(f"the node agent closed the channel before the hello: {exc}") from None
             kind, body = _first_message(sock, reader, deadline, timeout)
-            if kind == "refused":
-                raise ChannelError(f"the node agent refused local rank {local_rank}: {body.get('why')}")
             if kind != "welcome" or len(body.get(FD_KEY, ())) != 1:
+                for fd in body.get(FD_KEY, ()):
+                    os.close(fd)
+                if kind == "refused":
+                    raise ChannelError(f"the node agent refused local rank {local_rank}: {body.get('why')}")
                 raise ChannelError(f"the node agent answered the hello with {kind!r}; expected 'welcome' with 1 fd")
             page = ProgressPage.attach(body.pop(FD_KEY)[0])
         except BaseException:
@@ -146,13 +149,14 @@ class AgentClient:
                 raise AgentLost(f"cannot send {kind!r}: {self.lost_why}")
             try:
                 self.sock.sendall(frame, socket.MSG_NOSIGNAL)
+                return
             except TimeoutError:
-                why = f"the node agent read nothing for {self.send_timeout:g} s (frozen?); a frame was cut"
-                self._lose(why)
-                raise ChannelTimeout(f"cannot send {kind!r}: {why}") from None
+                why, err = (f"the node agent read nothing for {self.send_timeout:g} s (frozen?); a frame was cut",
+                            ChannelTimeout)
             except OSError as exc:
-                self._lose(f"the node agent's end of the channel failed: {exc}")
-                raise AgentLost(f"cannot send {kind!r}: {self.lost_why}") from None
+                why, err = f"the node agent's end of the channel failed: {exc}", AgentLost
+        self._lose(why)   # outside the lock: on_lost may try to send (and learn that it cannot)
+        raise err(f"cannot send {kind!r}: {why}")
 
     # ---- receiving -----------------------------------------------------------------------
     def on(self, kind: str, fn) -> None:
@@ -248,8 +252,8 @@ class AgentClient:
             raise
         bufs = []
         try:
-            for i, fd in enumerate(fds):
-                bufs.append(SharedBuffer.attach(fd, nbytes))
+            for fd in fds:
+                bufs.append(SharedBuffer.attach(fd, nbytes))   # takes fd: closed there, mapped or not
         except BaseException:
             for fd in fds[len(bufs) + 1:]:
                 os.close(fd)
@@ -356,6 +360,12 @@ class AgentClient:
                 fut.set_exception(AgentLost(self.lost_why))
         self.sock.close()
         self._reader.close()
+        with self._cond:
+            for q in self._queues.values():   # fds that came with messages nobody took
+                for body in q:
+                    for fd in body.get(FD_KEY, ()):
+                        os.close(fd)
+            self._queues.clear()
         if self.progress is not None:
             self.progress.close()
             self.progress = None
