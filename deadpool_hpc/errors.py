@@ -37,3 +37,18 @@ class Fenced(RuntimeError):
 
 class RunFinished(RuntimeError):
     """The run completed (rank 0 said so) while this process was recovering: it has nothing left to do."""
+
+    """The agreed decision declares this process failed (a false suspicion, or a node cut off): it must stop."""
+
+
+class ChannelError(RuntimeError):
+    """The local channel between a node agent and a training process failed: a refused or broken connection,
+    a malformed frame, or a reply that did not come within its deadline."""
+
+
+class AgentLost(ChannelError):
+    """The training process's node agent is gone (its end of the channel closed): the process must exit."""
+
+
+class ChannelTimeout(ChannelError, TimeoutError):
+    """A wait on the local channel reached its deadline (the other side is frozen, busy, or never answered)."""

@@ -53,11 +53,18 @@ class Slot:
     ``step``/``crc`` are set only once the whole payload is in place and verified. ``rank`` is the
     training rank whose state it holds (set by whoever writes it). ``readers`` counts the transfers
     reading it (a push or a served fetch): a slot with readers is never rewritten.
+
+    tensor: an existing 1-D uint8 CPU tensor of ``nbytes`` bytes to use as the buffer instead of a new one (a
+    node agent's slot in memory shared with its training process, see agent/shm.py); it is used as is, not pinned.
     """
 
-    def __init__(self, nbytes: int):
-        pin = torch.cuda.is_available()
-        self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    def __init__(self, nbytes: int, tensor: torch.Tensor | None = None):
+        if tensor is None:
+            tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        elif tensor.dtype != torch.uint8 or tensor.dim() != 1 or tensor.numel() != nbytes or tensor.is_cuda:
+            raise ReplicaError(f"a slot of {nbytes} bytes needs a 1-D uint8 CPU tensor of that size, got "
+                               f"{tensor.dtype} of shape {tuple(tensor.shape)} on {tensor.device}")
+        self.tensor = tensor
         self.buf = self.tensor.numpy()
         self.step: int | None = None
         self.crc: int | None = None
@@ -74,11 +81,16 @@ class Slot:
 
 
 class SlotPair:
-    """Two slots: ``begin(step)`` hands out the one whose loss costs nothing, invalidated."""
+    """Two slots: ``begin(step)`` hands out the one whose loss costs nothing, invalidated.
 
-    def __init__(self, nbytes: int):
+    tensors: two existing buffers for the slots (see ``Slot``), e.g. shared memory; default: two new ones.
+    """
+
+    def __init__(self, nbytes: int, tensors: list[torch.Tensor] | None = None):
         self.nbytes = nbytes
-        self.slots = [Slot(nbytes), Slot(nbytes)]
+        if tensors is not None and len(tensors) != 2:
+            raise ReplicaError(f"a slot pair takes 2 buffers, got {len(tensors)}")
+        self.slots = [Slot(nbytes, t) for t in (tensors or (None, None))]
 
     def target(self, step: int | None = None) -> Slot:
         """The slot ``begin(step)`` would hand out for writing ``step``. In order: an empty slot; a slot ahead of
