@@ -38,8 +38,6 @@ class Fenced(RuntimeError):
 class RunFinished(RuntimeError):
     """The run completed (rank 0 said so) while this process was recovering: it has nothing left to do."""
 
-    """The agreed decision declares this process failed (a false suspicion, or a node cut off): it must stop."""
-
 
 class ChannelError(RuntimeError):
     """The local channel between a node agent and a training process failed: a refused or broken connection,
