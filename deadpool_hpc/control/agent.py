@@ -64,7 +64,7 @@ class Agent(threading.Thread):
         self.last_suspicion = 0.0
         self.generation = 0
         self._watch = True
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
         self._pending: list = []  # (request, buffer, dest) of sends not yet completed
         self._hb_req: dict[int, list] = {}  # heartbeat sends not yet completed, per peer (hb buffer is never freed)
         now = time.monotonic()
@@ -175,7 +175,7 @@ class Agent(threading.Thread):
         self._watch = False
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
 
     # ---- the loop ----------------------------------------------------------------------
     def run(self) -> None:
@@ -204,7 +204,7 @@ class Agent(threading.Thread):
         hb = np.frombuffer(wire.encode("hb", {}, self.secret), dtype=np.uint8).copy()
         next_hb = 0.0
         last_loop = time.monotonic()
-        while not self._stop.is_set():
+        while not self._stopping.is_set():
             now = time.monotonic()
             stalled, last_loop = now - last_loop, now
             if stalled > self.deadline / 2:
@@ -254,7 +254,7 @@ class Agent(threading.Thread):
                 for p in [p for p, t in self._last_seen.items() if now - t > self.deadline]:
                     if not self.is_suspected(p):
                         self.suspect(p, f"no heartbeat for {now - self._last_seen[p]:.2f} s")
-            self._stop.wait(0.0005 if busy else 0.005)
+            self._stopping.wait(0.0005 if busy else 0.005)
 
     def _handle(self, src: int, buf, n: int, now: float) -> None:
         if self.is_suspected(src):

@@ -1,8 +1,10 @@
-"""The control plane: MPI bootstrap, failure detection, agreement and barriers for one process.
+"""The control plane: MPI bootstrap, failure detection, agreement and barriers among the node agents.
 
-Owns: MPI initialisation (MPI_THREAD_MULTIPLE), the identity exchange used for fencing and to reach each
-process's replica server, the heartbeat agent (agent.py), the progress watchdog (watchdog.py), the recovery
-agreement, and barriers among the members of a generation. It does not own process groups, replicas or
+One MPI process per node: the node agent (deadpool_hpc/agent). MPI rank n *is* node n; the P training
+processes of a node are "virtual processes" m = n * P + local, the ids the recovery decision works in
+(agreement.decide: assignment, members, fenced). Owns: MPI initialisation (MPI_THREAD_MULTIPLE), the identity
+exchange used for fencing and to reach each agent's servers, the heartbeat agent (agent.py), the recovery
+agreement, and barriers among the member agents of a generation. It does not own process groups, replicas or
 training state: the worker passes it a report and a callback that hosts the next generation's store, and
 applies the decision it returns.
 
@@ -25,11 +27,8 @@ accepts a decision newer than its generation from an unsuspected coordinator; if
 """
 from __future__ import annotations
 
-import faulthandler
 import json
 import os
-import signal
-import sys
 import time
 
 import numpy as np
@@ -39,7 +38,6 @@ from . import fence as fencing
 from . import pmi_relay
 from .agent import Agent
 from .agreement import decide
-from .watchdog import Watchdog
 
 _HELLO_BYTES = 512
 
@@ -60,18 +58,19 @@ def _mpi():
 
 
 class ControlPlane:
-    """One process's view of the job's membership.
+    """One node agent's view of the job's membership.
 
-    ranks_per_node / active_nodes describe the initial layout (MPI rank m lives on node m // ranks_per_node).
-    ``log`` is an EventLog. Times are seconds: heartbeat ``period`` and ``deadline``; ``hang_timeout`` for the
-    progress watchdog (0: off); ``ready_timeout`` (coordinator waiting for a live process's report) and
-    ``recovery_timeout`` (a process waiting for a decision). ``replicas``: K, passed on to ``decide``.
-    ``extra_identity``: more fields for this process's identity record (e.g. its replica server address).
+    ranks_per_node (P) / active_nodes describe the initial layout: node n (MPI rank n) holds virtual processes
+    n*P .. n*P+P-1. ``log`` is an EventLog. Times are seconds: heartbeat ``period`` and ``deadline``;
+    ``ready_timeout`` (coordinator waiting for a live agent's report) and ``recovery_timeout`` (an agent waiting
+    for a decision). ``replicas``: K, passed on to ``decide``. ``extra_identity``: more fields for this agent's
+    identity record (e.g. its replica servers' addresses). ``handlers``: {kind: fn(src, body)} for control
+    messages this module does not own (called from ``pump``, i.e. the agent's main thread).
     """
 
     def __init__(self, *, secret: bytes, ranks_per_node: int, active_nodes: int, period: float, deadline: float,
-                 log, settle: float = 0.02, hang_timeout: float = 0.0, ready_timeout: float = 60.0,
-                 recovery_timeout: float = 120.0, replicas: int = 1, extra_identity: dict | None = None):
+                 log, settle: float = 0.02, ready_timeout: float = 60.0, recovery_timeout: float = 120.0,
+                 replicas: int = 1, extra_identity: dict | None = None, handlers: dict | None = None):
         MPI = _mpi()
         self.MPI = MPI
         world = MPI.COMM_WORLD
@@ -90,10 +89,11 @@ class ControlPlane:
         self.ctrl = world.Dup()
         self.ctrl.Set_errhandler(MPI.ERRORS_RETURN)
         self.generation = 0
+        self.handlers = dict(handlers or {})
         W = active_nodes * ranks_per_node
         self.assignment = list(range(W))
-        self.spare_nodes = list(range(active_nodes, self.size // ranks_per_node))
-        self.members = list(range(self.size))
+        self.spare_nodes = list(range(active_nodes, self.size))
+        self.members = list(range(self.size * ranks_per_node))
         self.idents = self._exchange_identities(extra_identity or {})
         self._wire_up()
         self.coordinator: int | None = None  # of the last applied decision
@@ -106,12 +106,9 @@ class ControlPlane:
         self._abort: dict | None = None
         self.first_suspicion: float | None = None
         self.on_member_lost = None  # on_member_lost(): a member of the current generation was suspected (any thread)
-        log.emit("hello", mpi_rank=self.me, node=self.me // ranks_per_node, **self.idents[self.me])
+        log.emit("hello", mpi_rank=self.me, node=self.me, role="agent", **self.idents[self.me])
         self.agent = Agent(self.ctrl, secret, period, deadline, on_suspect=self._on_suspect)
         self.agent.on_preempt = self._on_preempt
-        self.watchdog = Watchdog(hang_timeout, self._on_hang)
-        self.agent.watchdog = self.watchdog
-        self.agent.add_poller(self.watchdog)
 
     def start(self) -> None:
         """Start the agent. From here on only the agent thread calls MPI (see agent.py)."""
@@ -151,13 +148,22 @@ class ControlPlane:
         return buf.tobytes().rstrip(b"\0").decode()
 
     # ---- roles ----------------------------------------------------------------------------------------------
-    @property
-    def train_rank(self) -> int | None:
-        """Training rank this process holds now, or None while it is a spare."""
+    def procs(self, node: int | None = None) -> list[int]:
+        """The virtual processes of ``node`` (default: this one)."""
+        n = self.me if node is None else node
+        return list(range(n * self.P, (n + 1) * self.P))
+
+    def train_rank(self, local: int) -> int | None:
+        """Training rank local process ``local`` of this node holds now, or None while the node is a spare."""
         try:
-            return self.assignment.index(self.me)
+            return self.assignment.index(self.me * self.P + local)
         except ValueError:
             return None
+
+    @property
+    def member_nodes(self) -> list[int]:
+        """Agents (MPI ranks) of the current generation's members."""
+        return sorted({m // self.P for m in self.members})
 
     @property
     def failure(self):
@@ -167,30 +173,22 @@ class ControlPlane:
     def _on_suspect(self, rank: int, reason: str, t: float, last_heard: float | None) -> None:
         if self.first_suspicion is None:
             self.first_suspicion = t
-        if rank in self.members and self.on_member_lost is not None:
+        if rank in self.member_nodes and self.on_member_lost is not None:
             self.on_member_lost()
-        self.log.emit("suspect", t=t, generation=self.generation, suspect=rank, node=rank // self.P, reason=reason,
+        self.log.emit("suspect", t=t, generation=self.generation, suspect=rank, node=rank, reason=reason,
                       last_heard=last_heard)
 
     def _on_preempt(self, source: int) -> None:
         if source == self.me:  # the processes that got the signal say so; the others just follow
             self.log.emit("preempt_requested", generation=self.generation)
 
-    def _on_hang(self, stuck: float, where: str) -> None:
-        """The watchdog (agent thread): the training thread made no progress for ``stuck`` seconds. Declare this
-        process failed, so the others recover now, and end it (a stuck thread cannot be trusted to leave)."""
-        reason = f"training thread made no progress for {stuck:.1f} s (last at {where})"
-        self.log.emit("hang_detected", generation=self.generation, stuck_s=round(stuck, 3), where=where,
-                      timeout_s=self.watchdog.timeout)
-        print(f"deadpool: {reason}; its stacks:", file=sys.stderr, flush=True)
-        faulthandler.dump_traceback(all_threads=True)
-        self.agent.broadcast("suspect", {"ranks": [self.me], "reason": reason, "last_heard": time.time() - stuck})
-        self.agent._flush_outbox()
-        end = time.monotonic() + 1.0
-        while time.monotonic() < end and not self.agent.reap_sends():
-            time.sleep(0.005)
-        self.log.sync()
-        os.kill(os.getpid(), signal.SIGKILL)
+    def declare_failed(self, reason: str, last_heard: float | None = None) -> None:
+        """This node failed (a training process exited or froze, its supervisor saw it): tell every live agent now,
+        so they recover in milliseconds instead of after a heartbeat deadline, and wait (at most 1 s) for the
+        notices to leave. The caller then ends its training processes and itself."""
+        self.agent.broadcast("suspect", {"ranks": [self.me], "reason": reason,
+                                         "last_heard": time.time() if last_heard is None else last_heard})
+        self.wait_sends(1.0)
 
     # ---- inbox ----------------------------------------------------------------------------------------------
     def pump(self, timeout: float = 0.0) -> None:
@@ -216,6 +214,8 @@ class ControlPlane:
                 self._finish = body
             elif kind == "abort":
                 self._abort = body
+            elif kind in self.handlers:
+                self.handlers[kind](src, body)
             timeout = 0.0
             deadline = time.monotonic()
         if self._abort is not None:
@@ -244,18 +244,19 @@ class ControlPlane:
             time.sleep(0.01)
 
     # ---- recovery ---------------------------------------------------------------------------------------------
-    def recover(self, report: dict, host_store, on_phase=None) -> dict:
+    def recover(self, report: dict, host_store, on_phase=None, tick=None) -> dict:
         """Agree on the next generation. Called by every live process after leaving the current one.
 
-        report: this process's {"own_rank", "own", "held", "done_step"} (see agreement.decide).
-        host_store(): () -> [host, port] of a fresh TCPStore served by this process; called only on the
-        coordinator. on_phase(name): called at "agree" (report sent, or reports asked for) and "decided" (fault
+        report: {str(virtual process): {"own_rank", "own", "held", "done_step"}} for this node's processes (see
+        agreement.decide). host_store(): () -> the new generation's rendezvous address (or None); called only on
+        the coordinator. tick(): called every iteration (the agent's other event sources). on_phase(name): called at "agree" (report sent, or reports asked for) and "decided" (fault
         injection for tests). Returns the decision dict (agreement.decide's keys plus "store", "coordinator",
         "t_decided"). Raises ReplicaError from ``decide`` (after telling the members), Fenced if the decision
         declares this process failed, JobAborted if another process aborted, RecoveryTimeout if no decision
         comes within ``recovery_timeout`` seconds, RunFinished if the run ended meanwhile.
         """
         on_phase = on_phase or (lambda _name: None)
+        tick = tick or (lambda: None)
         self.agent.failure.set()
         self.agent.broadcast("teardown", {"g": self.generation})
         end = time.monotonic() + self.recovery_timeout
@@ -263,7 +264,8 @@ class ControlPlane:
         my_round = None
         told = False
         while True:
-            self.pump(0.005)
+            self.pump(0.002)
+            tick()
             if self._finish is not None:
                 raise RunFinished("the run finished while this process was recovering")
             decision = self._take_decision()
@@ -293,7 +295,7 @@ class ControlPlane:
                                       f"{self.recovery_timeout:.0f} s (coordinator: MPI rank {alive[0]})")
         if "error" in decision:
             raise _error_from(decision)
-        if self.me in decision["fenced"]:
+        if set(self.procs()) & set(decision["fenced"]):
             raise Fenced(f"the decision for generation {decision['generation']} (coordinator MPI rank "
                          f"{decision['coordinator']}) declares this process failed")
         on_phase("decided")
@@ -301,11 +303,9 @@ class ControlPlane:
         return decision
 
     def _coordinator_candidates(self) -> list[int]:
-        """Live processes, those on a node with a suspected process last: the coordinator (the first) must not be
-        one the decision is about to fence (it would host the new store and vanish with it)."""
-        alive = self.agent.alive()
-        bad = {m // self.P for m in range(self.size) if self.agent.is_suspected(m)}
-        return sorted(alive, key=lambda m: (m // self.P in bad, m))
+        """Live agents, in order: the first coordinates. (A node whose training process failed declares itself
+        failed and leaves, so a coordinator is never on a node the decision fences.)"""
+        return self.agent.alive()
 
     def _ready_body(self, rid, report: dict) -> dict:
         return {"round": rid, "report": report, "applied": self.generation, "assignment": self.assignment,
@@ -324,7 +324,8 @@ class ControlPlane:
         """The newest decision for a generation after ours, from an unsuspected coordinator, naming us."""
         best = None
         for g, (src, body) in self._decisions.items():
-            named = self.me in body.get("members", []) or self.me in body.get("fenced", [])
+            mine = set(self.procs())
+            named = mine & set(body.get("members", [])) or mine & set(body.get("fenced", []))
             if g > self.generation and not self.agent.is_suspected(src) and named:
                 if best is None or g > best["generation"]:
                     best = body
@@ -343,27 +344,28 @@ class ControlPlane:
             return None
         if now - self.agent.last_suspicion < self.settle:
             return None
-        view = max((ready[m] for m in alive), key=lambda b: b["applied"])
+        view = max((ready[n] for n in alive), key=lambda b: b["applied"])
         g = view["applied"] + 1
         P = self.P
         in_job = set(view["assignment"]) | {n * P + i for n in view["spare_nodes"] for i in range(P)}
-        failed = {m for m in range(self.size) if self.agent.is_suspected(m) and m in in_job}
+        failed = {m for n in range(self.size) if self.agent.is_suspected(n) for m in self.procs(n) if m in in_job}
+        reports = {int(m): rep for n in alive for m, rep in ready[n]["report"].items()}
         try:
             decision = decide(generation=g, ranks_per_node=P, assignment=view["assignment"],
-                              spare_nodes=view["spare_nodes"], failed=failed,
-                              reports={m: ready[m]["report"] for m in alive}, preempt=self.agent.preempted.is_set(),
-                              replicas=self.replicas)
+                              spare_nodes=view["spare_nodes"], failed=failed, reports=reports,
+                              preempt=self.agent.preempted.is_set(), replicas=self.replicas)
         except Exception as exc:  # tell everybody, then raise the same error everywhere
-            decision = {"generation": g, "error": type(exc).__name__, "message": str(exc), "members": alive,
+            decision = {"generation": g, "error": type(exc).__name__, "message": str(exc),
+                        "members": sorted(m for n in alive for m in self.procs(n)),
                         "failed_nodes": sorted({m // P for m in failed}), "fenced": []}
         else:
             decision["store"] = host_store()
         decision["coordinator"] = self.me
         decision["t_decided"] = time.time()
         decision["first_suspicion"] = self.first_suspicion
-        for m in decision["members"]:
-            if m != self.me:
-                self.agent.send(m, "decision", decision)
+        for n in sorted({m // P for m in decision["members"]}):
+            if n != self.me:
+                self.agent.send(n, "decision", decision)
         self._ready.pop(rid, None)
         self.log.emit("decision", **{k: decision.get(k) for k in (
             "generation", "failed_nodes", "promoted", "replaced", "sources", "cut_step", "exhausted", "reason", "recomputed_steps",
@@ -375,9 +377,9 @@ class ControlPlane:
         self.assignment = list(decision["assignment"])
         self.spare_nodes = list(decision["spare_nodes"])
         self.members = list(decision["members"])  # first: fencing the failed below is no loss of a member
-        for m in decision["fenced"]:
-            self.agent.suspect(m, "fenced by decision", notify=False)
-            fencing.fence(self.idents[m])
+        for n in sorted({m // self.P for m in decision["fenced"]}):
+            self.agent.suspect(n, "fenced by decision", notify=False)
+            fencing.fence(self.idents[n])
         self.coordinator = decision["coordinator"]
         self.generation = g
         self.agent.generation = g
@@ -385,13 +387,13 @@ class ControlPlane:
         self.agent.failure.clear()
         # a suspicion raised after the decision belongs to the next round (a preemption waits for the next
         # step boundary: Context._one_step)
-        if any(self.agent.is_suspected(m) for m in self.members):
+        if any(self.agent.is_suspected(n) for n in self.member_nodes):
             self.agent.failure.set()
         self._decisions = {k: v for k, v in self._decisions.items() if k > g}
         # a collect sent from generation g already asks for the next round: keep it
         self._collects = {src: c for src, c in self._collects.items() if c[1] >= g}
 
-    def barrier(self, tag: str, participants: list[int], timeout: float) -> None:
+    def barrier(self, tag: str, participants: list[int], timeout: float, tick=None) -> None:
         """Wait until every MPI rank in ``participants`` has reached the barrier ``tag`` (point-to-point
         messages, so a dead participant blocks nothing). Raises PeerFailure when a participant is suspected,
         the failure flag is raised, or ``timeout`` seconds pass (naming who is missing)."""
@@ -401,6 +403,8 @@ class ControlPlane:
         end = time.monotonic() + timeout
         while True:
             self.pump(0.002)
+            if tick is not None:
+                tick()
             got = self._sync.get(tag, set()) | {self.me}
             missing = [p for p in participants if p not in got]
             if not missing:

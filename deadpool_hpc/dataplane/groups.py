@@ -1,10 +1,8 @@
 """The data plane: the torch.distributed process group of each generation, built and abandoned.
 
-Owns the default process group and the TCPStores that rendezvous it. Each generation ``g`` gets a
-fresh store served by a *living* process (the coordinator of the recovery, or MPI rank 0 at start)
-and the key prefix ``gen{g}``, so no key of a dead generation is ever read again
-(notes/ft-probes.md, pitfall 2), and no single process's death ends the job (a store dies with its
-host, but gloo only needs it at rendezvous).
+Owns the default process group of each generation. Its rendezvous goes through a store the caller passes (the
+node agent's replicated store, worker/client.AgentStore: no store host whose death could end the job) under the
+key prefix ``gen{g}``, so no key of a dead generation is ever read again (notes/ft-probes.md, pitfall 2).
 
 On gloo nothing interrupts a blocked collective (abort, shutdown, destroy all return and change
 nothing), and dropping the last reference to a group with a pending op blocks until its timeout.
@@ -13,12 +11,11 @@ registry is cleared, then the next generation is initialised (ft-probes.md 1c').
 is aborted (``ProcessGroup.abort``) instead, which does interrupt. These use torch internals
 (``c10d._world``); the version is pinned and the end-to-end tests cover them.
 
-Every wait here has a deadline: joining a generation (store connect + gloo's full-mesh rendezvous) is bounded
-by ``rendezvous_timeout`` (a member that dies mid-rendezvous makes the others fail within it, never hang;
-torch releases the GIL meanwhile, measured, so heartbeats go on), after which the group's own timeout is
-set to the collective timeout. Memory stays flat across generations (an abandoned group held 8-70 MB of
-gloo buffers, measured): only the newest hosted store is kept (and closed as soon as a member is lost), and once the next generation is built
-the abandoned groups are dropped by a short-lived background thread. Dropping a group whose collective is
+Every wait here has a deadline: joining a generation (gloo's full-mesh rendezvous) is bounded by
+``rendezvous_timeout`` (and the agent fails the store's waits at once when a member is lost), after which the
+group's own timeout is set to the collective timeout. Memory stays flat across generations (an abandoned group
+held 8-70 MB of gloo buffers, measured): once the next generation is built the abandoned groups are dropped by a
+short-lived background thread. Dropping a group whose collective is
 still pending blocks until that collective times out, but with the GIL released (measured: 2.2 s to drop,
 longest pause of another thread 0.17 s), so training and heartbeats go on meanwhile.
 """
@@ -28,7 +25,6 @@ import datetime as dt
 import os
 import socket
 import threading
-import time
 
 import torch
 import torch.distributed as dist
@@ -58,59 +54,27 @@ class GenerationGroups:
         self.timeout = dt.timedelta(seconds=timeout)
         self.rendezvous_timeout = dt.timedelta(seconds=rendezvous_timeout)
         self.generation: int | None = None
-        self._hosted: list = []      # the store this process serves for the newest generation (coordinator)
-        self._lock = threading.Lock()
-        self._client = None          # the current generation's store client
         self._graveyard: list = []   # abandoned groups with the works they may still run (gloo)
 
-    def host_store(self) -> list:
-        """Start a TCPStore server in this process on a free port. Returns [host, port]."""
-        store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=self.rendezvous_timeout)
-        with self._lock:
-            self._hosted = [store]  # a generation's store is needed only until its group is built
-        return [store_host(), store.port]
-
-    def drop_stores(self) -> None:
-        """Stop the stores this process serves (any thread). A member lost during a rendezvous would leave the
-        others in ``init_process_group`` until ``rendezvous_timeout``; closing the store makes every member's
-        rendezvous fail at once instead (measured: 0.8 s after the close, against the full timeout), and the
-        next recovery round hosts a new one. Harmless once the group is built: gloo does not use it again."""
-        with self._lock:
-            dead, self._hosted = self._hosted, []
-        del dead
-
-    def join(self, generation: int, store_addr, rank: int, world_size: int, failure=None):
-        """Initialise the default process group of ``generation`` as ``rank`` of ``world_size``.
-
-        store_addr: [host, port] of the generation's store. failure: the control plane's failure flag, watched
-        while connecting to the store (in tries of at most 1 s: a dead store host is retried by torch until
-        the timeout). Returns the process group. Raises PeerFailure if the failure flag rises while connecting,
-        or the rendezvous does not complete within ``rendezvous_timeout`` seconds (a member died or froze).
+    def join(self, generation: int, store, rank: int, world_size: int):
+        """Initialise the default process group of ``generation`` as ``rank`` of ``world_size``, rendezvousing
+        through ``store`` (a torch.distributed Store: the node agent's, worker/client.AgentStore), under the key
+        prefix ``gen{generation}``. Returns the process group. Raises PeerFailure if the rendezvous fails (the
+        agent fails the store's waits at once when a member is lost) or does not complete within
+        ``rendezvous_timeout`` seconds.
         """
         from ..errors import PeerFailure
 
         if dist.is_initialized():
             self.abandon()
-        host, port = store_addr
         limit = self.rendezvous_timeout.total_seconds()
-        end = time.monotonic() + limit
         try:
-            while True:
-                try:
-                    client = dist.TCPStore(host, int(port), is_master=False, timeout=dt.timedelta(
-                        seconds=max(0.1, min(1.0, end - time.monotonic()))))
-                    break
-                except RuntimeError:
-                    if (failure is not None and failure.is_set()) or time.monotonic() >= end:
-                        raise
-            client.set_timeout(dt.timedelta(seconds=max(0.1, end - time.monotonic())))
-            dist.init_process_group(self.backend, store=dist.PrefixStore(f"gen{generation}", client),
+            dist.init_process_group(self.backend, store=dist.PrefixStore(f"gen{generation}", store),
                                     rank=rank, world_size=world_size, timeout=self.rendezvous_timeout)
-        except (RuntimeError, ValueError) as exc:  # DistStoreError / DistNetworkError / gloo errors
+        except (RuntimeError, ValueError) as exc:  # PeerFailure (a RuntimeError), DistStoreError, gloo errors
             self._clear_registry()
             raise PeerFailure(f"joining generation {generation}'s process group failed within {limit:.0f} s: "
                               f"{str(exc).splitlines()[0][:200]}") from exc
-        self._client = client
         self._release_graveyard()
         pg = c10d._get_default_group()
         c10d._set_pg_timeout(self.timeout, pg)  # the rendezvous deadline was short; collectives get theirs

@@ -72,8 +72,8 @@ def emulated_node_env(cfg: RunConfig) -> dict[str, str]:
 def command(cfg: RunConfig, run_dir: str) -> list[str]:
     hosts = ",".join(f"127.0.0.{i + 1}" for i in range(cfg.total_nodes))
     return [mpiexec_path(), "-disable-auto-cleanup", "-launcher", "fork", "-hosts", hosts,
-            "-ppn", str(cfg.ranks_per_node), "-n", str(cfg.total_processes),
-            sys.executable, "-m", "deadpool_hpc.worker.entry", run_dir]
+            "-ppn", "1", "-n", str(cfg.total_nodes),
+            sys.executable, "-m", "deadpool_hpc.agent", run_dir]
 
 
 class Interrupted(KeyboardInterrupt):

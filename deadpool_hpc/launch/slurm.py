@@ -218,7 +218,7 @@ def slurm_state(job_id: str) -> dict:
 def hosts_by_rank(events: list[dict], before: float | None = None) -> dict[int, str]:
     """MPI rank -> host, from the newest ``hello`` of each rank (written before ``before``, if given)."""
     return {e["mpi_rank"]: e["host"] for e in events
-            if e["event"] == "hello" and (before is None or e["t"] < before)}
+            if e["event"] == "hello" and e.get("role", "agent") == "agent" and (before is None or e["t"] < before)}
 
 
 def run_progress(run_dir: str) -> dict:
@@ -310,11 +310,10 @@ def make_summary(run_dir: str) -> dict:
     events = list(read_events(path)) if os.path.exists(path) else []
     s = build_summary(events, cfg)
     hosts = hosts_by_rank(events)
-    P = cfg.ranks_per_node
     decided = {e["generation"]: e["t"] for e in events if e["event"] == "decision"}
     for f in s["failures"]:
         at = hosts_by_rank(events, before=decided.get(f["generation"]))  # a requeued job runs elsewhere later
-        f["failed_hosts"] = sorted({at.get(n * P + r) for n in f["failed_nodes"] for r in range(P)} - {None})
+        f["failed_hosts"] = sorted({at.get(n) for n in f["failed_nodes"]} - {None})  # MPI rank n = node n's agent
     s["run_dir"] = os.path.abspath(run_dir)
     s["hosts"] = {str(k): v for k, v in sorted(hosts.items())}
     try:

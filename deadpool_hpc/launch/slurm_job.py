@@ -48,7 +48,7 @@ def run_worker(run_dir: str, env: dict | None = None, forward_signals=FORWARDED,
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
     old = {}
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "deadpool_hpc.worker.entry", run_dir], env=env, pass_fds=fds)
+        proc = subprocess.Popen([sys.executable, "-m", "deadpool_hpc.agent", run_dir], env=env, pass_fds=fds)
 
         def forward(sig, _frame):
             try:
@@ -111,10 +111,10 @@ def expected_survivors(run_dir: str) -> set[int]:
     """MPI ranks that should still exit by themselves: every rank that said hello, less those on nodes the run
     declared failed. (The ranks of a node that died without being noticed, e.g. at the very end, are waited for
     only up to the finisher's timeout.)"""
-    cfg = load_config(run_dir)
     events = list(read_events(os.path.join(run_dir, "events.jsonl")))
-    failed = {n for e in events if e["event"] == "decision" for n in e["failed_nodes"]}
-    return {e["mpi_rank"] for e in events if e["event"] == "hello" and e["mpi_rank"] // cfg.ranks_per_node not in failed}
+    failed = {n for e in events if e["event"] == "decision" for n in (e.get("failed_nodes") or [])}
+    return {e["mpi_rank"] for e in events
+            if e["event"] == "hello" and e.get("role", "agent") == "agent" and e["mpi_rank"] not in failed}
 
 
 def batch_alive(run_dir: str, stale_s: float = ALIVE_STALE_S) -> bool:

@@ -187,6 +187,19 @@ class StateLayout:
         slot.stamp(step, crc)
         return True
 
+    def stamp_written(self, slot: Slot, step: int, should_stop=None) -> bool:
+        """Checksum ``slot`` as written by another process (a training process writing into its node agent's
+        shared slot) and stamp it with ``step``; chunk by chunk, asking ``should_stop()`` in between (then the
+        slot stays invalid and False is returned). A writer that died half-way leaves bytes whose checksum the
+        holders verify against this one: the slot is only trusted with the checksum taken here."""
+        crc, mv = 0, memoryview(slot.buf)
+        for off in range(0, self.nbytes, COPY_CHUNK):
+            if should_stop is not None and should_stop():
+                return False
+            crc = checksum(mv[off:off + COPY_CHUNK], crc)
+        slot.stamp(step, crc)
+        return True
+
     def read(self, slot: Slot, tensors: list[torch.Tensor]) -> torch.Tensor:
         """Copy ``slot`` back into ``tensors``; returns the RNG bytes. Raises ReplicaError on a bad CRC."""
         if slot.step is None or checksum(slot.buf) != slot.crc:

@@ -70,7 +70,7 @@ class Replicator:
     """
 
     def __init__(self, secret: bytes, layout: StateLayout, log, *, host: str | None = None, sock=None,
-                 timeout: float = 30.0):
+                 timeout: float = 30.0, own: SlotPair | None = None):
         if sock is not None:  # a listening socket bound before the layout was known (worker/entry.py)
             host = sock.getsockname()[0]
         if host in ("", "0.0.0.0", "::"):
@@ -82,13 +82,14 @@ class Replicator:
         self.timeout = timeout
         self.serve_hook = None    # test hook: serve_hook(rank, step, sent_bytes, total) after each piece served
         self.receive_hook = None  # test hook: receive_hook(rank, step, received_bytes, total) after each piece of a push
-        self.own = SlotPair(layout.nbytes)
+        self.own = own if own is not None else SlotPair(layout.nbytes)  # own: shared with a training process
         self.bytes_sent = 0       # payload bytes acked by holders
         self.wait_s = 0.0         # time spent in wait_committed
         self._cv = threading.Condition()
         self._held: dict[int, SlotPair] = {}
         self._writing: dict[int, object] = {}   # held rank -> token of the push being received into it
-        self._own_busy: str | None = None  # "copy" or "fetch" while one writes an own slot
+        self._own_busy: str | None = None  # "copy", "fetch" or "writer" while one writes an own slot
+        self._claimed = None               # (slot, epoch) claimed by a training process (``claim``)
         self._jobs: deque = deque()
         self._epoch = 0
         self._paused = True
@@ -151,6 +152,8 @@ class Replicator:
             raise ValueError(f"held_ranks {held_ranks} must be training ranks (ints >= 0)")
         with self._cv:
             self._epoch += 1                # whatever was in flight belongs to the previous configuration
+            if self._own_busy == "writer":  # a training process's claim of the previous configuration
+                self._own_busy, self._claimed = None, None
             self._generation = generation
             self._my_rank = my_rank
             for slot in self.own.slots:     # a snapshot of another rank's state is not this rank's
@@ -169,6 +172,11 @@ class Replicator:
             self._last_reason.clear()
             self._paused = False
             self._cv.notify_all()
+
+    @property
+    def committed_step(self) -> int:
+        """The newest step every holder has acknowledged (-1: none since the last ``configure``)."""
+        return self._committed
 
     def report(self) -> dict:
         """Verified copies only: {"own_rank": int|None, "own": [steps], "held": {"<rank>": [steps]}}."""
@@ -226,6 +234,9 @@ class Replicator:
             self._paused = True
             self._epoch += 1
             self._jobs.clear()
+            if self._own_busy == "writer":  # a training process's claim: its slot stays invalid
+                self._own_busy = None
+                self._claimed = None
             links = list(self._links)
             self._cv.notify_all()
         for link in links:
@@ -244,12 +255,22 @@ class Replicator:
                     return
                 step, tensors, rng = self._jobs.popleft()
                 epoch = self._epoch
-                slot = self._claim_own("copy", lambda: self._epoch != epoch or self._closed, step)
-                if slot is None:
-                    continue
-                slot.rank = self._my_rank
+                if tensors is None:  # written into the claimed slot ``rng`` by the training process (``written``)
+                    slot, claim_epoch = rng
+                    if claim_epoch != epoch:
+                        self._own_busy = None
+                        continue
+                else:
+                    slot = self._claim_own("copy", lambda: self._epoch != epoch or self._closed, step)
+                    if slot is None:
+                        continue
+                    slot.rank = self._my_rank
             try:
-                done = self.layout.write(slot, tensors, rng, step, should_stop=lambda: self._epoch != epoch or self._closed)
+                if tensors is None:
+                    done = self.layout.stamp_written(slot, step, should_stop=lambda: self._epoch != epoch or self._closed)
+                else:
+                    done = self.layout.write(slot, tensors, rng, step,
+                                             should_stop=lambda: self._epoch != epoch or self._closed)
             except Exception as exc:  # a bad submit (shapes not those of the layout): fail its wait, keep the thread
                 done = False
                 with self._cv:
@@ -270,6 +291,32 @@ class Replicator:
                 for h in self._holders:
                     threading.Thread(target=self._push, args=(slot, step, h, epoch), daemon=True,
                                      name="deadpool-replica-push").start()
+
+    def claim(self, step: int) -> int | None:
+        """For a training process that writes its own snapshot into the shared own slots (node agents): reserve
+        the slot for ``step`` (invalidated) and return its index in ``own.slots``, or None if an own slot is busy
+        right now (ask again). Follow with ``written(step, index)`` once the bytes are there."""
+        with self._cv:
+            if self._paused or self._own_busy or self.own.target(step).readers:
+                return None
+            self._own_busy = "writer"
+            slot = self.own.begin(step)
+            slot.rank = self._my_rank
+            self._claimed = (slot, self._epoch)
+            return self.own.slots.index(slot)
+
+    def written(self, step: int, index: int) -> None:
+        """The training process finished writing ``step`` into the claimed slot ``index``: checksum it, stamp it
+        and push it to the holders in the background (as ``submit`` does after its own copy). A claim from
+        before a ``quiesce``/``configure`` is dropped (its slot stays invalid)."""
+        with self._cv:
+            claimed, self._claimed = self._claimed, None
+            if claimed is None or self.own.slots.index(claimed[0]) != index or claimed[1] != self._epoch:
+                if self._own_busy == "writer":
+                    self._own_busy = None
+                return
+            self._jobs.append((step, None, claimed))
+            self._cv.notify_all()
 
     def _claim_own(self, who: str, give_up, step: int) -> Slot | None:
         """(under _cv) Wait until no one writes an own slot and the one to write ``step`` into has no readers;

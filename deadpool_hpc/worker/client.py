@@ -235,11 +235,12 @@ class AgentClient:
             raise ChannelTimeout(f"{kind} {body.get('key') or body.get('keys')}: {error}")
         raise ChannelError(f"{kind} {body.get('key') or body.get('keys')}: {error}")
 
-    def attach_slots(self, nbytes: int, timeout: float, count: int = 2) -> list[SharedBuffer]:
-        """Ask the agent for ``count`` snapshot slots of ``nbytes`` bytes (``layout {nbytes, count}``), wait for its
+    def attach_slots(self, nbytes: int, timeout: float, count: int = 2, **layout) -> list[SharedBuffer]:
+        """Ask the agent for ``count`` snapshot slots of ``nbytes`` bytes (``layout {nbytes, count, **layout}``:
+        ``layout`` describes the payload, e.g. its tensors, for the agent's checkpoint writer), wait for its
         ``slots {nbytes, count}`` message with the fds, map them. Returns the SharedBuffers (``.tensor`` /
         ``.array`` views; ``.pin()`` on a GPU node). Raises ChannelError if the agent's answer does not match."""
-        self.send("layout", {"nbytes": nbytes, "count": count})
+        self.send("layout", {"nbytes": nbytes, "count": count, **layout})
         body = self.get("slots", timeout)
         fds = body.get(FD_KEY, [])
         try:

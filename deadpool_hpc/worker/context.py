@@ -1,35 +1,34 @@
 """The worker context: what a training function sees, and the step loop that makes it survive.
 
-``Context.run(step_fn)`` runs ``step_fn(step)`` for each step, and around each step it injects the
-faults due, snapshots the state unique to this rank and hands it to the replica plane, and, when a
-peer fails, recovers: abandon the generation's process group, agree on the next generation (control
-plane), pass a barrier of the new generation's ranks, build its process group (data plane), restore
-every rank at the cut step (its own snapshot, or a verified replica pulled from a holder), gather the
-parameters, re-replicate, and resume. A failure during any of that starts the next recovery round.
-Spare processes run the same function: they build the model and buffers, then wait in ``run`` until
-they are promoted or the run ends. The contract is in docs/worker-contract.md.
+A training process is torch and a thin client of its node agent (worker/client.py); it does not call MPI.
+``Context.run(step_fn)`` runs ``step_fn(step)`` for each step, and around each step it injects the faults due,
+copies the state unique to this rank into the agent's shared snapshot slot (in a background thread, overlapping
+the next forward and backward; the agent checksums it and ships it to the holders), and waits for the agent's
+``committed`` before the optimizer updates. When the agent says a peer failed (or a collective fails), it leaves
+the generation, tells its agent how far it got, and waits for its next role: train (join the new generation's
+process group through the agent-backed store, restore the cut step from the shared slot the agent filled,
+gather, resume), stay a spare, save and leave (75: requeue), or finish. A failure while it joins or restores
+ends that round; the agent starts the next. Spare processes build the model and buffers, then wait in ``run``.
+The contract is in docs/worker-contract.md.
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import os
+import threading
 import time
+from collections import deque
 
 import torch
 
-from ..control.agreement import held_by, holders_of
 from ..dataplane import collectives
 from ..dataplane.collectives import Watch
 from ..dataplane.groups import device_for
-from ..errors import PeerFailure, RecoveryTimeout, RunFinished
+from ..errors import PeerFailure
 from ..replica import persist
-from ..replica.snapshot import StateLayout
-from ..replica.transport import Replicator
-from .faults import Injector
+from ..replica.snapshot import Slot, StateLayout
+from .faults import RankFaults
 from .zero import ShardedAdamW
-
-MAX_FAILED_ROUNDS = 8  # recovery rounds in a row that fail before the run gives up (a clear exit)
 
 
 def _rss_bytes() -> int:
@@ -40,49 +39,45 @@ def _rss_bytes() -> int:
 class Context:
     """Per-process handle given to the training function.
 
-    rank: training rank (None while a spare); world_size: number of training ranks; device;
-    generation; config (RunConfig); process_group (the current generation's default group).
+    rank: training rank (None while a spare); world_size: number of training ranks; device; generation;
+    config (RunConfig); process_group (the current generation's default group); watch (the Watch every
+    collective of a step waits under: ``collectives.all_reduce(t, ctx.watch)``).
     """
 
-    def __init__(self, cfg, control, groups, log, listener, backend: str = "gloo"):
+    def __init__(self, cfg, client, groups, log, node: int, local: int, backend: str = "gloo"):
         self.config = cfg
-        self.cp = control
+        self.client = client
         self.groups = groups
         self.log = log
+        self.node, self.local = node, local
         self.backend = backend
         self.device = device_for(backend)
         self.world_size = cfg.world_size
         self.step = 0
         self.opt: ShardedAdamW | None = None
-        self.replicator: Replicator | None = None
-        self._listener = listener
-        self._recovery: dict | None = None
-        self._rounds = 0  # recovery rounds this process took part in (phase faults count them)
         self.exit_code = 0
-        self.watch = Watch(control.failure, cfg.collective_timeout, control.watchdog.beat)
-        self.faults = Injector(cfg.faults, mpi_rank=control.me, ranks_per_node=control.P, idents=control.idents,
-                               log=log, send=control.agent.send)
-        control.agent.on_inject = self.faults.on_message
-        control.on_member_lost = groups.drop_stores  # a rendezvous in progress fails at once, not at its timeout
-        self._high_water = -1  # the highest step any rank had reached when the last recovery agreed
-        self._preempt_ignored = False
-        addr = json.dumps(groups.host_store()) if control.me == 0 else None
-        self._store0 = json.loads(control.bcast_text(addr, root=0))
-        self.checkpoint_dir = os.path.join(cfg.run_dir, "checkpoint")
-        self._resume = persist.latest(self.checkpoint_dir)
-        if self._resume is not None:  # a requeued job: carry on the generation count and the high-water step
-            control.generation = control.agent.generation = self._resume["generation"] + 1
-            self._high_water = self._resume.get("high_water", -1)
-        control.start()  # from here on only the agent thread calls MPI
+        self.failure = threading.Event()
+        self.watch = Watch(self.failure, cfg.collective_timeout, client.progress.beat)
+        self.faults = RankFaults(cfg.faults, node=node, local=local, ranks_per_node=cfg.ranks_per_node, log=log,
+                                 send=client.send)
+        self._role: dict = {}
+        self._committed = -1
+        self._cv = threading.Condition()
+        self._waiting: dict | None = None   # the "left" body while this process waits for its next role
+        self._recovery: dict | None = None
+        self._high_water = -1
+        self.wait_s = 0.0
+        client.on("failure", self._on_failure)
+        client.on("committed", self._on_committed)
 
     # ---- what the training function uses ---------------------------------------------------
     @property
     def rank(self) -> int | None:
-        return self.cp.train_rank
+        return self._role.get("rank") if self._role.get("what") == "train" else None
 
     @property
     def generation(self) -> int:
-        return self.cp.generation
+        return self._role.get("generation", 0)
 
     @property
     def process_group(self):
@@ -97,60 +92,67 @@ class Context:
         return self.opt
 
     def run(self, step_fn) -> None:
-        """Run ``step_fn(step) -> dict`` (it must call ``opt.step(step, loss)``) from the current step
-        to ``config.steps``, surviving peer failures. Returns when the run is complete everywhere."""
+        """Run ``step_fn(step) -> dict`` (it must call ``opt.step(step, loss)``) from the current step to
+        ``config.steps``, surviving peer failures. Returns when the run is complete everywhere (or this process has
+        no further part in it: a spare never promoted, a saved checkpoint)."""
         if self.opt is None:
             raise RuntimeError("Context.run needs an optimizer: call ctx.zero_adamw(model) first")
         rng = torch.get_rng_state()
-        layout = StateLayout(self._shard_shapes(), rng.numel())
-        self.replicator = Replicator(self.cp.secret, layout, self.log, sock=self._listener,
-                                     timeout=self.config.collective_timeout)
-        self.replicator.serve_hook = self._serve_hook
-        if self.rank is None and not self._wait_as_spare():
+        shapes = self._shard_shapes()
+        self.layout = StateLayout(shapes, rng.numel())
+        bufs = self.client.attach_slots(self.layout.nbytes, self.config.startup_timeout,
+                                        tensors=[[str(t.dtype).replace("torch.", ""), list(t.shape)] for t in shapes],
+                                        rng_nbytes=rng.numel())
+        self.slots = [Slot(self.layout.nbytes, b.tensor) for b in bufs]
+        self._bufs = bufs
+        self.copier = _Copier(self)
+        role = self._next_role(self.config.startup_timeout)
+        if role["what"] == "train":
+            self._start(role)
+        elif not self._follow(role):
             return
-        self._loop(step_fn, started=self._recovery is not None)
+        self._loop(step_fn)
 
     # ---- the loop ----------------------------------------------------------------------------
-    def _loop(self, step_fn, started: bool) -> None:
+    def _loop(self, step_fn) -> None:
         cfg = self.config
         while True:
             try:
-                if not started:
-                    self._start()
-                    started = True
                 while self.step < cfg.steps:
                     self._one_step(step_fn)
-                self.cp.watchdog.disarm()
+                self.client.progress.disarm()
                 collectives.all_reduce(torch.zeros(1), self.watch)  # everyone has finished
                 break
             except PeerFailure as exc:
                 if not self._recover(str(exc)):
                     return
-                started = True
         self._finish()
 
-    def _start(self) -> None:
+    def _start(self, role: dict) -> None:
         """Generation 0 (or the first of a requeued attempt): join, load a checkpoint, first snapshot."""
-        self.groups.join(self.generation, self._store0, self.rank, self.world_size, self.cp.failure)
+        self._role = role
+        self._high_water = role.get("high_water", -1)
+        self._join()
         self.opt.bind(self.rank, self.watch)
-        if self._resume is not None:
-            self._load_checkpoint(self._resume)
-        self._configure_replicas()
+        if role.get("resume"):
+            self._load_checkpoint(role["resume"])
         self._snapshot()
         if self.config.replicate:
             self._wait_committed(self.step)  # a fault at the first step needs it
-        self.log.emit("started", rank=self.rank, generation=self.generation, world_size=self.world_size,
-                      step=self.step)
+        self.log.emit("started", rank=self.rank, generation=self.generation, world_size=self.world_size, step=self.step)
 
     def _one_step(self, step_fn) -> None:
         s = self.step
-        self.cp.watchdog.arm(f"step {s}")
-        if self.cp.agent.preempted.is_set():
-            self._leave_for_preemption()
+        page = self.client.progress
+        page.set_step(s)
+        page.beat()
+        page.arm()
+        if self.failure.is_set():
+            raise PeerFailure("a peer failed")
         if self._recovery is not None:
-            self.faults.at_phase("resume", self._rounds, self.rank)
+            self.faults.at_phase("resume", self._role.get("round", 0), self.rank)
         if s > self._high_water:  # faults fire on the first pass through their step, never on a recomputation
-            self.faults.at_step(s, self.rank, self.cp.assignment, self.cp.spare_nodes)
+            self.faults.at_step(s, self.rank, set(self._role.get("active_nodes", [])), self._role.get("spare_nodes", []))
         t = time.perf_counter()
         metrics = step_fn(s) or {}
         dt = time.perf_counter() - t
@@ -166,169 +168,139 @@ class Context:
                           tokens_per_s=tokens / dt if dt > 0 else 0.0,
                           **{k: v for k, v in metrics.items() if isinstance(v, (int, float))})
 
-    def _leave_for_preemption(self) -> None:
-        """Slurm's SIGUSR2 reached some process: at this step boundary, leave the generation like for a
-        failure (the others break out of their collectives on our teardown); the agreement then decides
-        "preempted" and every rank saves the cut step. Without replicas there is no snapshot to agree
-        on, so the request is logged and ignored."""
-        if not self.config.replicate:
-            if not self._preempt_ignored:
-                self._preempt_ignored = True
-                self.log.emit("preempt_ignored", step=self.step, reason="--no-replicate: no snapshot to save")
-            return
-        self.cp.failure.set()
-        raise PeerFailure("preempted (SIGUSR2)")
-
     def _before_update(self) -> None:
         if self.config.replicate:
             self._wait_committed(self.step)
 
-    def _wait_committed(self, step: int) -> None:
-        self.replicator.wait_committed(step, self.cp.failure, self.config.collective_timeout, beat=self.cp.watchdog.beat)
-
     def _snapshot(self) -> None:
         if self.config.replicate:
-            self.replicator.submit(self.step, self.opt.state_tensors(), torch.get_rng_state())
+            self.copier.submit(self.step, self.opt.state_tensors(), torch.get_rng_state())
+
+    def _wait_committed(self, step: int) -> None:
+        """Until the agent says every holder acknowledged ``step``. Raises PeerFailure on failure or timeout."""
+        t0 = time.perf_counter()
+        end = time.monotonic() + self.config.collective_timeout
+        beat = self.client.progress.beat
+        with self._cv:
+            while self._committed < step:
+                if self.failure.is_set() or self.client.lost.is_set():
+                    raise PeerFailure(f"replica of step {step} not committed: a peer failed")
+                if time.monotonic() > end:
+                    raise PeerFailure(f"replica of step {step} not committed within {self.config.collective_timeout:.0f} s")
+                self._cv.wait(0.01)
+                beat()
+        self.wait_s += time.perf_counter() - t0
+
+    def _on_committed(self, body: dict) -> None:
+        with self._cv:
+            self._committed = max(self._committed, int(body["step"]))
+            self._cv.notify_all()
+
+    def _on_failure(self, body: dict) -> None:
+        """(reader thread) The agent starts a recovery round: a process already waiting for its role answers at
+        once; a training one leaves at its next wait (the failure flag)."""
+        waiting = self._waiting
+        if waiting is not None:
+            self.client.send("left", waiting)
+        else:
+            self.failure.set()
+        self.client.wake()
 
     def _shard_shapes(self) -> list[torch.Tensor]:
         return [torch.empty(self.opt.shard), self.opt.exp_avg, self.opt.exp_avg_sq]
 
-    def _configure_replicas(self) -> None:
-        cfg, P, r = self.config, self.cp.P, self.rank
-        k = min(cfg.replicas, cfg.nodes - 1) if cfg.replicate else 0
-        if r is None or k <= 0:
-            self.replicator.configure(self.generation, r, [], [])
-            return
-        addr = lambda t: self.cp.idents[self.cp.assignment[t]]["replica"]  # noqa: E731
-        self.replicator.configure(self.generation, r, [addr(h) for h in holders_of(r, P, cfg.nodes, k)],
-                                  held_by(r, P, cfg.nodes, k))
-
     # ---- recovery ----------------------------------------------------------------------------
-    def _wait_as_spare(self) -> bool:
-        """Wait until promoted (True) or the run ends (False)."""
-        self.log.emit("spare_ready", node=self.cp.me // self.cp.P)
-        while True:
-            if self.cp.finished() is not None:
-                return False
-            if self.cp.failure.wait(0.05):
-                if not self._recover("a peer failed"):
-                    return False
-                if self.rank is not None:
-                    return True
+    def _next_role(self, timeout: float) -> dict:
+        return self.client.get("role", timeout)
 
-    def _phase(self, name: str) -> None:
-        if name == "decided" and self.faults.wants_phase(name, self._rounds, self.rank):
-            self.cp.wait_sends()  # a coordinator dies once its decision has reached the members, not before
-        self.faults.at_phase(name, self._rounds, self.rank)
+    def _wait_role(self, done_step: int, why: str, announce: bool = True) -> dict:
+        """Wait for the next role; ``announce``: first tell the agent we left the generation and how far we got
+        (a spare only answers the agent's ``failure`` notices, ``_on_failure``)."""
+        body = {"generation": self.generation, "done_step": done_step, "why": why[:200]}
+        self._waiting = body
+        self.failure.clear()
+        if announce:
+            self.client.send("left", body)
+        try:
+            return self._next_role(self.config.recovery_timeout + self.config.ready_timeout)
+        finally:
+            self._waiting = None
 
     def _recover(self, why: str) -> bool:
-        """Recover from a failure, round after round until one succeeds. Returns False if this process has no
-        further part in the run (it saved a checkpoint, or stays a spare until the run ends: then True only
-        once promoted)."""
+        """Leave the failed generation and follow the agent's decisions until this process trains again (True),
+        or has no further part (False: saved, finished, or still a spare when the run ended)."""
         t_fail = time.time()
-        self.cp.watchdog.disarm()
-        failed_rounds = 0
-        while True:
-            self._rounds += 1
-            try:
-                done = self._recover_round(why, t_fail)
-            except RunFinished:
-                return False
-            except PeerFailure as exc:
-                failed_rounds += 1
-                self.log.emit("recovery_round_failed", generation=self.generation, rank=self.rank, round=self._rounds,
-                              error=str(exc)[:300])
-                if failed_rounds >= MAX_FAILED_ROUNDS:
-                    raise RecoveryTimeout(f"{failed_rounds} recovery rounds in a row failed; the last: {exc}") from exc
-                why = f"the previous recovery round failed: {exc}"
-                continue
-            return done
-
-    def _recover_round(self, why: str, t_fail: float) -> bool:
+        self.client.progress.disarm()
         self.groups.abandon()
-        self.replicator.quiesce()
-        report = dict(self.replicator.report(), done_step=self.step if self.rank is not None else -1)
-        self._phase("detect")
+        self.copier.quiesce()
+        done = self.step if self.rank is not None else -1
+        while True:
+            role = self._wait_role(done, why)
+            if role["what"] != "train":
+                if not self._follow(role):
+                    return False
+                continue  # still a spare: the next role comes with the next recovery
+            try:
+                self._rejoin(role, t_fail)
+                return True
+            except PeerFailure as exc:
+                self.groups.abandon()
+                self.copier.quiesce()
+                self.client.send("round_failed", {"generation": role["generation"], "error": str(exc)[:300]})
+                why = f"the recovery round failed: {exc}"
+
+    def _follow(self, role: dict) -> bool:
+        """A role other than train: True while this process stays (a spare waiting for promotion), else False."""
+        what = role["what"]
+        if what == "spare":
+            self._role = role
+            self.log.emit("spare_ready", node=self.node, generation=role.get("generation"))
+            while True:
+                role = self._wait_role(-1, "spare", announce=False)
+                if role["what"] == "train":
+                    self._rejoin(role, time.time(), promoted=True)
+                    return True
+                if role["what"] != "spare":
+                    return self._follow(role)
+        if what == "exit":
+            self.exit_code = int(role.get("code", 0))
+        return False
+
+    def _rejoin(self, role: dict, t_fail: float, promoted: bool = False) -> None:
         was_rank = self.rank
-        decision = self.cp.recover(report, self.groups.host_store, on_phase=self._phase)
-        t_agreed = time.time()
-        g = decision["generation"]
-        self._high_water = max(self._high_water, decision["high_water"])
-        if decision.get("exhausted"):
-            self._save_checkpoint(decision)
-            return False
-        if self.rank is None:
-            return True  # still a spare: keep waiting
-        self.opt.bind(self.rank, self.watch)
-        self._serving = {int(r) for r, src in decision["sources"].items() if src == self.cp.me}
-        ranks = [decision["assignment"][r] for r in range(self.world_size)]
-        # the tag names the coordinator too: two decisions for one generation (a coordinator change) never meet
-        self.cp.barrier(f"rebuild{g}.{decision['coordinator']}", ranks, self.config.rendezvous_timeout)
-        self._phase("rebuild")
-        self.groups.join(g, decision["store"], self.rank, self.world_size, self.cp.failure)
+        self._role = role
+        self._high_water = max(self._high_water, role.get("high_water", -1))
+        nth = role.get("round", 0)
+        self.faults.at_phase("rebuild", nth, self.rank)
+        self._join()
         t_rebuilt = time.time()
-        if not self._serving:
-            self._phase("restore")
-        self._restore(decision)
-        t_restored = time.time()
-        self._configure_replicas()
-        self._snapshot()
-        self._recovery = {"t_fail": t_fail, "recomputed_steps": decision["recomputed_steps"]}
-        self.log.emit("recovered", generation=g, rank=self.rank, promoted=was_rank is None, why=why[:200],
-                      t_fail=t_fail, t_agreed=t_agreed, t_rebuilt=t_rebuilt, t_restored=t_restored,
-                      cut_step=decision["cut_step"], failed_nodes=decision["failed_nodes"], round=self._rounds,
-                      rss_bytes=_rss_bytes())
-        return True
-
-    _serving: set = set()
-
-    def _serve_hook(self, rank: int, step: int, sent: int, total: int) -> None:
-        """Called by the replica server after each chunk it serves: the "restore" phase fault fires half-way."""
-        if rank in self._serving and 2 * sent >= total:
-            self._phase("restore")
-
-    def _restore(self, decision: dict) -> None:
-        cut = decision["cut_step"]
-        src = decision["sources"].get(str(self.rank))
-        rep = self.replicator
-        if src is not None:
-            slot = rep.fetch(self.cp.idents[src]["replica"], self.rank, cut, self.cp.failure,
-                             self.config.collective_timeout)
-        else:
-            slot = rep.own.get(cut)
-        rng = rep.layout.read(slot, self.opt.state_tensors())
+        if not role.get("serving"):
+            self.faults.at_phase("restore", nth, self.rank)
+        self.opt.bind(self.rank, self.watch)
+        slot = self.slots[role["slot"]]
+        slot.step, slot.crc = role["cut_step"], role["crc"]
+        rng = self.layout.read(slot, self.opt.state_tensors())  # verifies the checksum the agent took
         self.opt.gather()
         torch.set_rng_state(rng)
-        self.step = cut
+        self.step = role["cut_step"]
+        t_restored = time.time()
+        with self._cv:
+            self._committed = -1
+        self._snapshot()
+        self._recovery = {"t_fail": t_fail, "recomputed_steps": role.get("recomputed_steps", 0)}
+        self.log.emit("recovered", generation=self.generation, rank=self.rank, promoted=promoted or was_rank is None,
+                      t_fail=t_fail, t_agreed=role.get("t_agreed"), t_rebuilt=t_rebuilt, t_restored=t_restored,
+                      cut_step=self.step, failed_nodes=role.get("failed_nodes"), round=nth, rss_bytes=_rss_bytes())
 
-    # ---- no spare left, or preempted: persistent checkpoint, then requeue ----------------------
-    def _save_checkpoint(self, decision: dict) -> None:
-        """Write every shard of the cut step this process holds (its own, and those of lost ranks whose
-        source it is), wait for all members, and let the coordinator commit LATEST. Used when a lost node
-        finds no spare and when Slurm announces preemption or the time limit (SIGUSR2): either way the job
-        is requeued and resumes at the cut. A member lost while saving fails the barrier: the next round
-        decides again (with the lost member's shards taken from their holders)."""
-        cut, rep, g = decision["cut_step"], self.replicator, decision["generation"]
-        mine = []
-        if self.rank is not None and str(self.rank) not in decision["sources"]:
-            mine.append((self.rank, rep.own.get(cut)))
-        for r, src in decision["sources"].items():
-            if src == self.cp.me:
-                mine.append((int(r), rep.held(int(r)).get(cut)))
-        shard = [torch.empty_like(t) for t in self._shard_shapes()]
-        for r, slot in mine:
-            rng = rep.layout.read(slot, shard)  # verifies the checksum
-            persist.save_shard(self.checkpoint_dir, cut, r, shard, rng)
-        self.cp.barrier(f"saved{g}.{decision['coordinator']}", decision["members"], self.config.collective_timeout)
-        # every member commits (the same LATEST, written by rename): the coordinator may die right here
-        persist.commit(self.checkpoint_dir, cut, self.world_size, g, self._high_water)
-        if self.cp.me == decision["coordinator"]:
-            self.log.emit("checkpoint_saved", step=cut, generation=g, path=self.checkpoint_dir,
-                          reason=decision.get("reason", "no spare node left"))
-        self.exit_code = 75  # EX_TEMPFAIL: requeue me
+    def _join(self) -> None:
+        from .client import AgentStore
+
+        g = self.generation
+        store = AgentStore(self.client, g, timeout=self.config.rendezvous_timeout)
+        self.groups.join(g, store, self.rank, self.world_size)
 
     def _load_checkpoint(self, meta: dict) -> None:
-        rng = persist.load_shard(self.checkpoint_dir, meta, self.rank, self.opt.state_tensors())
+        rng = persist.load_shard(self.config.run_dir + "/checkpoint", meta, self.rank, self.opt.state_tensors())
         self.opt.gather()
         torch.set_rng_state(rng)
         self.step = meta["step"]
@@ -341,15 +313,65 @@ class Context:
 
     def _finish(self) -> None:
         if self.rank == 0:
-            self.cp.finish({"steps": self.step})  # first: hashing a large model takes a while, nobody waits for it
+            self.client.send("finished", {"steps": self.step})  # first: hashing a large model takes a while
             self.log.emit("finished", generation=self.generation, steps=self.step, param_digest=self.param_digest(),
-                          world_size=self.world_size, spares_left=len(self.cp.spare_nodes),
-                          bytes_per_rank_per_step=self.replicator.layout.nbytes if self.config.replicate else 0,
-                          replica_wait_s=self.replicator.wait_s)
+                          world_size=self.world_size, spares_left=self._role.get("spares_left"),
+                          bytes_per_rank_per_step=self.layout.nbytes if self.config.replicate else 0,
+                          replica_wait_s=self.wait_s)
             self.log.sync()
-            self.cp.wait_sends()
-        else:
-            end = time.monotonic() + self.config.collective_timeout
-            self.cp.agent.stop_watching()
-            while self.cp.finished() is None and time.monotonic() < end:
-                time.sleep(0.02)
+            return
+        try:
+            while self._next_role(self.config.collective_timeout)["what"] != "finish":
+                pass
+        except Exception:  # noqa: BLE001 - the run is over either way; the agent ends us if it must
+            pass
+
+
+class _Copier:
+    """The background copy of a snapshot into the agent's shared slot: ask the agent which slot (``claim``), copy
+    (chunk by chunk, abandoned at once on ``quiesce``), tell it (``written``). Overlaps the next forward and
+    backward; the update waits for ``committed``."""
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self.jobs: deque = deque()
+        self.cv = threading.Condition()
+        self.epoch = 0
+        self.busy = False
+        threading.Thread(target=self._run, name="deadpool-snapshot", daemon=True).start()
+
+    def submit(self, step: int, tensors, rng) -> None:
+        with self.cv:
+            self.jobs.append((step, tensors, rng, self.epoch))
+            self.cv.notify_all()
+
+    def quiesce(self) -> None:
+        """Drop queued snapshots and stop the copy in progress (its slot is never stamped); returns once idle."""
+        with self.cv:
+            self.epoch += 1
+            self.jobs.clear()
+            while self.busy:
+                self.cv.wait(0.005)
+
+    def _run(self) -> None:
+        ctx = self.ctx
+        while True:
+            with self.cv:
+                while not self.jobs:
+                    self.cv.wait(0.1)
+                step, tensors, rng, epoch = self.jobs.popleft()
+                if epoch != self.epoch:
+                    continue
+                self.busy = True
+            try:
+                stop = lambda: self.epoch != epoch  # noqa: E731
+                reply = ctx.client.request("claim", {"step": step}, ctx.config.collective_timeout)
+                if not stop() and ctx.layout.write(ctx.slots[reply["index"]], tensors, rng, step, should_stop=stop):
+                    if not stop():
+                        ctx.client.send("written", {"step": step, "index": reply["index"]})
+            except Exception:  # noqa: BLE001 - the agent failed the claim or is gone: the wait for commit says so
+                pass
+            finally:
+                with self.cv:
+                    self.busy = False
+                    self.cv.notify_all()

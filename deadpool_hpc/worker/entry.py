@@ -1,15 +1,15 @@
-"""Process entry point: ``python -m deadpool_hpc.worker.entry RUN_DIR``, one per MPI rank.
+"""Training process entry point: ``python -m deadpool_hpc.worker.entry RUN_DIR LOCAL_RANK``.
 
-Started by the local launcher (mpiexec, one hydra proxy per emulated node) or by ``srun`` under
-Slurm. Reads ``RUN_DIR/config.json`` and the per-job secret (``DEADPOOL_JOB_SECRET``, hex), starts
-the control plane, imports the training function named by ``config.train_fn`` ("module:function"),
-calls it with a Context on every process (spares included), and exits without MPI_Finalize.
+Started by its node agent (agent/supervisor.py), never by a launcher: it calls no MPI. Reads
+``RUN_DIR/config.json`` and the per-job secret (``DEADPOOL_JOB_SECRET``, hex), connects to its agent
+(``DEADPOOL_AGENT_SOCK``), imports the training function named by ``config.train_fn`` ("module:function") and
+calls it with a Context (spares included). Exits when the run is over for it, or at once when its agent is gone.
 """
 from __future__ import annotations
 
 import importlib
 import os
-import socket
+import signal
 import sys
 import traceback
 
@@ -22,24 +22,7 @@ def load_train_fn(spec: str):
     return getattr(importlib.import_module(mod), fn)
 
 
-# Slurm's "save and leave" signals: SIGUSR2 (``--signal=USR2@SECONDS``, submitit's convention, forwarded by
-# sbatch/train.sbatch when it reaches the batch shell) and SIGTERM (preemption with a grace time, ``scancel``,
-# the time limit: Slurm sends SIGTERM, then SIGKILL after KillWait). Both mean the same to a worker: save a
-# persistent checkpoint at the next agreed step and exit 75. Whether the job is then requeued (a signal while
-# the job goes on) or ends (a cancelled job) is the launcher's decision (docs/slurm.md, "Signals").
-STOP_SIGNALS = ("SIGUSR2", "SIGTERM")
-_signalled = {"usr2": False, "agent": None}  # a signal may come before the control plane exists
-
-
-def _on_stop_signal(_sig, _frame) -> None:
-    """SIGUSR2 or SIGTERM: ask the control plane to save a checkpoint at the next agreed step and leave.
-    Only stores flags (safe in a signal handler); the control plane's agent thread acts on them."""
-    _signalled["usr2"] = True
-    if _signalled["agent"] is not None:
-        _signalled["agent"].request_preempt()
-
-
-def _cap_malloc_arenas(n: int = 2) -> None:
+def cap_malloc_arenas(n: int = 2) -> None:
     """Cap glibc's malloc arenas (``mallopt(M_ARENA_MAX)``) unless MALLOC_ARENA_MAX is set. Each thread that
     allocates may get an arena of its own, and recoveries start short-lived threads (replica transfers, the
     process-group reaper). Measured on a rank surviving 4 recoveries: resident memory grew 3-10 MB per
@@ -56,76 +39,53 @@ def _cap_malloc_arenas(n: int = 2) -> None:
 
 
 def main(argv=None) -> None:
-    import signal
-
-    _cap_malloc_arenas()
-    stop = {getattr(signal, name) for name in STOP_SIGNALS}
-    for sig in stop:  # first: the default action of both would kill the rank
-        signal.signal(sig, _on_stop_signal)
-        signal.siginterrupt(sig, False)  # SA_RESTART: a system call of another thread must not fail EINTR
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, stop)  # the task wrapper spawns us with them blocked
+    cap_malloc_arenas()
+    # Slurm's stop signals (USR2, TERM) and a terminal's INT are the agent's to act on (it saves and leaves with
+    # its node): a training process ignores them, and dies with its agent (parent-death signal, end of channel).
+    for name in ("SIGUSR2", "SIGTERM", "SIGINT"):
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR2, signal.SIGTERM})
     argv = sys.argv[1:] if argv is None else argv
-    run_dir = argv[0]
-    from . import lifeline
-
-    line = lifeline.start(os.path.join(run_dir, "events.jsonl"))  # local launcher only: its death ends the run
+    run_dir, local = os.path.abspath(argv[0]), int(argv[1])
     import faulthandler
 
-    faulthandler.enable()  # a crash in native code leaves its Python stacks in launcher.log
-    import torch
-
-    torch.set_num_threads(int(os.environ.get("DEADPOOL_THREADS", "1")))
+    faulthandler.enable()  # a crash in native code leaves its Python stacks in the log
     from ..config import RunConfig
-    from ..control.plane import ControlPlane
-    from ..dataplane.groups import GenerationGroups, store_host
-    from ..errors import Fenced
+    from ..control.fence import identity
     from ..events import EventLog
-    from .context import Context
+    from .client import AgentClient
+    from .lifeline import RUN_ENV
 
     with open(os.path.join(run_dir, "config.json")) as fh:
         cfg = RunConfig.from_json(fh.read())
-    if not cfg.replicate:  # no snapshot to save (preempt_ignored): SIGTERM keeps its default action, ending us
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    # Start-up deadline: MPI_Init and the first collectives (identity exchange, broadcast, barrier) cannot time
-    # out, and a process lost meanwhile blocks them for ever; mpi4py holds the GIL in MPI_Init, so no Python
-    # thread could act. faulthandler's watchdog is a C thread: it prints every thread's stack to stderr (the
-    # launcher's log, or the task's under Slurm) and exits 1.
-    faulthandler.dump_traceback_later(cfg.startup_timeout, exit=True)
-    secret_hex = os.environ.get("DEADPOOL_JOB_SECRET", "")
-    if len(secret_hex) < 32:
-        sys.exit("DEADPOOL_JOB_SECRET is missing or shorter than 16 bytes (hex); the launcher sets it")
-    log = EventLog(os.path.join(run_dir, "events.jsonl"))
-    if os.environ.get(lifeline.RUN_ENV):  # in every line, hello included: a launcher reaps only its own run
-        log.base["run"] = os.environ[lifeline.RUN_ENV]
-    # this process's replica server (replica/transport.py), bound where its peers reach it
-    listener = socket.create_server((store_host(), 0), backlog=64)
-    cp = ControlPlane(secret=bytes.fromhex(secret_hex), ranks_per_node=cfg.ranks_per_node, active_nodes=cfg.nodes,
-                      period=cfg.heartbeat_period, deadline=cfg.heartbeat_deadline, log=log,
-                      hang_timeout=cfg.hang_timeout, ready_timeout=cfg.ready_timeout,
-                      recovery_timeout=cfg.recovery_timeout, replicas=cfg.replicas if cfg.replicate else 0,
-                      extra_identity={"replica": list(listener.getsockname()[:2])})
-    log.base.update(mpi_rank=cp.me, node=cp.me // cfg.ranks_per_node)
-    if line is not None:
-        line.know(cp.idents, log)  # from now on a lost launcher takes every process of the run with it
-    _signalled["agent"] = cp.agent
-    if _signalled["usr2"]:
-        cp.agent.request_preempt()
+    node = int(os.environ.get("DEADPOOL_NODE", "0"))
+    log = EventLog(os.path.join(run_dir, "events.jsonl"), node=node, local=local)
+    if os.environ.get(RUN_ENV):
+        log.base["run"] = os.environ[RUN_ENV]
+    client = AgentClient.connect(None, bytes.fromhex(os.environ["DEADPOOL_JOB_SECRET"]), local,
+                                 timeout=min(60.0, cfg.startup_timeout), on_lost=lambda *_: os._exit(1))
+    log.emit("hello", role="trainer", **identity())
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("DEADPOOL_THREADS", "1")))
+    from ..dataplane.groups import GenerationGroups
+    from .context import Context
+
     code = 0
     try:
-        ctx = Context(cfg, cp, GenerationGroups("gloo", cfg.collective_timeout, cfg.rendezvous_timeout), log, listener)
-        faulthandler.cancel_dump_traceback_later()  # the control plane runs: every wait from here on has its own
+        ctx = Context(cfg, client, GenerationGroups("gloo", cfg.collective_timeout, cfg.rendezvous_timeout), log,
+                      node, local)
         load_train_fn(cfg.train_fn)(ctx)
         code = ctx.exit_code
-    except Fenced as exc:  # declared failed by the others: leave quietly (they go on without this process)
-        code = 1
-        log.emit("fenced", error=str(exc))
-    except BaseException as exc:  # report, tell the others, leave
+    except BaseException as exc:  # report, ask the agent to end the job, leave
         code = 1
         log.emit("error", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-4000:])
-        cp.abort(f"{type(exc).__name__}: {exc}")
-        cp.wait_sends()
+        try:
+            client.send("abort", {"error": f"{type(exc).__name__}: {exc}"[:2000]})
+        except Exception:  # noqa: BLE001 - the agent is gone: nothing to tell
+            pass
     log.sync()
-    cp.exit(code)
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,115 @@
+"""Node agent entry point: ``python -m deadpool_hpc.agent RUN_DIR``, one per node (the node's only MPI process).
+
+Started by the local launcher (mpiexec, one hydra proxy per emulated node, ``-ppn 1``), by ``srun
+--ntasks-per-node=1`` under Slurm (sbatch/train.sbatch, through the task wrapper), or by a submitit task. Reads
+``RUN_DIR/config.json`` and the per-job secret (``DEADPOOL_JOB_SECRET``, hex), starts the control plane, spawns
+the node's training processes, and serves them (agent/node.py) until the run ends for this node; exits without
+MPI_Finalize, with 0 (done), 75 (checkpoint saved: requeue me) or 1.
+"""
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import socket
+import sys
+import traceback
+
+# Slurm's "save and leave" signals reach the agent (the task the step started): SIGUSR2 (``--signal=USR2@SECONDS``,
+# submitit's convention, passed on by sbatch/train.sbatch when it reaches the batch shell) and SIGTERM (preemption
+# with a grace time, ``scancel``, the time limit: SIGTERM, then SIGKILL after KillWait). Both mean: agree on a cut
+# step, save a persistent checkpoint there, exit 75. Whether the job is then requeued (the job goes on) or ends
+# (a cancelled job) is the launcher's decision (docs/slurm.md, "Signals"). Training processes ignore both.
+STOP_SIGNALS = ("SIGUSR2", "SIGTERM")
+_signalled = {"stop": False, "agent": None}  # a signal may come before the control plane exists
+
+
+def _on_stop_signal(_sig, _frame) -> None:
+    """Only stores flags (safe in a signal handler); the control plane's agent thread acts on them."""
+    _signalled["stop"] = True
+    if _signalled["agent"] is not None:
+        _signalled["agent"].request_preempt()
+
+
+def main(argv=None) -> None:
+    from ..worker.entry import cap_malloc_arenas
+
+    cap_malloc_arenas()
+    stop = {getattr(signal, name) for name in STOP_SIGNALS}
+    for sig in stop:  # first: the default action of both would kill the agent
+        signal.signal(sig, _on_stop_signal)
+        signal.siginterrupt(sig, False)  # SA_RESTART: a system call of another thread must not fail EINTR
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, stop)  # the task wrapper spawns us with them blocked
+    argv = sys.argv[1:] if argv is None else argv
+    run_dir = os.path.abspath(argv[0])
+    events = os.path.join(run_dir, "events.jsonl")
+    from ..worker import lifeline
+
+    line = lifeline.start(events)  # local launcher only: its death ends the run
+    faulthandler.enable()  # a crash in native code leaves its Python stacks in the log
+    from ..config import RunConfig
+
+    with open(os.path.join(run_dir, "config.json")) as fh:
+        cfg = RunConfig.from_json(fh.read())
+    # Start-up deadline: MPI_Init and the first collectives cannot time out, and a process lost meanwhile blocks
+    # them for ever; mpi4py holds the GIL in MPI_Init, so no Python thread could act. faulthandler's watchdog is
+    # a C thread: it prints every thread's stack to stderr and exits 1.
+    faulthandler.dump_traceback_later(cfg.startup_timeout, exit=True)
+    secret_hex = os.environ.get("DEADPOOL_JOB_SECRET", "")
+    if len(secret_hex) < 32:
+        sys.exit("DEADPOOL_JOB_SECRET is missing or shorter than 16 bytes (hex); the launcher sets it")
+    secret = bytes.fromhex(secret_hex)
+    from ..control.plane import ControlPlane
+    from ..dataplane.groups import store_host
+    from ..errors import Fenced
+    from ..events import EventLog
+    from ..worker.faults import NodeFaults
+    from .channel import ChannelServer
+    from .node import NodeAgent
+    from .supervisor import Supervisor
+    from .watch import RingWatch
+
+    log = EventLog(events)
+    if os.environ.get(lifeline.RUN_ENV):  # in every line, hello included: a launcher reaps only its own run
+        log.base["run"] = os.environ[lifeline.RUN_ENV]
+    host = store_host()
+    listeners = [socket.create_server((host, 0), backlog=64) for _ in range(cfg.ranks_per_node)]  # replica servers
+    watch = RingWatch(-1, secret, host)
+    channel = ChannelServer(secret, log=log)
+    cp = ControlPlane(secret=secret, ranks_per_node=cfg.ranks_per_node, active_nodes=cfg.nodes,
+                      period=cfg.heartbeat_period, deadline=cfg.heartbeat_deadline, log=log,
+                      ready_timeout=cfg.ready_timeout, recovery_timeout=cfg.recovery_timeout,
+                      replicas=cfg.replicas if cfg.replicate else 0,
+                      extra_identity={"replica": [list(s.getsockname()[:2]) for s in listeners], "watch": watch.address})
+    watch.me = cp.me
+    log.base.update(mpi_rank=cp.me, node=cp.me)
+    if line is not None:
+        line.know(cp.idents, log)  # from now on a lost launcher takes every agent (and its node) with it
+    _signalled["agent"] = cp.agent
+    if _signalled["stop"]:
+        cp.agent.request_preempt()
+    env = dict(os.environ, DEADPOOL_AGENT_SOCK=channel.name, DEADPOOL_NODE=str(cp.me))
+    env.pop(lifeline.ENV, None)  # the agent watches the launcher; its training processes die with the agent
+    sup = Supervisor(run_dir, cfg.ranks_per_node, env, cfg.hang_timeout, channel.progress)
+    code = 1
+    try:
+        sup.start()
+        cp.start()
+        faulthandler.cancel_dump_traceback_later()  # every wait from here on has its own deadline
+        faults = NodeFaults(cfg.faults, node=cp.me, log=log, pids=lambda: {lo: p.pid for lo, p in sup.procs.items()},
+                            rank_local=lambda r: next((lo for lo in range(cfg.ranks_per_node)
+                                                       if cp.train_rank(lo) == r), None))
+        code = NodeAgent(cfg, cp, channel, sup, watch, listeners, log, faults).run()
+    except Fenced as exc:  # this node failed, or the others declared it failed: they go on without it
+        log.emit("fenced", error=str(exc))
+    except BaseException as exc:  # report, tell the others, leave
+        log.emit("error", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-4000:])
+        cp.abort(f"{type(exc).__name__}: {exc}")
+    finally:
+        sup.kill_all(2.0)
+        log.sync()
+        cp.exit(code)
+
+
+if __name__ == "__main__":
+    main()

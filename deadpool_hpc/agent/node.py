@@ -1,0 +1,409 @@
+"""The node agent: one per node, the only MPI process of its node, supervising the node's training processes.
+
+Owns, for its node (DESIGN.md "Process tree"): the control plane among agents (heartbeats, agreement, fencing:
+control/), the node's own snapshot slots (shared with its training processes, agent/shm.py) and the replicas it
+holds for other nodes (replica/transport.py: one Replicator per local rank), each generation's rendezvous (the
+replicated key/value store its training processes use instead of a TCPStore, agent/store.py), and the
+supervision of its P training processes (agent/supervisor.py: an exit is seen at once, a hang by its progress
+page). Does not own: training (worker/), launching (launch/).
+
+Detection paths (issue 7): a training process that exits or stops making progress makes its agent declare the
+node failed to every agent at once (``suspect`` of itself) and end the node; an agent that dies is seen at once by
+its ring neighbours (agent/watch.py); a node that freezes or loses power, by the heartbeats.
+
+The loop (``run``) never blocks: each iteration it moves control messages (``ControlPlane.pump``), local channel
+messages, supervisor and watch events, commits, and expires store waits. A recovery (``_recover``) is a series of
+rounds; each waits only with deadlines and keeps ticking the loop's sources.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from ..control.agreement import held_by, holders_of
+from ..errors import Fenced, PeerFailure, RecoveryTimeout, RunFinished
+from ..replica import persist
+from .store import GenerationStore
+
+MAX_FAILED_ROUNDS = 8
+
+
+class NodeAgent:
+    """One node's agent. ``cp``: its ControlPlane (started); ``channel``: its ChannelServer; ``supervisor``;
+    ``watch``: its RingWatch; ``listeners``: one bound replica server socket per local rank; ``log``: EventLog."""
+
+    def __init__(self, cfg, cp, channel, supervisor, watch, listeners, log, injector):
+        self.cfg = cfg
+        self.cp = cp
+        self.channel = channel
+        self.sup = supervisor
+        self.watch = watch
+        self.listeners = listeners
+        self.log = log
+        self.faults = injector
+        self.P = cfg.ranks_per_node
+        self.node = cp.me
+        self.reps: dict = {}               # local -> Replicator (once the training process sent its layout)
+        self.layouts: dict = {}            # local -> StateLayout
+        self.bufs: dict = {}               # local -> [SharedBuffer, SharedBuffer]
+        self.committed_sent: dict = {}     # local -> last committed step told
+        self.pending_claims: dict = {}     # local -> (id, step) of a claim to answer when a slot is free
+        self.left: dict = {}               # local -> done_step, during a recovery
+        self.round_failed = False
+        self.stores: dict[int, GenerationStore] = {}
+        self.kv_early: dict[int, list] = {}  # generation -> [(key, value)] broadcast before we had that store
+        self.high_water = -1
+        self.rounds = 0
+        self.failed_rounds = 0
+        self.state = "starting"
+        self._preempt_ignored = False
+        self.exit_code = 0
+        self.checkpoint_dir = os.path.join(cfg.run_dir, "checkpoint")
+        self.resume = persist.latest(self.checkpoint_dir)  # a requeued attempt (the launchers clear a new run's)
+        cp.handlers["kv"] = self._on_kv
+        cp.on_member_lost = self._fail_stores
+        cp.agent.on_inject = self._on_inject
+
+    # ---- the loop ------------------------------------------------------------------------------------------------
+    def run(self) -> int:
+        """Serve until the run ends for this node. Returns the exit code (0 done, 75 checkpoint saved: requeue)."""
+        if self.resume is not None:
+            self.cp.generation = self.cp.agent.generation = self.resume["generation"] + 1
+            self.high_water = self.resume.get("high_water", -1)
+        self._start()
+        while self.state not in ("done", "saved"):
+            self._tick(0.005)
+            if self.state in ("done", "saved"):
+                break
+            if self.cp.finished() is not None:
+                self._finish()
+                break
+            if self.cp.agent.fenced:
+                raise Fenced(self.cp.agent.fenced)
+            if self.cp.agent.preempted.is_set() and self.state == "training" and not self.cfg.replicate:
+                if not self._preempt_ignored:
+                    self._preempt_ignored = True
+                    self.log.emit("preempt_ignored", reason="--no-replicate: no snapshot to save")
+            elif self.cp.agent.preempted.is_set() and self.state == "training":
+                self.cp.failure.set()  # Slurm's warning (SIGUSR2/SIGTERM): agree on a cut, save it, requeue
+            if self.cp.failure.is_set() or self.left or self.round_failed:
+                self._recover()
+        return self.exit_code
+
+    def _tick(self, timeout: float = 0.0) -> None:
+        """One pass over every source of events; returns within about ``timeout`` seconds."""
+        self.cp.pump(0)
+        for local, kind, body in self.channel.poll(timeout):
+            self._on_local(local, kind, body)
+        for local, rc in self.sup.poll():
+            if rc == 0 and self.cp._finish is not None:
+                continue  # the run is complete: training processes leave
+            self._node_failed(f"training process {local} (pid {self.sup.procs[local].pid}) exited with "
+                              f"{'signal ' + signal.Signals(-rc).name if rc < 0 else 'code ' + str(rc)}")
+        armed = [lo for lo in range(self.P) if self.channel.progress(lo) is not None and self.channel.progress(lo).armed]
+        for local, stuck in self.sup.hung(armed):
+            self.log.emit("hang_detected", generation=self.cp.generation, local=local, stuck_s=round(stuck, 3),
+                          step=self.channel.progress(local).step, timeout_s=self.cfg.hang_timeout)
+            self._node_failed(f"training process {local} made no progress for {stuck:.1f} s")
+        for lost in self.watch.poll():
+            self.cp.agent.suspect(lost, "its agent's watch connection closed (the process is gone)")
+        for local, rep in self.reps.items():
+            c = rep.committed_step
+            if c > self.committed_sent.get(local, -1):
+                self.committed_sent[local] = c
+                self.channel.send(local, "committed", {"step": c})
+                self.failed_rounds = 0  # training makes progress again
+            if local in self.pending_claims:
+                self._claim(local, *self.pending_claims.pop(local))
+        for st in self.stores.values():
+            st.expire()
+
+    # ---- start-up --------------------------------------------------------------------------------------------
+    def _start(self) -> None:
+        deadline = time.monotonic() + self.cfg.startup_timeout
+        while len(self.layouts) < self.P:  # every training process built its model and sent its layout
+            self._tick(0.01)
+            if time.monotonic() > deadline:
+                raise RecoveryTimeout(f"the node's training processes did not start within {self.cfg.startup_timeout:.0f} s")
+        self.watch.retarget(self.cp.agent.alive(), self._watch_addresses())
+        g = self.cp.generation
+        self._store(g)
+        for local in range(self.P):
+            self._configure(local)
+            r = self.cp.train_rank(local)
+            self.channel.send(local, "role", {**self._role_common(), "what": "train" if r is not None else "spare",
+                                              "rank": r, "world_size": self.cfg.world_size,
+                                              "high_water": self.high_water, "resume": self.resume})
+        self.state = "training" if self.cp.train_rank(0) is not None else "spare"
+
+    def _on_local(self, local: int, kind: str, body: dict) -> None:
+        if self.cp.agent.fenced:
+            return
+        st = self.stores.get(self.cp.generation)
+        if kind.startswith("store_"):
+            gen = body.get("generation")
+            (self.stores.get(gen) or st or self._store(self.cp.generation)).handle(local, kind, body, self.channel.send)
+        elif kind == "layout":
+            self._layout(local, body)
+        elif kind == "claim":
+            self._claim(local, body["id"], int(body["step"]))
+        elif kind == "written":
+            self.reps[local].written(int(body["step"]), int(body["index"]))
+        elif kind == "left":
+            self.left[local] = int(body.get("done_step", -1))
+        elif kind == "round_failed":
+            self.round_failed = True
+            self.log.emit("recovery_round_failed", generation=self.cp.generation, local=local,
+                          error=str(body.get("error"))[:300])
+        elif kind == "fault":
+            self.faults.fire_node(body)
+        elif kind == "inject_spare":
+            self.cp.agent.send(int(body["node"]), "inject", body)
+        elif kind == "finished":
+            self.cp.finish({"steps": body.get("steps")})
+        elif kind == "abort":  # an error in the user's code: the whole job stops (every agent is told)
+            from ..errors import JobAborted
+
+            self.cp.abort(str(body.get("error")))
+            raise JobAborted(f"training process {local} failed: {body.get('error')}")
+        elif kind == "closed" and self.state not in ("done", "saved"):
+            pass  # the supervisor reports the exit itself (with its status)
+
+    def _layout(self, local: int, body: dict) -> None:
+        import torch
+
+        from ..agent.shm import SharedBuffer, slot_pair
+        from ..replica.snapshot import StateLayout
+        from ..replica.transport import Replicator
+
+        nbytes = int(body["nbytes"])
+        tensors = [torch.empty(shape, dtype=getattr(torch, dtype), device="meta") for dtype, shape in body["tensors"]]
+        layout = StateLayout(tensors, int(body["rng_nbytes"]))
+        if layout.nbytes != nbytes:
+            raise ValueError(f"training process {local} sent a layout of {layout.nbytes} bytes but asked for {nbytes}")
+        bufs = [SharedBuffer.create(nbytes, name=f"deadpool-slot{local}") for _ in range(int(body.get("count", 2)))]
+        self.bufs[local] = bufs
+        self.layouts[local] = layout
+        self.reps[local] = Replicator(self.cp.secret, layout, self.log, sock=self.listeners[local],
+                                      timeout=self.cfg.collective_timeout, own=slot_pair(bufs))
+        self.reps[local].serve_hook = self._serve_hook
+        self.channel.send(local, "slots", {"nbytes": nbytes, "count": len(bufs)}, fds=[b.fd for b in bufs])
+
+    def _claim(self, local: int, rid, step: int) -> None:
+        index = self.reps[local].claim(step)
+        if index is None:
+            self.pending_claims[local] = (rid, step)
+        else:
+            self.channel.send(local, "store_reply", {"id": rid, "ok": True, "index": index})
+
+    def _configure(self, local: int) -> None:
+        cfg, P, r = self.cfg, self.P, self.cp.train_rank(local)
+        k = min(cfg.replicas, cfg.nodes - 1) if cfg.replicate else 0
+        rep = self.reps[local]
+        if r is None or k <= 0:
+            rep.configure(self.cp.generation, r, [], [])
+            return
+        addr = lambda t: self._replica_address(self.cp.assignment[t])  # noqa: E731
+        rep.configure(self.cp.generation, r, [addr(h) for h in holders_of(r, P, cfg.nodes, k)], held_by(r, P, cfg.nodes, k))
+        self.committed_sent[local] = -1
+
+    def _replica_address(self, proc: int) -> list:
+        return self.cp.idents[proc // self.P]["replica"][proc % self.P]
+
+    def _role_common(self) -> dict:
+        """What every role message carries: the layout of the generation (for fault targets and the summary)."""
+        return {"active_nodes": sorted({m // self.P for m in self.cp.assignment}), "spare_nodes": self.cp.spare_nodes,
+                "spares_left": len(self.cp.spare_nodes), "generation": self.cp.generation}
+
+    def _watch_addresses(self) -> dict:
+        return {n: ident["watch"] for n, ident in enumerate(self.cp.idents)}
+
+    # ---- the rendezvous store ------------------------------------------------------------------------------
+    def _store(self, g: int) -> GenerationStore:
+        if g not in self.stores:
+            st = GenerationStore(g, broadcast=lambda key, value, g=g: self._broadcast_kv(g, key, value))
+            for key, value in self.kv_early.pop(g, []):
+                st.apply(key, value)
+            self.stores = {gen: s for gen, s in self.stores.items() if gen >= g - 1}
+            self.stores[g] = st
+        return self.stores[g]
+
+    def _broadcast_kv(self, g: int, key: str, value: bytes) -> None:
+        import base64
+
+        body = {"g": g, "key": key, "value": base64.b64encode(value).decode()}
+        for n in self.cp.member_nodes:
+            if n != self.node:
+                self.cp.agent.send(n, "kv", body)
+
+    def _on_kv(self, src: int, body: dict) -> None:
+        import base64
+
+        g, key, value = int(body["g"]), body["key"], base64.b64decode(body["value"])
+        if g in self.stores:
+            self.stores[g].apply(key, value)
+        elif g > self.cp.generation - 1:
+            self.kv_early.setdefault(g, []).append((key, value))
+
+    def _fail_stores(self) -> None:
+        """A member agent was lost (any thread): every rendezvous wait fails now, not at its timeout."""
+        for st in list(self.stores.values()):
+            st.fail_all("a member node was lost")
+
+    # ---- failures --------------------------------------------------------------------------------------------
+    def _node_failed(self, reason: str) -> None:
+        """A training process of this node exited or froze: the node is lost (spares are nodes). Tell every agent,
+        end the node's processes, and leave (raises Fenced, which ends the agent with exit 1)."""
+        self.log.emit("node_failed", reason=reason, generation=self.cp.generation)
+        self.log.sync()
+        self.cp.declare_failed(reason)
+        self.sup.kill_all(1.0)
+        self.state = "done"
+        raise Fenced(f"this node failed: {reason}")
+
+    def _on_inject(self, body: dict) -> None:
+        """(agent thread) Training rank 0 asks this (spare) node to fire a fault on itself."""
+        self.faults.on_message(body)
+
+    def _serve_hook(self, rank: int, step: int, sent: int, total: int) -> None:
+        if rank in self._serving and 2 * sent >= total:
+            self._phase("restore")
+
+    _serving: set = set()
+
+    def _phase(self, name: str) -> None:
+        if name == "decided" and self.faults.wants_phase(name, self.rounds):
+            self.cp.wait_sends()  # a coordinator dies once its decision has reached the members
+        self.faults.at_phase(name, self.rounds)
+
+    # ---- recovery ---------------------------------------------------------------------------------------------
+    def _recover(self) -> None:
+        """Rounds until one succeeds; every wait has a deadline and keeps the loop's sources ticking."""
+        t_fail = time.time()
+        while True:
+            self.rounds += 1
+            self.failed_rounds += 1
+            if self.failed_rounds > MAX_FAILED_ROUNDS:
+                raise RecoveryTimeout(f"{MAX_FAILED_ROUNDS} recovery rounds in a row failed")
+            try:
+                self._round(t_fail)
+                return
+            except RunFinished:
+                self._finish()
+                return
+            except PeerFailure as exc:
+                self.log.emit("recovery_round_failed", generation=self.cp.generation, round=self.rounds,
+                              error=str(exc)[:300])
+
+    def _round(self, t_fail: float) -> None:
+        g0 = self.cp.generation
+        self.round_failed = False
+        self._fail_stores()
+        for local in self.sup.alive():
+            self.channel.send(local, "failure", {"generation": g0})
+        # every live training process leaves the generation and says how far it got (bounded: a stuck one is
+        # found by its progress page, the wait by the ready timeout)
+        end = time.monotonic() + self.cfg.ready_timeout
+        while any(lo not in self.left for lo in self.sup.alive()):
+            self._tick(0.005)
+            if time.monotonic() > end:
+                self._node_failed(f"training process(es) {[lo for lo in self.sup.alive() if lo not in self.left]} "
+                                  f"did not leave the failed generation within {self.cfg.ready_timeout:.0f} s")
+        for rep in self.reps.values():
+            rep.quiesce()
+        report = {}
+        for local, rep in self.reps.items():
+            m = self.node * self.P + local
+            report[str(m)] = dict(rep.report(), done_step=self.left.get(local, -1))
+        self._phase("detect")
+        decision = self.cp.recover(report, lambda: None, on_phase=self._phase, tick=self._tick)
+        g = decision["generation"]
+        self.high_water = max(self.high_water, decision["high_water"])
+        self.left = {}
+        if decision.get("exhausted"):
+            self._save_checkpoint(decision)
+            return
+        ranks = {local: self.cp.train_rank(local) for local in range(self.P)}
+        self.watch.retarget(self.cp.agent.alive(), self._watch_addresses())
+        if ranks[0] is None:  # still a spare
+            for local in range(self.P):
+                self._configure(local)
+                self.channel.send(local, "role", {**self._role_common(), "what": "spare"})
+            self.state = "spare"
+            return
+        self._serving = {int(r) for r, src in decision["sources"].items() if src // self.P == self.node}
+        slots = {}
+        for local, r in ranks.items():
+            src = decision["sources"].get(str(r))
+            rep = self.reps[local]
+            if src is not None:
+                slot = rep.fetch(self._replica_address(src), r, decision["cut_step"], self.cp.failure,
+                                 self.cfg.collective_timeout)
+            else:
+                slot = rep.own.get(decision["cut_step"])
+            slots[local] = slot
+        trainers = sorted({decision["assignment"][r] // self.P for r in range(self.cfg.world_size)})
+        self.cp.barrier(f"rebuild{g}.{decision['coordinator']}", trainers, self.cfg.rendezvous_timeout,
+                        tick=self._tick)
+        self._phase("rebuild")
+        self._store(g)
+        for local, r in ranks.items():
+            rep, slot = self.reps[local], slots[local]
+            self._configure(local)  # keeps the restore slot (its rank is r); pushes start with the next claim
+            self.channel.send(local, "role", {
+                **self._role_common(), "what": "train", "rank": r, "world_size": self.cfg.world_size,
+                "serving": bool(self._serving),
+                "cut_step": decision["cut_step"], "slot": rep.own.slots.index(slot), "crc": slot.crc,
+                "recomputed_steps": decision["recomputed_steps"], "high_water": self.high_water, "t_fail": t_fail,
+                "t_agreed": time.time(), "failed_nodes": decision["failed_nodes"], "round": self.rounds,
+                "promoted": str(r) in decision["promoted"]})
+        self.state = "training"
+
+    def _save_checkpoint(self, decision: dict) -> None:
+        """No spare left, or preempted: write every shard of the cut step this node holds (its ranks' own, and the
+        lost ranks whose source it is), wait for every member agent, commit LATEST (each member does: the
+        coordinator may die right here), tell the training processes to leave with 75 (requeue)."""
+        import torch
+
+        cut, g = decision["cut_step"], decision["generation"]
+        for local, rep in self.reps.items():
+            r = self.cp.train_rank(local)
+            mine = []
+            if r is not None and str(r) not in decision["sources"]:
+                mine.append((r, rep.own.get(cut)))
+            for rr, src in decision["sources"].items():
+                if src == self.node * self.P + local:
+                    mine.append((int(rr), rep.held(int(rr)).get(cut)))
+            layout = self.layouts[local]
+            shard = [torch.empty(shape, dtype=dtype) for shape, dtype in zip(layout.shapes, layout.dtypes)]
+            for rank, slot in mine:
+                rng = layout.read(slot, shard)
+                persist.save_shard(self.checkpoint_dir, cut, rank, shard, rng)
+        self.cp.barrier(f"saved{g}.{decision['coordinator']}", self.cp.member_nodes, self.cfg.collective_timeout,
+                        tick=self._tick)
+        persist.commit(self.checkpoint_dir, cut, self.cfg.world_size, g, self.high_water)
+        if self.node == decision["coordinator"]:
+            self.log.emit("checkpoint_saved", step=cut, generation=g, path=self.checkpoint_dir,
+                          reason=decision.get("reason", "no spare node left"))
+        for local in self.sup.alive():
+            self.channel.send(local, "role", {"what": "exit", "code": 75})
+        self.sup.wait_all(10.0)
+        self.exit_code = 75
+        self.state = "saved"
+
+    def _finish(self) -> None:
+        """The run is complete: tell the training processes, let them leave, leave."""
+        self.cp.agent.stop_watching()
+        self.watch.enabled = False
+        for local in self.sup.alive():
+            self.channel.send(local, "role", {"what": "finish"})
+        end = time.monotonic() + self.cfg.collective_timeout
+        while self.sup.alive() and time.monotonic() < end:
+            self._tick_quiet(0.02)
+        self.sup.kill_all(1.0)
+        self.state = "done"
+
+    def _tick_quiet(self, timeout: float) -> None:
+        self.channel.poll(timeout)
+        self.sup.poll()

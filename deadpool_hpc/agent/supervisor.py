@@ -1,0 +1,124 @@
+"""The node agent's supervisor: starts this node's training processes and sees at once when one fails.
+
+Owns: spawning the P training processes (``python -m deadpool_hpc.worker.entry RUN_DIR LOCAL_RANK``, with the
+agent's channel name in the environment and a parent-death signal, so none outlives its agent), watching each
+one's exit through a pidfd (``poll`` returns it the moment the kernel reaps nothing but knows: no heartbeat
+deadline), reading their progress pages for hangs (``--hang-timeout``), and killing them. Does not own: what a
+failure means for the job (agent/node.py declares the node failed), the channel (agent/channel.py).
+
+A training process's exit by any signal or code while the run is on is a failure of its node: spares are nodes
+(DESIGN.md), so the agent fences the whole node. Measured cost of watching: one ``poll`` with a zero timeout
+per agent loop iteration.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+PR_SET_PDEATHSIG = 1
+
+
+class Supervisor:
+    """P training processes of one node. ``env``: their environment; ``run_dir``; ``hang_timeout`` (seconds, 0:
+    off); ``progress(local) -> ProgressPage | None`` (the channel's view of each process's page)."""
+
+    def __init__(self, run_dir: str, P: int, env: dict, hang_timeout: float, progress):
+        self.run_dir = run_dir
+        self.P = P
+        self.env = env
+        self.hang_timeout = hang_timeout
+        self.progress = progress
+        self.procs: dict[int, subprocess.Popen] = {}
+        self._pidfds: dict[int, int] = {}
+        self._poll = select.poll()
+        self._by_fd: dict[int, int] = {}
+        self.exited: dict[int, int] = {}   # local rank -> exit status (negative: the signal)
+
+    def start(self) -> None:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+        parent = os.getpid()
+
+        def preexec() -> None:  # die with the agent, even if it is SIGKILLed
+            prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+            if os.getppid() != parent:
+                os._exit(1)
+
+        for local in range(self.P):
+            env = dict(self.env, DEADPOOL_LOCAL_RANK=str(local))
+            # a session of its own: hydra signals the agent's process group (SIGUSR1 when a peer's process dies),
+            # and Slurm's step signals are the agent's to act on
+            p = subprocess.Popen([sys.executable, "-m", "deadpool_hpc.worker.entry", self.run_dir, str(local)], env=env,
+                                 stdin=subprocess.DEVNULL, preexec_fn=preexec, start_new_session=True)
+            self.procs[local] = p
+            fd = os.pidfd_open(p.pid)
+            self._pidfds[local] = fd
+            self._by_fd[fd] = local
+            self._poll.register(fd, select.POLLIN)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs.values()]
+
+    def poll(self) -> list[tuple[int, int]]:
+        """Training processes that exited since the last call: [(local rank, status)] (status < 0: killed by that
+        signal). Never blocks."""
+        out = []
+        for fd, _ev in self._poll.poll(0):
+            local = self._by_fd.pop(fd)
+            self._poll.unregister(fd)
+            os.close(fd)
+            self._pidfds.pop(local, None)
+            rc = self.procs[local].wait()
+            self.exited[local] = rc
+            out.append((local, rc))
+        return out
+
+    def hung(self, armed_locals) -> list[tuple[int, float]]:
+        """[(local rank, seconds without progress)] of the processes in ``armed_locals`` whose progress page has
+        not changed for ``hang_timeout`` seconds."""
+        if not self.hang_timeout:
+            return []
+        out = []
+        for local in armed_locals:
+            page = self.progress(local)
+            if page is not None and local not in self.exited:
+                stuck = page.stalled_for()
+                if stuck > self.hang_timeout:
+                    out.append((local, stuck))
+        return out
+
+    def alive(self) -> list[int]:
+        return [local for local in self.procs if local not in self.exited]
+
+    def signal_all(self, sig: int) -> None:
+        for local, p in self.procs.items():
+            if local not in self.exited:
+                try:
+                    os.kill(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def kill_all(self, wait: float = 5.0) -> None:
+        """SIGKILL every training process still alive and reap it (at most ``wait`` seconds)."""
+        self.signal_all(signal.SIGKILL)
+        end = time.monotonic() + wait
+        for local, p in self.procs.items():
+            try:
+                p.wait(max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+
+    def wait_all(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` s) for every training process to exit on its own. True if all did."""
+        end = time.monotonic() + timeout
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                return False
+        return True
