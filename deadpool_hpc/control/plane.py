@@ -174,7 +174,7 @@ class ControlPlane:
 
     def _on_preempt(self, source: int) -> None:
         if source == self.me:  # the processes that got the signal say so; the others just follow
-            self.log.emit("preempt_requested", generation=self.generation)
+            self.log.emit("preempt_requested", generation=self.generation, signal=getattr(self.agent, "preempt_by", None))
 
     def _on_hang(self, stuck: float, where: str) -> None:
         """The watchdog (agent thread): the training thread made no progress for ``stuck`` seconds. Declare this

@@ -59,12 +59,13 @@ class Context:
         self._recovery: dict | None = None
         self._rounds = 0  # recovery rounds this process took part in (phase faults count them)
         self.exit_code = 0
-        self.watch = Watch(control.failure, cfg.collective_timeout, control.watchdog.beat)
+        self.watch = Watch(control.failure, cfg.wait_timeout, control.watchdog.beat)
         self.faults = Injector(cfg.faults, mpi_rank=control.me, ranks_per_node=control.P, idents=control.idents,
                                log=log, send=control.agent.send)
         control.agent.on_inject = self.faults.on_message
         control.on_member_lost = groups.drop_stores  # a rendezvous in progress fails at once, not at its timeout
         self._high_water = -1  # the highest step any rank had reached when the last recovery agreed
+        self._rebuilt_at = -1  # the cut step of the last "rebuild" decision (nobody failed: a collective timed out)
         self._preempt_ignored = False
         addr = json.dumps(groups.host_store()) if control.me == 0 else None
         self._store0 = json.loads(control.bcast_text(addr, root=0))
@@ -184,7 +185,7 @@ class Context:
             self._wait_committed(self.step)
 
     def _wait_committed(self, step: int) -> None:
-        self.replicator.wait_committed(step, self.cp.failure, self.config.collective_timeout, beat=self.cp.watchdog.beat)
+        self.replicator.wait_committed(step, self.cp.failure, self.config.wait_timeout, beat=self.cp.watchdog.beat)
 
     def _snapshot(self) -> None:
         if self.config.replicate:
@@ -254,6 +255,13 @@ class Context:
         t_agreed = time.time()
         g = decision["generation"]
         self._high_water = max(self._high_water, decision["high_water"])
+        if decision.get("reason") == "rebuild":  # collectives timed out with nobody at fault
+            if decision["cut_step"] == self._rebuilt_at:
+                raise RecoveryTimeout(
+                    f"collectives at step {decision['cut_step']} timed out twice ({self.config.wait_timeout:.0f} s) with "
+                    f"no process at fault: a rank's step takes longer than that (raise --collective-timeout and "
+                    f"--hang-timeout above your longest step), or the network is wedged")
+            self._rebuilt_at = decision["cut_step"]
         if decision.get("exhausted"):
             self._save_checkpoint(decision)
             return False

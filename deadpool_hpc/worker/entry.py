@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import socket
 import sys
 import traceback
@@ -31,11 +32,13 @@ STOP_SIGNALS = ("SIGUSR2", "SIGTERM")
 _signalled = {"usr2": False, "agent": None}  # a signal may come before the control plane exists
 
 
-def _on_stop_signal(_sig, _frame) -> None:
+def _on_stop_signal(sig, _frame) -> None:
     """SIGUSR2 or SIGTERM: ask the control plane to save a checkpoint at the next agreed step and leave.
     Only stores flags (safe in a signal handler); the control plane's agent thread acts on them."""
     _signalled["usr2"] = True
+    _signalled["name"] = signal.Signals(sig).name
     if _signalled["agent"] is not None:
+        _signalled["agent"].preempt_by = _signalled["name"]
         _signalled["agent"].request_preempt()
 
 
@@ -109,10 +112,11 @@ def main(argv=None) -> None:
         line.know(cp.idents, log)  # from now on a lost launcher takes every process of the run with it
     _signalled["agent"] = cp.agent
     if _signalled["usr2"]:
+        cp.agent.preempt_by = _signalled.get("name")
         cp.agent.request_preempt()
     code = 0
     try:
-        ctx = Context(cfg, cp, GenerationGroups("gloo", cfg.collective_timeout, cfg.rendezvous_timeout), log, listener)
+        ctx = Context(cfg, cp, GenerationGroups("gloo", cfg.wait_timeout, cfg.rendezvous_timeout), log, listener)
         faulthandler.cancel_dump_traceback_later()  # the control plane runs: every wait from here on has its own
         load_train_fn(cfg.train_fn)(ctx)
         code = ctx.exit_code
