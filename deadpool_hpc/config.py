@@ -126,11 +126,18 @@ class RunConfig:
         return self.total_nodes * self.ranks_per_node
 
     @property
+    def wait_timeout(self) -> float:
+        """Seconds a rank waits for its peers in one collective or replica commit before it gives up (and the run
+        rebuilds its process group): ``--collective-timeout``, but never less than a peer's step may legitimately
+        take (``--hang-timeout``) plus two heartbeat deadlines, so a slow step is waited for, not replayed."""
+        return max(self.collective_timeout, self.hang_timeout + 2 * self.heartbeat_deadline)
+
+    @property
     def ready_timeout(self) -> float:
         """Seconds the recovery coordinator waits for a live process's report before it suspects it: a process
         whose heartbeats go on but whose training thread never reaches the recovery is stuck; its own watchdog
         (``hang_timeout``) or, without one, the collective timeout bounds how long it may legitimately take."""
-        return (self.hang_timeout or self.collective_timeout) + 2 * self.heartbeat_deadline
+        return (self.hang_timeout or self.wait_timeout) + 2 * self.heartbeat_deadline
 
     @property
     def recovery_timeout(self) -> float:
@@ -171,8 +178,9 @@ class RunConfig:
             v = getattr(self, name)
             need(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 and (v > 0 or name == "hang_timeout"),
                  f"--{name.replace('_', '-')} {v!r}: accepted: seconds > 0" + (" (0 turns it off)" if name == "hang_timeout" else ""))
-        need(not self.hang_timeout or self.hang_timeout > 2 * self.heartbeat_period,
-             f"--hang-timeout {self.hang_timeout!r}: accepted: 0 (off) or more than twice the heartbeat period")
+        need(not self.hang_timeout or self.hang_timeout >= self.heartbeat_deadline,
+             f"--hang-timeout {self.hang_timeout!r}: accepted: 0 (off), or at least the heartbeat deadline "
+             f"({self.heartbeat_deadline} s) and more than your longest step")
         for f in self.faults:
             if f.target_kind == "node":
                 need(f.index < self.total_nodes,

@@ -99,13 +99,24 @@ def is_run_dir(path: str) -> bool:
         return False
 
 
-def check_output_file(path: str, option: str = "--summary") -> str:
-    """Check that a file can be written at ``path`` (its directory exists and takes new files; an existing
-    target is not a directory and can be written); return it absolute. Leaves nothing behind. Raises
-    ConfigError naming the value."""
+def check_output_file(path: str, option: str = "--summary", run_dir: str | None = None) -> str:
+    """Check that a file can be written at ``path`` (its directory exists, or is ``run_dir``, which the run
+    creates, and takes new files; an existing target is not a directory and can be written; it is not the run
+    directory itself nor one of the files the run keeps there); return it absolute. Leaves nothing behind.
+    Raises ConfigError naming the value."""
     if not path or not str(path).strip():
         raise ConfigError(f"{option} {path!r}: empty; accepted: a file path")
     full = os.path.abspath(path)
+    if run_dir is not None:
+        rd = os.path.abspath(run_dir)
+        if full == rd:
+            raise ConfigError(f"{option} {path!r} is the run directory; accepted: a file path, e.g. "
+                              f"{os.path.join(path, 'summary.json')}")
+        if os.path.dirname(full) == rd and os.path.basename(full) in _RUN_FILES:
+            raise ConfigError(f"{option} {path!r} would overwrite the run's own {os.path.basename(full)}; accepted: "
+                              f"another name (summary.json is written there anyway)")
+        if os.path.dirname(full) == rd and not os.path.exists(rd):
+            return full  # the run directory does not exist yet: the run creates it
     if os.path.isdir(full):
         raise ConfigError(f"{option} {path!r}: {full} is a directory; accepted: a file path, e.g. "
                           f"{os.path.join(path, 'summary.json')}")
@@ -120,6 +131,9 @@ def check_output_file(path: str, option: str = "--summary") -> str:
         except OSError as exc:
             raise ConfigError(f"{option} {path!r}: {full} cannot be written ({exc.strerror})") from None
     return full
+
+
+_RUN_FILES = ("events.jsonl", "config.json", "launcher.log", "run.lock", "checkpoint")
 
 
 def _check_writable(directory: str, what: str) -> None:

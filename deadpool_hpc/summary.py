@@ -67,7 +67,7 @@ def build_summary(events: list[dict], config=None) -> dict:  # noqa: C901
         "world_size": fin.get("world_size", config.world_size if config else None),
         "spares_left": fin.get("spares_left"),
         "param_digest": fin.get("param_digest"),
-        "swaps": sum(1 for f in failures if f["promoted"]),
+        "swaps": sum(1 for f in failures if f["promoted"] and f["recovery_s"] is not None),
         "requeues": len(by["requeued"]),
         "failures": failures,
         "preemptions": preemptions,
@@ -96,8 +96,11 @@ def _failure(d: dict, by, fault, lost: set, t_next_attempt, P: int) -> dict:
     sus = [e for e in by["suspect"] if e.get("generation") == g - 1 and (e.get("node") in lost or not lost)]
     t_detect = min((e["t"] for e in sus), default=d["t_decided"])
     heard = [e["last_heard"] for e in sus if e.get("last_heard") is not None]
+    hung = [e for e in by["hang_detected"] if e.get("node") in lost and e.get("generation") == g - 1]
     if fault is not None:
         t0, source = fault["t"], "fault_injected"
+    elif hung:  # a watchdog fenced it: the fault is when its training thread last made progress
+        t0, source = min(e["t"] - e["stuck_s"] for e in hung), "last progress of its training thread (watchdog)"
     elif heard:
         t0, source = max(heard), "last heartbeat heard (estimated)"
     else:
@@ -124,10 +127,15 @@ def _failure(d: dict, by, fault, lost: set, t_next_attempt, P: int) -> dict:
     promoted = {r: m for r, m in (d.get("promoted") or {}).items() if m // P in spares}
     if d.get("error"):
         outcome = f"unrecoverable: {d['error']}: {d.get('message', '')}"
+        if hung and len(hung) >= len(lost):
+            outcome += (f" (every lost node was fenced by its watchdog: a step took longer than --hang-timeout "
+                        f"{hung[0].get('timeout_s')} s; raise it above your longest step)")
     elif requeued:
         outcome = "checkpoint saved" + (" + requeue" if t_next_attempt is not None else "")
+    elif promoted and t_resume is None:
+        outcome = "not recovered (the run ended before training resumed)"
     elif promoted:
-        outcome = "hot swap" if rec else "hot swap (round failed; a later round recovered it)"
+        outcome = "hot swap" if rec else "hot swap (its round failed; a later round recovered it)"
     else:
         outcome = "spare lost" if lost else d.get("reason", "")
     return {

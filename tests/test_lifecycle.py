@@ -406,7 +406,7 @@ def test_console_after_no_spare_left_says_what_happens():
     assert "the run stops here: it was requeued 1 times already" in last[-1], last
     pre = console_lines(RunConfig(nodes=2, spares=1, requeue=True), _no_spare(7, "preempted"))
     assert any("no node lost, preempted: save a checkpoint" in x for x in pre)
-    assert any(x.strip().startswith("preempted (SIGUSR2): checkpoint saved at step 7") for x in pre), pre
+    assert any(x.strip().startswith("preempted (SIGUSR2/SIGTERM): checkpoint saved at step 7") for x in pre), pre
 
 
 def test_cli_without_requeue_says_the_run_stopped(tmp_path):
@@ -421,3 +421,17 @@ def test_cli_without_requeue_says_the_run_stopped(tmp_path):
     out = " ".join((tmp_path / "out.txt").read_text().split())  # rich wraps long lines
     assert "checkpoint saved at step" in out and "the run stops here (without --requeue" in out, out[-3000:]
     assert "requeueing" not in out and "checkpoint + requeue" not in out and "checkpoint, run stopped" in out, out
+
+
+def test_summary_paths_that_would_wreck_the_run_are_refused(tmp_path):
+    """--summary naming the run directory (which the run creates), or one of the run's own files there."""
+    from deadpool_hpc.errors import ConfigError
+    from deadpool_hpc.rundir import check_output_file
+
+    new = tmp_path / "new"
+    with pytest.raises(ConfigError, match="is the run directory"):
+        check_output_file(str(new), run_dir=str(new))
+    assert check_output_file(str(new / "s.json"), run_dir=str(new)) == str(new / "s.json")  # created by the run
+    for name in ("events.jsonl", "config.json", "run.lock"):
+        with pytest.raises(ConfigError, match=f"would overwrite the run's own {name}"):
+            check_output_file(str(new / name), run_dir=str(new))

@@ -24,10 +24,12 @@ STOP_SIGNALS = ("SIGUSR2", "SIGTERM")
 _signalled = {"stop": False, "agent": None}  # a signal may come before the control plane exists
 
 
-def _on_stop_signal(_sig, _frame) -> None:
+def _on_stop_signal(sig, _frame) -> None:
     """Only stores flags (safe in a signal handler); the control plane's agent thread acts on them."""
     _signalled["stop"] = True
+    _signalled["name"] = signal.Signals(sig).name
     if _signalled["agent"] is not None:
+        _signalled["agent"].preempt_by = _signalled["name"]
         _signalled["agent"].request_preempt()
 
 
@@ -87,6 +89,7 @@ def main(argv=None) -> None:
         line.know(cp.idents, log)  # from now on a lost launcher takes every agent (and its node) with it
     _signalled["agent"] = cp.agent
     if _signalled["stop"]:
+        cp.agent.preempt_by = _signalled.get("name")
         cp.agent.request_preempt()
     env = dict(os.environ, DEADPOOL_AGENT_SOCK=channel.name, DEADPOOL_NODE=str(cp.me))
     env.pop(lifeline.ENV, None)  # the agent watches the launcher; its training processes die with the agent

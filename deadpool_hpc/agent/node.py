@@ -58,6 +58,7 @@ class NodeAgent:
         self.failed_rounds = 0
         self.state = "starting"
         self._preempt_ignored = False
+        self._rebuilt_at = -1
         self.exit_code = 0
         self.checkpoint_dir = os.path.join(cfg.run_dir, "checkpoint")
         self.resume = persist.latest(self.checkpoint_dir)  # a requeued attempt (the launchers clear a new run's)
@@ -321,6 +322,13 @@ class NodeAgent:
         g = decision["generation"]
         self.high_water = max(self.high_water, decision["high_water"])
         self.left = {}
+        if decision.get("reason") == "rebuild":  # collectives timed out with nobody at fault
+            if decision["cut_step"] == self._rebuilt_at:
+                raise RecoveryTimeout(
+                    f"collectives at step {decision['cut_step']} timed out twice ({self.cfg.wait_timeout:.0f} s) with "
+                    f"no process at fault: a rank's step takes longer than that (raise --collective-timeout and "
+                    f"--hang-timeout above your longest step), or the network is wedged")
+            self._rebuilt_at = decision["cut_step"]
         if decision.get("exhausted"):
             self._save_checkpoint(decision)
             return
@@ -339,7 +347,7 @@ class NodeAgent:
             rep = self.reps[local]
             if src is not None:
                 slot = rep.fetch(self._replica_address(src), r, decision["cut_step"], self.cp.failure,
-                                 self.cfg.collective_timeout)
+                                 self.cfg.wait_timeout)
             else:
                 slot = rep.own.get(decision["cut_step"])
             slots[local] = slot

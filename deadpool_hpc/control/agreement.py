@@ -91,6 +91,9 @@ def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare
                 held.setdefault(int(r), {}).setdefault(int(s), []).append(m)
     avail = {r: own_steps(assignment[r], r) | set(held[r]) for r in range(W)}
     gone = [r for r in range(W) if not avail[r]]
+    if gone and not any(rep.get("own") or rep.get("held") for rep in reports.values() if rep):
+        raise ReplicaError(f"node(s) {failed_nodes} lost during start-up, before the first snapshot of every rank was "
+                           f"replicated: there is no state to recover from (start the run again)")
     if gone:
         r = gone[0]
         raise ReplicaError(f"rank {r}: its node and every holder of its replica were lost together (failed nodes "

@@ -180,7 +180,7 @@ class ControlPlane:
 
     def _on_preempt(self, source: int) -> None:
         if source == self.me:  # the processes that got the signal say so; the others just follow
-            self.log.emit("preempt_requested", generation=self.generation)
+            self.log.emit("preempt_requested", generation=self.generation, signal=getattr(self.agent, "preempt_by", None))
 
     def declare_failed(self, reason: str, last_heard: float | None = None) -> None:
         """This node failed (a training process exited or froze, its supervisor saw it): tell every live agent now,

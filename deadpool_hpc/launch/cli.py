@@ -35,6 +35,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                         "must exceed your longest step")
     p.add_argument("--rendezvous-timeout", type=float, default=d.rendezvous_timeout,
                    help="seconds to join a generation's process group before the recovery round is retried")
+    p.add_argument("--collective-timeout", type=float, default=d.collective_timeout,
+                   help="seconds a rank waits for its peers in one collective before the process group is rebuilt "
+                        "(at least --hang-timeout + 2 heartbeat deadlines is used)")
     p.add_argument("--startup-timeout", type=float, default=d.startup_timeout,
                    help="seconds for MPI start-up and the first collectives; a process lost before training "
                         "starts ends the run with an error after this long")
@@ -73,17 +76,18 @@ def check_train_fn(spec: str) -> None:
 
 
 def config_from_args(a) -> RunConfig:
-    import os
 
     check_train_fn(a.train_fn)
-    if a.summary and not os.path.isdir(os.path.dirname(os.path.abspath(a.summary))):
-        raise ConfigError(f"--summary {a.summary!r}: its directory does not exist")
+    if a.summary:
+        from ..rundir import check_output_file
+
+        check_output_file(a.summary, run_dir=a.run_dir)
     faults = [parse_fault("kill", s) for s in a.kill] + [parse_fault("hang", s) for s in a.hang]
     return RunConfig(nodes=a.nodes, spares=a.spares, ranks_per_node=a.ranks_per_node, steps=a.steps, faults=faults,
                      batch_size=a.batch_size, context=a.context, lr=a.lr, seed=a.seed,
                      heartbeat_deadline=a.heartbeat_deadline, heartbeat_period=a.heartbeat_period,
                      replicas=a.replicas, hang_timeout=a.hang_timeout, rendezvous_timeout=a.rendezvous_timeout,
-                     startup_timeout=a.startup_timeout,
+                     startup_timeout=a.startup_timeout, collective_timeout=a.collective_timeout,
                      replicate=not a.no_replicate, requeue=a.requeue, run_dir=a.run_dir, summary_path=a.summary,
                      log_every=a.log_every, train_fn=a.train_fn).validate()
 
@@ -95,7 +99,7 @@ def cmd_run(a) -> int:
 
     check_run_dir(a.run_dir)  # paths first: a bad one fails before torch and --train-fn are imported
     if a.summary is not None:
-        check_output_file(a.summary)
+        check_output_file(a.summary, run_dir=a.run_dir)
     cfg = config_from_args(a)
     from rich.console import Console
 

@@ -84,11 +84,13 @@ class LiveView:
                            f"(+{e['t_decided'] - base:.2f} s)", "cyan")
             elif kind == "recovered" and e.get("rank") == 0:
                 base = self.t_fault or e["t_fail"]
-                self._note(f"  swapped+rebuilt (+{e['t_rebuilt'] - base:.2f} s), restored at step {e['cut_step']} "
+                self._note(f"  rebuilt (+{e['t_rebuilt'] - base:.2f} s), restored at step {e['cut_step']} "
                            f"(+{e['t_restored'] - base:.2f} s)", "cyan")
             elif kind == "resumed" and e.get("rank") == 0:
+                since = "the fault" if self.t_fault else "rank 0 noticed the failure (not injected: see the summary)"
                 base = self.t_fault or e["t_fail"]
-                self._note(f"  resumed: step {e['step']} completed (+{e['t'] - base:.2f} s after the fault)", "bold green")
+                self._note(f"  resumed: step {e['step']} completed (+{e['t'] - base:.2f} s after {since})", "bold green")
+                self.t_fault = None  # the next failure is timed from its own fault
             elif kind == "checkpoint_saved":
                 self._note(f"  {self.checkpoint_line(e)}", "bold yellow")
             elif kind == "requeued":
@@ -100,6 +102,9 @@ class LiveView:
                 self._note(f"  resumed from the checkpoint at step {e['step']} (+{e['t'] - base:.2f} s)", "bold green")
             elif kind == "error":
                 self._note(f"error on MPI rank {e.get('mpi_rank')}: {e['error']}", "bold red")
+            elif kind == "preempt_requested":
+                self._note(f"MPI rank {e.get('mpi_rank')} got {e.get('signal') or 'SIGUSR2/SIGTERM'} (Slurm's preemption or "
+                           f"time-limit warning): every process saves the cut step and leaves", "bold yellow")
             elif kind == "fault_skipped":
                 self._note(f"step {e['step']}: {e['kind']} {e['target']} skipped: {e['reason']}", "yellow")
         if not self._started:
@@ -110,7 +115,7 @@ class LiveView:
     def checkpoint_line(self, e: dict) -> str:
         """What a ``checkpoint_saved`` event means for this run: what the local launcher does next
         (launch/local.py requeues only with --requeue, at most ``max_requeues`` times)."""
-        why = "preempted (SIGUSR2)" if e.get("reason") == "preempted" else "no spare left"
+        why = "preempted (SIGUSR2/SIGTERM)" if e.get("reason") == "preempted" else "no spare left"
         saved = f"{why}: checkpoint saved at step {e['step']}"
         if self.cfg.requeue and self.requeues < self.cfg.max_requeues:
             return f"{saved}; requeueing: the run restarts from it"

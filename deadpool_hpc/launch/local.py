@@ -99,7 +99,7 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
     cfg.validate()
     run_dir = check_run_dir(cfg.run_dir)
     if cfg.summary_path:
-        check_output_file(cfg.summary_path)
+        check_output_file(cfg.summary_path, run_dir=cfg.run_dir)
     from ..train.corpus import load_tokens
 
     run_id = secrets.token_hex(8)
@@ -138,7 +138,10 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
         summary["run_dir"] = run_dir
         summary["mpiexec_rc"] = rc  # non-zero whenever a rank was killed; "completed" says how the run went
         summary["processes_left"] = [int(i["pid"]) for i in left]  # alive 5 s after SIGKILL: should never happen
-        if rc and not summary["errors"] and not any(e["event"] == "started" for e in events) and not signum:
+        if rc is not None and rc < 0 and not summary["completed"] and not signum:
+            summary["errors"].append(f"mpiexec (the launcher's process manager) was killed by "
+                                     f"{signal.Signals(-rc).name}; the run's processes were ended with it")
+        elif rc and not summary["errors"] and not any(e["event"] == "started" for e in events) and not signum:
             summary["errors"].append(f"the job ended before training started (mpiexec exit status {rc}): a process "
                                      f"died during MPI start-up; see {rd.launcher_log}")
         if signum and not summary["completed"]:

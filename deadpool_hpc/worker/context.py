@@ -57,7 +57,7 @@ class Context:
         self.opt: ShardedAdamW | None = None
         self.exit_code = 0
         self.failure = threading.Event()
-        self.watch = Watch(self.failure, cfg.collective_timeout, client.progress.beat)
+        self.watch = Watch(self.failure, cfg.wait_timeout, client.progress.beat)
         self.faults = RankFaults(cfg.faults, node=node, local=local, ranks_per_node=cfg.ranks_per_node, log=log,
                                  send=client.send)
         self._role: dict = {}
@@ -179,14 +179,14 @@ class Context:
     def _wait_committed(self, step: int) -> None:
         """Until the agent says every holder acknowledged ``step``. Raises PeerFailure on failure or timeout."""
         t0 = time.perf_counter()
-        end = time.monotonic() + self.config.collective_timeout
+        end = time.monotonic() + self.config.wait_timeout
         beat = self.client.progress.beat
         with self._cv:
             while self._committed < step:
                 if self.failure.is_set() or self.client.lost.is_set():
                     raise PeerFailure(f"replica of step {step} not committed: a peer failed")
                 if time.monotonic() > end:
-                    raise PeerFailure(f"replica of step {step} not committed within {self.config.collective_timeout:.0f} s")
+                    raise PeerFailure(f"replica of step {step} not committed within {self.config.wait_timeout:.0f} s")
                 self._cv.wait(0.01)
                 beat()
         self.wait_s += time.perf_counter() - t0

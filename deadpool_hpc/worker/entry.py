@@ -73,7 +73,7 @@ def main(argv=None) -> None:
 
     code = 0
     try:
-        ctx = Context(cfg, client, GenerationGroups("gloo", cfg.collective_timeout, cfg.rendezvous_timeout), log,
+        ctx = Context(cfg, client, GenerationGroups("gloo", cfg.wait_timeout, cfg.rendezvous_timeout), log,
                       node, local)
         load_train_fn(cfg.train_fn)(ctx)
         code = ctx.exit_code
