@@ -30,6 +30,10 @@ class RecoveryTimeout(RuntimeError):
     with this clear error instead of waiting for ever."""
 
 
+class StartupTimeout(RecoveryTimeout):
+    """The job did not start within ``--startup-timeout`` seconds: a process died or froze during start-up."""
+
+
 class Fenced(RuntimeError):
     """The others declared this process failed (a false suspicion, a frozen process woken up, a node cut off):
     it learns so from a ``fenced`` notice or from the decision, and must stop."""

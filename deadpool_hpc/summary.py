@@ -9,9 +9,10 @@ made); phase boundaries per failure (seconds, DESIGN.md "Recovery"):
 - recompute: restored                 -> last rank completed its first step after the swap
 
 ``recovery_s`` (fault -> first completed step after the swap) is their sum. The fault's time is the
-``fault_injected`` event when our own injection caused it; otherwise (a crash, a SIGTERM, a node lost under
-Slurm) nobody saw it happen, and it is *estimated* as the last time any survivor heard from the lost
-processes (``t_fault_source``: "last heartbeat heard"). A decision whose round failed (a second fault
+``fault_injected`` event when our own injection caused it; the ``node_failed`` event of the lost node's agent
+when that agent saw one of its training processes exit ("process exit seen by its agent", milliseconds after it);
+otherwise (a whole node lost, its agent included) nobody saw it happen, and it is *estimated* as the last time any
+survivor heard from the lost node (``t_fault_source``: "last heartbeat heard"). A decision whose round failed (a second fault
 during the recovery) has no rebuild/restore of its own; its failure is recovered when a later round
 resumes training, and ``rounds`` counts the decisions it took.
 """
@@ -97,8 +98,12 @@ def _failure(d: dict, by, fault, lost: set, t_next_attempt, P: int) -> dict:
     t_detect = min((e["t"] for e in sus), default=d["t_decided"])
     heard = [e["last_heard"] for e in sus if e.get("last_heard") is not None]
     hung = [e for e in by["hang_detected"] if e.get("node") in lost and e.get("generation") == g - 1]
+    exits = [e for e in by["node_failed"] if e.get("node") in lost and e.get("generation") == g - 1
+             and e.get("cause") == "exit"]
     if fault is not None:
         t0, source = fault["t"], "fault_injected"
+    elif exits:  # its agent saw a training process exit (pidfd): the fault is that moment, give or take ms
+        t0, source = min(e["t"] for e in exits), "process exit seen by its agent"
     elif hung:  # a watchdog fenced it: the fault is when its training thread last made progress
         t0, source = min(e["t"] - e["stuck_s"] for e in hung), "last progress of its training thread (watchdog)"
     elif heard:

@@ -462,7 +462,7 @@ def test_a_training_process_killed_mid_conversation_is_reported_closed_and_nothi
     assert len(steps) >= 100 and steps == list(range(len(steps)))   # every whole frame before the kill, in order
     child.kill()
     agent.close()
-    del page
+    page = None  # drop our reference to the shared page
     assert [f for f in set(os.listdir("/dev/shm")) - shm_before if "deadpool" in f or "memfd" in f] == []
     assert memfds() == mem_before
     assert sorted(os.listdir("/proc/self/fd")) == fds_before

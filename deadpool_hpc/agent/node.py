@@ -51,6 +51,7 @@ class NodeAgent:
         self.pending_claims: dict = {}     # local -> (id, step) of a claim to answer when a slot is free
         self.left: dict = {}               # local -> done_step, during a recovery
         self.round_failed = False
+        self._in_round = False             # a recovery round runs (its own failure notices are answered in it)
         self.stores: dict[int, GenerationStore] = {}
         self.kv_early: dict[int, list] = {}  # generation -> [(key, value)] broadcast before we had that store
         self.high_water = -1
@@ -101,12 +102,13 @@ class NodeAgent:
             if rc == 0 and self.cp._finish is not None:
                 continue  # the run is complete: training processes leave
             self._node_failed(f"training process {local} (pid {self.sup.procs[local].pid}) exited with "
-                              f"{'signal ' + signal.Signals(-rc).name if rc < 0 else 'code ' + str(rc)}")
+                              f"{'signal ' + signal.Signals(-rc).name if rc < 0 else 'code ' + str(rc)}", cause="exit")
         armed = [lo for lo in range(self.P) if self.channel.progress(lo) is not None and self.channel.progress(lo).armed]
         for local, stuck in self.sup.hung(armed):
             self.log.emit("hang_detected", generation=self.cp.generation, local=local, stuck_s=round(stuck, 3),
-                          step=self.channel.progress(local).step, timeout_s=self.cfg.hang_timeout)
-            self._node_failed(f"training process {local} made no progress for {stuck:.1f} s")
+                          step=self.channel.progress(local).step, where=f"step {self.channel.progress(local).step}",
+                          timeout_s=self.cfg.hang_timeout)
+            self._node_failed(f"training process {local} made no progress for {stuck:.1f} s", cause="hang")
         for lost in self.watch.poll():
             self.cp.agent.suspect(lost, "its agent's watch connection closed (the process is gone)")
         for local, rep in self.reps.items():
@@ -126,7 +128,11 @@ class NodeAgent:
         while len(self.layouts) < self.P:  # every training process built its model and sent its layout
             self._tick(0.01)
             if time.monotonic() > deadline:
-                raise RecoveryTimeout(f"the node's training processes did not start within {self.cfg.startup_timeout:.0f} s")
+                from ..errors import StartupTimeout
+
+                late = [lo for lo in range(self.P) if lo not in self.layouts]
+                raise StartupTimeout(f"training process(es) {late} of node {self.node} did not start within "
+                                     f"{self.cfg.startup_timeout:.0f} s (--startup-timeout)")
         self.watch.retarget(self.cp.agent.alive(), self._watch_addresses())
         g = self.cp.generation
         self._store(g)
@@ -152,9 +158,15 @@ class NodeAgent:
         elif kind == "written":
             self.reps[local].written(int(body["step"]), int(body["index"]))
         elif kind == "left":
-            self.left[local] = int(body.get("done_step", -1))
+            # a training process that left an older generation than ours is late: the round that generation's
+            # failure started is over, and its "left" must not start another
+            if self._in_round or int(body.get("generation", -1)) >= self.cp.generation:
+                self.left[local] = int(body.get("done_step", -1))
         elif kind == "round_failed":
-            self.round_failed = True
+            # only the newest generation's rebuild failing starts a round; one for a generation a round already
+            # replaced (its failure is what that round handles) would start a round with nobody at fault
+            if not self._in_round and int(body.get("generation", -1)) >= self.cp.generation:
+                self.round_failed = True
             self.log.emit("recovery_round_failed", generation=self.cp.generation, local=local,
                           error=str(body.get("error"))[:300])
         elif kind == "fault":
@@ -253,10 +265,10 @@ class NodeAgent:
             st.fail_all("a member node was lost")
 
     # ---- failures --------------------------------------------------------------------------------------------
-    def _node_failed(self, reason: str) -> None:
+    def _node_failed(self, reason: str, cause: str = "other") -> None:
         """A training process of this node exited or froze: the node is lost (spares are nodes). Tell every agent,
         end the node's processes, and leave (raises Fenced, which ends the agent with exit 1)."""
-        self.log.emit("node_failed", reason=reason, generation=self.cp.generation)
+        self.log.emit("node_failed", reason=reason, cause=cause, generation=self.cp.generation)
         self.log.sync()
         self.cp.declare_failed(reason)
         self.sup.kill_all(1.0)
@@ -288,7 +300,11 @@ class NodeAgent:
             if self.failed_rounds > MAX_FAILED_ROUNDS:
                 raise RecoveryTimeout(f"{MAX_FAILED_ROUNDS} recovery rounds in a row failed")
             try:
-                self._round(t_fail)
+                self._in_round = True
+                try:
+                    self._round(t_fail)
+                finally:
+                    self._in_round = False
                 return
             except RunFinished:
                 self._finish()

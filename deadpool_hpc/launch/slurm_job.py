@@ -34,8 +34,8 @@ STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)  # "save a checkpoint at the nex
 
 
 def run_worker(run_dir: str, env: dict | None = None, forward_signals=FORWARDED, on_start=None) -> int:
-    """Run ``python -m deadpool_hpc.worker.entry RUN_DIR`` as a child, passing on the PMI descriptor that srun
-    gave this task (close_fds would otherwise close it), and forwarding ``forward_signals`` to it (SIGUSR2 and
+    """Run the node agent (``python -m deadpool_hpc.agent RUN_DIR``) as a child, passing on the PMI descriptor that
+    srun gave this task (close_fds would otherwise close it), and forwarding ``forward_signals`` to it (SIGUSR2 and
     SIGTERM: the worker saves a checkpoint at the next agreed step and exits 75).
     ``on_start(proc)`` is called once the child runs and the forwarders are in place. Returns its exit code."""
     env = dict(os.environ if env is None else env)
@@ -253,19 +253,17 @@ def watch(run_dir: str, do_drain: bool = True, period: float = 1.0) -> None:
         if do_drain and os.path.exists(events_path):
             try:
                 events = list(read_events(events_path))
-                P = load_config(run_dir).ranks_per_node
                 for e in events:
                     if e["event"] != "decision" or e["t"] < t_start:
                         continue
                     hosts = hosts_by_rank(events, before=e["t"])  # where the ranks ran when it was decided
                     for n in e["failed_nodes"]:
-                        for r in range(P):
-                            h = hosts.get(n * P + r)
-                            if h and h not in drained:
-                                drained.add(h)
-                                ok = drain(h, f"deadpool job {os.environ.get('SLURM_JOB_ID', '?')}: declared dead")
-                                print(f"[deadpool] {'drained' if ok else 'could not drain'} {h} "
-                                      f"(node{n} of the run, generation {e['generation']})", flush=True)
+                        h = hosts.get(n)  # MPI rank n is node n's agent
+                        if h and h not in drained:
+                            drained.add(h)
+                            ok = drain(h, f"deadpool job {os.environ.get('SLURM_JOB_ID', '?')}: declared dead")
+                            print(f"[deadpool] {'drained' if ok else 'could not drain'} {h} "
+                                  f"(node{n} of the run, generation {e['generation']})", flush=True)
             except (OSError, ValueError, KeyError) as exc:
                 print(f"[deadpool] watch: {exc}", file=sys.stderr)
         time.sleep(period)

@@ -5,10 +5,11 @@
     job = ex.submit(HotSwapJob(cfg))
     summary = job.result()      # the run summary (dict) of a completed run; raises otherwise (see below)
 
-submitit runs the callable once per Slurm task (one task per node and rank, ``tasks_per_node`` =
-``cfg.ranks_per_node``), each inside submitit's own ``srun``. Every task starts the ordinary worker
-(``python -m deadpool_hpc.worker.entry RUN_DIR``) as a child, handing it the PMI-2 descriptor srun gave the task,
-so the MPI ranks are exactly those of ``sbatch/train.sbatch``. Task 0 then waits for the other survivors and
+submitit runs the callable once per Slurm task (one task per node, ``tasks_per_node=1``, with
+``cpus_per_task = cfg.ranks_per_node``), each inside submitit's own ``srun``. Every task starts the node agent
+(``python -m deadpool_hpc.agent RUN_DIR``) as a child, handing it the PMI-2 descriptor srun gave the task, so the
+MPI processes (one agent per node) are exactly those of ``sbatch/train.sbatch``; each agent starts the node's
+training processes. Task 0 then waits for the other survivors and
 returns the summary built from the event log; the other tasks return their worker's exit code.
 
 Results: the jobs ``executor()`` submits are ``HotSwapSlurmJob``s, whose ``result()`` is task 0's, the summary
@@ -109,7 +110,8 @@ def executor(folder: str, cfg: RunConfig, timeout_min: int = 60, **params):
         inner.job_class = hot_swap_job_class()
     add = {"no-kill": True, "requeue": True, "exclusive": True}  # as sbatch/train.sbatch
     add.update(params.pop("slurm_additional_parameters", {}) or {})
-    ex.update_parameters(nodes=cfg.total_nodes, tasks_per_node=cfg.ranks_per_node, timeout_min=timeout_min,
+    ex.update_parameters(nodes=cfg.total_nodes, tasks_per_node=1, cpus_per_task=cfg.ranks_per_node,  # one agent per node
+                         timeout_min=timeout_min,
                          slurm_additional_parameters=add,
                          slurm_srun_args=list(params.pop("slurm_srun_args", srun_args())), **params)
     return ex

@@ -244,10 +244,14 @@ class Context:
                 self._rejoin(role, t_fail)
                 return True
             except PeerFailure as exc:
-                self.groups.abandon()
-                self.copier.quiesce()
-                self.client.send("round_failed", {"generation": role["generation"], "error": str(exc)[:300]})
+                self._round_failed(role, exc)
                 why = f"the recovery round failed: {exc}"
+
+    def _round_failed(self, role: dict, exc: Exception) -> None:
+        self.client.progress.disarm()
+        self.groups.abandon()
+        self.copier.quiesce()
+        self.client.send("round_failed", {"generation": role["generation"], "error": str(exc)[:300]})
 
     def _follow(self, role: dict) -> bool:
         """A role other than train: True while this process stays (a spare waiting for promotion), else False."""
@@ -255,13 +259,20 @@ class Context:
         if what == "spare":
             self._role = role
             self.log.emit("spare_ready", node=self.node, generation=role.get("generation"))
+            announce = False
             while True:
-                role = self._wait_role(-1, "spare", announce=False)
+                role = self._wait_role(-1, "spare", announce=announce)
                 if role["what"] == "train":
-                    self._rejoin(role, time.time(), promoted=True)
-                    return True
+                    try:
+                        self._rejoin(role, time.time(), promoted=True)
+                        return True
+                    except PeerFailure as exc:  # the round failed while this process joined: the next one follows
+                        self._round_failed(role, exc)
+                        announce = True
+                        continue
                 if role["what"] != "spare":
                     return self._follow(role)
+                announce = False
         if what == "exit":
             self.exit_code = int(role.get("code", 0))
         return False

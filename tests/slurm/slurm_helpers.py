@@ -53,7 +53,7 @@ def wait_gone(job_id, seconds) -> bool:
 
 def host_of(mpi_rank):
     """pick_node for crash_when: the host MPI rank ``mpi_rank`` runs on in this job (whatever nodes Slurm gave it)."""
-    return lambda ev: next(e["host"] for e in ev if e["event"] == "hello" and e["mpi_rank"] == mpi_rank)
+    return lambda ev: next(e["host"] for e in ev if e["event"] == "hello" and e.get("role", "agent") == "agent" and e["mpi_rank"] == mpi_rank)
 
 
 def crash_when(run_dir, fail_node, pick_node, at_step, deadline, done, after: float = 0.0):

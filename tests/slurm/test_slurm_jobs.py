@@ -83,7 +83,7 @@ def test_sbatch_survives_crash_of_rank0_and_batch_host(tmp_path, fail_node, refe
     script and srun die with it; the survivors train on, and the last task writes the summary (RUN_DIR/summary.json
     and the relative SUMMARY, in the submit directory) and completes the job (slurm_job.finish_headless)."""
     def rank0_host(ev):
-        return next(e["host"] for e in ev if e["event"] == "hello" and e["mpi_rank"] == 0)
+        return next(e["host"] for e in ev if e["event"] == "hello" and e.get("role", "agent") == "agent" and e["mpi_rank"] == 0)
 
     job, state, s, node, t_kill, run_dir, out = _sbatch_with_crash(tmp_path, fail_node, rank0_host, "b")
     assert node == "node1"  # rank 0 ran on the first node of the allocation, which is the batch host
