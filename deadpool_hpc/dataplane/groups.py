@@ -51,10 +51,11 @@ class GenerationGroups:
     """
 
     def __init__(self, backend: str = "gloo", timeout: float = 60.0, rendezvous_timeout: float = 10.0):
-        # gloo connects its pairs at the first collective instead of inside init_process_group: a member lost
-        # while the group forms then fails a collective we poll (and abandon at once), not a connect loop inside
-        # init that nothing interrupts (measured: 47-51 s stalls with a 10 s timeout; lazily, init returns in 1 ms)
-        os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
+        # gloo connects every pair inside init_process_group (eager). TORCH_GLOO_LAZY_INIT=1 (connect at the first
+        # collective) would make a member lost while the group forms fail a polled collective instead of stalling
+        # init (measured: 47-51 s with a 10 s timeout), but on the Slurm cluster the first collective after a hot swap
+        # then never completed in 3 of 5 runs (a pair that never connected; pytorch/gloo#520: the lazy listener side
+        # has no timeout), and a stall that ends beats a hang. A user who sets the variable gets lazy pairs.
         self.backend = backend
         self.timeout = dt.timedelta(seconds=timeout)
         self.rendezvous_timeout = dt.timedelta(seconds=rendezvous_timeout)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 
 import pytest
 
@@ -60,6 +61,28 @@ def slurm_cluster():
         yield NODES
     finally:
         _cluster("down", timeout=180, check=False)
+
+
+@pytest.fixture(autouse=True)
+def clean_cluster(request):
+    """After each Slurm test, whatever it asserted: cancel the jobs it left in this private cluster's queue and
+    resume every node left drained or down (a run drains the nodes it declares failed; a test that fails half-way
+    must not leave the next tests pending on them)."""
+    yield
+    if "slurm_cluster" not in request.fixturenames:
+        return
+    q = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=30)
+    jobs = q.stdout.split()
+    if jobs:
+        subprocess.run(["scancel", *jobs], timeout=30, check=False)
+        end = time.time() + 60
+        while time.time() < end and subprocess.run(["squeue", "-h"], capture_output=True, text=True,
+                                                    timeout=30).stdout.strip():
+            time.sleep(0.5)
+    bad = subprocess.run(["sinfo", "-h", "-N", "-t", "drain,drng,down", "-o", "%N"], capture_output=True, text=True,
+                         timeout=30).stdout.split()
+    for n in sorted(set(bad)):
+        _cluster("recover", n, timeout=120, check=False)
 
 
 @pytest.fixture
