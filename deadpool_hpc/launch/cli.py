@@ -13,83 +13,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..config import RunConfig, parse_fault
 from ..errors import ConfigError
-
-
-def add_run_options(p: argparse.ArgumentParser) -> None:
-    d = RunConfig()
-    p.add_argument("--nodes", type=int, default=d.nodes, help="active (training) nodes")
-    p.add_argument("--spares", type=int, default=d.spares, help="spare nodes allocated with the job")
-    p.add_argument("--ranks-per-node", type=int, default=d.ranks_per_node)
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--kill", action="append", default=[], metavar="TARGET@WHEN",
-                   help="SIGKILL nodeN or rankN when training reaches step WHEN, or when it reaches phase WHEN "
-                        "(detect, agree, decided, rebuild, restore, resume; #K: of the K-th recovery) (repeatable)")
-    p.add_argument("--hang", action="append", default=[], metavar="TARGET@WHEN",
-                   help="SIGSTOP nodeN or rankN, at a step or phase as for --kill (repeatable)")
-    p.add_argument("--replicas", type=int, default=d.replicas,
-                   help="K: each rank's snapshot lives on the next K nodes, so any K node losses at once survive")
-    p.add_argument("--hang-timeout", type=float, default=d.hang_timeout,
-                   help="seconds without progress of a rank's training thread before it is fenced (0: off); "
-                        "must exceed your longest step")
-    p.add_argument("--rendezvous-timeout", type=float, default=d.rendezvous_timeout,
-                   help="seconds to join a generation's process group before the recovery round is retried")
-    p.add_argument("--collective-timeout", type=float, default=d.collective_timeout,
-                   help="seconds a rank waits for its peers in one collective before the process group is rebuilt "
-                        "(at least --hang-timeout + 2 heartbeat deadlines is used)")
-    p.add_argument("--startup-timeout", type=float, default=d.startup_timeout,
-                   help="seconds for MPI start-up and the first collectives; a process lost before training "
-                        "starts ends the run with an error after this long")
-    p.add_argument("--summary", metavar="PATH", help="write the run summary JSON here")
-    p.add_argument("--run-dir", default=d.run_dir, help="event log, config and logs of the run")
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--context", type=int, default=d.context)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--heartbeat-deadline", type=float, default=d.heartbeat_deadline, help="seconds")
-    p.add_argument("--heartbeat-period", type=float, default=d.heartbeat_period, help="seconds")
-    p.add_argument("--requeue", action="store_true",
-                   help="when no spare is left: save a checkpoint, then restart the job from it (as Slurm requeues)")
-    p.add_argument("--no-replicate", action="store_true", help="turn the replica plane off (benchmarks only)")
-    p.add_argument("--log-every", type=int, default=d.log_every)
-    p.add_argument("--train-fn", default=d.train_fn, help="module:function to train (default: the demo)")
-
-
-def check_train_fn(spec: str) -> None:
-    """Import the --train-fn "package.module:function" here (worker.entry.load_train_fn, as each worker
-    will), before any process starts. Raises ConfigError naming the spec if that fails."""
-    from ..worker.entry import load_train_fn
-
-    try:
-        fn = load_train_fn(spec)
-    except ValueError:
-        raise ConfigError(f"--train-fn {spec!r}: accepted: 'package.module:function'") from None
-    except ImportError as exc:
-        raise ConfigError(f"--train-fn {spec!r}: cannot import {spec.partition(':')[0]!r} ({exc}); accepted: an "
-                          f"importable 'package.module:function'") from None
-    except AttributeError:
-        fn = None
-    if not callable(fn):
-        mod, _, name = spec.partition(":")
-        raise ConfigError(f"--train-fn {spec!r}: {mod} has no function {name!r}")
-
-
-def config_from_args(a) -> RunConfig:
-
-    check_train_fn(a.train_fn)
-    if a.summary:
-        from ..rundir import check_output_file
-
-        check_output_file(a.summary, run_dir=a.run_dir)
-    faults = [parse_fault("kill", s) for s in a.kill] + [parse_fault("hang", s) for s in a.hang]
-    return RunConfig(nodes=a.nodes, spares=a.spares, ranks_per_node=a.ranks_per_node, steps=a.steps, faults=faults,
-                     batch_size=a.batch_size, context=a.context, lr=a.lr, seed=a.seed,
-                     heartbeat_deadline=a.heartbeat_deadline, heartbeat_period=a.heartbeat_period,
-                     replicas=a.replicas, hang_timeout=a.hang_timeout, rendezvous_timeout=a.rendezvous_timeout,
-                     startup_timeout=a.startup_timeout, collective_timeout=a.collective_timeout,
-                     replicate=not a.no_replicate, requeue=a.requeue, run_dir=a.run_dir, summary_path=a.summary,
-                     log_every=a.log_every, train_fn=a.train_fn).validate()
+from .options import add_run_options as add_run_options
+from .options import check_train_fn as check_train_fn
+from .options import config_from_args as config_from_args
 
 
 def cmd_run(a) -> int:

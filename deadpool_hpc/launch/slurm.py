@@ -13,7 +13,8 @@
 
 The ranks are launched by ``srun --no-kill --kill-on-bad-exit=0 --mpi=pmi2`` inside an allocation made with
 ``--no-kill`` (docs/slurm.md explains why, with measurements). What runs inside the job (task wrapper, watcher,
-finisher when the batch host dies, drain, requeue or stop) is in slurm_job.py.
+finisher when the batch host dies, drain, requeue or stop) is in slurm_job.py; what both sides read (config,
+summary) in slurm_common.py; the run options in options.py.
 
 Paths: a relative ``--run-dir``, ``--summary`` or ``CONFIG`` means the submitter's current directory on every
 launch path (``deadpool submit`` makes them absolute before it submits; the templates resolve them against
@@ -34,7 +35,13 @@ from ..config import RunConfig
 from ..errors import ConfigError
 from ..events import read_events
 from ..rundir import check_free
-from ..summary import build_summary
+from . import slurm_job
+from .options import add_run_options, config_from_args
+from .slurm_common import hosts_by_rank as hosts_by_rank
+from .slurm_common import load_config as load_config
+from .slurm_common import make_summary as make_summary
+from .slurm_common import summary_out as summary_out
+from .slurm_common import write_summary as write_summary
 
 TEMPLATE_ENV = "DEADPOOL_SBATCH_TEMPLATE"
 
@@ -68,11 +75,6 @@ def write_config(cfg: RunConfig, run_dir: str | None = None) -> str:
         fh.write(cfg.to_json())
     os.replace(tmp, path)
     return path
-
-
-def load_config(run_dir: str) -> RunConfig:
-    with open(os.path.join(run_dir, "config.json")) as fh:
-        return RunConfig.from_json(fh.read())
 
 
 def render(cfg: RunConfig, template: str | None = None, python: str | None = None, job_name: str | None = None) -> str:
@@ -215,12 +217,6 @@ def slurm_state(job_id: str) -> dict:
     return {"job_id": str(job_id), "state": None}
 
 
-def hosts_by_rank(events: list[dict], before: float | None = None) -> dict[int, str]:
-    """MPI rank -> host, from the newest ``hello`` of each rank (written before ``before``, if given)."""
-    return {e["mpi_rank"]: e["host"] for e in events
-            if e["event"] == "hello" and e.get("role", "agent") == "agent" and (before is None or e["t"] < before)}
-
-
 def run_progress(run_dir: str) -> dict:
     path = os.path.join(run_dir, "events.jsonl")
     if not os.path.exists(path):
@@ -303,69 +299,11 @@ def scaling_table(out_dir: str) -> list[dict]:
 
 
 
-def make_summary(run_dir: str) -> dict:
-    """build_summary over RUN_DIR/events.jsonl, plus where each rank ran and which hosts the failures took."""
-    cfg = load_config(run_dir)
-    path = os.path.join(run_dir, "events.jsonl")
-    events = list(read_events(path)) if os.path.exists(path) else []
-    s = build_summary(events, cfg)
-    hosts = hosts_by_rank(events)
-    decided = {e["generation"]: e["t"] for e in events if e["event"] == "decision"}
-    for f in s["failures"]:
-        at = hosts_by_rank(events, before=decided.get(f["generation"]))  # a requeued job runs elsewhere later
-        f["failed_hosts"] = sorted({at.get(n) for n in f["failed_nodes"]} - {None})  # MPI rank n = node n's agent
-    s["run_dir"] = os.path.abspath(run_dir)
-    s["hosts"] = {str(k): v for k, v in sorted(hosts.items())}
-    try:
-        s["slurm_job_id"] = open(os.path.join(run_dir, "slurm_job_id")).read().strip()
-    except OSError:
-        s["slurm_job_id"] = os.environ.get("SLURM_JOB_ID")
-    # signals that reached the batch shell, and why the run stopped short (slurm_job.settle), if it did
-    s["signals"] = [{"signal": e.get("signal"), "t": e["t"], "host": e.get("host")} for e in events
-                    if e["event"] == "batch_signal"]
-    t_fin = max((e["t"] for e in events if e["event"] == "finished"), default=None)
-    stops = [e for e in events if e["event"] == "stopped" and (t_fin is None or e["t"] > t_fin)]
-    s["stopped"] = ({k: stops[-1].get(k) for k in ("t", "reason", "job_state", "checkpoint_step")}
-                    if stops else None)
-    try:
-        with open(os.path.join(run_dir, "checkpoint", "LATEST")) as fh:
-            s["checkpoint"] = json.load(fh)  # what a requeue, or a new job with RESUME=1, resumes from
-    except (OSError, ValueError):
-        s["checkpoint"] = None
-    return s
-
-
-def summary_out(run_dir: str) -> str | None:
-    """Where the run's summary goes besides RUN_DIR/summary.json: $DEADPOOL_SUMMARY (set by the batch script
-    from SUMMARY, absolute), else the config's ``summary_path`` (made absolute when the config was written)."""
-    out = os.environ.get("DEADPOOL_SUMMARY")
-    if out:
-        return out
-    try:
-        return load_config(run_dir).summary_path or None
-    except (OSError, ValueError):
-        return None
-
-
-def write_summary(run_dir: str, out: str | None = None, extra: dict | None = None) -> dict:
-    """make_summary (plus ``extra``) to RUN_DIR/summary.json and, if given, ``out``; both written atomically."""
-    s = make_summary(run_dir)
-    s.update(extra or {})
-    for path in [os.path.join(run_dir, "summary.json")] + ([out] if out else []):
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as fh:
-            json.dump(s, fh, indent=1)
-        os.replace(tmp, path)
-    return s
-
-
 def end_attempt(run_dir: str, out: str | None = None, since: float | None = None, srun_rc: int | None = None) -> int:
     """The batch script's last word (after srun returned): slurm_job.settle decides whether the job is requeued;
     if it is not, write the summary (RUN_DIR/summary.json and ``out``). Returns the batch script's exit status:
     0 when the run completed or the job was requeued, 143 when a SIGTERM ended the ranks before they could save,
     1 otherwise (a run stopped with a checkpoint ends its job CANCELLED or PREEMPTED whatever this says)."""
-    from . import slurm_job
-
     how = slurm_job.settle(run_dir, since=since, srun_rc=srun_rc)
     if how["action"] == "requeued":
         print(f"[deadpool] checkpoint saved ({how['reason']}), job {os.environ.get('SLURM_JOB_ID', '')} requeued")
@@ -381,16 +319,7 @@ def end_attempt(run_dir: str, out: str | None = None, since: float | None = None
 
 
 # ---- CLI ----------------------------------------------------------------------------------------------------------
-def _config_from(a) -> RunConfig:
-    from .cli import config_from_args
-
-    return config_from_args(a)
-
-
 def main(argv=None) -> int:
-    from . import slurm_job
-    from .cli import add_run_options
-
     p = argparse.ArgumentParser(prog="python -m deadpool_hpc.launch.slurm", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     wc = sub.add_parser("write-config", help="write RUN_DIR/config.json")
@@ -427,12 +356,12 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     try:
         if a.cmd == "write-config":
-            print(write_config(_config_from(a)))
+            print(write_config(config_from_args(a)))
         elif a.cmd == "render":
-            cfg = _config_from(a)
+            cfg = config_from_args(a)
             print(render(cfg))
         elif a.cmd == "submit":
-            print(submit(_config_from(a), a.partition, a.time, a.account, a.sbatch_arg))
+            print(submit(config_from_args(a), a.partition, a.time, a.account, a.sbatch_arg))
         elif a.cmd == "status":
             print(json.dumps(status(a.target), indent=1))
         elif a.cmd == "summary":

@@ -22,7 +22,7 @@ import sys
 import time
 
 from ..events import read_events
-from .slurm import hosts_by_rank, load_config, summary_out, write_summary
+from .slurm_common import hosts_by_rank, load_config, summary_out, write_summary
 
 ALIVE_FILE = "batch.alive"
 ALIVE_STALE_S = 10.0  # the batch host counts as dead when batch.alive has not been touched for this long
@@ -178,7 +178,7 @@ def complete_job(job_id: str, rc: int) -> str:
 def finish_headless(run_dir: str, wait_s: float = 60.0) -> dict | None:
     """Called by each task after its worker exited. If the batch script is gone (its node died), one task (the
     first to take RUN_DIR/finisher.lock) waits for the other survivors, writes summary.json (and the run's
-    ``--summary`` path, see slurm.summary_out) and ends the job. Returns the summary if this task finished the
+    ``--summary`` path, see slurm_common.summary_out) and ends the job. Returns the summary if this task finished the
     job, else None."""
     if batch_alive(run_dir):
         return None
