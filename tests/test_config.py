@@ -55,3 +55,40 @@ def test_cli_rejects_bad_input_with_exit_2_before_starting(tmp_path, args, needl
     assert p.returncode == 2, p.stderr
     assert needle in p.stderr
     assert not run_dir.exists(), "no process may start (and no run dir be made) on bad input"
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "abc", "nan", ""])
+def test_cli_hang_timeout_refuses_what_is_not_seconds_or_off(tmp_path, capsys, value):
+    """--hang-timeout takes seconds > 0 or the word off: anything else exits 2 (argparse's usage error, as every
+    ill-typed option) with a message naming the value and what is accepted, before anything runs."""
+    from deadpool_hpc.launch.cli import main
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--run-dir", str(run_dir), "--nodes", "2", "--spares", "1", "--hang-timeout", value])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    assert f"argument --hang-timeout: {value!r}: accepted: seconds > 0 (e.g. 120), or off" in err, err
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("value, seconds", [("off", 0.0), ("OFF", 0.0), ("120", 120.0), ("2.5", 2.5)])
+def test_cli_hang_timeout_off_turns_hang_detection_off(tmp_path, value, seconds):
+    import argparse
+
+    from deadpool_hpc.launch.options import add_run_options, config_from_args
+
+    p = argparse.ArgumentParser()
+    add_run_options(p)
+    a = p.parse_args(["--run-dir", str(tmp_path / "run"), "--hang-timeout", value])
+    assert a.hang_timeout == seconds
+    if seconds == 0.0 or seconds >= RunConfig().heartbeat_deadline:
+        assert config_from_args(a).hang_timeout == seconds  # 0.0: RunConfig's "off"
+
+
+def test_cli_hang_timeout_0_exits_2_from_the_command(tmp_path):
+    """The same through the installed entry point's module (a process: the exit status a user sees)."""
+    p = subprocess.run([sys.executable, "-m", "deadpool_hpc.launch.cli", "run", "--run-dir", str(tmp_path / "run"),
+                        "--hang-timeout", "0"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--hang-timeout: '0': accepted: seconds > 0 (e.g. 120), or off" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr

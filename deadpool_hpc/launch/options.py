@@ -8,9 +8,24 @@ the run directory (rundir.py).
 from __future__ import annotations
 
 import argparse
+import math
 
 from ..config import RunConfig, parse_fault
 from ..errors import ConfigError
+
+
+def hang_timeout(text: str) -> float:
+    """``--hang-timeout``: seconds > 0, or ``off`` (no hang detection: RunConfig.hang_timeout 0.0). An argparse
+    ``type``: anything else is an ArgumentTypeError naming the value, so the command exits 2 with it."""
+    if text.strip().lower() == "off":
+        return 0.0
+    try:
+        v = float(text)
+    except ValueError:
+        v = None
+    if v is None or not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: accepted: seconds > 0 (e.g. 120), or off (no hang detection)")
+    return v
 
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
@@ -26,9 +41,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    help="SIGSTOP nodeN or rankN, at a step or phase as for --kill (repeatable)")
     p.add_argument("--replicas", type=int, default=d.replicas,
                    help="K: each rank's snapshot lives on the next K nodes, so any K node losses at once survive")
-    p.add_argument("--hang-timeout", type=float, default=d.hang_timeout,
-                   help="seconds without progress of a rank's training thread before it is fenced (0: off); "
-                        "must exceed your longest step")
+    p.add_argument("--hang-timeout", type=hang_timeout, default=d.hang_timeout, metavar="SECONDS|off",
+                   help="seconds without progress of a rank's training thread before it is fenced, or off (no hang "
+                        "detection); must exceed your longest step")
     p.add_argument("--rendezvous-timeout", type=float, default=d.rendezvous_timeout,
                    help="seconds to join a generation's process group before the recovery round is retried")
     p.add_argument("--collective-timeout", type=float, default=d.collective_timeout,
