@@ -1,8 +1,11 @@
 """The run directory: its paths, its one-run-at-a-time lock, fresh vs resumed runs, crash-safe writes.
 
 Owns where each file of a run lives, which checks a path must pass to be a run directory, the lock
-that keeps a second run out, what a fresh run removes, and atomic JSON writes. Does not own what the
-files hold (config.py, events.py, summary.py) nor the checkpoint format (replica/persist.py).
+that keeps a second run out, what a fresh run removes (``prepare_run_dir``: every launch path calls it, the
+local launcher, the batch template through ``python -m deadpool_hpc.launch.slurm prepare`` and submitit's
+HotSwapJob), atomic writes of config.json and of the summaries, and the ``requeued`` event (``emit_requeued``).
+Does not own what the files hold (config.py, events.py, summary.py) nor the checkpoint format
+(replica/persist.py).
 
 Layout of ``RUN_DIR``::
 
@@ -12,18 +15,20 @@ Layout of ``RUN_DIR``::
     launcher.log   stdout/stderr of mpiexec and the workers (local launcher)
     summary.json   the run summary, written when the launcher ends, interrupted or not
     checkpoint/    persistent checkpoints: no spare left, or preempted (replica/persist.py)
+    Slurm jobs also: slurm_job_id, job.sbatch, task-N.log, batch.alive, finisher.lock, exited/ATTEMPT/,
+    ready/ATTEMPT/ (launch/slurm_job.py), .secret (submitit)
 
 Use::
 
     rd = RunDir(check_run_dir(path))          # ConfigError for a path that cannot be a run directory
     with rd.locked(run_id):                   # RunDirBusy (a ConfigError) if another run holds it
-        rd.clear()                            # a fresh run: the previous run's outputs go
+        rd.prepare()                          # a fresh run: the previous run's outputs go
         rd.write_config(cfg)
         ...
         rd.write_summary(summary, also=cfg.summary_path)
 
-A resumed run (a requeued attempt, Slurm's ``RESUME=1``) takes the lock and skips ``clear()``: the event
-log goes on, and the workers start from ``checkpoint/LATEST``.
+A resumed run (a requeued attempt, Slurm's ``RESUME=1``) calls ``prepare(resume=True)``: the event log goes
+on, and the workers start from ``checkpoint/LATEST``; only the previous attempt's own files go.
 
 The lock is ``flock`` on ``run.lock``, taken before anything in the directory is touched; its file
 descriptor is close-on-exec, so no child holds it, and the kernel releases it when the holder dies
@@ -32,6 +37,7 @@ descriptor is close-on-exec, so no child holds it, and the kernel releases it wh
 from __future__ import annotations
 
 import fcntl
+import glob
 import json
 import os
 import shutil
@@ -41,9 +47,17 @@ import time
 from contextlib import contextmanager
 
 from .errors import ConfigError
+from .events import read_events
 
 LOCK = "run.lock"
-OUTPUTS = ("events.jsonl", "summary.json", "launcher.log")  # what a fresh run removes, with checkpoint/
+# what a new attempt of a run removes (a resumed one too): the previous attempt's summary and per-attempt files
+ATTEMPT_FILES = ("summary.json", "finisher.lock")
+ATTEMPT_GLOBS = ("task-*.log",)
+ATTEMPT_DIRS = ("exited", "ready")
+# what a fresh run removes besides: the run's history (slurm_job_id: the job that runs here writes its own)
+FRESH_FILES = ("events.jsonl", "launcher.log", "slurm_job_id")
+FRESH_DIRS = ("checkpoint",)
+OUTPUTS = ATTEMPT_FILES + FRESH_FILES  # the files a fresh run removes (with the globs and directories)
 
 
 class RunDirBusy(ConfigError):
@@ -147,9 +161,14 @@ def _check_writable(directory: str, what: str) -> None:
 
 
 def write_json(path: str, obj) -> None:
-    """Write ``obj`` as JSON to ``path`` crash-safely: a temp file in the same directory, fsync, rename.
-    A path that exists and is not a regular file (``/dev/stdout``, a FIFO) is written in place."""
-    data = (json.dumps(obj, indent=1) + "\n").encode()
+    """Write ``obj`` as JSON to ``path`` crash-safely (write_atomic)."""
+    write_atomic(path, (json.dumps(obj, indent=1) + "\n").encode())
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` crash-safely: a temp file in the same directory, fsync, rename (a reader sees
+    the old file or the new one, never a part). A path that exists and is not a regular file (``/dev/stdout``,
+    a FIFO) is written in place."""
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
@@ -251,32 +270,69 @@ class RunDir:
             self.release()
 
     # ---- fresh run, outputs -----------------------------------------------------------------------------------
-    def clear(self) -> None:
-        """A fresh run: remove the previous run's event log, summary, launcher log and checkpoints.
-        Only while holding the lock."""
-        assert self._lock_fd is not None, "RunDir.clear() without the lock"
-        for name in OUTPUTS:
-            try:
-                os.remove(self.file(name))
-            except FileNotFoundError:
-                pass
-        shutil.rmtree(self.checkpoint, ignore_errors=True)
+    def prepare(self, resume: bool = False) -> dict | None:
+        """prepare_run_dir, while this process holds the lock."""
+        assert self._lock_fd is not None, "RunDir.prepare() without the lock"
+        return prepare_run_dir(self.path, resume=resume)
 
     def write_config(self, cfg) -> str:
         """Write ``cfg`` (a RunConfig) to config.json atomically. Returns the path."""
-        tmp = f"{self.config}.{os.getpid()}.tmp"
-        with open(tmp, "w") as fh:
-            fh.write(cfg.to_json())
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.config)
-        return self.config
+        return write_config(self.path, cfg)
 
     def write_summary(self, summary: dict, also: str | None = None) -> None:
         """Write ``summary`` to summary.json and, if given, to ``also`` (the user's --summary), each atomically."""
         write_json(self.summary, summary)
         if also:
             write_json(also, summary)
+
+
+def prepare_run_dir(path: str, resume: bool = False) -> dict | None:
+    """Make ``path`` ready for a new attempt of a run; the same on every launch path. Only by the lock's holder
+    (this process: ``RunDir.prepare``; or the batch shell that runs it: sbatch/train.sbatch holds run.lock).
+
+    ``resume`` and a checkpoint there (checkpoint/LATEST): the event log and the checkpoint stay (the workers
+    resume from it); returns LATEST (a dict). Otherwise a fresh run: the previous run's event log, launcher
+    log, Slurm job id and checkpoints go too (a new run starts at step 0); returns None. Either way the
+    previous attempt's summary.json, finisher.lock, task-N.log and exited/ and ready/ markers go. config.json,
+    run.lock and the job's own files (job.sbatch, .secret) stay."""
+    latest = latest_checkpoint(path) if resume else None
+    files = ATTEMPT_FILES + (() if latest is not None else FRESH_FILES)
+    dirs = ATTEMPT_DIRS + (() if latest is not None else FRESH_DIRS)
+    for name in files + tuple(os.path.basename(p) for g in ATTEMPT_GLOBS for p in glob.glob(os.path.join(path, g))):
+        try:
+            os.remove(os.path.join(path, name))
+        except FileNotFoundError:
+            pass
+    for name in dirs:
+        shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+    return latest
+
+
+def latest_checkpoint(path: str) -> dict | None:
+    """checkpoint/LATEST of run directory ``path`` (as replica.persist.latest, without importing torch)."""
+    try:
+        with open(os.path.join(path, "checkpoint", "LATEST")) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def write_config(path: str, cfg) -> str:
+    """Write ``cfg`` (a RunConfig, or the text of one) to ``path``/config.json atomically (write_atomic).
+    Returns the file's path."""
+    out = os.path.join(path, "config.json")
+    write_atomic(out, (cfg if isinstance(cfg, str) else cfg.to_json()).encode())
+    return out
+
+
+def emit_requeued(log, attempt: int | None = None, **fields) -> dict:
+    """Log ``requeued`` to ``log`` (an events.EventLog): the run goes on from its checkpoint in a new attempt.
+    ``attempt``: this requeue's number (1 for the first); None: one more than the ``requeued`` events already in
+    the log. ``fields``: what the launch path knows (checkpoint, slurm_job_id, reason, ...). Returns the event."""
+    if attempt is None:
+        attempt = 1 + sum(1 for e in read_events(log.path) if e["event"] == "requeued") \
+            if os.path.exists(log.path) else 1
+    return log.emit("requeued", attempt=attempt, **fields)
 
 
 def check_free(path: str) -> None:

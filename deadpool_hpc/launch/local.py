@@ -38,8 +38,7 @@ from contextlib import contextmanager
 from ..config import RunConfig
 from ..control.fence import descendants, fence, is_alive
 from ..events import EventLog, EventTail, read_events
-from ..replica import persist
-from ..rundir import RunDir, check_output_file, check_run_dir
+from ..rundir import RunDir, check_output_file, check_run_dir, emit_requeued, latest_checkpoint
 from ..summary import build_summary
 from ..worker.lifeline import launcher_env
 
@@ -113,7 +112,7 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
                 pass
         if stop.signum:
             raise Interrupted(stop.signum)
-        rd.clear()
+        rd.prepare()
         rd.write_config(cfg)
         env = dict(os.environ, DEADPOOL_JOB_SECRET=secrets.token_hex(32), DEADPOOL_STORE_HOST="127.0.0.1",
                    OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", **emulated_node_env(cfg),
@@ -126,7 +125,7 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
             if stop.signum:
                 break
             if attempt:
-                log.emit("requeued", attempt=attempt, checkpoint=persist.latest(rd.checkpoint))
+                emit_requeued(log, attempt, checkpoint=latest_checkpoint(rd.path))
             rc, new, left = _run_once(cfg, rd, env, tail, on_poll, poll_s, timeout, start, stop, run_id)
             this = {e["event"] for e in new}
             if "finished" in this or "checkpoint_saved" not in this:

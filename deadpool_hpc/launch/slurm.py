@@ -3,6 +3,8 @@
 ``python -m deadpool_hpc.launch.slurm`` sub-commands:
 
 - ``write-config``  write RUN_DIR/config.json from ``deadpool run``-style options (the batch script uses it)
+- ``copy-config``   copy a config file (the batch script's CONFIG) to RUN_DIR/config.json
+- ``prepare``       (batch script) clear RUN_DIR for a fresh run, or for a resumed one with ``--resume``
 - ``submit``        write the config, render the template into RUN_DIR/job.sbatch, ``sbatch --parsable`` it
 - ``render``        print the rendered batch script (nothing is submitted)
 - ``status``        a job id or a run directory: Slurm's state plus the run's progress from its event log
@@ -34,6 +36,7 @@ import sys
 from ..config import RunConfig
 from ..errors import ConfigError
 from ..events import read_events
+from .. import rundir
 from ..rundir import check_free
 from . import slurm_job
 from .options import add_run_options, config_from_args
@@ -69,12 +72,35 @@ def write_config(cfg: RunConfig, run_dir: str | None = None) -> str:
         cfg.summary_path = os.path.abspath(cfg.summary_path)
     cfg.validate()
     os.makedirs(run_dir, exist_ok=True)
-    path = os.path.join(run_dir, "config.json")
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        fh.write(cfg.to_json())
-    os.replace(tmp, path)
-    return path
+    return rundir.write_config(run_dir, cfg)
+
+
+def copy_config(config: str, run_dir: str) -> str:
+    """Copy the config file ``config`` (a RunConfig's JSON: ``CONFIG`` of the batch template) to
+    RUN_DIR/config.json atomically, unless it is that file. Raises ConfigError if it is not a RunConfig."""
+    dest = os.path.join(run_dir, "config.json")
+    try:
+        if os.path.exists(dest) and os.path.samefile(config, dest):
+            return dest
+        with open(config) as fh:
+            text = fh.read()
+        RunConfig.from_json(text)
+    except OSError as exc:
+        raise ConfigError(f"CONFIG {config!r}: cannot be read ({exc.strerror or exc})") from None
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"CONFIG {config!r}: not a RunConfig ({exc}); accepted: a config.json written by "
+                          f"`python -m deadpool_hpc.launch.slurm write-config` or a run") from None
+    return rundir.write_config(run_dir, text)
+
+
+def prepare(run_dir: str, resume: bool = False) -> dict | None:
+    """The batch template's set-up of RUN_DIR (rundir.prepare_run_dir; the batch shell holds run.lock): a fresh
+    run, or with ``resume`` the resumed run, if RUN_DIR has a checkpoint. Says which; returns the checkpoint's
+    LATEST when resuming."""
+    latest = rundir.prepare_run_dir(run_dir, resume=resume)
+    if latest is not None:
+        print(f"[deadpool] resuming from {json.dumps(latest)} (restart {os.environ.get('SLURM_RESTART_COUNT', '0')})")
+    return latest
 
 
 def render(cfg: RunConfig, template: str | None = None, python: str | None = None, job_name: str | None = None) -> str:
@@ -326,6 +352,12 @@ def main(argv=None) -> int:
     add_run_options(wc)
     sm = sub.add_parser("submit", help="write the config, render the template, sbatch it; prints the job id")
     add_run_options(sm)
+    cc = sub.add_parser("copy-config", help="copy CONFIG to RUN_DIR/config.json (atomically)")
+    cc.add_argument("config")
+    cc.add_argument("run_dir")
+    pr = sub.add_parser("prepare", help="(batch script, holding run.lock) clear RUN_DIR for a fresh or resumed run")
+    pr.add_argument("run_dir")
+    pr.add_argument("--resume", action="store_true", help="resume from RUN_DIR/checkpoint if there is one")
     rd = sub.add_parser("render", help="print the batch script for these options")
     add_run_options(rd)
     for q in (sm,):
@@ -357,6 +389,10 @@ def main(argv=None) -> int:
     try:
         if a.cmd == "write-config":
             print(write_config(config_from_args(a)))
+        elif a.cmd == "copy-config":
+            print(copy_config(a.config, a.run_dir))
+        elif a.cmd == "prepare":
+            prepare(a.run_dir, resume=a.resume)
         elif a.cmd == "render":
             cfg = config_from_args(a)
             print(render(cfg))

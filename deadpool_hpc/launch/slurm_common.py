@@ -12,6 +12,7 @@ import os
 
 from ..config import RunConfig
 from ..events import read_events
+from ..rundir import write_json
 from ..summary import build_summary
 
 
@@ -75,8 +76,5 @@ def write_summary(run_dir: str, out: str | None = None, extra: dict | None = Non
     s = make_summary(run_dir)
     s.update(extra or {})
     for path in [os.path.join(run_dir, "summary.json")] + ([out] if out else []):
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as fh:
-            json.dump(s, fh, indent=1)
-        os.replace(tmp, path)
+        write_json(path, s)
     return s

@@ -13,7 +13,6 @@ progress; otherwise (``scancel``, the end of a preemption's grace time) log ``st
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 import signal
@@ -22,6 +21,8 @@ import sys
 import time
 
 from ..events import read_events
+from ..rundir import emit_requeued
+from ..rundir import latest_checkpoint as _latest_checkpoint  # without torch: settle runs within KillWait
 from .slurm_common import hosts_by_rank, load_config, summary_out, write_summary
 
 ALIVE_FILE = "batch.alive"
@@ -304,15 +305,6 @@ def _this_attempt(events: list[dict], since: float | None) -> list[dict]:
     return [e for e in events if e["t"] >= since]
 
 
-def _latest_checkpoint(run_dir: str) -> dict | None:
-    """RUN_DIR/checkpoint/LATEST (as replica.persist.latest, without importing torch: this runs within KillWait)."""
-    try:
-        with open(os.path.join(run_dir, "checkpoint", "LATEST")) as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
-        return None
-
-
 def settle(run_dir: str, since: float | None = None, srun_rc: int | None = None) -> dict:
     """Decide how this attempt of the job ends, once its ranks have exited (the batch script after srun, task 0
     under submitit). ``since``: when the attempt started (wall time, s). Returns {"action": ...}:
@@ -373,8 +365,7 @@ def settle(run_dir: str, since: float | None = None, srun_rc: int | None = None)
         if lost >= load_config(run_dir).max_requeues:
             why_not = f"{lost} requeues after lost nodes already (max_requeues)"
     if why_not is None and job_id:
-        attempts = sum(1 for e in events if e["event"] == "requeued")
-        log.emit("requeued", attempt=attempts + 1, slurm_job_id=job_id, reason=reason,
+        emit_requeued(log, slurm_job_id=job_id, reason=reason,
                  time_limit=slurm_reason == "TimeLimit" or None, checkpoint=_latest_checkpoint(run_dir))
         out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
         if out.returncode == 0:

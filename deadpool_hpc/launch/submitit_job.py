@@ -54,14 +54,13 @@ import hashlib
 import hmac
 import os
 import secrets
-import shutil
 import signal
 import sys
 import time
 
 from ..config import RunConfig
 from ..events import EventLog, read_events
-from ..rundir import RunDir, check_free
+from ..rundir import RunDir, emit_requeued
 from . import slurm, slurm_job
 
 
@@ -129,15 +128,11 @@ class HotSwapJob:
         self._worker = None  # this task's worker process (not pickled: see __getstate__)
         self._saved_before = 0
         self._lock = None
-        check_free(self.run_dir)  # a job still running there must keep its files (RunDirBusy: a ConfigError)
-        slurm.write_config(cfg, self.run_dir)
-        for name in ("events.jsonl", "summary.json", "finisher.lock", "slurm_job_id"):
-            try:
-                os.remove(os.path.join(self.run_dir, name))
-            except FileNotFoundError:
-                pass
-        shutil.rmtree(os.path.join(self.run_dir, "exited"), ignore_errors=True)
-        shutil.rmtree(os.path.join(self.run_dir, "checkpoint"), ignore_errors=True)  # a new run starts at step 0
+        # a job still running there must keep its files (RunDirBusy: a ConfigError); held while the directory is
+        # prepared, as every launcher does (the task 0 of the job takes it again when it starts)
+        with RunDir(self.run_dir).locked("submitit: preparing") as rd:
+            slurm.write_config(cfg, self.run_dir)
+            rd.prepare()  # a new run starts at step 0
         path = os.path.join(self.run_dir, ".secret")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.write(fd, secrets.token_hex(32).encode())
@@ -234,10 +229,9 @@ class HotSwapJob:
                 return None
             saved = self._events("checkpoint_saved")
             if len(saved) > self._saved_before:
-                EventLog(os.path.join(self.run_dir, "events.jsonl")).emit(
-                    "requeued", attempt=len(self._events("requeued")) + 1, launcher="submitit",
-                    slurm_job_id=os.environ.get("SLURM_JOB_ID"), checkpoint_step=saved[-1]["step"],
-                    reason=saved[-1].get("reason"))
+                emit_requeued(EventLog(os.path.join(self.run_dir, "events.jsonl")), launcher="submitit",
+                              slurm_job_id=os.environ.get("SLURM_JOB_ID"), checkpoint_step=saved[-1]["step"],
+                              reason=saved[-1].get("reason"))
                 return DelayedSubmission(self)
             time.sleep(0.2)
         return None
