@@ -44,3 +44,29 @@ def test_templates_are_valid_bash():
     for name in ("train.sbatch", "scaling.sbatch"):
         r = subprocess.run(["bash", "-n", os.path.join(ROOT, "sbatch", name)], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
+
+
+def test_settle_logs_requeued_with_its_fields_and_requeues(tmp_path, monkeypatch):
+    """The in-job side's requeue (no spare left, the job still running): ``requeued`` numbered after the earlier
+    ones, with the Slurm job id, the reason and the checkpoint, then ``scontrol requeue``. Slurm is faked."""
+    from deadpool_hpc.events import EventLog, read_events
+    from deadpool_hpc.launch import slurm_job
+
+    slurm.write_config(RunConfig(nodes=2, spares=0, steps=50, run_dir=str(tmp_path)))
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "LATEST").write_text('{"step": 20}')
+    log = EventLog(str(tmp_path / "events.jsonl"))
+    log.emit("requeued", t=1.0, attempt=1, reason="preempted")
+    log.emit("checkpoint_saved", t=2.0, step=20, reason="no spare node left")
+    log.close()
+    ran = []
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setattr(slurm_job, "job_state", lambda job: ("RUNNING", "None"))
+    monkeypatch.setattr(slurm_job.subprocess, "run",
+                        lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0, "", ""))
+    assert slurm_job.settle(str(tmp_path), since=1.5) == {"action": "requeued", "reason": "no spare node left"}
+    assert ran == [["scontrol", "requeue", "42"]]
+    e = [e for e in read_events(str(tmp_path / "events.jsonl")) if e["event"] == "requeued"][-1]
+    assert {k: e[k] for k in ("attempt", "slurm_job_id", "reason", "time_limit", "checkpoint")} == \
+        {"attempt": 2, "slurm_job_id": "42", "reason": "no spare node left", "time_limit": None,
+         "checkpoint": {"step": 20}}
