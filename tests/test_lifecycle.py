@@ -351,7 +351,7 @@ def bad_cases(tmp):
         (["--run-dir", ok, "--summary", str(tmp / "file" / "s.json")], f"its directory {tmp / 'file'} is not a directory"),
         (["--run-dir", ok, "--summary", str(tmp / "nowhere" / "s.json")], "does not exist"),
         (["--run-dir", ok, "--summary", "/proc/s.json"], "cannot create files in /proc"),
-        (["--run-dir", ok, "--seed", "-1"], "--seed -1: accepted"),
+        (["--run-dir", ok, "--seed", "-1"], "--train-arg seed=-1: accepted"),
     ]
 
 
