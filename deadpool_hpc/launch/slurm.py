@@ -388,6 +388,7 @@ def _config_from(a) -> RunConfig:
 
 
 def main(argv=None) -> int:
+    from ..logs import setup as setup_logging
     from . import slurm_job
     from .cli import add_run_options
 
@@ -425,6 +426,7 @@ def main(argv=None) -> int:
     wt.add_argument("run_dir")
     wt.add_argument("--drain", default="1")
     a = p.parse_args(argv)
+    setup_logging(f"slurm-{a.cmd}")
     try:
         if a.cmd == "write-config":
             print(write_config(_config_from(a)))
