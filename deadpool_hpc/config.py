@@ -74,6 +74,23 @@ def parse_fault(kind: str, spec: str) -> Fault:
     return Fault(kind, m.group(1), int(m.group(2)), None, m.group(4), nth)
 
 
+def parse_train_arg(spec: str) -> tuple[str, object]:
+    """Parse ``--train-arg KEY=VALUE``: VALUE becomes an int ("8"), a float ("3e-3"), a bool ("true"/"false",
+    any case) or else stays a string. Raises ConfigError naming the spec."""
+    key, sep, text = spec.partition("=")
+    key = key.strip()
+    if not sep or not key.isidentifier():
+        raise ConfigError(f"--train-arg {spec!r}: accepted: KEY=VALUE with KEY a Python identifier (e.g. n_layer=4)")
+    if text.lower() in ("true", "false"):
+        return key, text.lower() == "true"
+    for conv in (int, float):
+        try:
+            return key, conv(text)
+        except ValueError:
+            pass
+    return key, text
+
+
 @dataclass
 class RunConfig:
     """Everything one run needs. Times are in seconds, sizes in tokens unless named otherwise.
@@ -87,15 +104,10 @@ class RunConfig:
     ranks_per_node: int = 1
     steps: int = 200
     faults: list = field(default_factory=list)
-    # model and data (the demo's micro GPT; see docs/worker-contract.md)
-    batch_size: int = 8
-    context: int = 128
-    n_layer: int = 2
-    n_head: int = 4
-    d_model: int = 128
-    lr: float = 3e-3
-    warmup_steps: int = 20
-    seed: int = 1337
+    # the training function's own settings (``--train-arg KEY=VALUE``), read by it as ``ctx.config.train_args``:
+    # str keys, str/int/float/bool values (JSON-safe: config.json carries them to every process). The demo's
+    # model and data sizes live here (train/demo.py, DemoConfig).
+    train_args: dict = field(default_factory=dict)
     # fault tolerance
     replicate: bool = True
     replicas: int = 1              # K: each rank's snapshot is held by the next K nodes (any K node losses survive)
@@ -156,13 +168,12 @@ class RunConfig:
              f"--ranks-per-node {self.ranks_per_node!r}: accepted: 1 or more")
         need(isinstance(self.steps, int) and self.steps >= 1, f"--steps {self.steps!r}: accepted: 1 or more")
         need(self.total_processes <= 64, f"{self.total_processes} processes requested; the local launcher accepts at most 64")
-        need(self.batch_size >= 1, f"--batch-size {self.batch_size!r}: accepted: 1 or more")
-        need(self.context >= 2, f"--context {self.context!r}: accepted: 2 or more")
-        need(self.d_model % self.n_head == 0, f"--d-model {self.d_model} is not divisible by --n-head {self.n_head}")
-        need(isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and 0 < self.lr <= 1,
-             f"--lr {self.lr!r}: accepted: a learning rate in (0, 1], e.g. 3e-3")
-        need(isinstance(self.seed, int) and 0 <= self.seed < 2**64,
-             f"--seed {self.seed!r}: accepted: an integer in 0..{2**64 - 1} (torch.manual_seed's range)")
+        need(isinstance(self.train_args, dict), f"train_args {self.train_args!r}: accepted: a dict")
+        for k, v in self.train_args.items():
+            need(isinstance(k, str) and k.isidentifier(),
+                 f"--train-arg {k!r}: accepted: a key that is a Python identifier (e.g. n_layer)")
+            need(isinstance(v, (str, int, float, bool)) and (not isinstance(v, float) or math.isfinite(v)),
+                 f"--train-arg {k}={v!r}: accepted: a string, integer, finite float or boolean")
         need(isinstance(self.max_requeues, int) and self.max_requeues >= 0,
              f"max_requeues {self.max_requeues!r}: accepted: 0 or more")
         need(self.heartbeat_period > 0, f"heartbeat period {self.heartbeat_period!r} s: must be > 0")
@@ -177,9 +188,9 @@ class RunConfig:
         for name in ("hang_timeout", "rendezvous_timeout", "collective_timeout", "startup_timeout"):
             v = getattr(self, name)
             need(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 and (v > 0 or name == "hang_timeout"),
-                 f"--{name.replace('_', '-')} {v!r}: accepted: seconds > 0" + (" (0 turns it off)" if name == "hang_timeout" else ""))
+                 f"--{name.replace('_', '-')} {v!r}: accepted: seconds > 0" + (" (0 or --hang-timeout off: no hang detection)" if name == "hang_timeout" else ""))
         need(not self.hang_timeout or self.hang_timeout >= self.heartbeat_deadline,
-             f"--hang-timeout {self.hang_timeout!r}: accepted: 0 (off), or at least the heartbeat deadline "
+             f"--hang-timeout {self.hang_timeout!r}: accepted: off, or at least the heartbeat deadline "
              f"({self.heartbeat_deadline} s) and more than your longest step")
         for f in self.faults:
             if f.target_kind == "node":

@@ -1,7 +1,11 @@
-"""The recovery decision as a pure function (control/agreement.py)."""
+"""The recovery decision as a pure function (control/agreement.py), and its wire form (control/decision.py)."""
+import dataclasses
+import json
+
 import pytest
 
 from deadpool_hpc.control.agreement import decide, held_by, holders_of
+from deadpool_hpc.control.decision import Decision, RoundFailure, decision_from_wire
 from deadpool_hpc.errors import ReplicaError
 
 
@@ -30,10 +34,10 @@ def test_node_loss_maps_to_spare_and_cuts_at_common_step():
     reps = reports({0: [40, 41], 2: [40, 41]}, {0: (2, [40, 41]), 2: (1, [40])})
     reps[3] = {}
     d = decide(generation=1, ranks_per_node=1, assignment=[0, 1, 2], spare_nodes=[3], failed={1}, reports=reps)
-    assert d["assignment"] == [0, 3, 2]
-    assert d["promoted"] == {"1": 3} and d["sources"] == {"1": 2}
-    assert d["cut_step"] == 40 and d["recomputed_steps"] == 1
-    assert d["fenced"] == [1] and d["spare_nodes"] == [] and d["members"] == [0, 2, 3]
+    assert d.assignment == (0, 3, 2)
+    assert d.promoted == {1: 3} and d.sources == {1: 2}
+    assert d.cut_step == 40 and d.recomputed_steps == 1
+    assert d.fenced == (1,) and d.spare_nodes == () and d.members == (0, 2, 3)
 
 
 def test_whole_node_is_fenced_and_replaced_rank_for_rank():
@@ -41,16 +45,16 @@ def test_whole_node_is_fenced_and_replaced_rank_for_rank():
     reps = reports({1: [9, 10], 2: [9, 10], 3: [9, 10]}, {2: (0, [9, 10]), 3: (1, [10])})
     reps[4], reps[5] = {}, {}
     d = decide(generation=2, ranks_per_node=2, assignment=[0, 1, 2, 3], spare_nodes=[2], failed={0}, reports=reps)
-    assert d["fenced"] == [0, 1]
-    assert d["assignment"] == [4, 5, 2, 3]
-    assert d["cut_step"] == 10
+    assert d.fenced == (0, 1)
+    assert d.assignment == (4, 5, 2, 3)
+    assert d.cut_step == 10
 
 
 def test_no_spare_left_still_cuts_for_a_checkpoint():
     reps = reports({0: [4, 5], 2: [4, 5]}, {2: (1, [5])})
     d = decide(generation=1, ranks_per_node=1, assignment=[0, 1, 2], spare_nodes=[], failed={1}, reports=reps)
-    assert d["exhausted"] and d["promoted"] == {} and d["assignment"] == [0, 1, 2]
-    assert d["cut_step"] == 5 and d["sources"] == {"1": 2}
+    assert d.exhausted and d.promoted == {} and d.assignment == (0, 1, 2)
+    assert d.cut_step == 5 and d.sources == {1: 2}
 
 
 def test_replica_lost_with_its_holder():
@@ -71,9 +75,9 @@ def test_failed_spare_only_shrinks_the_spare_list():
     reps = reports({0: [3, 4], 1: [3, 4], 2: [3, 4]}, {1: (0, [4]), 2: (1, [4]), 0: (2, [4])})
     reps[4] = {}
     d = decide(generation=1, ranks_per_node=1, assignment=[0, 1, 2], spare_nodes=[3, 4], failed={3}, reports=reps)
-    assert d["assignment"] == [0, 1, 2] and d["promoted"] == {} and d["spare_nodes"] == [4]
-    assert d["reason"] == "spare lost"
-    assert d["cut_step"] == 4 and d["recomputed_steps"] == 0
+    assert d.assignment == (0, 1, 2) and d.promoted == {} and d.spare_nodes == (4,)
+    assert d.reason == "spare lost"
+    assert d.cut_step == 4 and d.recomputed_steps == 0
 
 
 def test_preemption_saves_at_the_newest_common_step_without_promoting():
@@ -82,23 +86,23 @@ def test_preemption_saves_at_the_newest_common_step_without_promoting():
     reps[3] = {}
     d = decide(generation=2, ranks_per_node=1, assignment=[0, 1, 2], spare_nodes=[3], failed=set(), reports=reps,
                preempt=True)
-    assert d["exhausted"] and d["reason"] == "preempted"
-    assert d["promoted"] == {} and d["assignment"] == [0, 1, 2] and d["spare_nodes"] == [3]
-    assert d["cut_step"] == 11 and d["sources"] == {} and d["fenced"] == []
-    assert d["members"] == [0, 1, 2, 3]
+    assert d.exhausted and d.reason == "preempted"
+    assert d.promoted == {} and d.assignment == (0, 1, 2) and d.spare_nodes == (3,)
+    assert d.cut_step == 11 and d.sources == {} and d.fenced == ()
+    assert d.members == (0, 1, 2, 3)
     swap = decide(generation=2, ranks_per_node=1, assignment=[0, 1, 2], spare_nodes=[3], failed=set(), reports=reps)
-    assert not swap["exhausted"] and swap["reason"] == "rebuild"
+    assert not swap.exhausted and swap.reason == "rebuild"
 
 
 def test_k_replicas_survive_two_adjacent_losses():
     # 4 nodes x 1 rank, K=2: rank 1's replicas on nodes 2 and 3, rank 2's on 3 and 0. Nodes 1 and 2 die.
-    reps = {0: {"own_rank": 0, "own": [7, 8], "held": {"2": [7, 8], "3": [7, 8]}, "done_step": 8},
-            3: {"own_rank": 3, "own": [7, 8], "held": {"1": [7, 8], "2": [7, 8]}, "done_step": 8},
+    reps = {0: {"own_rank": 0, "own": [7, 8], "held": {2: [7, 8], "3": [7, 8]}, "done_step": 8},
+            3: {"own_rank": 3, "own": [7, 8], "held": {1: [7, 8], "2": [7, 8]}, "done_step": 8},
             4: {}, 5: {}}
     d = decide(generation=1, ranks_per_node=1, assignment=[0, 1, 2, 3], spare_nodes=[4, 5], failed={1, 2},
                reports=reps, replicas=2)
-    assert d["assignment"] == [0, 4, 5, 3] and d["cut_step"] == 8
-    assert d["sources"] == {"1": 3, "2": 3}  # ring order: the first live holder
+    assert d.assignment == (0, 4, 5, 3) and d.cut_step == 8
+    assert d.sources == {1: 3, 2: 3}  # ring order: the first live holder
     with pytest.raises(ReplicaError, match="rank 1: its node and every holder"):
         decide(generation=1, ranks_per_node=1, assignment=[0, 1, 2, 3], spare_nodes=[4, 5], failed={1, 2},
                reports={0: reps[0], 3: {"own_rank": 3, "own": [8]}, 4: {}, 5: {}}, replicas=2)
@@ -107,15 +111,51 @@ def test_k_replicas_survive_two_adjacent_losses():
 def test_a_promoted_spare_whose_restore_failed_is_restored_again_from_a_holder():
     # generation 1 promoted spare 3 for rank 1, then the round failed before its restore (node 2, the first
     # holder, died): rank 1's state now comes from the other holder, node 0.
-    reps = {0: {"own_rank": 0, "own": [9, 10], "held": {"1": [9, 10], "2": [9, 10]}, "done_step": 10},
+    reps = {0: {"own_rank": 0, "own": [9, 10], "held": {1: [9, 10], "2": [9, 10]}, "done_step": 10},
             3: {"own_rank": 1, "own": []}, 4: {}}
     d = decide(generation=2, ranks_per_node=1, assignment=[0, 3, 2], spare_nodes=[4], failed={2}, reports=reps,
                replicas=2)
-    assert d["assignment"] == [0, 3, 4] and d["promoted"] == {"2": 4}
-    assert d["sources"] == {"1": 0, "2": 0} and d["cut_step"] == 10
+    assert d.assignment == (0, 3, 4) and d.promoted == {2: 4}
+    assert d.sources == {1: 0, 2: 0} and d.cut_step == 10
 
 
 def test_nobody_failed_is_a_rebuild_of_the_same_members():
     reps = reports({0: [4, 5], 1: [5], 2: [4, 5]}, {})
     d = decide(generation=3, ranks_per_node=1, assignment=[0, 1, 2], spare_nodes=[], failed=set(), reports=reps)
-    assert d["reason"] == "rebuild" and d["assignment"] == [0, 1, 2] and d["sources"] == {} and d["cut_step"] == 5
+    assert d.reason == "rebuild" and d.assignment == (0, 1, 2) and d.sources == {} and d.cut_step == 5
+
+
+def _decision():
+    reps = reports({0: [40, 41], 2: [40, 41]}, {0: (2, [40, 41]), 2: (1, [40])})
+    d = decide(generation=1, ranks_per_node=1, assignment=[0, 1, 2], spare_nodes=[3], failed={1}, reports=reps)
+    return dataclasses.replace(d, coordinator=0, t_decided=1700000000.5, first_suspicion=1700000000.25)
+
+
+def test_decision_round_trips_through_json():
+    d = _decision()
+    wire = json.loads(json.dumps(d.to_wire()))  # what a control message carries
+    assert wire["sources"] == {"1": 2} and wire["assignment"] == [0, 3, 2]
+    back = decision_from_wire(wire)
+    assert back == d and isinstance(back, Decision)
+    assert back.sources == {1: 2} and back.promoted == {1: 3} and back.replaced == {1: 3}
+    f = RoundFailure(generation=2, error="ReplicaError", message="rank 1: lost", members=(0, 2), failed_nodes=(1,),
+                     coordinator=0, t_decided=1.0)
+    back = decision_from_wire(json.loads(json.dumps(f.to_wire())))
+    assert back == f and isinstance(back.exception(), ReplicaError)
+    assert isinstance(RoundFailure(1, "NoSuchError", "x", (), ()).exception(), RuntimeError)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda w: w.pop("cut_step"), "lacks key 'cut_step'"),
+    (lambda w: w.update(sources={"one": 2}), "key 'sources'"),
+    (lambda w: w.update(assignment=[0, "3", 2]), "key 'assignment'"),
+    (lambda w: w.update(exhausted=0), "key 'exhausted'"),
+    (lambda w: w.update(generation=True), "key 'generation'"),
+])
+def test_bad_wire_decision_names_the_key(change, match):
+    wire = _decision().to_wire()
+    change(wire)
+    with pytest.raises(ValueError, match=match):
+        Decision.from_wire(wire)
+    with pytest.raises(ValueError, match="lacks key 'message'"):
+        decision_from_wire({"generation": 1, "error": "ReplicaError"})

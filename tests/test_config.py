@@ -3,8 +3,9 @@ import sys
 
 import pytest
 
-from deadpool_hpc.config import Fault, RunConfig, parse_fault
+from deadpool_hpc.config import Fault, RunConfig, parse_fault, parse_train_arg
 from deadpool_hpc.errors import ConfigError
+from deadpool_hpc.train.demo import DemoConfig
 
 
 def test_parse_fault():
@@ -23,8 +24,9 @@ def test_parse_fault():
     (dict(faults=[Fault("kill", "node", 1, 200)]), "past --steps"),
     (dict(spares=1, faults=[Fault("kill", "node", 1, 10), Fault("kill", "node", 2, 20)]), "only 1 spare"),
     (dict(nodes=1, spares=1), "at least 2 active nodes"),
-    (dict(lr=0.0), r"--lr 0.0: accepted"),
-    (dict(lr=float("nan")), r"--lr nan"),
+    (dict(train_args={"lr": float("nan")}), r"--train-arg lr=nan: accepted"),
+    (dict(train_args={"layers": [1, 2]}), r"--train-arg layers=\[1, 2\]: accepted"),
+    (dict(train_args={"n-layer": 2}), r"--train-arg 'n-layer': accepted"),
     (dict(max_requeues=-1), "max_requeues -1"),
 ])
 def test_bad_layouts_name_the_value(kwargs, needle):
@@ -33,8 +35,32 @@ def test_bad_layouts_name_the_value(kwargs, needle):
 
 
 def test_json_roundtrip():
-    cfg = RunConfig(nodes=2, spares=1, steps=5, faults=[Fault("hang", "rank", 1, 3)]).validate()
-    assert RunConfig.from_json(cfg.to_json()) == cfg
+    cfg = RunConfig(nodes=2, spares=1, steps=5, faults=[Fault("hang", "rank", 1, 3)],
+                    train_args={"n_layer": 3, "lr": 1e-3, "name": "x", "flag": True}).validate()
+    back = RunConfig.from_json(cfg.to_json())
+    assert back == cfg and back.train_args == {"n_layer": 3, "lr": 1e-3, "name": "x", "flag": True}
+
+
+def test_parse_train_arg():
+    assert parse_train_arg("n_layer=4") == ("n_layer", 4)
+    assert parse_train_arg("lr=3e-3") == ("lr", 3e-3)
+    assert parse_train_arg("flag=True") == ("flag", True) and parse_train_arg("flag=false") == ("flag", False)
+    assert parse_train_arg("name=tiny=1") == ("name", "tiny=1")
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_train_arg("n_layer")
+
+
+def test_demo_config_defaults_and_errors():
+    # a failure-free run's parameters depend on these: they are the values RunConfig carried before
+    assert DemoConfig.from_args({}) == DemoConfig(batch_size=8, context=128, n_layer=2, n_head=4, d_model=128,
+                                                  lr=3e-3, warmup_steps=20, seed=1337)
+    assert DemoConfig.from_args({"lr": 1, "n_layer": 3}) == DemoConfig(lr=1.0, n_layer=3)
+    with pytest.raises(ValueError, match=r"n_layr: not a setting of the demo; accepted: batch_size, .*seed"):
+        DemoConfig.from_args({"n_layr": 3})
+    with pytest.raises(ValueError, match=r"d_model=130 is not divisible by n_head=4"):
+        DemoConfig.from_args({"d_model": 130})
+    with pytest.raises(ValueError, match=r"batch_size='8': accepted: an integer >= 1"):
+        DemoConfig.from_args({"batch_size": "8"})
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -42,7 +68,9 @@ def test_json_roundtrip():
     (["--kill", "node9@10"], "unknown fault target node9"),
     (["--kill", "node1@500"], "past --steps"),
     (["--kill", "node1@10", "--kill", "node2@20"], "only 1 spare"),
-    (["--lr", "-1"], "--lr -1.0"),
+    (["--lr", "-1"], "--train-arg lr=-1.0: accepted"),
+    (["--train-arg", "n_layr=3"], "--train-arg n_layr: not a setting of the demo; accepted: batch_size"),
+    (["--train-arg", "n_layer"], "accepted: KEY=VALUE"),
     (["--train-fn", "nosuch.module:train"], "cannot import 'nosuch.module'"),
     (["--train-fn", "deadpool_hpc.train.demo:nosuch"], "has no function 'nosuch'"),
 ])

@@ -60,7 +60,7 @@ def at_step(run_dir, n: int):
     cfg = json.load(open(os.path.join(str(run_dir), "config.json")))
     total = (cfg["nodes"] + cfg["spares"]) * cfg["ranks_per_node"]
     if max((e["step"] for e in es if e["event"] == "step"), default=-1) >= n and \
-            sum(e["event"] == "hello" for e in es) == total:
+            sum(e["event"] == "hello" and e.get("role") == "trainer" for e in es) == total:
         return es
     return None
 
@@ -276,7 +276,7 @@ def test_second_run_in_the_same_run_dir_is_refused_and_the_first_is_untouched(tm
     es = events(run_dir)
     assert {e.get("run") for e in es} == {json.loads((run_dir / "run.lock").read_text())["run_id"]}
     assert sorted(e["step"] for e in es if e["event"] == "step") == list(range(1, 121))
-    assert sum(e["event"] == "hello" for e in es) == 3 and (run_dir / "launcher.log").exists()
+    assert sum(e["event"] == "hello" and e.get("role") == "trainer" for e in es) == 3 and (run_dir / "launcher.log").exists()
 
 
 def test_lock_is_refused_in_process_and_released_with_its_holder(tmp_path):
@@ -351,7 +351,7 @@ def bad_cases(tmp):
         (["--run-dir", ok, "--summary", str(tmp / "file" / "s.json")], f"its directory {tmp / 'file'} is not a directory"),
         (["--run-dir", ok, "--summary", str(tmp / "nowhere" / "s.json")], "does not exist"),
         (["--run-dir", ok, "--summary", "/proc/s.json"], "cannot create files in /proc"),
-        (["--run-dir", ok, "--seed", "-1"], "--seed -1: accepted"),
+        (["--run-dir", ok, "--seed", "-1"], "--train-arg seed=-1: accepted"),
     ]
 
 

@@ -43,6 +43,9 @@ def main(argv=None) -> None:
         signal.siginterrupt(sig, False)  # SA_RESTART: a system call of another thread must not fail EINTR
     signal.pthread_sigmask(signal.SIG_UNBLOCK, stop)  # the task wrapper spawns us with them blocked
     argv = sys.argv[1:] if argv is None else argv
+    from ..logs import setup as setup_logging
+
+    setup_logging("agent")
     run_dir = os.path.abspath(argv[0])
     events = os.path.join(run_dir, "events.jsonl")
     from ..worker import lifeline
@@ -84,6 +87,7 @@ def main(argv=None) -> None:
                       replicas=cfg.replicas if cfg.replicate else 0,
                       extra_identity={"replica": [list(s.getsockname()[:2]) for s in listeners], "watch": watch.address})
     watch.me = cp.me
+    setup_logging(f"node{cp.me}")
     log.base.update(mpi_rank=cp.me, node=cp.me)
     if line is not None:
         line.know(cp.idents, log)  # from now on a lost launcher takes every agent (and its node) with it

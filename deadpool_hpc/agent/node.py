@@ -22,6 +22,7 @@ import signal
 import time
 
 from ..control.agreement import held_by, holders_of
+from ..control.decision import Decision
 from ..errors import Fenced, PeerFailure, RecoveryTimeout, RunFinished
 from ..replica import persist
 from .store import GenerationStore
@@ -335,17 +336,17 @@ class NodeAgent:
             report[str(m)] = dict(rep.report(), done_step=self.left.get(local, -1))
         self._phase("detect")
         decision = self.cp.recover(report, lambda: None, on_phase=self._phase, tick=self._tick)
-        g = decision["generation"]
-        self.high_water = max(self.high_water, decision["high_water"])
+        g = decision.generation
+        self.high_water = max(self.high_water, decision.high_water)
         self.left = {}
-        if decision.get("reason") == "rebuild":  # collectives timed out with nobody at fault
-            if decision["cut_step"] == self._rebuilt_at:
+        if decision.reason == "rebuild":  # collectives timed out with nobody at fault
+            if decision.cut_step == self._rebuilt_at:
                 raise RecoveryTimeout(
-                    f"collectives at step {decision['cut_step']} timed out twice ({self.cfg.wait_timeout:.0f} s) with "
+                    f"collectives at step {decision.cut_step} timed out twice ({self.cfg.wait_timeout:.0f} s) with "
                     f"no process at fault: a rank's step takes longer than that (raise --collective-timeout and "
                     f"--hang-timeout above your longest step), or the network is wedged")
-            self._rebuilt_at = decision["cut_step"]
-        if decision.get("exhausted"):
+            self._rebuilt_at = decision.cut_step
+        if decision.exhausted:
             self._save_checkpoint(decision)
             return
         ranks = {local: self.cp.train_rank(local) for local in range(self.P)}
@@ -356,19 +357,19 @@ class NodeAgent:
                 self.channel.send(local, "role", {**self._role_common(), "what": "spare"})
             self.state = "spare"
             return
-        self._serving = {int(r) for r, src in decision["sources"].items() if src // self.P == self.node}
+        self._serving = {r for r, src in decision.sources.items() if src // self.P == self.node}
         slots = {}
         for local, r in ranks.items():
-            src = decision["sources"].get(str(r))
+            src = decision.sources.get(r)
             rep = self.reps[local]
             if src is not None:
-                slot = rep.fetch(self._replica_address(src), r, decision["cut_step"], self.cp.failure,
+                slot = rep.fetch(self._replica_address(src), r, decision.cut_step, self.cp.failure,
                                  self.cfg.wait_timeout)
             else:
-                slot = rep.own.get(decision["cut_step"])
+                slot = rep.own.get(decision.cut_step)
             slots[local] = slot
-        trainers = sorted({decision["assignment"][r] // self.P for r in range(self.cfg.world_size)})
-        self.cp.barrier(f"rebuild{g}.{decision['coordinator']}", trainers, self.cfg.rendezvous_timeout,
+        trainers = sorted({decision.assignment[r] // self.P for r in range(self.cfg.world_size)})
+        self.cp.barrier(f"rebuild{g}.{decision.coordinator}", trainers, self.cfg.rendezvous_timeout,
                         tick=self._tick)
         self._phase("rebuild")
         self._store(g)
@@ -378,38 +379,38 @@ class NodeAgent:
             self.channel.send(local, "role", {
                 **self._role_common(), "what": "train", "rank": r, "world_size": self.cfg.world_size,
                 "serving": bool(self._serving),
-                "cut_step": decision["cut_step"], "slot": rep.own.slots.index(slot), "crc": slot.crc,
-                "recomputed_steps": decision["recomputed_steps"], "high_water": self.high_water, "t_fail": t_fail,
-                "t_agreed": time.time(), "failed_nodes": decision["failed_nodes"], "round": self.rounds,
-                "promoted": str(r) in decision["promoted"]})
+                "cut_step": decision.cut_step, "slot": rep.own.slots.index(slot), "crc": slot.crc,
+                "recomputed_steps": decision.recomputed_steps, "high_water": self.high_water, "t_fail": t_fail,
+                "t_agreed": time.time(), "failed_nodes": list(decision.failed_nodes), "round": self.rounds,
+                "promoted": r in decision.promoted})
         self.state = "training"
 
-    def _save_checkpoint(self, decision: dict) -> None:
+    def _save_checkpoint(self, decision: Decision) -> None:
         """No spare left, or preempted: write every shard of the cut step this node holds (its ranks' own, and the
         lost ranks whose source it is), wait for every member agent, commit LATEST (each member does: the
         coordinator may die right here), tell the training processes to leave with 75 (requeue)."""
         import torch
 
-        cut, g = decision["cut_step"], decision["generation"]
+        cut, g = decision.cut_step, decision.generation
         for local, rep in self.reps.items():
             r = self.cp.train_rank(local)
             mine = []
-            if r is not None and str(r) not in decision["sources"]:
+            if r is not None and r not in decision.sources:
                 mine.append((r, rep.own.get(cut)))
-            for rr, src in decision["sources"].items():
+            for rr, src in decision.sources.items():
                 if src == self.node * self.P + local:
-                    mine.append((int(rr), rep.held(int(rr)).get(cut)))
+                    mine.append((rr, rep.held(rr).get(cut)))
             layout = self.layouts[local]
             shard = [torch.empty(shape, dtype=dtype) for shape, dtype in zip(layout.shapes, layout.dtypes)]
             for rank, slot in mine:
                 rng = layout.read(slot, shard)
                 persist.save_shard(self.checkpoint_dir, cut, rank, shard, rng)
-        self.cp.barrier(f"saved{g}.{decision['coordinator']}", self.cp.member_nodes, self.cfg.collective_timeout,
+        self.cp.barrier(f"saved{g}.{decision.coordinator}", self.cp.member_nodes, self.cfg.collective_timeout,
                         tick=self._tick)
         persist.commit(self.checkpoint_dir, cut, self.cfg.world_size, g, self.high_water)
-        if self.node == decision["coordinator"]:
+        if self.node == decision.coordinator:
             self.log.emit("checkpoint_saved", step=cut, generation=g, path=self.checkpoint_dir,
-                          reason=decision.get("reason", "no spare node left"))
+                          reason=decision.reason)
         for local in self.sup.alive():
             self.channel.send(local, "role", {"what": "exit", "code": 75})
         self.sup.wait_all(10.0)

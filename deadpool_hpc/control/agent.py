@@ -182,10 +182,12 @@ class Agent(threading.Thread):
         try:
             self._run()
         except BaseException as exc:  # a process without a detector must not linger half-alive
+            import logging
             import os
-            import sys
 
-            print(f"deadpool agent died: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            logging.getLogger(__name__).critical("deadpool agent died: %s: %s", type(exc).__name__, exc,
+                                                 exc_info=True)
+            logging.shutdown()
             os._exit(70)
 
     def _test(self, req, peer: int) -> bool:

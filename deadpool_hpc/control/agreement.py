@@ -12,6 +12,7 @@ active (logical) nodes, a ring, so any K simultaneous node losses leave a copy o
 from __future__ import annotations
 
 from ..errors import ReplicaError
+from .decision import Decision
 
 
 def holders_of(train_rank: int, ranks_per_node: int, active_nodes: int, k: int = 1) -> list[int]:
@@ -32,7 +33,7 @@ def held_by(train_rank: int, ranks_per_node: int, active_nodes: int, k: int = 1)
 
 
 def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare_nodes: list[int],
-           failed: set[int], reports: dict[int, dict], preempt: bool = False, replicas: int = 1) -> dict:
+           failed: set[int], reports: dict[int, dict], preempt: bool = False, replicas: int = 1) -> Decision:
     """Plan the next generation.
 
     assignment[r] = MPI rank holding training rank r; spare_nodes = ids of live spare nodes, in promotion
@@ -41,7 +42,8 @@ def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare
     nothing reports {}). Only verified snapshots are reported; ``own`` counts for rank r only when the
     process still holds r (a promoted spare whose restore failed reports no own steps).
 
-    Returns the decision dict (keys below). ``sources[r]`` names the MPI rank to pull rank r's state at the
+    Returns the Decision (decision.py; its coordinator, store and times are left for the coordinator to fill
+    in). ``sources[r]`` names the MPI rank to pull rank r's state at the
     cut from, for every rank whose process (new or old) lacks it locally: promoted spares, and ranks whose
     process lost its state in a failed round. When a lost active node finds no spare, the decision has
     ``exhausted`` True, no promotion, and still the cut and a source for every lost rank (the job saves a
@@ -110,19 +112,19 @@ def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare
         have = held[r].get(cut, [])
         sources[r] = next((m for m in ring if m in have), None) or have[0]
     done = max((rep.get("done_step", -1) for rep in reports.values() if rep), default=cut)
-    return {
-        "generation": generation,
-        "failed_nodes": failed_nodes,
-        "fenced": fenced,
-        "assignment": new_assign,
-        "promoted": {str(k): v for k, v in promoted.items()},
-        "replaced": {str(k): v for k, v in replaced.items()},
-        "sources": {str(k): v for k, v in sources.items()},
-        "exhausted": exhausted,
-        "reason": reason,
-        "spare_nodes": spares,
-        "members": members,
-        "cut_step": cut,
-        "recomputed_steps": max(0, done - cut),
-        "high_water": done,
-    }
+    return Decision(
+        generation=generation,
+        failed_nodes=tuple(failed_nodes),
+        fenced=tuple(fenced),
+        assignment=tuple(new_assign),
+        promoted=promoted,
+        replaced=replaced,
+        sources=sources,
+        exhausted=exhausted,
+        reason=reason,
+        spare_nodes=tuple(spares),
+        members=tuple(members),
+        cut_step=cut,
+        recomputed_steps=max(0, done - cut),
+        high_water=done,
+    )

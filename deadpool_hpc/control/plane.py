@@ -27,6 +27,7 @@ accepts a decision newer than its generation from an unsuspected coordinator; if
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -38,6 +39,7 @@ from . import fence as fencing
 from . import pmi_relay
 from .agent import Agent
 from .agreement import decide
+from .decision import Decision, RoundFailure, decision_from_wire
 
 _HELLO_BYTES = 512
 
@@ -100,7 +102,7 @@ class ControlPlane:
         self._round = 0
         self._collects: dict[int, tuple] = {}        # coordinator MPI rank -> (its newest round id, its generation)
         self._ready: dict[tuple, dict[int, dict]] = {}  # round id -> {MPI rank: ready body}
-        self._decisions: dict[int, tuple[int, dict]] = {}
+        self._decisions: dict[int, tuple[int, Decision | RoundFailure]] = {}
         self._sync: dict[str, set[int]] = {}
         self._finish: dict | None = None
         self._abort: dict | None = None
@@ -207,7 +209,8 @@ class ControlPlane:
             elif kind == "ready":
                 self._ready.setdefault(tuple(body["round"]), {})[src] = body
             elif kind == "decision":
-                self._decisions[int(body["generation"])] = (src, body)
+                d = decision_from_wire(body)  # ValueError naming the bad key: a bug, not a fault to tolerate
+                self._decisions[d.generation] = (src, d)
             elif kind == "sync":
                 self._sync.setdefault(body["tag"], set()).add(src)
             elif kind == "finish":
@@ -244,14 +247,13 @@ class ControlPlane:
             time.sleep(0.01)
 
     # ---- recovery ---------------------------------------------------------------------------------------------
-    def recover(self, report: dict, host_store, on_phase=None, tick=None) -> dict:
+    def recover(self, report: dict, host_store, on_phase=None, tick=None) -> Decision:
         """Agree on the next generation. Called by every live process after leaving the current one.
 
         report: {str(virtual process): {"own_rank", "own", "held", "done_step"}} for this node's processes (see
         agreement.decide). host_store(): () -> the new generation's rendezvous address (or None); called only on
         the coordinator. tick(): called every iteration (the agent's other event sources). on_phase(name): called at "agree" (report sent, or reports asked for) and "decided" (fault
-        injection for tests). Returns the decision dict (agreement.decide's keys plus "store", "coordinator",
-        "t_decided"). Raises ReplicaError from ``decide`` (after telling the members), Fenced if the decision
+        injection for tests). Returns the Decision (with its coordinator, store and times filled in). Raises ReplicaError from ``decide`` (after telling the members), Fenced if the decision
         declares this process failed, JobAborted if another process aborted, RecoveryTimeout if no decision
         comes within ``recovery_timeout`` seconds, RunFinished if the run ended meanwhile.
         """
@@ -293,11 +295,11 @@ class ControlPlane:
             if time.monotonic() > end:
                 raise RecoveryTimeout(f"no decision for a generation after {self.generation} within "
                                       f"{self.recovery_timeout:.0f} s (coordinator: MPI rank {alive[0]})")
-        if "error" in decision:
-            raise _error_from(decision)
-        if set(self.procs()) & set(decision["fenced"]):
-            raise Fenced(f"the decision for generation {decision['generation']} (coordinator MPI rank "
-                         f"{decision['coordinator']}) declares this process failed")
+        if isinstance(decision, RoundFailure):
+            raise decision.exception()
+        if set(self.procs()) & set(decision.fenced):
+            raise Fenced(f"the decision for generation {decision.generation} (coordinator MPI rank "
+                         f"{decision.coordinator}) declares this process failed")
         on_phase("decided")
         self._apply(decision)
         return decision
@@ -320,18 +322,18 @@ class ControlPlane:
                 self.agent.send(p, "collect", {"round": list(rid), "g": self.generation})
         return rid
 
-    def _take_decision(self) -> dict | None:
+    def _take_decision(self) -> Decision | RoundFailure | None:
         """The newest decision for a generation after ours, from an unsuspected coordinator, naming us."""
         best = None
-        for g, (src, body) in self._decisions.items():
+        for g, (src, d) in self._decisions.items():
             mine = set(self.procs())
-            named = mine & set(body.get("members", [])) or mine & set(body.get("fenced", []))
+            named = mine & set(d.members) or mine & set(d.fenced)
             if g > self.generation and not self.agent.is_suspected(src) and named:
-                if best is None or g > best["generation"]:
-                    best = body
+                if best is None or g > best.generation:
+                    best = d
         return best
 
-    def _coordinate(self, rid: tuple, alive: list[int], report: dict, host_store) -> dict | None:
+    def _coordinate(self, rid: tuple, alive: list[int], report: dict, host_store) -> Decision | RoundFailure | None:
         ready = self._ready.setdefault(rid, {})
         ready[self.me] = self._ready_body(list(rid), report)
         missing = [p for p in alive if p not in ready]
@@ -355,32 +357,32 @@ class ControlPlane:
                               spare_nodes=view["spare_nodes"], failed=failed, reports=reports,
                               preempt=self.agent.preempted.is_set(), replicas=self.replicas)
         except Exception as exc:  # tell everybody, then raise the same error everywhere
-            decision = {"generation": g, "error": type(exc).__name__, "message": str(exc),
-                        "members": sorted(m for n in alive for m in self.procs(n)),
-                        "failed_nodes": sorted({m // P for m in failed}), "fenced": []}
+            decision = RoundFailure(generation=g, error=type(exc).__name__, message=str(exc),
+                                    members=tuple(sorted(m for n in alive for m in self.procs(n))),
+                                    failed_nodes=tuple(sorted({m // P for m in failed})))
         else:
-            decision["store"] = host_store()
-        decision["coordinator"] = self.me
-        decision["t_decided"] = time.time()
-        decision["first_suspicion"] = self.first_suspicion
-        for n in sorted({m // P for m in decision["members"]}):
+            decision = dataclasses.replace(decision, store=host_store())
+        decision = dataclasses.replace(decision, coordinator=self.me, t_decided=time.time(),
+                                       first_suspicion=self.first_suspicion)
+        wire = decision.to_wire()
+        for n in sorted({m // P for m in decision.members}):
             if n != self.me:
-                self.agent.send(n, "decision", decision)
+                self.agent.send(n, "decision", wire)
         self._ready.pop(rid, None)
-        self.log.emit("decision", **{k: decision.get(k) for k in (
+        self.log.emit("decision", **{k: wire.get(k) for k in (
             "generation", "failed_nodes", "promoted", "replaced", "sources", "cut_step", "exhausted", "reason", "recomputed_steps",
             "store", "t_decided", "first_suspicion", "error", "message")})
         return decision
 
-    def _apply(self, decision: dict) -> None:
-        g = decision["generation"]
-        self.assignment = list(decision["assignment"])
-        self.spare_nodes = list(decision["spare_nodes"])
-        self.members = list(decision["members"])  # first: fencing the failed below is no loss of a member
-        for n in sorted({m // self.P for m in decision["fenced"]}):
+    def _apply(self, decision: Decision) -> None:
+        g = decision.generation
+        self.assignment = list(decision.assignment)
+        self.spare_nodes = list(decision.spare_nodes)
+        self.members = list(decision.members)  # first: fencing the failed below is no loss of a member
+        for n in sorted({m // self.P for m in decision.fenced}):
             self.agent.suspect(n, "fenced by decision", notify=False)
             fencing.fence(self.idents[n])
-        self.coordinator = decision["coordinator"]
+        self.coordinator = decision.coordinator
         self.generation = g
         self.agent.generation = g
         self.first_suspicion = None
@@ -425,9 +427,3 @@ class ControlPlane:
         self.agent.stop()
         os._exit(code)
 
-
-def _error_from(decision: dict) -> Exception:
-    from .. import errors
-
-    cls = getattr(errors, decision["error"], RuntimeError)
-    return cls(decision["message"])

@@ -131,6 +131,9 @@ def main(argv=None) -> int:
     st.add_argument("target", metavar="JOBID|RUN_DIR")
     st.set_defaults(fn=cmd_status)
     a = parser.parse_args(argv)
+    from ..logs import setup as setup_logging
+
+    setup_logging("launcher")
     try:
         return a.fn(a)
     except (ConfigError, FileNotFoundError) as exc:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from ..config import RunConfig, parse_fault
+from ..config import RunConfig, parse_fault, parse_train_arg
 from ..errors import ConfigError
 
 
@@ -54,10 +54,11 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                         "starts ends the run with an error after this long")
     p.add_argument("--summary", metavar="PATH", help="write the run summary JSON here")
     p.add_argument("--run-dir", default=d.run_dir, help="event log, config and logs of the run")
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--context", type=int, default=d.context)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--train-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="a setting of the training function (ctx.config.train_args; VALUE becomes an int, float, "
+                        "true/false or string), e.g. n_layer=4 for the demo (repeatable)")
+    for flag, kind in (("--batch-size", int), ("--context", int), ("--lr", float), ("--seed", int)):
+        p.add_argument(flag, type=kind, help=f"shorthand for --train-arg {flag[2:].replace('-', '_')}=VALUE")
     p.add_argument("--heartbeat-deadline", type=float, default=d.heartbeat_deadline, help="seconds")
     p.add_argument("--heartbeat-period", type=float, default=d.heartbeat_period, help="seconds")
     p.add_argument("--requeue", action="store_true",
@@ -67,9 +68,10 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-fn", default=d.train_fn, help="module:function to train (default: the demo)")
 
 
-def check_train_fn(spec: str) -> None:
+def check_train_fn(spec: str, train_args: dict | None = None) -> None:
     """Import the --train-fn "package.module:function" here (worker.entry.load_train_fn, as each worker
-    will), before any process starts. Raises ConfigError naming the spec if that fails."""
+    will), before any process starts, and check ``train_args`` with its ``check_args`` if it has one (the demo
+    does). Raises ConfigError naming the spec, or the bad train arg, if that fails."""
     from ..worker.entry import load_train_fn
 
     try:
@@ -84,18 +86,28 @@ def check_train_fn(spec: str) -> None:
     if not callable(fn):
         mod, _, name = spec.partition(":")
         raise ConfigError(f"--train-fn {spec!r}: {mod} has no function {name!r}")
+    check = getattr(fn, "check_args", None)
+    if callable(check):
+        try:
+            check(dict(train_args or {}))
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def config_from_args(a) -> RunConfig:
     """The RunConfig of parsed run options (validated); ConfigError names a bad value."""
-    check_train_fn(a.train_fn)
+    train_args = dict(parse_train_arg(s) for s in a.train_arg)
+    for name in ("batch_size", "context", "lr", "seed"):  # the demo's shorthands
+        if getattr(a, name) is not None:
+            train_args[name] = getattr(a, name)
+    check_train_fn(a.train_fn, train_args)
     if a.summary:
         from ..rundir import check_output_file
 
         check_output_file(a.summary, run_dir=a.run_dir)
     faults = [parse_fault("kill", s) for s in a.kill] + [parse_fault("hang", s) for s in a.hang]
     return RunConfig(nodes=a.nodes, spares=a.spares, ranks_per_node=a.ranks_per_node, steps=a.steps, faults=faults,
-                     batch_size=a.batch_size, context=a.context, lr=a.lr, seed=a.seed,
+                     train_args=train_args,
                      heartbeat_deadline=a.heartbeat_deadline, heartbeat_period=a.heartbeat_period,
                      replicas=a.replicas, hang_timeout=a.hang_timeout, rendezvous_timeout=a.rendezvous_timeout,
                      startup_timeout=a.startup_timeout, collective_timeout=a.collective_timeout,

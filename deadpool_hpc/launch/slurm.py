@@ -346,6 +346,8 @@ def end_attempt(run_dir: str, out: str | None = None, since: float | None = None
 
 # ---- CLI ----------------------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
+    from ..logs import setup as setup_logging
+
     p = argparse.ArgumentParser(prog="python -m deadpool_hpc.launch.slurm", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     wc = sub.add_parser("write-config", help="write RUN_DIR/config.json")
@@ -386,6 +388,7 @@ def main(argv=None) -> int:
     wt.add_argument("run_dir")
     wt.add_argument("--drain", default="1")
     a = p.parse_args(argv)
+    setup_logging(f"slurm-{a.cmd}")
     try:
         if a.cmd == "write-config":
             print(write_config(config_from_args(a)))

@@ -13,6 +13,7 @@ progress; otherwise (``scancel``, the end of a preemption's grace time) log ``st
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import re
 import signal
@@ -24,6 +25,8 @@ from ..events import read_events
 from ..rundir import emit_requeued
 from ..rundir import latest_checkpoint as _latest_checkpoint  # without torch: settle runs within KillWait
 from .slurm_common import hosts_by_rank, load_config, summary_out, write_summary
+
+_log = logging.getLogger(__name__)  # diagnostics; ``log`` below is a run's event log
 
 ALIVE_FILE = "batch.alive"
 ALIVE_STALE_S = 10.0  # the batch host counts as dead when batch.alive has not been touched for this long
@@ -228,10 +231,10 @@ def drain(node: str, reason: str) -> bool:
         out = subprocess.run(["scontrol", "update", f"nodename={node}", "state=drain", f"reason={reason}"],
                              capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        print(f"[deadpool] drain {node}: {exc}", file=sys.stderr)
+        _log.warning("drain %s: %s", node, exc)
         return False
     if out.returncode != 0:
-        print(f"[deadpool] drain {node} refused (needs SlurmUser/admin): {out.stderr.strip()}", file=sys.stderr)
+        _log.warning("drain %s refused (needs SlurmUser/admin): %s", node, out.stderr.strip())
     return out.returncode == 0
 
 
@@ -263,10 +266,10 @@ def watch(run_dir: str, do_drain: bool = True, period: float = 1.0) -> None:
                         if h and h not in drained:
                             drained.add(h)
                             ok = drain(h, f"deadpool job {os.environ.get('SLURM_JOB_ID', '?')}: declared dead")
-                            print(f"[deadpool] {'drained' if ok else 'could not drain'} {h} "
-                                  f"(node{n} of the run, generation {e['generation']})", flush=True)
+                            _log.info("%s %s (node%s of the run, generation %s)", "drained" if ok else "could not drain",
+                                     h, n, e["generation"])
             except (OSError, ValueError, KeyError) as exc:
-                print(f"[deadpool] watch: {exc}", file=sys.stderr)
+                _log.warning("watch: %s", exc)
         time.sleep(period)
 
 
@@ -372,8 +375,8 @@ def settle(run_dir: str, since: float | None = None, srun_rc: int | None = None)
             return {"action": "requeued", "reason": reason}
         why_not = f"scontrol requeue {job_id} failed: {out.stderr.strip()}"
     why_not = why_not or "no Slurm job id"
-    print(f"[deadpool] not requeued: {why_not}; checkpoint of step {ckpt['step']} in {run_dir}/checkpoint "
-          f"(a new job with RESUME=1 and this RUN_DIR resumes there)", file=sys.stderr)
+    _log.warning("not requeued: %s; checkpoint of step %s in %s/checkpoint (a new job with RESUME=1 and this "
+                 "RUN_DIR resumes there)", why_not, ckpt["step"], run_dir)
     log.emit("stopped", reason=why_not, slurm_job_id=job_id, job_state=state, checkpoint_step=ckpt["step"],
              checkpoint=_latest_checkpoint(run_dir))
     return {"action": "stopped", "reason": why_not, "checkpoint_step": ckpt["step"]}

@@ -52,16 +52,19 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import signal
-import sys
 import time
 
 from ..config import RunConfig
 from ..events import EventLog, read_events
+from ..logs import setup as setup_logging
 from ..rundir import RunDir, emit_requeued
 from . import slurm, slurm_job
+
+_log = logging.getLogger(__name__)
 
 
 def srun_args(mpi: str = "pmi2") -> list[str]:
@@ -149,6 +152,7 @@ class HotSwapJob:
         env_info = submitit.JobEnvironment()
         job_id = os.environ.get("SLURM_JOB_ID") or str(env_info.job_id).split("_")[0]
         rank = env_info.global_rank
+        setup_logging(f"submitit-task{rank}")
         if rank == 0:
             self._lock = RunDir(self.run_dir)
             self._lock.acquire(f"slurm job {job_id}")  # held by task 0 while the run lives (one run per directory)
@@ -180,8 +184,8 @@ class HotSwapJob:
             where += f"; checkpoint of step {s['checkpoint']['step']} in {os.path.join(self.run_dir, 'checkpoint')}"
         if how["action"] == "stopped" and not how.get("killed") and slurm_job.job_state(job_id)[0] != "RUNNING":
             # Slurm is ending the job (scancel): no result, so result() raises UncompletedJobError with its state
-            print(f"[deadpool] job {job_id} stopped at step {s['steps_completed']} of {self.cfg.steps}: "
-                  f"{how['reason']}; {where}", file=sys.stderr, flush=True)
+            _log.warning("job %s stopped at step %s of %s: %s; %s", job_id,
+                         s["steps_completed"], self.cfg.steps, how["reason"], where)
             raise SystemExit(1)
         raise RunIncomplete(f"the run did not complete: step {s['steps_completed']} of {self.cfg.steps}"
                             f"{'; stopped: ' + s['stopped']['reason'] if s['stopped'] else ''}"

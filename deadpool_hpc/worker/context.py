@@ -154,7 +154,8 @@ class Context:
         if s > self._high_water:  # faults fire on the first pass through their step, never on a recomputation
             self.faults.at_step(s, self.rank, set(self._role.get("active_nodes", [])), self._role.get("spare_nodes", []))
         t = time.perf_counter()
-        metrics = step_fn(s) or {}
+        metrics = dict(step_fn(s) or {})
+        tokens = metrics.pop("tokens", None)  # this rank's tokens in the step, if the step function says
         dt = time.perf_counter() - t
         self.step = s + 1
         self._snapshot()
@@ -163,9 +164,8 @@ class Context:
             self.log.emit("resumed", generation=self.generation, rank=self.rank, step=self.step,
                           t_fail=r["t_fail"], recomputed_steps=r["recomputed_steps"])
         if self.rank == 0 and (s % self.config.log_every == 0 or self.step == self.config.steps):
-            tokens = self.world_size * self.config.batch_size * self.config.context
-            self.log.emit("step", step=self.step, generation=self.generation, step_s=dt,
-                          tokens_per_s=tokens / dt if dt > 0 else 0.0,
+            rate = {"tokens_per_s": self.world_size * tokens / dt if dt > 0 else 0.0} if tokens else {}
+            self.log.emit("step", step=self.step, generation=self.generation, step_s=dt, **rate,
                           **{k: v for k, v in metrics.items() if isinstance(v, (int, float))})
 
     def _before_update(self) -> None:

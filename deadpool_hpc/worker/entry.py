@@ -53,12 +53,14 @@ def main(argv=None) -> None:
     from ..config import RunConfig
     from ..control.fence import identity
     from ..events import EventLog
+    from ..logs import setup as setup_logging
     from .client import AgentClient
     from .lifeline import RUN_ENV
 
     with open(os.path.join(run_dir, "config.json")) as fh:
         cfg = RunConfig.from_json(fh.read())
     node = int(os.environ.get("DEADPOOL_NODE", "0"))
+    setup_logging(f"node{node}.local{local}")  # its training rank changes with promotions: the event log has it
     log = EventLog(os.path.join(run_dir, "events.jsonl"), node=node, local=local)
     if os.environ.get(RUN_ENV):
         log.base["run"] = os.environ[RUN_ENV]

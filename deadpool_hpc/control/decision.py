@@ -1,0 +1,208 @@
+"""The recovery decision as a typed value, and its wire form.
+
+Owns the shape of what a recovery round's coordinator sends to every member (``Decision``, or ``RoundFailure``
+when ``agreement.decide`` raised) and the conversion to and from the JSON-safe dict that travels in a control
+message (``to_wire`` / ``from_wire``; no pickle on the wire). Does not own how a decision is made
+(agreement.py) nor how it is applied (plane.py, agent/node.py).
+
+Ids, as in agreement.py: a *training rank* r in 0..world_size-1; a *virtual process* m = node * P + local
+(the id the control plane works in); a *node* n = m // P, which is also the node agent's MPI rank. JSON has
+only string object keys, so the maps keyed by an int are keyed by ``str(int)`` on the wire; ``from_wire``
+turns them back, so nothing past this module sees a string key.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _req(d: dict, key: str, what: str, ok, kind: str):
+    if key not in d:
+        raise ValueError(f"{what} on the wire lacks key {key!r}")
+    v = d[key]
+    if not ok(v):
+        raise ValueError(f"{what} on the wire: key {key!r} is {v!r}; expected {kind}")
+    return v
+
+
+def _int(d, key, what):
+    return _req(d, key, what, _is_int, "an int")
+
+
+def _opt_float(d, key, what):
+    v = _req(d, key, what, lambda x: x is None or (isinstance(x, (int, float)) and not isinstance(x, bool)),
+             "a number or null")
+    return None if v is None else float(v)
+
+
+def _ints(d, key, what) -> tuple[int, ...]:
+    return tuple(_req(d, key, what, lambda x: isinstance(x, (list, tuple)) and all(_is_int(i) for i in x),
+                      "a list of ints"))
+
+
+def _int_map(d, key, what) -> dict[int, int]:
+    def ok(x):
+        if not isinstance(x, dict) or not all(_is_int(v) for v in x.values()):
+            return False
+        try:
+            [int(k) for k in x]
+        except (TypeError, ValueError):
+            return False
+        return True
+
+    return {int(k): v for k, v in _req(d, key, what, ok, "an object of int -> int").items()}
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The plan for the next generation, made by one recovery round's coordinator and applied by every member.
+
+    - generation: the generation this plan starts (one more than the newest applied one among the reports).
+    - failed_nodes: nodes found failed this round (sorted).
+    - fenced: virtual processes of the failed nodes (sorted); a process named here must stop (Fenced).
+    - assignment: assignment[r] = the virtual process that holds training rank r in the new generation.
+    - promoted: {training rank: virtual process of the spare node that takes it over}; empty unless a hot swap.
+    - replaced: {lost node: spare node that takes its place}.
+    - sources: {training rank: virtual process to pull that rank's state at ``cut_step`` from}, for every rank
+      whose (new or old) process lacks it locally; the other ranks restore from their own snapshot.
+    - exhausted: True when the job cannot go on here (no spare left for a lost node, or preempted): the members
+      save a persistent checkpoint at ``cut_step`` and leave to be requeued.
+    - reason: "hot swap", "spare lost", "rebuild" (nobody failed: a collective timed out or a round failed),
+      "no spare node left" or "preempted".
+    - spare_nodes: live spare nodes left after this plan, in promotion order.
+    - members: virtual processes of the new generation (trainers and spares; sorted).
+    - cut_step: the step every rank restores (the newest step whose state exists for every rank).
+    - recomputed_steps: steps already done by some rank that will be trained again (high_water - cut_step, >= 0).
+    - high_water: the highest step any reporting process had completed.
+    - store: the rendezvous address the coordinator hosts for the new generation, or None (the node agents
+      serve each generation's store themselves).
+    - coordinator: MPI rank (= node) of the agent that made the decision; None until it is sent.
+    - t_decided: wall-clock time (Unix seconds) the coordinator sent it; None until then.
+    - first_suspicion: wall-clock time (Unix seconds) of the coordinator's first suspicion that started this
+      recovery, or None (a rebuild with nobody suspected).
+    """
+
+    generation: int
+    failed_nodes: tuple[int, ...]
+    fenced: tuple[int, ...]
+    assignment: tuple[int, ...]
+    promoted: dict[int, int]
+    replaced: dict[int, int]
+    sources: dict[int, int]
+    exhausted: bool
+    reason: str
+    spare_nodes: tuple[int, ...]
+    members: tuple[int, ...]
+    cut_step: int
+    recomputed_steps: int
+    high_water: int
+    store: str | None = None
+    coordinator: int | None = None
+    t_decided: float | None = None
+    first_suspicion: float | None = None
+
+    def to_wire(self) -> dict:
+        """A JSON-safe dict: lists for tuples, string keys for the int-keyed maps."""
+        d = dataclasses.asdict(self)
+        for k in ("failed_nodes", "fenced", "assignment", "spare_nodes", "members"):
+            d[k] = list(d[k])
+        for k in ("promoted", "replaced", "sources"):
+            d[k] = {str(r): v for r, v in d[k].items()}
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Decision":
+        """The inverse of ``to_wire``. Raises ValueError naming the first missing or malformed key."""
+        what = "a recovery decision"
+        if not isinstance(d, dict):
+            raise ValueError(f"{what} on the wire is a {type(d).__name__}, not an object")
+        if "error" in d:
+            raise ValueError(f"{what} on the wire is a failed round ({d['error']!r}); use decision_from_wire")
+        return cls(
+            generation=_int(d, "generation", what),
+            failed_nodes=_ints(d, "failed_nodes", what),
+            fenced=_ints(d, "fenced", what),
+            assignment=_ints(d, "assignment", what),
+            promoted=_int_map(d, "promoted", what),
+            replaced=_int_map(d, "replaced", what),
+            sources=_int_map(d, "sources", what),
+            exhausted=_req(d, "exhausted", what, lambda x: isinstance(x, bool), "true or false"),
+            reason=_req(d, "reason", what, lambda x: isinstance(x, str), "a string"),
+            spare_nodes=_ints(d, "spare_nodes", what),
+            members=_ints(d, "members", what),
+            cut_step=_int(d, "cut_step", what),
+            recomputed_steps=_int(d, "recomputed_steps", what),
+            high_water=_int(d, "high_water", what),
+            store=_req(d, "store", what, lambda x: x is None or isinstance(x, str), "a string or null"),
+            coordinator=_req(d, "coordinator", what, lambda x: x is None or _is_int(x), "an int or null"),
+            t_decided=_opt_float(d, "t_decided", what),
+            first_suspicion=_opt_float(d, "first_suspicion", what),
+        )
+
+
+@dataclass(frozen=True)
+class RoundFailure:
+    """A round whose ``agreement.decide`` raised: the coordinator sends this instead of a plan, and every member
+    raises the same error (``exception()``).
+
+    - generation: the generation the round was deciding.
+    - error: the exception's class name (one of deadpool_hpc.errors, else RuntimeError is raised).
+    - message: its message.
+    - members: virtual processes the failure is sent to (every live process; sorted).
+    - failed_nodes: nodes found failed this round (sorted).
+    - fenced: always empty (nobody is fenced by a failed round); kept so a member reads it as it reads a plan.
+    - coordinator, t_decided, first_suspicion: as in ``Decision``.
+    """
+
+    generation: int
+    error: str
+    message: str
+    members: tuple[int, ...]
+    failed_nodes: tuple[int, ...]
+    fenced: tuple[int, ...] = field(default=())
+    coordinator: int | None = None
+    t_decided: float | None = None
+    first_suspicion: float | None = None
+
+    def exception(self) -> Exception:
+        from .. import errors
+
+        cls = getattr(errors, self.error, None)
+        if not (isinstance(cls, type) and issubclass(cls, Exception)):
+            cls = RuntimeError
+        return cls(self.message)
+
+    def to_wire(self) -> dict:
+        d = dataclasses.asdict(self)
+        for k in ("members", "failed_nodes", "fenced"):
+            d[k] = list(d[k])
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "RoundFailure":
+        what = "a failed recovery round"
+        if not isinstance(d, dict):
+            raise ValueError(f"{what} on the wire is a {type(d).__name__}, not an object")
+        return cls(
+            generation=_int(d, "generation", what),
+            error=_req(d, "error", what, lambda x: isinstance(x, str), "a string"),
+            message=_req(d, "message", what, lambda x: isinstance(x, str), "a string"),
+            members=_ints(d, "members", what),
+            failed_nodes=_ints(d, "failed_nodes", what),
+            fenced=_ints(d, "fenced", what),
+            coordinator=_req(d, "coordinator", what, lambda x: x is None or _is_int(x), "an int or null"),
+            t_decided=_opt_float(d, "t_decided", what),
+            first_suspicion=_opt_float(d, "first_suspicion", what),
+        )
+
+
+def decision_from_wire(d: dict) -> Decision | RoundFailure:
+    """A ``decision`` control message's body: a RoundFailure if it carries "error", else a Decision.
+    Raises ValueError naming the first missing or malformed key."""
+    if isinstance(d, dict) and "error" in d:
+        return RoundFailure.from_wire(d)
+    return Decision.from_wire(d)
