@@ -110,7 +110,8 @@ def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare
             continue
         ring = [assignment[h] for h in holders_of(r, P, N, min(replicas, N - 1))] if N > 1 and replicas else []
         have = held[r].get(cut, [])
-        sources[r] = next((m for m in ring if m in have), None) or have[0]
+        pick = next((m for m in ring if m in have), None)  # holder 0 is a valid pick: compare with None
+        sources[r] = have[0] if pick is None else pick
     done = max((rep.get("done_step", -1) for rep in reports.values() if rep), default=cut)
     return Decision(
         generation=generation,
