@@ -1,6 +1,7 @@
 """Recovery time from a node's SIGKILL to the first completed step after the swap, by phase.
 
     .venv/bin/python benchmarks/recovery.py --runs 5 --nodes 3 --spares 1 --kill node1@40
+    .venv/bin/python benchmarks/recovery.py --runs 5 --hang rank1@40 --hang-timeout 3
     .venv/bin/python benchmarks/recovery.py --runs 3 --spares 2 --replicas 2 --kill node1@40 --kill node2@restore
 
 With several faults, each failure of the summary is reported on its own (a second node lost during the
@@ -27,13 +28,15 @@ def main() -> None:
     ap.add_argument("--kill", action="append", default=[], help="fault spec, repeatable (default node1@40)")
     ap.add_argument("--hang", action="append", default=[], help="SIGSTOP fault spec, repeatable")
     ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--hang-timeout", type=float, default=RunConfig.hang_timeout,
+                    help="seconds without progress before a frozen training process is fenced (for --hang)")
     a = ap.parse_args()
     specs = [("kill", k) for k in a.kill] + [("hang", h) for h in a.hang] or [("kill", "node1@40")]
     rows, digests = [], set()
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(a.runs):
             cfg = RunConfig(nodes=a.nodes, spares=a.spares, steps=a.steps, run_dir=f"{tmp}/r{i}", replicas=a.replicas,
-                            faults=[parse_fault(k, v) for k, v in specs]).validate()
+                            hang_timeout=a.hang_timeout, faults=[parse_fault(k, v) for k, v in specs]).validate()
             s = launch(cfg, timeout=600)
             assert s["completed"] and len(s["failures"]) == len(specs), s
             rows.append(s["failures"])

@@ -370,7 +370,10 @@ def settle(run_dir: str, since: float | None = None, srun_rc: int | None = None)
     if why_not is None and job_id:
         emit_requeued(log, slurm_job_id=job_id, reason=reason,
                  time_limit=slurm_reason == "TimeLimit" or None, checkpoint=_latest_checkpoint(run_dir))
-        out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+        # the requeue makes slurmd SIGTERM every process of the job's steps, this scontrol included: ignored here
+        # (SIG_IGN survives exec), or scontrol may die before it reports the requeue it already made
+        out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60,
+                             preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN))
         if out.returncode == 0:
             return {"action": "requeued", "reason": reason}
         why_not = f"scontrol requeue {job_id} failed: {out.stderr.strip()}"

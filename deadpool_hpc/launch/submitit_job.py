@@ -236,6 +236,12 @@ class HotSwapJob:
                 emit_requeued(EventLog(os.path.join(self.run_dir, "events.jsonl")), launcher="submitit",
                               slurm_job_id=os.environ.get("SLURM_JOB_ID"), checkpoint_step=saved[-1]["step"],
                               reason=saved[-1].get("reason"))
+                # submitit runs `scontrol requeue` next, in this process; the requeue makes slurmd SIGTERM every
+                # process of the step, that scontrol included, which then raised CalledProcessError (-15) and
+                # ended the job as failed although Slurm had requeued it (seen in CI). SIGTERM is ignored from here
+                # on, by this process and (SIG_IGN is inherited across fork and exec) by scontrol; submitit exits
+                # right after the requeue, and Slurm's SIGKILL after KillWait still bounds it.
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
                 return DelayedSubmission(self)
             time.sleep(0.2)
         return None
