@@ -42,19 +42,22 @@ def main() -> None:
         # enough steps to outlast the window on 2 cores; the run is ended when the window is over
         cmd = [sys.executable, "-m", "deadpool_hpc.launch.cli", "run", "--nodes", str(a.nodes), "--spares",
                str(a.spares), "--steps", "100000", "--run-dir", run_dir]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        out = open(f"{tmp}/launcher.out", "w+")
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         total = a.nodes + a.spares
         try:
             deadline = time.monotonic() + 300
             agents: dict[int, int] = {}
             while time.monotonic() < deadline and proc.poll() is None:
-                es = read_events(run_dir) if os.path.exists(f"{run_dir}/events.jsonl") else []
+                es = list(read_events(f"{run_dir}/events.jsonl")) if os.path.exists(f"{run_dir}/events.jsonl") else []
                 agents = {e["node"]: e["pid"] for e in es if e["event"] == "hello" and e.get("role") == "agent"}
                 if len(agents) == total and any(e["event"] == "step" and e["step"] >= 5 for e in es):
                     break
                 time.sleep(0.2)
             else:
-                raise SystemExit(f"the run did not reach step 5 within 300 s (launcher rc {proc.poll()})")
+                out.seek(0)
+                raise SystemExit(f"the run did not reach step 5 within 300 s (launcher rc {proc.poll()}):\n"
+                                 + out.read()[-3000:])
             before = {n: cpu_seconds(p) for n, p in agents.items()}
             t0 = time.monotonic()
             time.sleep(a.window)

@@ -250,3 +250,21 @@ def _wait_for_step(run_dir, th, step, pick, timeout=120):
             return [e for e in ev if e["event"] == "hello" and pick(e)]
         time.sleep(0.05)
     pytest.fail(f"the run never reached step {step}")
+
+
+
+def test_an_idle_spare_waits_as_long_as_the_run_lasts_and_is_still_promoted(tmp_path, test_fns, monkeypatch):
+    """A spare's training process waits for its role for as long as the run lasts. It used to give up after the
+    recovery + ready timeouts (196 s with the defaults) and abort a failure-free run. Here those add up to 12.5 s
+    (hang timeout 1.5 s, rendezvous 2 s); steps are paced to >= 0.25 s, so node1 dies at step 70 well after that,
+    and the spare that idled all along is promoted and the run ends bitwise equal to a failure-free one."""
+    monkeypatch.setenv("DEADPOOL_TEST_STEP_S", "0.25")
+    kw = dict(nodes=2, steps=80, hang_timeout=1.5, rendezvous_timeout=2.0, train_fn="trainfns:paced")
+    idle_bound = RunConfig(**kw).recovery_timeout + RunConfig(**kw).ready_timeout
+    base = run(tmp_path, "paced-base", spares=0, **kw)
+    s = run(tmp_path, "paced-kill", "kill node1@70", spares=1, **kw)
+    assert s["completed"] and s["swaps"] == 1 and s["param_digest"] == base["param_digest"], s
+    es = events(tmp_path / "paced-kill")
+    ready = min(e["t"] for e in es if e["event"] == "spare_ready")
+    decided = min(e["t"] for e in es if e["event"] == "decision")
+    assert decided - ready > idle_bound, (decided - ready, idle_bound)

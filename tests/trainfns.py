@@ -33,6 +33,22 @@ def frozen_rank2(ctx) -> None:
     demo_train(ctx)
 
 
+def paced(ctx) -> None:
+    """The demo, with each step lasting at least ``DEADPOOL_TEST_STEP_S`` seconds (a sleep before it): a run
+    whose length in seconds the test knows, whatever the machine's speed."""
+    pace = float(os.environ.get("DEADPOOL_TEST_STEP_S", "0.25"))
+    run = ctx.run
+
+    def run_paced(step_fn):
+        def step(s: int):
+            time.sleep(pace)
+            return step_fn(s)
+        run(step)
+
+    ctx.run = run_paced
+    demo_train(ctx)
+
+
 def big_mlp(ctx) -> None:
     """A 2-layer MLP whose ZeRO-1 state (parameter shard + 2 AdamW moments) is ``DEADPOOL_TEST_STATE_MB`` MB per
     rank (default 200): a real-size replica, with little compute per step."""

@@ -24,7 +24,7 @@ import torch
 from ..dataplane import collectives
 from ..dataplane.collectives import Watch
 from ..dataplane.groups import device_for
-from ..errors import PeerFailure
+from ..errors import ChannelTimeout, PeerFailure
 from ..replica import persist
 from ..replica.snapshot import Slot, StateLayout
 from .faults import RankFaults
@@ -226,6 +226,19 @@ class Context:
         finally:
             self._waiting = None
 
+    def _idle_spare_wait(self) -> dict:
+        """An idle spare's wait for its next role. A failure-free run keeps a spare idle for as long as it lasts
+        (hours, weeks), so no deadline of its own ends this wait: it ends with a role from the agent (promotion,
+        finish, exit), or with AgentLost as soon as the agent is gone (its socket closes; its death also ends this
+        process through the lifeline). It looks every ``ready_timeout`` seconds, so a lost agent is noticed there
+        at the latest."""
+        while True:
+            try:
+                return self._wait_role(-1, "spare", announce=False)
+            except ChannelTimeout:
+                if self.client.lost.is_set():
+                    raise
+
     def _recover(self, why: str) -> bool:
         """Leave the failed generation and follow the agent's decisions until this process trains again (True),
         or has no further part (False: saved, finished, or still a spare when the run ended)."""
@@ -261,7 +274,7 @@ class Context:
             self.log.emit("spare_ready", node=self.node, generation=role.get("generation"))
             announce = False
             while True:
-                role = self._wait_role(-1, "spare", announce=announce)
+                role = self._wait_role(-1, "spare", announce=True) if announce else self._idle_spare_wait()
                 if role["what"] == "train":
                     try:
                         self._rejoin(role, time.time(), promoted=True)
