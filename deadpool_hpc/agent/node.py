@@ -30,8 +30,6 @@ from .store import GenerationStore
 MAX_FAILED_ROUNDS = 8
 
 
-STEADY_TICK_S = 0.05  # seconds between passes of the agent's loop when nothing happens (issue 7: idle CPU)
-
 class NodeAgent:
     """One node's agent. ``cp``: its ControlPlane (started); ``channel``: its ChannelServer; ``supervisor``;
     ``watch``: its RingWatch; ``listeners``: one bound replica server socket per local rank; ``log``: EventLog."""
@@ -40,7 +38,6 @@ class NodeAgent:
         self.cfg = cfg
         self.cp = cp
         self.channel = channel
-        cp.agent.on_notice = channel.wake  # a control message or a suspicion ends the main loop's wait at once
         self.sup = supervisor
         self.watch = watch
         self.listeners = listeners
@@ -79,11 +76,7 @@ class NodeAgent:
             self.high_water = self.resume.get("high_water", -1)
         self._start()
         while self.state not in ("done", "saved"):
-            # a local message, a training process's exit (its socket closes), a control message or a suspicion
-            # (the heartbeat thread wakes the channel) end the wait at once; the rest (ring-watch connections,
-            # replicas committed) is looked at each pass: every 5 ms while a failure is handled, else STEADY_TICK_S
-            steady = not self.cp.failure.is_set() and not self.left and not self.round_failed
-            self._tick(STEADY_TICK_S if steady else 0.005)
+            self._tick(0.005)
             if self.state in ("done", "saved"):
                 break
             if self.cp.finished() is not None:
