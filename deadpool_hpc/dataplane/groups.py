@@ -62,22 +62,23 @@ class GenerationGroups:
         self.generation: int | None = None
         self._graveyard: list = []   # abandoned groups with the works they may still run (gloo)
 
-    def join(self, generation: int, store, rank: int, world_size: int):
+    def join(self, generation: int, store, rank: int, world_size: int, timeout: float | None = None):
         """Initialise the default process group of ``generation`` as ``rank`` of ``world_size``, rendezvousing
         through ``store`` (a torch.distributed Store: the node agent's, worker/client.AgentStore), under the key
         prefix ``gen{generation}``. Returns the process group. Raises PeerFailure if the rendezvous fails (the
         agent fails the store's waits at once when a member is lost) or does not complete within
-        ``rendezvous_timeout`` seconds.
+        ``timeout`` seconds (default: ``rendezvous_timeout``; the first join of a run passes the start-up deadline,
+        since the members start at their own pace and a member lost then is the start-up deadline's to report).
         """
         from ..errors import PeerFailure
 
         if dist.is_initialized():
             self.abandon()
-        limit = self.rendezvous_timeout.total_seconds()
+        limit = self.rendezvous_timeout.total_seconds() if timeout is None else timeout
         t0 = time.monotonic()
         try:
             dist.init_process_group(self.backend, store=dist.PrefixStore(f"gen{generation}", store),
-                                    rank=rank, world_size=world_size, timeout=self.rendezvous_timeout)
+                                    rank=rank, world_size=world_size, timeout=dt.timedelta(seconds=limit))
         except (RuntimeError, ValueError) as exc:  # PeerFailure (a RuntimeError), DistStoreError, gloo errors
             self._clear_registry()
             raise PeerFailure(f"joining generation {generation}'s process group failed after "

@@ -132,7 +132,7 @@ class Context:
         """Generation 0 (or the first of a requeued attempt): join, load a checkpoint, first snapshot."""
         self._role = role
         self._high_water = role.get("high_water", -1)
-        self._join()
+        self._join(first=True)
         self.opt.bind(self.rank, self.watch)
         if role.get("resume"):
             self._load_checkpoint(role["resume"])
@@ -316,12 +316,15 @@ class Context:
                       t_fail=t_fail, t_agreed=role.get("t_agreed"), t_rebuilt=t_rebuilt, t_restored=t_restored,
                       cut_step=self.step, failed_nodes=role.get("failed_nodes"), round=nth, rss_bytes=_rss_bytes())
 
-    def _join(self) -> None:
+    def _join(self, first: bool = False) -> None:
         from .client import AgentStore
 
         g = self.generation
-        store = AgentStore(self.client, g, timeout=self.config.rendezvous_timeout)
-        self.groups.join(g, store, self.rank, self.world_size)
+        # the run's first join waits for members still starting (the start-up deadline, after which the agent of a
+        # node whose process never started ends the run with StartupTimeout); a recovery's join has the short one
+        limit = self.config.startup_timeout if first else self.config.rendezvous_timeout
+        store = AgentStore(self.client, g, timeout=limit)
+        self.groups.join(g, store, self.rank, self.world_size, timeout=limit)
 
     def _load_checkpoint(self, meta: dict) -> None:
         rng = persist.load_shard(self.config.run_dir + "/checkpoint", meta, self.rank, self.opt.state_tensors())
