@@ -191,6 +191,29 @@ def test_push_is_committed_once_both_holders_ack_it(reps, peers):
     assert me.bytes_sent == 4 * n and not me.log_.named("replica_transfer_abandoned")
 
 
+def test_pushes_share_one_kept_connection_which_a_holder_quiesce_replaces(reps):
+    """Issue 7: one push thread per holder keeps its connection between steps (no connect, accept and two
+    threads per step); a holder's quiesce shuts it down, and the next push opens a new one, losing nothing."""
+    n = 1 << 18
+    holder, me = reps(n), reps(n)
+    holder.configure(0, None, [], [0])
+    me.configure(0, 0, [holder.address], [])
+    state, flag = state_of(n, 5), threading.Event()
+    for step in range(1, 6):
+        me.submit(step, state, NO_RNG)
+        me.wait_committed(step, flag, 10)
+    assert holder._handlers == 1, "five pushes should have used one connection"
+    holder.quiesce()   # the holder alone (the sender's connection is left idle, then found shut)
+    holder.configure(0, None, [], [0])
+    for step in range(6, 9):
+        me.submit(step, state, NO_RNG)
+        me.wait_committed(step, flag, 10)
+    wait_until(lambda: holder._handlers == 1, 2.0, "the shut-down connection's handler to end")
+    assert holder.report()["held"] == {"0": [7, 8]}
+    assert not me.log_.named("replica_transfer_abandoned"), me.log_.events
+    assert me.bytes_sent == 8 * n
+
+
 def test_no_holders_commits_once_the_local_copy_is_done(reps):
     me = reps()
     me.configure(0, 0, [], [])

@@ -286,6 +286,10 @@ class ChannelServer:
             else:
                 c.out[0][0] = data[n:]
 
+    def wake(self) -> None:
+        """End a ``poll`` that waits now (or the next one) at once; safe from any thread."""
+        self._wake()
+
     def _wake(self) -> None:
         try:
             self._wake_w.send(b"x")

@@ -30,6 +30,8 @@ from .store import GenerationStore
 MAX_FAILED_ROUNDS = 8
 
 
+STEADY_TICK_S = 0.05  # seconds between passes of the agent's loop when nothing happens (issue 7: idle CPU)
+
 class NodeAgent:
     """One node's agent. ``cp``: its ControlPlane (started); ``channel``: its ChannelServer; ``supervisor``;
     ``watch``: its RingWatch; ``listeners``: one bound replica server socket per local rank; ``log``: EventLog."""
@@ -38,6 +40,7 @@ class NodeAgent:
         self.cfg = cfg
         self.cp = cp
         self.channel = channel
+        cp.agent.on_notice = channel.wake  # a control message or a suspicion ends the main loop's wait at once
         self.sup = supervisor
         self.watch = watch
         self.listeners = listeners
@@ -76,7 +79,11 @@ class NodeAgent:
             self.high_water = self.resume.get("high_water", -1)
         self._start()
         while self.state not in ("done", "saved"):
-            self._tick(0.005)
+            # a local message, a training process's exit (its socket closes), a control message or a suspicion
+            # (the heartbeat thread wakes the channel) end the wait at once; the rest (ring-watch connections,
+            # replicas committed) is looked at each pass: every 5 ms while a failure is handled, else STEADY_TICK_S
+            steady = not self.cp.failure.is_set() and not self.left and not self.round_failed
+            self._tick(STEADY_TICK_S if steady else 0.005)
             if self.state in ("done", "saved"):
                 break
             if self.cp.finished() is not None:
@@ -202,6 +209,8 @@ class NodeAgent:
         self.reps[local] = Replicator(self.cp.secret, layout, self.log, sock=self.listeners[local],
                                       timeout=self.cfg.collective_timeout, own=slot_pair(bufs))
         self.reps[local].serve_hook = self._serve_hook
+        # the training process's update waits for 'committed', sent from the main loop: wake it at each commit
+        self.reps[local].on_commit = self.channel.wake
         self.channel.send(local, "slots", {"nbytes": nbytes, "count": len(bufs)}, fds=[b.fd for b in bufs])
 
     def _claim(self, local: int, rid, step: int) -> None:
@@ -281,7 +290,10 @@ class NodeAgent:
         self.faults.on_message(body)
 
     def _serve_hook(self, rank: int, step: int, sent: int, total: int) -> None:
-        if rank in self._serving and 2 * sent >= total:
+        """(replica server thread) A replica is pulled only by a recovery's restore: halfway through one, the
+        "restore" phase is reached (a fault planned there fires). It does not wait for this agent to have read the
+        decision itself: the puller may read it first and be served before."""
+        if 2 * sent >= total:
             self._phase("restore")
 
     _serving: set = set()

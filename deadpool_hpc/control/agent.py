@@ -32,6 +32,8 @@ from . import wire
 TAG_CONTROL = 7
 
 
+IDLE_POLL_S = 0.02  # seconds between passes of a quiet agent's loop (heartbeats only)
+
 class Agent(threading.Thread):
     """Heartbeat failure detector and message pump for one process.
 
@@ -65,6 +67,7 @@ class Agent(threading.Thread):
         self.generation = 0
         self._watch = True
         self._stopping = threading.Event()
+        self._wake = threading.Event()   # set by stop() and by every queued send: the loop sends it at once
         self._pending: list = []  # (request, buffer, dest) of sends not yet completed
         self._hb_req: dict[int, list] = {}  # heartbeat sends not yet completed, per peer (hb buffer is never freed)
         now = time.monotonic()
@@ -73,6 +76,8 @@ class Agent(threading.Thread):
         self.stalls = 0
         self._outbox: deque = deque()   # (dest, bytes) queued by any thread, sent by this one
         self._pollers: list = []
+        self._ctl_seen = 0.0            # monotonic time of the last message other than a heartbeat
+        self.on_notice = None           # called (from this thread) after anything the main thread must act on
 
     # ---- views -------------------------------------------------------------------------
     def alive(self) -> list[int]:
@@ -92,6 +97,7 @@ class Agent(threading.Thread):
             return
         msg = np.frombuffer(wire.encode(kind, body, self.secret), dtype=np.uint8).copy()
         self._outbox.append((dest, msg, False))
+        self._wake.set()
 
     def _flush_outbox(self) -> None:
         while self._outbox:
@@ -131,10 +137,12 @@ class Agent(threading.Thread):
         if last_heard is None and rank in self._last_seen:
             last_heard = t - (now - self._last_seen[rank])
         self.failure.set()
+        self._notice()
         # tell the suspect itself (the only message it still gets from us): if it lives on (a false suspicion, a
         # frozen process woken up), it must stop instead of carrying on alone (control/plane.py, Fenced)
         self._outbox.append((rank, np.frombuffer(wire.encode("fenced", {"reason": reason}, self.secret),
                                                  dtype=np.uint8).copy(), True))
+        self._wake.set()
         if self.on_suspect is not None:
             self.on_suspect(rank, reason, t, last_heard)
         if notify:
@@ -154,6 +162,7 @@ class Agent(threading.Thread):
             self.broadcast("preempt", {})
         if self.on_preempt is not None:
             self.on_preempt(source)
+        self._notice()
 
     def reap_sends(self) -> bool:
         """Drop completed sends (MPI thread only); True when none is queued or in flight to a live peer."""
@@ -176,6 +185,7 @@ class Agent(threading.Thread):
 
     def stop(self) -> None:
         self._stopping.set()
+        self._wake.set()
 
     # ---- the loop ----------------------------------------------------------------------
     def run(self) -> None:
@@ -256,7 +266,12 @@ class Agent(threading.Thread):
                 for p in [p for p, t in self._last_seen.items() if now - t > self.deadline]:
                     if not self.is_suspected(p):
                         self.suspect(p, f"no heartbeat for {now - self._last_seen[p]:.2f} s")
-            self._stopping.wait(0.0005 if busy else 0.005)
+            # poll fast while anything is going on (a control message in the last second, a failure, work of a
+            # poller); a quiet agent (heartbeats only) wakes every IDLE_POLL_S, which keeps its CPU low (issue 7:
+            # < 2 % of a core) and adds at most that much to the heartbeat jitter, far below the deadline
+            quiet = not self.failure.is_set() and now - self._ctl_seen > 1.0 and not self._outbox
+            self._wake.wait(0.0005 if busy else (IDLE_POLL_S if quiet else 0.005))
+            self._wake.clear()
 
     def _handle(self, src: int, buf, n: int, now: float) -> None:
         if self.is_suspected(src):
@@ -269,6 +284,17 @@ class Agent(threading.Thread):
         self._last_seen[src] = now
         if kind == "hb":
             return
+        self._ctl_seen = now
+        try:
+            self._handle_control(src, kind, body)
+        finally:
+            self._notice()
+
+    def _notice(self) -> None:
+        if self.on_notice is not None:
+            self.on_notice()
+
+    def _handle_control(self, src: int, kind: str, body: dict) -> None:
         if kind == "suspect":
             for r in body.get("ranks", []):
                 self.suspect(int(r), f"reported by MPI rank {src}: {body.get('reason', '')}", notify=True,
