@@ -161,15 +161,17 @@ class StateLayout:
         return out
 
     def write(self, slot: Slot, tensors: list[torch.Tensor], rng: torch.Tensor, step: int,
-              should_stop=None) -> bool:
+              should_stop=None, crc: bool = True) -> bool:
         """Copy ``tensors`` and ``rng`` (uint8) into ``slot``, checksum it, stamp it with ``step``.
 
         The copy and the CRC go chunk by chunk (``COPY_CHUNK`` bytes: each chunk is checksummed while
         it is still in cache). ``should_stop()`` is asked between chunks: if it turns true the slot is
-        left invalid and False is returned. Returns True once the slot is stamped.
+        left invalid and False is returned. Returns True once the slot is stamped. ``crc=False``: copy only
+        (the slot is stamped with CRC 0) for a writer whose reader checksums the slot itself (a training
+        process writing its node agent's shared slot: the agent's ``stamp_written`` is the checksum trusted).
         """
         slot.invalidate()
-        crc, off = 0, 0
+        value, off = 0, 0
         mv = memoryview(slot.buf)
         with torch.no_grad():
             dsts = self.views(slot) + [slot.tensor[self.state_nbytes:]]
@@ -180,11 +182,12 @@ class StateLayout:
                         return False
                     d.copy_(s)
                     n = d.numel() * d.element_size()
-                    crc = checksum(mv[off:off + n], crc)
+                    if crc is not False:
+                        value = checksum(mv[off:off + n], value)
                     off += n
             if off != self.nbytes:
                 raise ReplicaError(f"payload layout wrote {off} bytes, expected {self.nbytes}")
-        slot.stamp(step, crc)
+        slot.stamp(step, value)
         return True
 
     def stamp_written(self, slot: Slot, step: int, should_stop=None) -> bool:
