@@ -157,7 +157,9 @@ def test_snapshot_round_trip_is_bitwise(local_group, ddp, at):
     assert not opt.state, "protect() must not create optimizer state (its first real step would be the second)"
     train_steps(model, opt, sched, 0, at)
     random.seed(at)
-    layout, slot = snapshot(prot)
+    _, first = snapshot(prot)            # through torch.distributed.checkpoint.state_dict
+    layout, slot = snapshot(prot)        # the same tensors again: the cached path
+    assert bytes(first.buf) == bytes(slot.buf)
     train_steps(model, opt, sched, at, 3)
     want, want_lr, want_rand = digest(model), opt.param_groups[0]["lr"], random.random()
     want_state = {k: v.clone() for k, v in opt.state[next(iter(model.parameters()))].items()}

@@ -143,6 +143,7 @@ class Protected:
         self.before_update = lambda: None
         self._restoring = False
         self._queued = False
+        self._cache_sig, self._cache = None, None
         self.params = [p for p in self.inner.parameters() if p.requires_grad]
         self._layout_from_dry_run()
         if self.ddp:
@@ -302,12 +303,56 @@ class Protected:
     def state_tensors(self) -> list[torch.Tensor]:
         """The current state, in payload order. Tensors are the live ones (the copy runs in the background: the
         optimizer does not update before the replica is committed); the JSON region is a fresh tensor."""
+        sig = self._signature()
+        if sig is not None and sig == self._cache_sig:
+            # the same tensors as last time: only the param groups' scalars (lr, ...) are read again
+            found, model_enc, state_enc, names = self._cache
+            groups = [dict(_encode(_without_params(g), "", None), params=n)
+                      for g, n in zip(self.optimizer.param_groups, names)]
+            tree = {"model": model_enc, "optim": {"state": state_enc, "param_groups": groups}, "optim_empty": False}
+        else:
+            found, tree = self._collect()
+            self._cache_sig = sig if not tree["optim_empty"] else None
+            if self._cache_sig is not None:
+                self._cache = (found, tree["model"], tree["optim"]["state"],
+                               [g["params"] for g in tree["optim"]["param_groups"]])
+        doc = self._document(tree, self._small_state())
+        if len(doc) + _HEADER.size > self.blob_nbytes:
+            raise ValueError(f"protect: the non-tensor state is {len(doc)} bytes of JSON, more than the "
+                             f"{self.blob_nbytes - _HEADER.size} reserved at protect() (4x its size then)")
+        blob = torch.zeros(self.blob_nbytes, dtype=torch.uint8)
+        blob[:_HEADER.size] = torch.frombuffer(bytearray(_HEADER.pack(len(doc))), dtype=torch.uint8)
+        blob[_HEADER.size:_HEADER.size + len(doc)] = torch.frombuffer(bytearray(doc), dtype=torch.uint8)
+        out = []
+        for i in self.order:
+            t = found.get(i)
+            if t is None:
+                _, dtype, shape = self.entries[i]
+                t = torch.zeros(shape, dtype=dtype)   # no optimizer state yet: a placeholder, never read back
+            out.append(t.detach())
+        return out + [blob]
+
+    def _signature(self):
+        """Which tensors hold the model's and optimizer's state now (None: not cacheable, e.g. a non-tensor value
+        in the optimizer's state). Equal signatures: the tensors found by the last ``_collect`` are still the ones."""
+        sig = [p.data_ptr() for p in self.inner.parameters()] + [b.data_ptr() for b in self.inner.buffers()]
+        for st in self.optimizer.state.values():
+            for v in st.values():
+                if not isinstance(v, torch.Tensor):
+                    return None
+                sig.append(id(v))
+                sig.append(v.data_ptr())
+        sig.append(len(self.optimizer.state))
+        return tuple(sig)
+
+    def _collect(self):
+        """The state through torch.distributed.checkpoint.state_dict: (tensors by layout index, encoded tree)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         model_sd = get_model_state_dict(self.model)
         empty = not self.optimizer.state
         if empty:   # before the first real step: DCP would run its own dry step on the real optimizer
-            optim_sd = {"param_groups": _groups_without_params(self.optimizer)}
+            optim_sd = {"param_groups": [_without_params(g) for g in self.optimizer.param_groups]}
         else:
             optim_sd = get_optimizer_state_dict(self.model, self.optimizer)
         found: dict[int, torch.Tensor] = {}
@@ -327,21 +372,7 @@ class Protected:
 
         tree = self._split({"model": model_sd, "optim": optim_sd}, sink)
         tree["optim_empty"] = empty
-        doc = self._document(tree, self._small_state())
-        if len(doc) + _HEADER.size > self.blob_nbytes:
-            raise ValueError(f"protect: the non-tensor state is {len(doc)} bytes of JSON, more than the "
-                             f"{self.blob_nbytes - _HEADER.size} reserved at protect() (4x its size then)")
-        blob = torch.zeros(self.blob_nbytes, dtype=torch.uint8)
-        blob[:_HEADER.size] = torch.frombuffer(bytearray(_HEADER.pack(len(doc))), dtype=torch.uint8)
-        blob[_HEADER.size:_HEADER.size + len(doc)] = torch.frombuffer(bytearray(doc), dtype=torch.uint8)
-        out = []
-        for i in self.order:
-            t = found.get(i)
-            if t is None:
-                _, dtype, shape = self.entries[i]
-                t = torch.zeros(shape, dtype=dtype)   # no optimizer state yet: a placeholder, never read back
-            out.append(t.detach())
-        return out + [blob]
+        return found, tree
 
     # ---- restore -------------------------------------------------------------------------------------------------
     def restore_targets(self) -> list[torch.Tensor]:
@@ -355,6 +386,7 @@ class Protected:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         scratch, self._scratch = self._scratch, None
+        self._cache_sig, self._cache = None, None
         blob = scratch[-1]
         n = _HEADER.unpack(bytes(blob[:_HEADER.size].numpy()))[0]
         doc = json.loads(bytes(blob[_HEADER.size:_HEADER.size + n].numpy()))
@@ -465,8 +497,8 @@ def _distributed_sampler(loader):
     return None
 
 
-def _groups_without_params(optimizer) -> list[dict]:
-    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+def _without_params(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
 
 
 def _set_groups(optimizer, groups: list[dict]) -> None:
