@@ -67,9 +67,14 @@ def deadpool_run(run_dir: str, nodes: int, steps: int, replicate: bool, warmup: 
 
 
 def plain_run(tmp: str, nodes: int, steps: int, warmup: int) -> float:
+    import socket
+
     out = os.path.join(tmp, f"plain-{time.monotonic_ns()}.json")
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nodes),
-                    "--master-port", "0", os.path.abspath(__file__), "--plain-worker", "--steps", str(steps),
+                    "--master-addr", "127.0.0.1", "--master-port", str(port), os.path.abspath(__file__), "--plain-worker", "--steps", str(steps),
                     "--out", out], check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                    timeout=900)
     with open(out) as fh:

@@ -225,9 +225,11 @@ def test_a_distributed_sampler_loader_is_accepted_and_follows_the_rank(local_gro
     sampler = DistributedSampler(list(range(12)), num_replicas=3, rank=0, shuffle=True, seed=1)
     loader = torch.utils.data.DataLoader(list(range(12)), sampler=sampler)
     prot = Protected(1, model, opt, dataloader=loader)
-    prot.world_size = 3
+    prot.world_size = 3          # as if this process were promoted to rank 2 of 3
     prot.bind(2, None)
     assert sampler.rank == 2 and sampler.num_replicas == 3
+    prot.world_size = 1
+    prot.bind(0, None)
     sampler.set_epoch(5)
     layout, slot = snapshot(prot)
     sampler.set_epoch(9)
@@ -275,3 +277,38 @@ def test_protect_twice_is_refused(local_group):
         ctx.protect(model, opt)
     with pytest.raises(ValueError, match=r"ctx.zero_adamw: ctx.protect was already called"):
         ctx.zero_adamw(model)
+
+
+def test_each_rank_snapshots_its_shard_and_restore_gathers_them(local_group, monkeypatch):
+    """DDP ranks hold the same parameters and optimizer state: each replicates 1/world_size of its bytes, and a
+    restore all-gathers the shards (here the all-gather is played by the test: the three ranks' shards)."""
+    from deadpool_hpc.worker import protect as protect_mod
+
+    model, opt, sched, prot = setup(world_size=3, ddp=True)
+    prot.world_size = 1
+    train_steps(model, opt, sched, 0, 3)   # one process: no gradient average needed
+    prot.world_size = 3
+    layout = StateLayout(prot.layout_tensors(), torch.get_rng_state().numel())
+    shards = []
+    for r in range(3):
+        prot.bind(r, None)
+        shards.append(prot.state_tensors()[0].clone())
+    assert layout.nbytes < prot.common_nbytes / 3 + prot.blob_nbytes + 8 * 3 + torch.get_rng_state().numel() + 1
+    slot = Slot(layout.nbytes)
+    prot.bind(1, None)
+    assert layout.write(slot, prot.state_tensors(), torch.get_rng_state(), step=3)
+    prot.world_size = 1
+    train_steps(model, opt, sched, 3, 2)
+    want = digest(model)
+    train_steps(model, opt, sched, 5, 2)   # wander off
+    prot.world_size = 3
+
+    def all_gather(out, inp, watch):
+        assert torch.equal(inp.view(torch.uint8), shards[1])
+        out.view(torch.uint8).copy_(torch.cat(shards))
+
+    monkeypatch.setattr(protect_mod.collectives, "all_gather", all_gather)
+    restore(prot, layout, slot)
+    prot.world_size = 1
+    train_steps(model, opt, sched, 3, 2)
+    assert torch.equal(digest(model), want)

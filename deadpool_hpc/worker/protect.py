@@ -40,6 +40,7 @@ import base64
 import copy
 import hashlib
 import json
+import math
 import random
 import struct
 
@@ -273,9 +274,22 @@ class Protected:
         doc = self._document(tree, self._small_state())
         self.blob_nbytes = max(BLOB_MIN, 4 * len(doc) + 4096)
         self.blob_nbytes += -self.blob_nbytes % 8
-        # 8-byte elements first, then 4, 2, 1: every view into the payload is aligned
-        self.order = sorted(range(len(self.entries)), key=lambda i: -torch.empty(0, dtype=self.entries[i][1])
-                            .element_size())
+        # 8-byte elements first, then 4, 2, 1: every view into the payload (and into the gathered state) is aligned
+        esize = [torch.empty(0, dtype=dtype).element_size() for _, dtype, _ in self.entries]
+        self.order = sorted(range(len(self.entries)), key=lambda i: -esize[i])
+        # parameters and optimizer state are the same on every rank (DDP): each rank's payload holds 1/world_size
+        # of their bytes; buffers (per rank, as DDP without broadcast_buffers keeps them) are held whole
+        buffers = {f"/model/{n}" for n, _ in self.inner.named_buffers()}
+        self._common = [i for i in self.order if self.entries[i][0] not in buffers]
+        self._unique = [i for i in self.order if self.entries[i][0] in buffers]
+        self._span: dict[int, tuple[int, int]] = {}
+        off = 0
+        for i in self._common:
+            n = math.prod(self.entries[i][2]) * esize[i]
+            self._span[i] = (off, n)
+            off += n
+        self.common_nbytes = off
+        self.shard_nbytes = max(8, -(-off // (self.world_size * 8)) * 8)
 
     def _split(self, state: dict, sink) -> object:
         """Encode ``state``; tensor leaves go to ``sink(path, tensor) -> index``; a tensor already seen (a tied
@@ -295,8 +309,10 @@ class Protected:
         return json.dumps({"tree": tree, "small": _encode(small, "", None)}, separators=(",", ":")).encode()
 
     def layout_tensors(self) -> list[torch.Tensor]:
-        """Meta tensors describing the payload's state tensors, in payload order (the last: the JSON region)."""
-        return [torch.empty(self.entries[i][2], dtype=self.entries[i][1], device="meta") for i in self.order] + \
+        """Meta tensors describing the payload's state tensors, in payload order: this rank's shard of the common
+        state (bytes), the per-rank tensors, the JSON region."""
+        return [torch.empty(self.shard_nbytes, dtype=torch.uint8, device="meta")] + \
+            [torch.empty(self.entries[i][2], dtype=self.entries[i][1], device="meta") for i in self._unique] + \
             [torch.empty(self.blob_nbytes, dtype=torch.uint8, device="meta")]
 
     # ---- snapshot ------------------------------------------------------------------------------------------------
@@ -323,13 +339,22 @@ class Protected:
         blob = torch.zeros(self.blob_nbytes, dtype=torch.uint8)
         blob[:_HEADER.size] = torch.frombuffer(bytearray(_HEADER.pack(len(doc))), dtype=torch.uint8)
         blob[_HEADER.size:_HEADER.size + len(doc)] = torch.frombuffer(bytearray(doc), dtype=torch.uint8)
-        out = []
-        for i in self.order:
+        # this rank's byte range of the common state, copied now (so later updates cannot race the background copy);
+        # state not there yet (no optimizer state before the first step) stays zeros and is never read back
+        shard = torch.zeros(self.shard_nbytes, dtype=torch.uint8)
+        lo = self.rank * self.shard_nbytes
+        hi = lo + self.shard_nbytes
+        with torch.no_grad():
+            for i in self._common:
+                off, n = self._span[i]
+                a, b = max(off, lo), min(off + n, hi)
+                t = found.get(i)
+                if a < b and t is not None:
+                    shard[a - lo:b - lo].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8)[a - off:b - off])
+        out = [shard]
+        for i in self._unique:
             t = found.get(i)
-            if t is None:
-                _, dtype, shape = self.entries[i]
-                t = torch.zeros(shape, dtype=dtype)   # no optimizer state yet: a placeholder, never read back
-            out.append(t.detach())
+            out.append(t.detach() if t is not None else torch.zeros(self.entries[i][2], dtype=self.entries[i][1]))
         return out + [blob]
 
     def _signature(self):
@@ -390,9 +415,19 @@ class Protected:
         blob = scratch[-1]
         n = _HEADER.unpack(bytes(blob[:_HEADER.size].numpy()))[0]
         doc = json.loads(bytes(blob[_HEADER.size:_HEADER.size + n].numpy()))
+        shard = scratch[0]
+        if self.world_size > 1:   # every rank's shard of the common state, at the same step (pollable)
+            full = torch.empty(self.shard_nbytes * self.world_size, dtype=torch.uint8)
+            collectives.all_gather(full.view(torch.float64), shard.view(torch.float64), self.watch)
+        else:
+            full = shard
         tensors = [None] * len(self.entries)
-        for pos, i in enumerate(self.order):
-            tensors[i] = scratch[pos]
+        for i in self._common:
+            off, n = self._span[i]
+            _, dtype, shape = self.entries[i]
+            tensors[i] = full[off:off + n].view(dtype).reshape(shape)
+        for pos, i in enumerate(self._unique):
+            tensors[i] = scratch[1 + pos]
         tree = _decode(doc["tree"], tensors)
         small = _decode(doc["small"], None)
         self._restoring = True
