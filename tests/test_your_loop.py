@@ -312,3 +312,21 @@ def test_each_rank_snapshots_its_shard_and_restore_gathers_them(local_group, mon
     prot.world_size = 1
     train_steps(model, opt, sched, 3, 2)
     assert torch.equal(digest(model), want)
+
+
+def test_a_stateful_dataloader_resumes_where_it_was(local_group):
+    """torchdata's StatefulDataLoader (if installed): its position, shuffling generator included, is restored."""
+    sdl = pytest.importorskip("torchdata.stateful_dataloader")
+    model = small_model()
+    opt = torch.optim.AdamW(model.parameters())
+    loader = sdl.StatefulDataLoader(list(range(40)), batch_size=2, shuffle=True,
+                                    generator=torch.Generator().manual_seed(0))
+    prot = Protected(1, model, opt, dataloader=loader)
+    prot.bind(0, None)
+    it = iter(loader)
+    [next(it) for _ in range(3)]
+    layout, slot = snapshot(prot)
+    want = [next(it).tolist() for _ in range(4)]
+    restore(prot, layout, slot)
+    it = iter(loader)
+    assert [next(it).tolist() for _ in range(4)] == want
