@@ -95,6 +95,13 @@ def test_ddp_example_hang_rank2_two_ranks_per_node(tmp_path, baseline_p2):
     assert s["failures"][0]["failed_nodes"] == [1]   # rank 2 is node1's first rank: its node is fenced
 
 
+def test_ddp_example_no_spare_left_requeues_from_the_checkpoint(tmp_path, baseline):
+    """No spare: the cut step is saved to disk (each rank's shard of the protected state), the run restarts from
+    it and ends bitwise equal to the failure-free run."""
+    s = run(tmp_path, "requeue", "kill node1@40", spares=0, requeue=True)
+    assert s["completed"] and s["param_digest"] == baseline, s
+
+
 # ---- in process ---------------------------------------------------------------------------------------------------
 @pytest.fixture()
 def local_group():

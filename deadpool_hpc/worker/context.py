@@ -81,7 +81,6 @@ class Context:
         client.on("committed", self._on_committed)
         _local_default_group()
 
-
     # ---- what the training function uses ---------------------------------------------------
     @property
     def rank(self) -> int | None:
