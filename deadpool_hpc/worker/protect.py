@@ -9,8 +9,10 @@ State goes in and out through ``torch.distributed.checkpoint.state_dict`` (``get
 ``get_optimizer_state_dict`` and their ``set_`` twins: they know DDP's ``module.`` prefix and every torch.optim
 optimizer, and key the optimizer state by parameter name). The payload holds:
 
-- every tensor of the model and optimizer state dicts, each at a fixed place (the layout is fixed before the first
-  step; see "Layout" below); a tensor shared by two names (tied weights) is stored once;
+- the tensors of the model and optimizer state dicts, each at a fixed place (the layout is fixed before the first
+  step; see "Layout" below; a tensor shared by two names, a tied weight, is stored once). Parameters and optimizer
+  state are the same on every DDP rank, so their bytes are cut into world_size shards and rank r holds shard r only
+  (a restore all-gathers them, pollably); the model's buffers, per rank, are held whole;
 - a JSON document (no pickle) of everything else: the optimizer's param groups (lr, betas, ...) and non-tensor
   state, the scheduler's, data loader's and ``extra``'s state dicts (their small tensors inline, base64), the
   CUDA generators, Python's and numpy's RNG when asked for; in a fixed-size region of its own;
