@@ -25,6 +25,11 @@ from .snapshot import CRC_NAME, checksum
 NAMES = ("param_shard", "exp_avg", "exp_avg_sq", "rng")
 
 
+def _names(n: int) -> tuple:
+    """Names of a payload of ``n`` state tensors + the RNG: ZeRO's three, or (ctx.protect's layout) t0, t1, ..."""
+    return NAMES if n == 3 else tuple(f"t{i}" for i in range(n)) + ("rng",)
+
+
 def _payload_crc(tensors) -> int:
     crc = 0
     for t in tensors:
@@ -46,10 +51,11 @@ def save_shard(root: str, step: int, rank: int, tensors: list[torch.Tensor], rng
     """Write rank ``rank``'s state at ``step`` (tensors = [param shard, exp_avg, exp_avg_sq])."""
     d = os.path.join(root, f"step{step}")
     os.makedirs(d, exist_ok=True)
-    state = dict(zip(NAMES, [t.clone() for t in tensors] + [rng.clone()]))
+    names = _names(len(tensors))
+    state = dict(zip(names, [t.clone() for t in tensors] + [rng.clone()]))
     dcp.save(state, checkpoint_id=os.path.join(d, f"rank{rank}"), no_dist=True)
     _write_json(os.path.join(d, f"rank{rank}.json"),
-                {"step": step, "rank": rank, CRC_NAME: _payload_crc([state[n] for n in NAMES])})
+                {"step": step, "rank": rank, CRC_NAME: _payload_crc([state[n] for n in names])})
 
 
 def commit(root: str, step: int, world_size: int, generation: int, high_water: int = -1) -> None:
@@ -80,14 +86,15 @@ def load_shard(root: str, meta: dict, rank: int, tensors: list[torch.Tensor]) ->
     with open(os.path.join(d, f"rank{rank}.json")) as fh:
         rec = json.load(fh)
     rng = torch.get_rng_state()
-    state = dict(zip(NAMES, [torch.empty_like(t) for t in tensors] + [torch.empty_like(rng)]))
+    names = _names(len(tensors))
+    state = dict(zip(names, [torch.empty_like(t) for t in tensors] + [torch.empty_like(rng)]))
     dcp.load(state, checkpoint_id=os.path.join(d, f"rank{rank}"), no_dist=True)
-    payload = [state[n] for n in NAMES]
+    payload = [state[n] for n in names]
     good = (_payload_crc(payload) == rec[CRC_NAME]) if CRC_NAME in rec else (_legacy_crc32(payload) == rec.get("crc"))
     if rec["step"] != meta["step"] or not good:
         raise ReplicaError(f"checkpoint shard of rank {rank} at step {meta['step']} fails its step/checksum check")
     with torch.no_grad():
-        for dst, name in zip(tensors, NAMES):
+        for dst, name in zip(tensors, names):
             dst.copy_(state[name])
     return state["rng"]
 

@@ -36,6 +36,16 @@ def _rss_bytes() -> int:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _local_default_group() -> None:
+    """A default process group of this process alone, until the first generation's replaces it: a
+    DistributedDataParallel built by the training function before ``ctx.run`` (a spare's too) needs one to exist.
+    ``ctx.protect`` keeps DDP's reducer idle, so DDP never communicates on it (docs/your-loop.md)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
 class Context:
     """Per-process handle given to the training function.
 
@@ -69,6 +79,7 @@ class Context:
         self.wait_s = 0.0
         client.on("failure", self._on_failure)
         client.on("committed", self._on_committed)
+        _local_default_group()
 
     # ---- what the training function uses ---------------------------------------------------
     @property
@@ -87,16 +98,40 @@ class Context:
 
     def zero_adamw(self, model: torch.nn.Module, **kwargs) -> ShardedAdamW:
         """A ZeRO-1 AdamW over ``model`` whose shard is the state this context protects."""
+        self._refuse_second("zero_adamw")
         self.opt = ShardedAdamW(model, self.world_size, **kwargs)
         self.opt.before_update = self._before_update
         return self.opt
+
+    def protect(self, model, optimizer, scheduler=None, dataloader=None, extra=None, *, python_rng: bool = False,
+                numpy_rng: bool = False) -> None:
+        """Protect the user's own loop: ``model`` (DistributedDataParallel when world_size > 1), a torch.optim
+        ``optimizer``, and optionally an LR ``scheduler``, a ``dataloader`` (StatefulDataLoader, or a DataLoader
+        with a DistributedSampler), ``extra`` (anything with state_dict/load_state_dict), Python's / numpy's global
+        RNG. Their state (through torch.distributed.checkpoint.state_dict), the torch CPU RNG and the CUDA
+        generators are snapshotted, replicated and restored around every step of ``ctx.run``; DDP's gradient
+        average is done with pollable collectives. Raises TypeError/ValueError naming what is not accepted.
+        docs/your-loop.md."""
+        from .protect import Protected
+
+        self._refuse_second("protect")
+        self.opt = Protected(self.world_size, model, optimizer, scheduler, dataloader, extra,
+                             python_rng=python_rng, numpy_rng=numpy_rng)
+        self.opt.before_update = self._before_update
+
+    def _refuse_second(self, what: str) -> None:
+        if self.opt is not None:
+            first = "ctx.protect" if type(self.opt).__name__ == "Protected" else "ctx.zero_adamw"
+            raise ValueError(f"ctx.{what}: {first} was already called; a context protects one model and optimizer "
+                             "(call ctx.protect once, or ctx.zero_adamw once)")
 
     def run(self, step_fn) -> None:
         """Run ``step_fn(step) -> dict`` (it must call ``opt.step(step, loss)``) from the current step to
         ``config.steps``, surviving peer failures. Returns when the run is complete everywhere (or this process has
         no further part in it: a spare never promoted, a saved checkpoint)."""
         if self.opt is None:
-            raise RuntimeError("Context.run needs an optimizer: call ctx.zero_adamw(model) first")
+            raise RuntimeError("Context.run needs the state to protect: call ctx.protect(model, optimizer, ...) or "
+                               "ctx.zero_adamw(model) first")
         rng = torch.get_rng_state()
         shapes = self._shard_shapes()
         self.layout = StateLayout(shapes, rng.numel())
@@ -154,7 +189,14 @@ class Context:
         if s > self._high_water:  # faults fire on the first pass through their step, never on a recomputation
             self.faults.at_step(s, self.rank, set(self._role.get("active_nodes", [])), self._role.get("spare_nodes", []))
         t = time.perf_counter()
-        metrics = dict(step_fn(s) or {})
+        try:
+            metrics = dict(step_fn(s) or {})
+        except PeerFailure:
+            raise
+        except Exception as exc:  # e.g. an error of a collective the user issued, when a peer has failed
+            if self.failure.is_set():
+                raise PeerFailure(f"a peer failed during step {s}: {type(exc).__name__}: {exc}") from exc
+            raise
         tokens = metrics.pop("tokens", None)  # this rank's tokens in the step, if the step function says
         dt = time.perf_counter() - t
         self.step = s + 1
@@ -207,7 +249,13 @@ class Context:
         self.client.wake()
 
     def _shard_shapes(self) -> list[torch.Tensor]:
+        if hasattr(self.opt, "layout_tensors"):   # ctx.protect
+            return self.opt.layout_tensors()
         return [torch.empty(self.opt.shard), self.opt.exp_avg, self.opt.exp_avg_sq]
+
+    def _restore_targets(self) -> list[torch.Tensor]:
+        """Where a payload is read into before ``opt.gather()`` applies it (ZeRO: the shard itself)."""
+        return self.opt.restore_targets() if hasattr(self.opt, "restore_targets") else self.opt.state_tensors()
 
     # ---- recovery ----------------------------------------------------------------------------
     def _next_role(self, timeout: float) -> dict:
@@ -303,7 +351,7 @@ class Context:
         self.opt.bind(self.rank, self.watch)
         slot = self.slots[role["slot"]]
         slot.step, slot.crc = role["cut_step"], role["crc"]
-        rng = self.layout.read(slot, self.opt.state_tensors())  # verifies the checksum the agent took
+        rng = self.layout.read(slot, self._restore_targets())  # verifies the checksum the agent took
         self.opt.gather()
         torch.set_rng_state(rng)
         self.step = role["cut_step"]
@@ -327,7 +375,7 @@ class Context:
         self.groups.join(g, store, self.rank, self.world_size, timeout=limit)
 
     def _load_checkpoint(self, meta: dict) -> None:
-        rng = persist.load_shard(self.config.run_dir + "/checkpoint", meta, self.rank, self.opt.state_tensors())
+        rng = persist.load_shard(self.config.run_dir + "/checkpoint", meta, self.rank, self._restore_targets())
         self.opt.gather()
         torch.set_rng_state(rng)
         self.step = meta["step"]
@@ -336,6 +384,8 @@ class Context:
     # ---- the end -----------------------------------------------------------------------------
     def param_digest(self) -> str:
         """sha256 over the final parameters (flat, in model.parameters() order, float32 bytes)."""
+        if hasattr(self.opt, "param_digest"):   # ctx.protect
+            return self.opt.param_digest()
         return hashlib.sha256(self.opt.flat[: self.opt.numel].numpy().tobytes()).hexdigest()
 
     def _finish(self) -> None:

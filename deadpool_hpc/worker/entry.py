@@ -15,10 +15,14 @@ import traceback
 
 
 def load_train_fn(spec: str):
-    """Import "package.module:function". Raises ValueError naming the spec if it cannot."""
+    """Import "package.module:function". Raises ValueError naming the spec if it cannot. The current directory
+    is searched last (as ``python -m`` does first), so ``deadpool run --train-fn examples.ddp_gpt:train`` works from
+    a checkout's root, in the launcher's check and in the workers, which inherit its directory."""
     mod, _, fn = spec.partition(":")
     if not mod or not fn:
         raise ValueError(f"train_fn {spec!r} is not of the form 'package.module:function'")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
     return getattr(importlib.import_module(mod), fn)
 
 

@@ -1,0 +1,548 @@
+"""``ctx.protect``: the user's own model, optimizer, LR scheduler and data loader, kept alive like the ZeRO shard.
+
+Owns: turning the user's training state into the snapshot payload the replica plane already moves (a fixed list of
+tensors + the RNG bytes, ``replica/snapshot.StateLayout``) and back, and the data-parallel gradient average of a
+``DistributedDataParallel`` model, done with the context's pollable collectives. Does not own: slots, replication,
+recovery (``worker/context.py``), the process groups (``dataplane/groups.py``).
+
+State goes in and out through ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` /
+``get_optimizer_state_dict`` and their ``set_`` twins: they know DDP's ``module.`` prefix and every torch.optim
+optimizer, and key the optimizer state by parameter name). The payload holds:
+
+- the tensors of the model and optimizer state dicts, each at a fixed place (the layout is fixed before the first
+  step; see "Layout" below; a tensor shared by two names, a tied weight, is stored once). Parameters and optimizer
+  state are the same on every DDP rank, so their bytes are cut into world_size shards and rank r holds shard r only
+  (a restore all-gathers them, pollably); the model's buffers, per rank, are held whole;
+- a JSON document (no pickle) of everything else: the optimizer's param groups (lr, betas, ...) and non-tensor
+  state, the scheduler's, data loader's and ``extra``'s state dicts (their small tensors inline, base64), the
+  CUDA generators, Python's and numpy's RNG when asked for; in a fixed-size region of its own;
+- the torch CPU RNG (the context's RNG region, as for ZeRO).
+
+Layout. torch.optim creates its state (AdamW's exp_avg, exp_avg_sq, step) lazily at the first ``step()``, but the
+snapshot slots are sized before it. ``protect`` therefore deep-copies the model and optimizer together and runs one
+*dry* step on the copy (zero gradients, lr 0), reads the copy's state dict, and drops the copy: the real
+optimizer is untouched (its first real step is bitwise the one of a plain run), at the transient cost of one copy
+of the parameters and optimizer state. A snapshot taken before the first real step records "no optimizer state
+yet", and restoring it empties the optimizer's state again.
+
+Gradients. DDP's own reducer issues blocking gloo collectives that nothing interrupts when a peer dies or
+freezes, on the process group DDP was built with (a generation's group is replaced at every recovery), and it sums
+each element in an order that depends on its offset inside DDP's buckets, whose layout changes after the first
+iteration (so a rank that joins later would sum differently). So the reducer is left idle
+(``require_backward_grad_sync = False``, which also skips its bucket rebuild broadcast), and at the end of every
+backward (an autograd engine callback queued by the first gradient) the gradients are averaged here: flattened in
+``parameters()`` order, all-reduced with ``dataplane.collectives.all_reduce`` (issued async, polled against the
+failure flag and the collective timeout), divided by the world size, written back. A peer failure raises
+``PeerFailure`` out of ``loss.backward()``; ``ctx.run`` recovers. Before the optimizer updates (a step pre-hook),
+the replica of the current state must be committed, as for ZeRO.
+"""
+from __future__ import annotations
+
+import base64
+import copy
+import hashlib
+import json
+import math
+import random
+import struct
+
+import torch
+from torch import nn
+
+from ..dataplane import collectives
+
+BLOB_MIN = 64 << 10          # bytes reserved for the JSON document, at least
+_HEADER = struct.Struct("<Q")
+
+
+def _ddp_class():
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel
+
+
+def _is_fsdp(model) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch without FSDP
+        return False
+    return isinstance(model, (FSDPModule, FullyShardedDataParallel)) or any(
+        isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
+
+
+def _name(obj) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _stateful(obj) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+# ---- the JSON codec: nested state dicts <-> JSON, tensors by index (layout) or inline (small state) -------------
+def _encode(obj, path: str, sink):
+    """JSON-able form of ``obj``. Tensors go to ``sink(path, tensor) -> index`` if given, else inline (base64)."""
+    if isinstance(obj, torch.Tensor):
+        if sink is not None:
+            return {"$t": sink(path, obj)}
+        t = obj.detach().cpu().contiguous()
+        return {"$x": [str(t.dtype).replace("torch.", ""), list(t.shape),
+                       base64.b64encode(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").decode()]}
+    if isinstance(obj, bool) or obj is None or isinstance(obj, (int, float, str)):
+        return obj
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and not k.startswith("$") for k in obj):
+            return {k: _encode(v, f"{path}/{k}", sink) for k, v in obj.items()}
+        return {"$d": [[_encode(k, path, None), _encode(v, f"{path}/{k}", sink)] for k, v in obj.items()]}
+    if isinstance(obj, tuple):
+        return {"$tuple": [_encode(v, f"{path}/{i}", sink) for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [_encode(v, f"{path}/{i}", sink) for i, v in enumerate(obj)]
+    if hasattr(obj, "item") and getattr(obj, "shape", None) == ():   # a numpy scalar
+        return obj.item()
+    raise TypeError(f"protect: the state at {path or '/'} holds a {_name(obj)}; accepted: tensors, numbers, "
+                    "strings, None, and dicts/lists/tuples of them")
+
+
+def _decode(obj, tensors):
+    if isinstance(obj, list):
+        return [_decode(v, tensors) for v in obj]
+    if isinstance(obj, dict):
+        if "$t" in obj:
+            return tensors[obj["$t"]]
+        if "$x" in obj:
+            dtype, shape, data = obj["$x"]
+            raw = bytearray(base64.b64decode(data))
+            t = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+            return t.view(getattr(torch, dtype)).reshape(shape).clone()
+        if "$tuple" in obj:
+            return tuple(_decode(v, tensors) for v in obj["$tuple"])
+        if "$d" in obj:
+            return {_decode(k, tensors): _decode(v, tensors) for k, v in obj["$d"]}
+        return {k: _decode(v, tensors) for k, v in obj.items()}
+    return obj
+
+
+def _storage_key(t: torch.Tensor):
+    return (t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+
+
+class Protected:
+    """The state ``ctx.protect`` keeps: see the module docstring. The context drives it like ``ShardedAdamW``:
+    ``bind(rank, watch)``, ``state_tensors()`` (snapshot), ``restore_targets()`` + ``gather()`` (restore),
+    ``before_update`` (set by the context: wait for the replica's commit), ``param_digest()``."""
+
+    def __init__(self, world_size: int, model, optimizer, scheduler=None, dataloader=None, extra=None, *,
+                 python_rng: bool = False, numpy_rng: bool = False):
+        self.world_size = world_size
+        self._check(model, optimizer, scheduler, dataloader, extra)
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.dataloader, self.extra = dataloader, extra
+        self.ddp = isinstance(model, _ddp_class())
+        self.inner = model.module if self.ddp else model
+        self.python_rng, self.numpy_rng = python_rng, numpy_rng
+        self.cuda = torch.cuda.is_available()
+        self.rank: int | None = None
+        self.watch = None
+        self.before_update = lambda: None
+        self._restoring = False
+        self._queued = False
+        self._cache_sig, self._cache = None, None
+        self.params = [p for p in self.inner.parameters() if p.requires_grad]
+        self._layout_from_dry_run()
+        if self.ddp:
+            model.require_backward_grad_sync = False   # DDP's reducer stays idle: the average is done here
+            for p in self.params:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+            model.register_forward_pre_hook(self._forward_starts)
+        optimizer.register_step_pre_hook(self._pre_step)
+
+    # ---- checks (before anything is changed) ---------------------------------------------------------------------
+    def _check(self, model, optimizer, scheduler, dataloader, extra) -> None:
+        DDP = _ddp_class()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"protect(model=...): got a {_name(model)}; accepted: a torch.nn.Module, wrapped in "
+                            "torch.nn.parallel.DistributedDataParallel when world_size > 1")
+        if _is_fsdp(model):
+            raise ValueError(f"protect(model={type(model).__name__}): FSDP / fully_shard modules are not supported "
+                             "yet; accepted: DistributedDataParallel(model) (see docs/your-loop.md)")
+        if self.world_size > 1 and not isinstance(model, DDP):
+            raise ValueError(f"protect(model={type(model).__name__}): world_size is {self.world_size} but the model "
+                             "is not wrapped in DistributedDataParallel, so its gradients would never be averaged "
+                             "over ranks; accepted: DistributedDataParallel(model) (a plain nn.Module only when "
+                             "world_size is 1)")
+        if isinstance(model, DDP):
+            if model.broadcast_buffers and any(True for _ in model.module.buffers()):
+                raise ValueError(f"protect(model=DistributedDataParallel({type(model.module).__name__})): the "
+                                 "module has buffers and broadcast_buffers=True (a blocking broadcast every "
+                                 "forward); accepted: DistributedDataParallel(..., broadcast_buffers=False)")
+            if model.find_unused_parameters or model.static_graph:
+                raise ValueError("protect(model=DistributedDataParallel(...)): find_unused_parameters and "
+                                 "static_graph are not supported; accepted: the defaults (both False)")
+        from .zero import ShardedAdamW
+
+        if isinstance(optimizer, ShardedAdamW):
+            raise TypeError("protect(optimizer=ShardedAdamW): ctx.zero_adamw's optimizer is protected already; "
+                            "accepted: a torch.optim.Optimizer")
+        if not isinstance(optimizer, torch.optim.Optimizer) or not _stateful(optimizer):
+            raise TypeError(f"protect(optimizer=...): got a {_name(optimizer)}, which is not a torch.optim.Optimizer "
+                            "with state_dict()/load_state_dict(); accepted: a torch.optim.Optimizer (AdamW, SGD, ...)")
+        owned = {id(p) for p in model.parameters()}
+        stray = [i for g in optimizer.param_groups for i, p in enumerate(g["params"]) if id(p) not in owned]
+        if stray:
+            raise ValueError(f"protect(optimizer={type(optimizer).__name__}): {len(stray)} of its parameters are not "
+                             "parameters of the model; accepted: an optimizer over model.parameters()")
+        if scheduler is not None:
+            if not _stateful(scheduler):
+                raise TypeError(f"protect(scheduler=...): got a {_name(scheduler)} without state_dict()/"
+                                "load_state_dict(); accepted: a torch.optim.lr_scheduler scheduler, or None")
+            if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+                raise ValueError("protect(scheduler=...): the scheduler drives another optimizer than the one given")
+        if dataloader is not None:
+            self._check_loader(dataloader)
+        if extra is not None and not _stateful(extra):
+            raise TypeError(f"protect(extra=...): got a {_name(extra)} without state_dict()/load_state_dict(); "
+                            "accepted: an object with both (torch.distributed.checkpoint.stateful.Stateful), or None")
+
+    @staticmethod
+    def _check_loader(loader) -> None:
+        if _stateful(loader):
+            return   # torchdata's StatefulDataLoader, or any loader that saves and restores its position
+        sampler = _distributed_sampler(loader)
+        if sampler is not None:
+            return
+        what = "a plain iterator" if hasattr(loader, "__next__") else f"a {_name(loader)}"
+        raise TypeError(f"protect(dataloader=...): got {what}, whose position cannot be saved or restored; "
+                        "accepted: torchdata's StatefulDataLoader (anything with state_dict()/load_state_dict()), "
+                        "a torch DataLoader whose sampler is a DistributedSampler (its epoch and rank are kept; "
+                        "derive the position in the epoch from the step), or None (data drawn as a function of "
+                        "the step, e.g. deadpool_hpc.train.Batches.get(step, ctx.rank))")
+
+    # ---- the state, as one nested dict ---------------------------------------------------------------------------
+    def _small_state(self) -> dict:
+        """Everything but the model and optimizer tensors (goes into the JSON document)."""
+        out: dict = {}
+        if self.scheduler is not None:
+            out["scheduler"] = self.scheduler.state_dict()
+        loader = self.dataloader
+        if loader is not None:
+            if _stateful(loader):
+                out["dataloader"] = loader.state_dict()
+            else:
+                out["sampler_epoch"] = _distributed_sampler(loader).epoch
+        if self.extra is not None:
+            out["extra"] = self.extra.state_dict()
+        rng: dict = {}
+        if self.cuda:
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        if self.python_rng:
+            rng["python"] = random.getstate()
+        if self.numpy_rng:
+            import numpy as np
+
+            name, keys, pos, has_gauss, gauss = np.random.get_state()
+            rng["numpy"] = [name, [int(k) for k in keys], int(pos), int(has_gauss), float(gauss)]
+        out["rng"] = rng
+        return out
+
+    def _layout_from_dry_run(self) -> None:
+        """Fix the payload layout: the model's tensors, and the optimizer state's as a dry step on a copy creates
+        them (module docstring, "Layout")."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        twin_model, twin_opt = copy.deepcopy((self.inner, self.optimizer))
+        twin_opt.__dict__.pop("step", None)        # an LR scheduler's wrapper would call the real optimizer
+        twin_opt._optimizer_step_pre_hooks.clear()
+        twin_opt._optimizer_step_post_hooks.clear()
+        with torch.no_grad():
+            for g in twin_opt.param_groups:
+                for p in g["params"]:
+                    if p.requires_grad:
+                        p.grad = torch.zeros_like(p)
+                if "lr" in g:
+                    g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+        twin_opt.step()
+        model_sd = get_model_state_dict(self.model)
+        optim_sd = get_optimizer_state_dict(twin_model, twin_opt)
+        self.entries: list[tuple[str, torch.dtype, tuple]] = []
+        self._index: dict[str, int] = {}
+
+        def add(path, t):
+            self._index[path] = len(self.entries)
+            self.entries.append((path, t.dtype, tuple(t.shape)))
+            return 0
+
+        tree = self._split({"model": model_sd, "optim": optim_sd}, add)
+        del twin_model, twin_opt, optim_sd
+        doc = self._document(tree, self._small_state())
+        self.blob_nbytes = max(BLOB_MIN, 4 * len(doc) + 4096)
+        self.blob_nbytes += -self.blob_nbytes % 8
+        # 8-byte elements first, then 4, 2, 1: every view into the payload (and into the gathered state) is aligned
+        esize = [torch.empty(0, dtype=dtype).element_size() for _, dtype, _ in self.entries]
+        self.order = sorted(range(len(self.entries)), key=lambda i: -esize[i])
+        # parameters and optimizer state are the same on every rank (DDP): each rank's payload holds 1/world_size
+        # of their bytes; buffers (per rank, as DDP without broadcast_buffers keeps them) are held whole
+        buffers = {f"/model/{n}" for n, _ in self.inner.named_buffers()}
+        self._common = [i for i in self.order if self.entries[i][0] not in buffers]
+        self._unique = [i for i in self.order if self.entries[i][0] in buffers]
+        self._span: dict[int, tuple[int, int]] = {}
+        off = 0
+        for i in self._common:
+            n = math.prod(self.entries[i][2]) * esize[i]
+            self._span[i] = (off, n)
+            off += n
+        self.common_nbytes = off
+        self.shard_nbytes = max(8, -(-off // (self.world_size * 8)) * 8)
+
+    def _split(self, state: dict, sink) -> object:
+        """Encode ``state``; tensor leaves go to ``sink(path, tensor) -> index``; a tensor already seen (a tied
+        weight under a second name) is referenced, not stored twice."""
+        seen: dict = {}
+
+        def once(path, t):
+            key = _storage_key(t)
+            if key not in seen:
+                seen[key] = sink(path, t)
+            return seen[key]
+
+        return _encode(state, "", once)
+
+    @staticmethod
+    def _document(tree, small: dict) -> bytes:
+        return json.dumps({"tree": tree, "small": _encode(small, "", None)}, separators=(",", ":")).encode()
+
+    def layout_tensors(self) -> list[torch.Tensor]:
+        """Meta tensors describing the payload's state tensors, in payload order: this rank's shard of the common
+        state (bytes), the per-rank tensors, the JSON region."""
+        return [torch.empty(self.shard_nbytes, dtype=torch.uint8, device="meta")] + \
+            [torch.empty(self.entries[i][2], dtype=self.entries[i][1], device="meta") for i in self._unique] + \
+            [torch.empty(self.blob_nbytes, dtype=torch.uint8, device="meta")]
+
+    # ---- snapshot ------------------------------------------------------------------------------------------------
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The current state, in payload order. Tensors are the live ones (the copy runs in the background: the
+        optimizer does not update before the replica is committed); the JSON region is a fresh tensor."""
+        sig = self._signature()
+        if sig is not None and sig == self._cache_sig:
+            # the same tensors as last time: only the param groups' scalars (lr, ...) are read again
+            found, model_enc, state_enc, names = self._cache
+            groups = [dict(_encode(_without_params(g), "", None), params=n)
+                      for g, n in zip(self.optimizer.param_groups, names)]
+            tree = {"model": model_enc, "optim": {"state": state_enc, "param_groups": groups}, "optim_empty": False}
+        else:
+            found, tree = self._collect()
+            self._cache_sig = sig if not tree["optim_empty"] else None
+            if self._cache_sig is not None:
+                self._cache = (found, tree["model"], tree["optim"]["state"],
+                               [g["params"] for g in tree["optim"]["param_groups"]])
+        doc = self._document(tree, self._small_state())
+        if len(doc) + _HEADER.size > self.blob_nbytes:
+            raise ValueError(f"protect: the non-tensor state is {len(doc)} bytes of JSON, more than the "
+                             f"{self.blob_nbytes - _HEADER.size} reserved at protect() (4x its size then)")
+        blob = torch.zeros(self.blob_nbytes, dtype=torch.uint8)
+        blob[:_HEADER.size] = torch.frombuffer(bytearray(_HEADER.pack(len(doc))), dtype=torch.uint8)
+        blob[_HEADER.size:_HEADER.size + len(doc)] = torch.frombuffer(bytearray(doc), dtype=torch.uint8)
+        # this rank's byte range of the common state, copied now (so later updates cannot race the background copy);
+        # state not there yet (no optimizer state before the first step) stays zeros and is never read back
+        shard = torch.zeros(self.shard_nbytes, dtype=torch.uint8)
+        lo = self.rank * self.shard_nbytes
+        hi = lo + self.shard_nbytes
+        with torch.no_grad():
+            for i in self._common:
+                off, n = self._span[i]
+                a, b = max(off, lo), min(off + n, hi)
+                t = found.get(i)
+                if a < b and t is not None:
+                    shard[a - lo:b - lo].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8)[a - off:b - off])
+        out = [shard]
+        for i in self._unique:
+            t = found.get(i)
+            out.append(t.detach() if t is not None else torch.zeros(self.entries[i][2], dtype=self.entries[i][1]))
+        return out + [blob]
+
+    def _signature(self):
+        """Which tensors hold the model's and optimizer's state now (None: not cacheable, e.g. a non-tensor value
+        in the optimizer's state). Equal signatures: the tensors found by the last ``_collect`` are still the ones."""
+        sig = [p.data_ptr() for p in self.inner.parameters()] + [b.data_ptr() for b in self.inner.buffers()]
+        for st in self.optimizer.state.values():
+            for v in st.values():
+                if not isinstance(v, torch.Tensor):
+                    return None
+                sig.append(id(v))
+                sig.append(v.data_ptr())
+        sig.append(len(self.optimizer.state))
+        return tuple(sig)
+
+    def _collect(self):
+        """The state through torch.distributed.checkpoint.state_dict: (tensors by layout index, encoded tree)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        model_sd = get_model_state_dict(self.model)
+        empty = not self.optimizer.state
+        if empty:   # before the first real step: DCP would run its own dry step on the real optimizer
+            optim_sd = {"param_groups": [_without_params(g) for g in self.optimizer.param_groups]}
+        else:
+            optim_sd = get_optimizer_state_dict(self.model, self.optimizer)
+        found: dict[int, torch.Tensor] = {}
+
+        def sink(path, t):
+            i = self._index.get(path)
+            if i is None:
+                raise ValueError(f"protect: the state tensor {path} appeared after protect() fixed the snapshot "
+                                 "layout; the optimizer's state must be the one its first step creates")
+                # (e.g. an optimizer whose state grows later is not supported)
+            _, dtype, shape = self.entries[i]
+            if t.dtype != dtype or tuple(t.shape) != shape:
+                raise ValueError(f"protect: the state tensor {path} changed from {dtype} {list(shape)} to "
+                                 f"{t.dtype} {list(t.shape)} after protect() fixed the snapshot layout")
+            found[i] = t
+            return i
+
+        tree = self._split({"model": model_sd, "optim": optim_sd}, sink)
+        tree["optim_empty"] = empty
+        return found, tree
+
+    # ---- restore -------------------------------------------------------------------------------------------------
+    def restore_targets(self) -> list[torch.Tensor]:
+        """Fresh tensors a payload is read into (``gather`` then applies them)."""
+        self._scratch = [torch.empty(t.shape, dtype=t.dtype) for t in self.layout_tensors()]
+        return self._scratch
+
+    def gather(self) -> None:
+        """Apply the payload read into ``restore_targets()``: model, optimizer, scheduler, loader, extra, RNGs.
+        Gradients are dropped (a failed step may have left some)."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        scratch, self._scratch = self._scratch, None
+        self._cache_sig, self._cache = None, None
+        blob = scratch[-1]
+        n = _HEADER.unpack(bytes(blob[:_HEADER.size].numpy()))[0]
+        doc = json.loads(bytes(blob[_HEADER.size:_HEADER.size + n].numpy()))
+        shard = scratch[0]
+        if self.world_size > 1:   # every rank's shard of the common state, at the same step (pollable)
+            full = torch.empty(self.shard_nbytes * self.world_size, dtype=torch.uint8)
+            collectives.all_gather(full.view(torch.float64), shard.view(torch.float64), self.watch)
+        else:
+            full = shard
+        tensors = [None] * len(self.entries)
+        for i in self._common:
+            off, n = self._span[i]
+            _, dtype, shape = self.entries[i]
+            tensors[i] = full[off:off + n].view(dtype).reshape(shape)
+        for pos, i in enumerate(self._unique):
+            tensors[i] = scratch[1 + pos]
+        tree = _decode(doc["tree"], tensors)
+        small = _decode(doc["small"], None)
+        self._restoring = True
+        try:
+            set_model_state_dict(self.model, tree["model"])
+            osd = tree["optim"]
+            if tree["optim_empty"]:
+                self.optimizer.state.clear()
+                _set_groups(self.optimizer, osd["param_groups"])
+            else:
+                if not self.optimizer.state:
+                    # a spare's optimizer has no state yet: fill it first, or DCP makes it with a dry step of the
+                    # real optimizer (lr 0); load_state_dict then replaces it as usual
+                    for live, saved in zip(self.optimizer.param_groups, osd["param_groups"]):
+                        for p, fqn in zip(live["params"], saved["params"]):
+                            if fqn in osd["state"]:
+                                self.optimizer.state[p] = dict(osd["state"][fqn])
+                set_optimizer_state_dict(self.model, self.optimizer, osd)
+        finally:
+            self._restoring = False
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.inner.parameters():
+            p.grad = None
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(small["scheduler"])
+        if self.dataloader is not None:
+            if "dataloader" in small:
+                self.dataloader.load_state_dict(small["dataloader"])
+            else:
+                _distributed_sampler(self.dataloader).set_epoch(small["sampler_epoch"])
+        if self.extra is not None:
+            self.extra.load_state_dict(small["extra"])
+        rng = small["rng"]
+        if "cuda" in rng:
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        if "python" in rng:
+            random.setstate(rng["python"])
+        if "numpy" in rng:
+            import numpy as np
+
+            name, keys, pos, has_gauss, gauss = rng["numpy"]
+            np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+        self._queued = False
+
+    # ---- the step ------------------------------------------------------------------------------------------------
+    def bind(self, rank: int, watch) -> None:
+        """This process is now training rank ``rank``; ``watch``: what the gradient all-reduce waits under."""
+        self.rank, self.watch = rank, watch
+        self._queued = False
+        sampler = _distributed_sampler(self.dataloader) if self.dataloader is not None else None
+        if sampler is not None:
+            sampler.rank, sampler.num_replicas = rank, self.world_size
+
+    def _forward_starts(self, module, args) -> None:
+        self._queued = False   # a backward that failed half-way never ran its callback
+
+    def _grad_ready(self, param) -> None:
+        if not self._queued and self.world_size > 1 and self.rank is not None:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._average_gradients)
+
+    def _average_gradients(self) -> None:
+        """(end of backward) Sum every gradient over the ranks, pollably, and divide by the world size."""
+        self._queued = False
+        by_dtype: dict[torch.dtype, list] = {}
+        for p in self.params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        with torch.no_grad():
+            for dtype, params in by_dtype.items():
+                flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                                  for p in params])
+                collectives.all_reduce(flat, self.watch)
+                flat.div_(self.world_size)
+                off = 0
+                for p in params:
+                    n = p.numel()
+                    g = flat[off:off + n].view_as(p)
+                    if p.grad is None:
+                        p.grad = g.clone()
+                    else:
+                        p.grad.copy_(g)
+                    off += n
+
+    def _pre_step(self, optimizer, args, kwargs) -> None:
+        if not self._restoring:
+            self.before_update()   # the replica of the current state must be committed first
+
+    def param_digest(self) -> str:
+        """sha256 over the model's parameters (``parameters()`` order, raw bytes)."""
+        h = hashlib.sha256()
+        for p in self.inner.parameters():
+            h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+
+def _distributed_sampler(loader):
+    from torch.utils.data.distributed import DistributedSampler
+
+    for s in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        if isinstance(s, DistributedSampler):
+            return s
+    return None
+
+
+def _without_params(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _set_groups(optimizer, groups: list[dict]) -> None:
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError(f"protect: the snapshot has {len(groups)} param groups, the optimizer "
+                         f"{len(optimizer.param_groups)}")
+    for live, saved in zip(optimizer.param_groups, groups):
+        for k, v in saved.items():
+            if k != "params":
+                live[k] = v

@@ -1,0 +1,339 @@
+"""Issue 9: the user's own loop (DDP, torch.optim.AdamW, an LR scheduler) kept alive by ``ctx.protect``.
+
+End to end: real MPI processes, real gloo groups, real signals (``launch``, as tests/test_never_hang.py), running
+``examples/ddp_gpt.py``'s ``train``: a node killed and a rank frozen at step 40 end bitwise equal to the failure-free
+run, with at most one step recomputed, with one and two ranks per node. In process: the snapshot round trip, and
+bad input refused before training starts.
+"""
+import os
+import random
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from deadpool_hpc.config import RunConfig, parse_fault
+from deadpool_hpc.control.fence import is_alive
+from deadpool_hpc.events import read_events
+from deadpool_hpc.launch.local import launch
+from deadpool_hpc.replica.snapshot import Slot, StateLayout
+from deadpool_hpc.train.model import GPT, GPTConfig
+from deadpool_hpc.worker.protect import Protected
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 44
+SMALL = dict(n_layer=1, n_head=2, d_model=32, context=32, batch_size=4)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def importable_examples():
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = ROOT + (os.pathsep + old if old else "")
+    yield
+    if old is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = old
+
+
+def run(tmp_path, name, *specs, **kw):
+    faults = [parse_fault(kind, spec) for kind, spec in (s.split(" ") for s in specs)]
+    cfg = RunConfig(**{**dict(nodes=3, spares=1, steps=STEPS, run_dir=str(tmp_path / name), faults=faults,
+                              train_fn="examples.ddp_gpt:train", train_args=SMALL, rendezvous_timeout=4.0,
+                              hang_timeout=3.0), **kw}).validate()
+    summary = launch(cfg, timeout=240)
+    for e in read_events(os.path.join(cfg.run_dir, "events.jsonl")):
+        if e["event"] == "hello":
+            assert not is_alive(e), f"worker pid {e['pid']} outlived the run"
+    return summary
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    s = run(tmp_path_factory.mktemp("base"), "base", spares=0)
+    assert s["completed"] and s["failures"] == [] and s["errors"] == [], s
+    assert s["final_loss"] < 0.8 * s["first_loss"], "the example does not train"
+    return s["param_digest"]
+
+
+@pytest.fixture(scope="module")
+def baseline_p2(tmp_path_factory):
+    s = run(tmp_path_factory.mktemp("base2"), "base2", nodes=2, ranks_per_node=2, spares=0)
+    assert s["completed"] and s["failures"] == [] and s["errors"] == [], s
+    return s["param_digest"]
+
+
+def check_recovered(s, digest, target):
+    assert s["completed"] and s["errors"] == [], s
+    assert s["steps_completed"] == STEPS
+    (f,) = s["failures"]
+    assert f["target"] == target and f["outcome"] == "hot swap", f
+    assert f["recomputed_steps"] <= 1, f
+    assert s["param_digest"] == digest, "recovered run diverged from the failure-free run"
+
+
+def test_ddp_example_kill_node1_at_40(tmp_path, baseline):
+    check_recovered(run(tmp_path, "kill", "kill node1@40"), baseline, "node1")
+
+
+def test_ddp_example_hang_rank2_at_40(tmp_path, baseline):
+    """rank 2 is SIGSTOPped inside its step: the others wait in the pollable gradient all-reduce (beating the
+    progress page, so only rank 2 is fenced) until its agent's progress watch finds it after --hang-timeout."""
+    s = run(tmp_path, "hang", "hang rank2@40")
+    check_recovered(s, baseline, "rank2")
+    assert s["failures"][0]["failed_nodes"] == [2]
+
+
+def test_ddp_example_kill_node1_two_ranks_per_node(tmp_path, baseline_p2):
+    check_recovered(run(tmp_path, "kill2", "kill node1@40", nodes=2, ranks_per_node=2), baseline_p2, "node1")
+
+
+def test_ddp_example_hang_rank2_two_ranks_per_node(tmp_path, baseline_p2):
+    s = run(tmp_path, "hang2", "hang rank2@40", nodes=2, ranks_per_node=2)
+    check_recovered(s, baseline_p2, "rank2")
+    assert s["failures"][0]["failed_nodes"] == [1]   # rank 2 is node1's first rank: its node is fenced
+
+
+def test_ddp_example_no_spare_left_requeues_from_the_checkpoint(tmp_path, baseline):
+    """No spare: the cut step is saved to disk (each rank's shard of the protected state), the run restarts from
+    it and ends bitwise equal to the failure-free run."""
+    s = run(tmp_path, "requeue", "kill node1@40", spares=0, requeue=True)
+    assert s["completed"] and s["param_digest"] == baseline, s
+
+
+# ---- in process ---------------------------------------------------------------------------------------------------
+@pytest.fixture()
+def local_group():
+    """A default process group of this process alone (what the worker context installs for DDP before run)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def small_model():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, context=8))
+
+
+def setup(world_size=1, ddp=False, **kw):
+    model = small_model()
+    if ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    prot = Protected(world_size, model, opt, sched, **kw)
+    prot.bind(0, None)
+    return model, opt, sched, prot
+
+
+def train_steps(model, opt, sched, first, n):
+    for s in range(first, first + n):
+        g = torch.Generator().manual_seed(s)
+        x = torch.randint(0, 256, (2, 8), generator=g)
+        _, loss = model(x, x)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+
+
+def digest(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+def snapshot(prot):
+    layout = StateLayout(prot.layout_tensors(), torch.get_rng_state().numel())
+    slot = Slot(layout.nbytes)
+    assert layout.write(slot, prot.state_tensors(), torch.get_rng_state(), step=0)
+    return layout, slot
+
+
+def restore(prot, layout, slot):
+    torch.set_rng_state(layout.read(slot, prot.restore_targets()))
+    prot.gather()
+
+
+@pytest.mark.parametrize("ddp", [False, True])
+@pytest.mark.parametrize("at", [0, 3])
+def test_snapshot_round_trip_is_bitwise(local_group, ddp, at):
+    """Snapshot after ``at`` steps (0: before the optimizer has any state), train on, restore, train the same steps
+    again: identical parameters, optimizer state, schedule and RNG; the optimizer is not stepped by protect()."""
+    model, opt, sched, prot = setup(ddp=ddp, python_rng=True)
+    assert not opt.state, "protect() must not create optimizer state (its first real step would be the second)"
+    train_steps(model, opt, sched, 0, at)
+    random.seed(at)
+    _, first = snapshot(prot)            # through torch.distributed.checkpoint.state_dict
+    layout, slot = snapshot(prot)        # the same tensors again: the cached path
+    assert bytes(first.buf) == bytes(slot.buf)
+    train_steps(model, opt, sched, at, 3)
+    want, want_lr, want_rand = digest(model), opt.param_groups[0]["lr"], random.random()
+    want_state = {k: v.clone() for k, v in opt.state[next(iter(model.parameters()))].items()}
+    train_steps(model, opt, sched, at + 3, 2)   # wander off
+    random.seed(12345)
+    restore(prot, layout, slot)
+    assert bool(opt.state) == (at > 0)
+    train_steps(model, opt, sched, at, 3)
+    assert torch.equal(digest(model), want)
+    assert opt.param_groups[0]["lr"] == want_lr and random.random() == want_rand
+    got = opt.state[next(iter(model.parameters()))]
+    assert all(torch.equal(got[k], v) for k, v in want_state.items())
+
+
+def test_a_fresh_optimizer_is_restored_like_a_spare(local_group):
+    """A spare's optimizer has no state; restoring a snapshot taken after some steps gives it the trained state."""
+    model, opt, sched, prot = setup()
+    train_steps(model, opt, sched, 0, 4)
+    layout, slot = snapshot(prot)
+    train_steps(model, opt, sched, 4, 2)
+    want = digest(model)
+    model2, opt2, sched2, prot2 = setup()   # the spare: same initial model, no optimizer state
+    restore(prot2, layout, slot)
+    train_steps(model2, opt2, sched2, 4, 2)
+    assert torch.equal(digest(model2), want)
+    assert sched2.last_epoch == sched.last_epoch
+
+
+def test_tied_weights_stored_once(local_group):
+    _, _, _, prot = setup()
+    paths = [p for p, _, _ in prot.entries]
+    assert "/model/tok.weight" in paths and "/model/head.weight" not in paths
+
+
+# ---- bad input, refused before training starts ---------------------------------------------------------------------
+class NoStateOpt:
+    param_groups = []
+
+    def step(self):
+        pass
+
+
+def test_an_optimizer_without_state_dict_is_refused():
+    with pytest.raises(TypeError, match=r"optimizer=.*NoStateOpt.*accepted: a torch.optim.Optimizer"):
+        Protected(1, small_model(), NoStateOpt())
+
+
+def test_a_plain_iterator_is_refused_as_dataloader():
+    model = small_model()
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(TypeError, match=r"dataloader=.*plain iterator.*StatefulDataLoader.*DistributedSampler"):
+        Protected(1, model, opt, dataloader=iter(range(10)))
+    loader = torch.utils.data.DataLoader(list(range(10)))
+    with pytest.raises(TypeError, match=r"dataloader=.*DataLoader.*cannot be saved"):
+        Protected(1, model, opt, dataloader=loader)
+
+
+def test_a_distributed_sampler_loader_is_accepted_and_follows_the_rank(local_group):
+    from torch.utils.data.distributed import DistributedSampler
+
+    model = small_model()
+    opt = torch.optim.AdamW(model.parameters())
+    sampler = DistributedSampler(list(range(12)), num_replicas=3, rank=0, shuffle=True, seed=1)
+    loader = torch.utils.data.DataLoader(list(range(12)), sampler=sampler)
+    prot = Protected(1, model, opt, dataloader=loader)
+    prot.world_size = 3          # as if this process were promoted to rank 2 of 3
+    prot.bind(2, None)
+    assert sampler.rank == 2 and sampler.num_replicas == 3
+    prot.world_size = 1
+    prot.bind(0, None)
+    sampler.set_epoch(5)
+    layout, slot = snapshot(prot)
+    sampler.set_epoch(9)
+    restore(prot, layout, slot)
+    assert sampler.epoch == 5
+
+
+def test_an_unwrapped_model_is_refused_when_there_are_several_ranks():
+    model = small_model()
+    with pytest.raises(ValueError, match=r"world_size is 3.*not wrapped in DistributedDataParallel"):
+        Protected(3, model, torch.optim.AdamW(model.parameters()))
+    Protected(1, model, torch.optim.AdamW(model.parameters()))   # one rank: a plain module is fine
+
+
+def test_a_scheduler_or_extra_without_state_dict_is_refused():
+    model = small_model()
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(TypeError, match=r"scheduler=.*without state_dict"):
+        Protected(1, model, opt, scheduler=object())
+    with pytest.raises(TypeError, match=r"extra=.*without state_dict"):
+        Protected(1, model, opt, extra=[1, 2])
+
+
+def test_an_optimizer_over_other_parameters_is_refused():
+    model = small_model()
+    with pytest.raises(ValueError, match=r"not parameters of the model"):
+        Protected(1, model, torch.optim.AdamW(small_model().parameters()))
+
+
+def fake_context(world_size=1):
+    from deadpool_hpc.worker.context import Context
+
+    client = types.SimpleNamespace(progress=types.SimpleNamespace(beat=lambda: None), on=lambda *a: None,
+                                   send=lambda *a, **k: None)
+    cfg = RunConfig(nodes=world_size, spares=0, steps=4)
+    return Context(cfg, client, groups=None, log=None, node=0, local=0)
+
+
+def test_protect_twice_is_refused(local_group):
+    ctx = fake_context()
+    model = small_model()
+    opt = torch.optim.AdamW(model.parameters())
+    ctx.protect(model, opt)
+    with pytest.raises(ValueError, match=r"ctx.protect: ctx.protect was already called"):
+        ctx.protect(model, opt)
+    with pytest.raises(ValueError, match=r"ctx.zero_adamw: ctx.protect was already called"):
+        ctx.zero_adamw(model)
+
+
+def test_each_rank_snapshots_its_shard_and_restore_gathers_them(local_group, monkeypatch):
+    """DDP ranks hold the same parameters and optimizer state: each replicates 1/world_size of its bytes, and a
+    restore all-gathers the shards (here the all-gather is played by the test: the three ranks' shards)."""
+    from deadpool_hpc.worker import protect as protect_mod
+
+    model, opt, sched, prot = setup(world_size=3, ddp=True)
+    prot.world_size = 1
+    train_steps(model, opt, sched, 0, 3)   # one process: no gradient average needed
+    prot.world_size = 3
+    layout = StateLayout(prot.layout_tensors(), torch.get_rng_state().numel())
+    shards = []
+    for r in range(3):
+        prot.bind(r, None)
+        shards.append(prot.state_tensors()[0].clone())
+    assert layout.nbytes < prot.common_nbytes / 3 + prot.blob_nbytes + 8 * 3 + torch.get_rng_state().numel() + 1
+    slot = Slot(layout.nbytes)
+    prot.bind(1, None)
+    assert layout.write(slot, prot.state_tensors(), torch.get_rng_state(), step=3)
+    prot.world_size = 1
+    train_steps(model, opt, sched, 3, 2)
+    want = digest(model)
+    train_steps(model, opt, sched, 5, 2)   # wander off
+    prot.world_size = 3
+
+    def all_gather(out, inp, watch):
+        assert torch.equal(inp.view(torch.uint8), shards[1])
+        out.view(torch.uint8).copy_(torch.cat(shards))
+
+    monkeypatch.setattr(protect_mod.collectives, "all_gather", all_gather)
+    restore(prot, layout, slot)
+    prot.world_size = 1
+    train_steps(model, opt, sched, 3, 2)
+    assert torch.equal(digest(model), want)
+
+
+def test_a_stateful_dataloader_resumes_where_it_was(local_group):
+    """torchdata's StatefulDataLoader (if installed): its position, shuffling generator included, is restored."""
+    sdl = pytest.importorskip("torchdata.stateful_dataloader")
+    model = small_model()
+    opt = torch.optim.AdamW(model.parameters())
+    loader = sdl.StatefulDataLoader(list(range(40)), batch_size=2, shuffle=True,
+                                    generator=torch.Generator().manual_seed(0))
+    prot = Protected(1, model, opt, dataloader=loader)
+    prot.bind(0, None)
+    it = iter(loader)
+    [next(it) for _ in range(3)]
+    layout, slot = snapshot(prot)
+    want = [next(it).tolist() for _ in range(4)]
+    restore(prot, layout, slot)
+    it = iter(loader)
+    assert [next(it).tolist() for _ in range(4)] == want
