@@ -84,11 +84,19 @@ def gone_within(idents: list[dict], deadline_s: float) -> float:
     return time.monotonic() - t0
 
 
+def _default_stop_signals() -> None:
+    for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 @contextmanager
 def started(args: list[str], out_path, **kw):
     """Popen in a session of its own; on exit, whatever it started is SIGKILLed by identity (its process
     tree, and the hellos of its run dir), then its process group."""
     out = open(out_path, "w")
+    # the stop signals take their default action in the launcher, as from a terminal, even when this test runs
+    # under nohup (SIGHUP ignored, inherited: the launcher keeps an ignored signal ignored, on purpose)
+    kw.setdefault("preexec_fn", _default_stop_signals)
     p = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
                          start_new_session=True, **kw)
     seen: list[dict] = []
