@@ -11,19 +11,15 @@ import pytest
 from deadpool_hpc.config import Fault, RunConfig
 from deadpool_hpc.control.fence import _start_ticks, is_alive
 from deadpool_hpc.events import read_events
-from deadpool_hpc.launch.local import launch
+
+from runs import launch_reaped  # tests/runs.py
 
 STEPS = 40
 
 
 def run(tmp_path, name, **kw):
     cfg = RunConfig(**{**dict(nodes=3, spares=1, steps=STEPS, run_dir=str(tmp_path / name)), **kw}).validate()
-    summary = launch(cfg, timeout=300)
-    # whatever happened, no worker of this run may be left behind
-    for e in read_events(os.path.join(cfg.run_dir, "events.jsonl")):
-        if e["event"] == "hello":
-            assert not is_alive(e), f"worker pid {e['pid']} outlived the run"
-    return summary
+    return launch_reaped(cfg, 300)  # whatever happened, no process of this run may be left behind
 
 
 @pytest.fixture(scope="module")

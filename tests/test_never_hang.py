@@ -13,24 +13,19 @@ import time
 
 import pytest
 
-from deadpool_hpc.config import RunConfig, parse_fault
-from deadpool_hpc.control.fence import is_alive
+from deadpool_hpc.config import RunConfig
 from deadpool_hpc.events import read_events
-from deadpool_hpc.launch.local import launch
+
+from runs import faults, launch_reaped  # tests/runs.py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS = 24
 
 
 def run(tmp_path, name, *specs, timeout=240, **kw):
-    faults = [parse_fault(kind, spec) for kind, spec in (s.split(" ") for s in specs)]
-    cfg = RunConfig(**{**dict(nodes=3, spares=2, steps=STEPS, run_dir=str(tmp_path / name), faults=faults,
+    cfg = RunConfig(**{**dict(nodes=3, spares=2, steps=STEPS, run_dir=str(tmp_path / name), faults=faults(*specs),
                               rendezvous_timeout=4.0), **kw}).validate()
-    summary = launch(cfg, timeout=timeout)
-    for e in events(cfg.run_dir):
-        if e["event"] == "hello":
-            assert not is_alive(e), f"worker pid {e['pid']} outlived the run"
-    return summary
+    return launch_reaped(cfg, timeout)
 
 
 def events(run_dir):

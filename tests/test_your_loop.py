@@ -13,13 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from deadpool_hpc.config import RunConfig, parse_fault
-from deadpool_hpc.control.fence import is_alive
-from deadpool_hpc.events import read_events
-from deadpool_hpc.launch.local import launch
+from deadpool_hpc.config import RunConfig
 from deadpool_hpc.replica.snapshot import Slot, StateLayout
 from deadpool_hpc.train.model import GPT, GPTConfig
 from deadpool_hpc.worker.protect import Protected
+
+from runs import faults, launch_reaped  # tests/runs.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 44
@@ -38,15 +37,10 @@ def importable_examples():
 
 
 def run(tmp_path, name, *specs, **kw):
-    faults = [parse_fault(kind, spec) for kind, spec in (s.split(" ") for s in specs)]
-    cfg = RunConfig(**{**dict(nodes=3, spares=1, steps=STEPS, run_dir=str(tmp_path / name), faults=faults,
+    cfg = RunConfig(**{**dict(nodes=3, spares=1, steps=STEPS, run_dir=str(tmp_path / name), faults=faults(*specs),
                               train_fn="examples.ddp_gpt:train", train_args=SMALL, rendezvous_timeout=4.0,
                               hang_timeout=3.0), **kw}).validate()
-    summary = launch(cfg, timeout=240)
-    for e in read_events(os.path.join(cfg.run_dir, "events.jsonl")):
-        if e["event"] == "hello":
-            assert not is_alive(e), f"worker pid {e['pid']} outlived the run"
-    return summary
+    return launch_reaped(cfg, 240)
 
 
 @pytest.fixture(scope="module")
