@@ -143,7 +143,11 @@ class Context:
         self.copier = _Copier(self)
         role = self._next_role(self.config.startup_timeout)
         if role["what"] == "train":
-            self._start(role)
+            try:
+                self._start(role)
+            except PeerFailure as exc:  # a peer lost before the first step: e.g. the holder of this rank's step 0
+                if not self._recover(str(exc)):
+                    return
         elif not self._follow(role):
             return
         self._loop(step_fn)
