@@ -73,6 +73,7 @@ def test_demo_config_defaults_and_errors():
     (["--train-arg", "n_layer"], "accepted: KEY=VALUE"),
     (["--train-fn", "nosuch.module:train"], "cannot import 'nosuch.module'"),
     (["--train-fn", "deadpool_hpc.train.demo:nosuch"], "has no function 'nosuch'"),
+    (["--nodes", "40", "--ranks-per-node", "2"], "the local launcher (deadpool run) runs at most 64"),
 ])
 def test_cli_rejects_bad_input_with_exit_2_before_starting(tmp_path, args, needle):
     run_dir = tmp_path / "run"
@@ -120,3 +121,9 @@ def test_cli_hang_timeout_0_exits_2_from_the_command(tmp_path):
                         "--hang-timeout", "0"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "--hang-timeout: '0': accepted: seconds > 0 (e.g. 120), or off" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_the_64_process_cap_is_the_local_launchers_only():
+    """A Slurm job of 512 nodes x 8 is a valid layout; only the local launcher refuses more than 64 processes."""
+    cfg = RunConfig(nodes=512, spares=8, ranks_per_node=8, steps=10).validate()
+    assert cfg.total_processes == 520 * 8

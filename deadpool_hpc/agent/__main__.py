@@ -85,6 +85,7 @@ def main(argv=None) -> None:
                       period=cfg.heartbeat_period, deadline=cfg.heartbeat_deadline, log=log,
                       ready_timeout=cfg.ready_timeout, recovery_timeout=cfg.recovery_timeout,
                       replicas=cfg.replicas if cfg.replicate else 0,
+                      host=host,
                       extra_identity={"replica": [list(s.getsockname()[:2]) for s in listeners], "watch": watch.address})
     watch.me = cp.me
     setup_logging(f"node{cp.me}")

@@ -347,7 +347,7 @@ class NodeAgent:
             m = self.node * self.P + local
             report[str(m)] = dict(rep.report(), done_step=self.left.get(local, -1))
         self._phase("detect")
-        decision = self.cp.recover(report, lambda: None, on_phase=self._phase, tick=self._tick)
+        decision = self.cp.recover(report, lambda: None, on_phase=self._phase, wait=self._tick)
         g = decision.generation
         self.high_water = max(self.high_water, decision.high_water)
         self.left = {}

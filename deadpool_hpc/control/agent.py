@@ -1,14 +1,19 @@
-"""The control-plane agent: one background thread per process that owns heartbeats and suspicion.
+"""The control-plane agent: one background thread per node agent that owns heartbeats, suspicion and messages.
 
-It speaks MPI point-to-point only (``Isend``/``Irecv`` + ``Test`` on its own duplicate of
-COMM_WORLD), never a collective, so a dead or frozen peer can never block it: MPICH without ULFM
-neither errors nor completes a collective that includes a dead rank (notes/ft-probes.md,
-notes/mpi-under-slurm.md). Every ``period`` seconds it sends a heartbeat to each peer it believes
-alive; a peer silent for ``deadline`` seconds is *suspected* (a crash and a hang look the same). The
-first process to suspect a peer tells every other live process (``suspect`` notice), so all
-survivors learn within one message latency of the first detection. A suspected peer is never trusted
-again: its messages are dropped (it is fenced by the recovery). Other messages are verified (HMAC,
-see wire.py) and handed to the main thread through ``inbox``.
+Heartbeats (issue 8, control/topology.py and waker.py): on the ring of live agents each agent watches its ``k``
+successors (default 2) and sends a heartbeat datagram every ``period`` seconds to its ``k`` predecessors, the
+agents that watch it, so an agent's cost does not grow with the job. A watched peer silent for ``deadline``
+seconds is *suspected* (a crash and a freeze look the same; a crash is usually seen earlier, through the ring
+watch's closed socket, agent/watch.py). The agent that suspects a peer starts a ``suspect`` notice that reaches
+every live agent along a binomial tree (N - 1 messages, O(log N) hops). A suspected peer is never trusted again:
+its messages are dropped (it is fenced by the recovery).
+
+Control messages (suspicions, teardowns, agreement, the rendezvous store's keys) travel over MPI point-to-point
+(``Isend`` + ``Improbe`` on its own duplicate of COMM_WORLD), never a collective, so a dead or frozen peer can
+never block it: MPICH without ULFM neither errors nor completes a collective that includes a dead rank
+(notes/ft-probes.md, notes/mpi-under-slurm.md). They are verified (HMAC, see wire.py) and handed to the main
+thread through ``inbox``. The sender rings the receiver's bell (waker.py), so a quiet agent sleeps between
+heartbeats and still reads a message at once.
 
 It is also the only thread that calls MPI once it runs: other threads queue messages (``send``) and
 register pollers (``add_poller(obj)``: ``obj.poll()`` each iteration, e.g. the progress watchdog). It
@@ -28,11 +33,16 @@ from collections import deque
 import numpy as np
 
 from . import wire
+from .topology import ring_neighbours, tree_children
 
 TAG_CONTROL = 7
+TREE_KINDS = ("suspect", "teardown")  # notices disseminated along a tree (topology.py), not sent to every peer
 
 
-IDLE_POLL_S = 0.02  # seconds between passes of a quiet agent's loop (heartbeats only)
+MPI_IDLE_POLL_S = 0.5     # seconds between runs of MPI's progress engine in a quiet agent (waker.py)
+MPI_ACTIVE_POLL_S = 0.25  # ... while a failure is handled or control messages flow (a bell still wakes it at once)
+FAST_POLL_S = 0.005       # ... just after a bell rang, or while a send of this agent is in flight
+RUNG_FAST_S = 0.05        # how long after a bell the agent keeps polling fast while what it announced has not come
 
 class Agent(threading.Thread):
     """Heartbeat failure detector and message pump for one process.
@@ -41,10 +51,15 @@ class Agent(threading.Thread):
     period / deadline: heartbeat interval and silence that makes a peer suspected (seconds).
     on_suspect(rank, reason, t, last_heard): called (in whichever thread suspects) when a peer becomes
     suspected; t and last_heard are wall times (last_heard: when this process last heard from it, None
-    when the suspicion was reported by another process that did not say).
+    when the suspicion was reported by another process that did not say). watch_k: how many agents watch
+    each agent (its heartbeats go to them only, topology.ring_neighbours); 0: every agent watches every other
+    (all-to-all, kept for comparison in benchmarks/control_plane_scale.py). waker: this agent's Waker
+    (waker.py: its bell and heartbeat sockets); wake_addresses[rank]: each agent's bell, [host, port], rung after
+    every control message sent to it; heartbeat_addresses[rank]: where that agent's heartbeats are received.
     """
 
-    def __init__(self, comm, secret: bytes, period: float, deadline: float, on_suspect=None):
+    def __init__(self, comm, secret: bytes, period: float, deadline: float, *, waker, wake_addresses: list,
+                 heartbeat_addresses: list, on_suspect=None, watch_k: int = 2):
         super().__init__(name="deadpool-agent", daemon=True)
         self.comm = comm
         self.me = comm.Get_rank()
@@ -67,11 +82,21 @@ class Agent(threading.Thread):
         self.generation = 0
         self._watch = True
         self._stopping = threading.Event()
-        self._wake = threading.Event()   # set by stop() and by every queued send: the loop sends it at once
+        self._wake = waker              # rung by stop(), every queued send, every peer that sent us a message
+        self._bells = wake_addresses    # [rank] -> [host, port] of that agent's bell (its Waker)
+        self._hb_to = heartbeat_addresses  # [rank] -> [host, port] its heartbeats go to
+        self._rung = 0.0                # monotonic time another agent last rang this one's bell
+        self._owed = 0                  # messages announced by bells and not received yet
         self._pending: list = []  # (request, buffer, dest) of sends not yet completed
-        self._hb_req: dict[int, list] = {}  # heartbeat sends not yet completed, per peer (hb buffer is never freed)
         now = time.monotonic()
         self._last_seen = {p: now for p in range(self.size) if p != self.me}
+        self.watch_k = watch_k
+        self.watched: list[int] = []    # peers whose heartbeats this agent checks (its ring successors)
+        self.heartbeat_to: list[int] = []  # peers this agent sends heartbeats to (its ring predecessors)
+        self._topology_dirty = True     # recomputed by this thread after the set of suspected agents changed
+        self.notice_g = -1              # generation in which a suspicion or teardown notice last reached us
+        self.sent = 0                   # control messages sent / received and verified (heartbeats included)
+        self.received = 0
         self._rejected = 0
         self.stalls = 0
         self._outbox: deque = deque()   # (dest, bytes) queued by any thread, sent by this one
@@ -92,12 +117,21 @@ class Agent(threading.Thread):
     # ---- sending -----------------------------------------------------------------------
     def send(self, dest: int, kind: str, body: dict) -> None:
         """Send a control message to ``dest`` (non-blocking; dropped if ``dest`` is suspected)."""
-        if dest == self.me:
-            self.inbox.put((kind, self.me, body))
-            return
-        msg = np.frombuffer(wire.encode(kind, body, self.secret), dtype=np.uint8).copy()
-        self._outbox.append((dest, msg, False))
-        self._wake.set()
+        self.send_many([dest], kind, body)
+
+    def send_many(self, dests, kind: str, body: dict) -> None:
+        """Send one control message to every MPI rank in ``dests``, encoded once (a decision to 255 agents is
+        one JSON encoding and one MAC, not 255). Non-blocking; a suspected destination is skipped."""
+        msg = None
+        for dest in dests:
+            if dest == self.me:
+                self.inbox.put((kind, self.me, body))
+                continue
+            if msg is None:
+                msg = np.frombuffer(wire.encode(kind, body, self.secret), dtype=np.uint8)  # read-only: shared
+            self._outbox.append((dest, msg, False))
+        if msg is not None:
+            self._wake.set()
 
     def _flush_outbox(self) -> None:
         while self._outbox:
@@ -109,6 +143,8 @@ class Agent(threading.Thread):
             except Exception as exc:  # MPI.Exception: the transport already knows the peer is gone
                 self.suspect(dest, f"send failed: {str(exc).splitlines()[-1][:120]}")
             else:
+                self.sent += 1
+                self._wake.ring(self._bells[dest])
                 with self.lock:
                     self._pending.append((req, msg, dest))
 
@@ -118,13 +154,25 @@ class Agent(threading.Thread):
 
     def broadcast(self, kind: str, body: dict, include_self: bool = False) -> None:
         """Send to every live peer (point-to-point; a dead peer cannot block it)."""
-        for p in self.alive():
-            if p != self.me or include_self:
-                self.send(p, kind, body)
+        self.send_many([p for p in self.alive() if p != self.me or include_self], kind, body)
 
-    def suspect(self, rank: int, reason: str, notify: bool = True, last_heard: float | None = None) -> None:
-        """Mark ``rank`` failed, wake the main thread, and tell every live peer (once). ``last_heard``: wall
-        time the suspect was last heard of (by default: by this process, from its heartbeats)."""
+    def disseminate(self, kind: str, body: dict) -> None:
+        """Start notice ``kind`` (one of TREE_KINDS) at this agent: it reaches every live agent along a binomial
+        tree (topology.tree_children), N - 1 messages in all and O(log N) hops."""
+        self.notice_g = max(self.notice_g, self.generation)
+        self._forward(kind, dict(body, origin=self.me))
+
+    def _forward(self, kind: str, body: dict) -> None:
+        with self.lock:
+            dead = frozenset(self.suspected)
+        self.send_many(tree_children(int(body["origin"]), self.me, self.size, dead), kind, body)
+
+    def suspect(self, rank: int, reason: str, notify: bool = True, last_heard: float | None = None,
+                tell_suspect: bool = True) -> None:
+        """Mark ``rank`` failed, wake the main thread, and (``notify``) start a notice that reaches every live
+        agent (once). ``last_heard``: wall time the suspect was last heard of (by default: by this process,
+        from its heartbeats). ``tell_suspect``: send the suspect a ``fenced`` notice (False when the suspicion
+        came down a dissemination tree: the agent that detected it already told it)."""
         if rank == self.me:
             return
         with self.lock:
@@ -132,21 +180,23 @@ class Agent(threading.Thread):
                 return
             t = time.time()
             self.suspected[rank] = t
+            self._topology_dirty = True
             now = time.monotonic()
             self.last_suspicion = now
-        if last_heard is None and rank in self._last_seen:
+        if last_heard is None and rank in self.watched:  # only watched peers send us heartbeats
             last_heard = t - (now - self._last_seen[rank])
         self.failure.set()
         self._notice()
-        # tell the suspect itself (the only message it still gets from us): if it lives on (a false suspicion, a
-        # frozen process woken up), it must stop instead of carrying on alone (control/plane.py, Fenced)
-        self._outbox.append((rank, np.frombuffer(wire.encode("fenced", {"reason": reason}, self.secret),
-                                                 dtype=np.uint8).copy(), True))
-        self._wake.set()
+        if tell_suspect:
+            # tell the suspect itself (the only message it still gets from us): if it lives on (a false suspicion,
+            # a frozen process woken up), it must stop instead of carrying on alone (control/plane.py, Fenced)
+            self._outbox.append((rank, np.frombuffer(wire.encode("fenced", {"reason": reason}, self.secret),
+                                                     dtype=np.uint8).copy(), True))
+            self._wake.set()
         if self.on_suspect is not None:
             self.on_suspect(rank, reason, t, last_heard)
         if notify:
-            self.broadcast("suspect", {"ranks": [rank], "reason": reason, "last_heard": last_heard})
+            self.disseminate("suspect", {"ranks": [rank], "reason": reason, "last_heard": last_heard})
 
     def request_preempt(self) -> None:
         """Ask every live process to save a persistent checkpoint and leave (preemption or time limit).
@@ -213,9 +263,9 @@ class Agent(threading.Thread):
 
         buf = np.empty(wire.MAX_MESSAGE_BYTES, dtype=np.uint8)
         status = MPI.Status()
-        hb = np.frombuffer(wire.encode("hb", {}, self.secret), dtype=np.uint8).copy()
-        next_hb = 0.0
+        next_hb = next_mpi = 0.0
         last_loop = time.monotonic()
+        bell = True
         while not self._stopping.is_set():
             now = time.monotonic()
             stalled, last_loop = now - last_loop, now
@@ -227,35 +277,53 @@ class Agent(threading.Thread):
                 if self.watchdog is not None:
                     self.watchdog.credit(stalled)
                 self.stalls += 1
-            # receive everything that has arrived: matched probe + receive of that very message
-            # (a preposted any-source Irecv stalled for good under the UCX netmod, measured)
-            for _ in range(256):
-                try:
-                    msg = self.comm.Improbe(source=MPI.ANY_SOURCE, tag=TAG_CONTROL, status=status)
-                    if msg is None:
+            rung, beats = self._wake.drain(bell)
+            for src in beats:
+                if src in self._last_seen and src not in self.suspected:  # a fenced agent is never trusted again
+                    self._last_seen[src] = now
+            self.received += len(beats)
+            if rung:
+                self._rung = now
+                self._owed += rung  # messages announced by bells, not received yet
+            # MPI's progress engine runs at once after a bell (and for RUNG_FAST_S after it: the message may land a
+            # moment after its bell) and while a send of ours is in flight; every MPI_ACTIVE_POLL_S while a failure
+            # is handled or control messages flow; else every MPI_IDLE_POLL_S (waker.py: a lost bell costs that).
+            # Not faster: during a recovery every agent of the job is active at once, and on a shared host their
+            # polling is what would slow the recovery down (issue 8, measured at 128 agents on 2 cores)
+            if now - self._rung > RUNG_FAST_S:
+                self._owed = 0  # a message that has not come by now comes with the next poll
+            fast = self._owed > 0 or not self.sends_done()
+            lively = fast or self.failure.is_set() or now - self._ctl_seen <= 1.0
+            if fast or now >= next_mpi:
+                next_mpi = now + (MPI_ACTIVE_POLL_S if lively else MPI_IDLE_POLL_S)
+                # receive everything that has arrived: matched probe + receive of that very message
+                # (a preposted any-source Irecv stalled for good under the UCX netmod, measured)
+                for got in range(256):
+                    try:
+                        msg = self.comm.Improbe(source=MPI.ANY_SOURCE, tag=TAG_CONTROL, status=status)
+                        if msg is None:
+                            break
+                        n = status.Get_count(MPI.BYTE)
+                        if n > len(buf):
+                            msg.Recv(np.empty(n, dtype=np.uint8))
+                            continue
+                        msg.Recv(buf, status=status)
+                    except Exception:
                         break
-                    n = status.Get_count(MPI.BYTE)
-                    if n > len(buf):
-                        msg.Recv(np.empty(n, dtype=np.uint8))
-                        continue
-                    msg.Recv(buf, status=status)
-                except Exception:
-                    break
-                self._handle(status.Get_source(), buf, n, now)
+                    self._handle(status.Get_source(), buf, n, now)
+                else:
+                    got = 256
+                self._owed = max(0, self._owed - got)  # what the bells announced has arrived: stop polling fast
+                self.reap_sends()
+            if self._topology_dirty:
+                self._retopology(now)
             if now >= next_hb:
                 next_hb = now + self.period
                 with self.lock:
-                    peers = [p for p in range(self.size) if p != self.me and p not in self.suspected]
+                    peers = [p for p in self.heartbeat_to if p not in self.suspected]
                 for p in peers:
-                    # a new heartbeat every period, whether or not the previous send has completed:
-                    # gating on completion would silence a live peer whenever a completion is slow
-                    pending = [r for r in self._hb_req.get(p, []) if not self._test(r, p)][-32:]
-                    try:
-                        pending.append(self.comm.Isend(hb, dest=p, tag=TAG_CONTROL))
-                    except Exception as exc:
-                        self.suspect(p, f"send failed: {str(exc).splitlines()[-1][:120]}")
-                    self._hb_req[p] = pending
-                self.reap_sends()
+                    self._wake.beat(self.me, self._hb_to[p])
+                self.sent += len(peers)
             if self.preempt_signal and not self.preempted.is_set():
                 self._preempt(self.me)
             self._flush_outbox()
@@ -263,15 +331,25 @@ class Agent(threading.Thread):
             for p in self._pollers:
                 busy = p.poll() or busy
             if self._watch:
-                for p in [p for p, t in self._last_seen.items() if now - t > self.deadline]:
+                for p in [p for p in self.watched if now - self._last_seen[p] > self.deadline]:
                     if not self.is_suspected(p):
                         self.suspect(p, f"no heartbeat for {now - self._last_seen[p]:.2f} s")
-            # poll fast while anything is going on (a control message in the last second, a failure, work of a
-            # poller); a quiet agent (heartbeats only) wakes every IDLE_POLL_S, which keeps its CPU low (issue 7:
-            # < 2 % of a core) and adds at most that much to the heartbeat jitter, far below the deadline
-            quiet = not self.failure.is_set() and now - self._ctl_seen > 1.0 and not self._outbox
-            self._wake.wait(0.0005 if busy else (IDLE_POLL_S if quiet else 0.005))
-            self._wake.clear()
+            # sleep until the next heartbeat or MPI poll is due, or a bell: a control message for this agent, or a
+            # send queued by another thread (issue 7: < 2 % of a core; issue 8: 256 idle agents under half a core)
+            idle = max(0.0, min(next_hb, next_mpi) - time.monotonic())
+            bell = self._wake.wait(0.0005 if busy else (FAST_POLL_S if fast or self._outbox else idle))
+
+    def _retopology(self, now: float) -> None:
+        """Recompute the watched and heartbeat peers from the live ring (topology.ring_neighbours); a newly
+        watched peer gets a full deadline from now (it may have been sending its heartbeats elsewhere)."""
+        with self.lock:
+            self._topology_dirty = False
+            alive = [p for p in range(self.size) if p not in self.suspected]
+        watched, self.heartbeat_to = ring_neighbours(self.me, alive, self.watch_k)
+        for p in watched:
+            if p not in self.watched:
+                self._last_seen[p] = max(self._last_seen[p], now)
+        self.watched = watched
 
     def _handle(self, src: int, buf, n: int, now: float) -> None:
         if self.is_suspected(src):
@@ -282,8 +360,7 @@ class Agent(threading.Thread):
             self._rejected += 1
             return
         self._last_seen[src] = now
-        if kind == "hb":
-            return
+        self.received += 1
         self._ctl_seen = now
         try:
             self._handle_control(src, kind, body)
@@ -295,11 +372,17 @@ class Agent(threading.Thread):
             self.on_notice()
 
     def _handle_control(self, src: int, kind: str, body: dict) -> None:
-        if kind == "suspect":
-            for r in body.get("ranks", []):
-                self.suspect(int(r), f"reported by MPI rank {src}: {body.get('reason', '')}", notify=True,
-                             last_heard=body.get("last_heard"))
-            return
+        if kind in TREE_KINDS:
+            body.setdefault("origin", src)
+            if kind == "suspect" or int(body.get("g", -1)) >= self.generation:  # a stale teardown tells nothing
+                self.notice_g = max(self.notice_g, self.generation)
+            if kind == "suspect":  # first: the forwarding below skips the newly suspected
+                for r in body.get("ranks", []):
+                    self.suspect(int(r), f"reported by MPI rank {body['origin']} (via {src}): {body.get('reason', '')}",
+                                 notify=False, last_heard=body.get("last_heard"), tell_suspect=False)
+            self._forward(kind, body)
+            if kind == "suspect":
+                return
         if kind == "preempt":
             self._preempt(src)
             return

@@ -40,6 +40,7 @@ from . import pmi_relay
 from .agent import Agent
 from .agreement import decide
 from .decision import Decision, RoundFailure, decision_from_wire
+from .waker import Waker
 
 _HELLO_BYTES = 512
 
@@ -67,12 +68,15 @@ class ControlPlane:
     ``ready_timeout`` (coordinator waiting for a live agent's report) and ``recovery_timeout`` (an agent waiting
     for a decision). ``replicas``: K, passed on to ``decide``. ``extra_identity``: more fields for this agent's
     identity record (e.g. its replica servers' addresses). ``handlers``: {kind: fn(src, body)} for control
-    messages this module does not own (called from ``pump``, i.e. the agent's main thread).
+    messages this module does not own (called from ``pump``, i.e. the agent's main thread). ``watch_k``: how many
+    agents watch each agent's heartbeats (control/topology.py; 0: all-to-all). ``host``: the address other agents
+    reach this one at (its wake-up bell, control/waker.py).
     """
 
     def __init__(self, *, secret: bytes, ranks_per_node: int, active_nodes: int, period: float, deadline: float,
                  log, settle: float = 0.02, ready_timeout: float = 60.0, recovery_timeout: float = 120.0,
-                 replicas: int = 1, extra_identity: dict | None = None, handlers: dict | None = None):
+                 replicas: int = 1, extra_identity: dict | None = None, handlers: dict | None = None,
+                 watch_k: int = 2, host: str = "127.0.0.1"):
         MPI = _mpi()
         self.MPI = MPI
         world = MPI.COMM_WORLD
@@ -91,12 +95,18 @@ class ControlPlane:
         self.ctrl = world.Dup()
         self.ctrl.Set_errhandler(MPI.ERRORS_RETURN)
         self.generation = 0
+        # seconds the recovery's and the barriers' loops wait for a control message (or, through their ``wait``, a
+        # local event) before they look again: an event ends the wait at once, so this only bounds the latency of
+        # what rings nothing; shorter costs CPU in every agent of a large job at once (issue 8)
+        self.poll_s = 0.1
         self.handlers = dict(handlers or {})
         W = active_nodes * ranks_per_node
         self.assignment = list(range(W))
         self.spare_nodes = list(range(active_nodes, self.size))
         self.members = list(range(self.size * ranks_per_node))
-        self.idents = self._exchange_identities(extra_identity or {})
+        self.waker = Waker(host, secret)
+        self.idents = self._exchange_identities({**(extra_identity or {}), "wake": self.waker.address,
+                                                 "hb": self.waker.hb_address})
         self._wire_up()
         self.coordinator: int | None = None  # of the last applied decision
         self._round = 0
@@ -109,7 +119,10 @@ class ControlPlane:
         self.first_suspicion: float | None = None
         self.on_member_lost = None  # on_member_lost(): a member of the current generation was suspected (any thread)
         log.emit("hello", mpi_rank=self.me, node=self.me, role="agent", **self.idents[self.me])
-        self.agent = Agent(self.ctrl, secret, period, deadline, on_suspect=self._on_suspect)
+        self.agent = Agent(self.ctrl, secret, period, deadline, waker=self.waker,
+                           wake_addresses=[ident["wake"] for ident in self.idents],
+                           heartbeat_addresses=[ident["hb"] for ident in self.idents], on_suspect=self._on_suspect,
+                           watch_k=watch_k)
         self.agent.on_preempt = self._on_preempt
 
     def start(self) -> None:
@@ -188,8 +201,8 @@ class ControlPlane:
         """This node failed (a training process exited or froze, its supervisor saw it): tell every live agent now,
         so they recover in milliseconds instead of after a heartbeat deadline, and wait (at most 1 s) for the
         notices to leave. The caller then ends its training processes and itself."""
-        self.agent.broadcast("suspect", {"ranks": [self.me], "reason": reason,
-                                         "last_heard": time.time() if last_heard is None else last_heard})
+        self.agent.disseminate("suspect", {"ranks": [self.me], "reason": reason,
+                                           "last_heard": time.time() if last_heard is None else last_heard})
         self.wait_sends(1.0)
 
     # ---- inbox ----------------------------------------------------------------------------------------------
@@ -247,26 +260,30 @@ class ControlPlane:
             time.sleep(0.01)
 
     # ---- recovery ---------------------------------------------------------------------------------------------
-    def recover(self, report: dict, host_store, on_phase=None, tick=None) -> Decision:
+    def recover(self, report: dict, host_store, on_phase=None, tick=None, wait=None) -> Decision:
         """Agree on the next generation. Called by every live process after leaving the current one.
 
         report: {str(virtual process): {"own_rank", "own", "held", "done_step"}} for this node's processes (see
         agreement.decide). host_store(): () -> the new generation's rendezvous address (or None); called only on
-        the coordinator. tick(): called every iteration (the agent's other event sources). on_phase(name): called at "agree" (report sent, or reports asked for) and "decided" (fault
+        the coordinator. tick(): called every iteration (the agent's other event sources). wait(seconds): block
+        until then or until something happens (default: a control message; the node agent's also ends on a local
+        event), so that the hundreds of agents of a large job do not all poll at once. on_phase(name): called at "agree" (report sent, or reports asked for) and "decided" (fault
         injection for tests). Returns the Decision (with its coordinator, store and times filled in). Raises ReplicaError from ``decide`` (after telling the members), Fenced if the decision
         declares this process failed, JobAborted if another process aborted, RecoveryTimeout if no decision
         comes within ``recovery_timeout`` seconds, RunFinished if the run ended meanwhile.
         """
         on_phase = on_phase or (lambda _name: None)
         tick = tick or (lambda: None)
+        wait = wait or self.pump
         self.agent.failure.set()
-        self.agent.broadcast("teardown", {"g": self.generation})
+        if self.agent.notice_g < self.generation:  # nobody told us: we are the first to leave this generation
+            self.agent.disseminate("teardown", {"g": self.generation})
         end = time.monotonic() + self.recovery_timeout
         answered: dict[int, list] = {}
         my_round = None
         told = False
         while True:
-            self.pump(0.002)
+            self.pump(0)
             tick()
             if self._finish is not None:
                 raise RunFinished("the run finished while this process was recovering")
@@ -295,6 +312,8 @@ class ControlPlane:
             if time.monotonic() > end:
                 raise RecoveryTimeout(f"no decision for a generation after {self.generation} within "
                                       f"{self.recovery_timeout:.0f} s (coordinator: MPI rank {alive[0]})")
+            # a coordinator re-checks its round at least every ``settle`` seconds; the others wait for a message
+            wait(self.settle if alive[0] == self.me else self.poll_s)
         if isinstance(decision, RoundFailure):
             raise decision.exception()
         if set(self.procs()) & set(decision.fenced):
@@ -317,9 +336,7 @@ class ControlPlane:
         self._round += 1
         rid = (self.me, self._round)
         self._round_t0 = time.monotonic()
-        for p in alive:
-            if p != self.me:
-                self.agent.send(p, "collect", {"round": list(rid), "g": self.generation})
+        self.agent.send_many([p for p in alive if p != self.me], "collect", {"round": list(rid), "g": self.generation})
         return rid
 
     def _take_decision(self) -> Decision | RoundFailure | None:
@@ -365,9 +382,7 @@ class ControlPlane:
         decision = dataclasses.replace(decision, coordinator=self.me, t_decided=time.time(),
                                        first_suspicion=self.first_suspicion)
         wire = decision.to_wire()
-        for n in sorted({m // P for m in decision.members}):
-            if n != self.me:
-                self.agent.send(n, "decision", wire)
+        self.agent.send_many([n for n in sorted({m // P for m in decision.members}) if n != self.me], "decision", wire)
         self._ready.pop(rid, None)
         self.log.emit("decision", **{k: wire.get(k) for k in (
             "generation", "failed_nodes", "promoted", "replaced", "sources", "cut_step", "exhausted", "reason", "recomputed_steps",
@@ -404,7 +419,7 @@ class ControlPlane:
                 self.agent.send(p, "sync", {"tag": tag})
         end = time.monotonic() + timeout
         while True:
-            self.pump(0.002)
+            self.pump(0.01)
             if tick is not None:
                 tick()
             got = self._sync.get(tag, set()) | {self.me}

@@ -36,6 +36,7 @@ import time
 from contextlib import contextmanager
 
 from ..config import RunConfig
+from ..errors import ConfigError
 from ..control.fence import descendants, fence, is_alive
 from ..events import EventLog, EventTail, read_events
 from ..rundir import RunDir, check_output_file, check_run_dir, emit_requeued, latest_checkpoint
@@ -43,6 +44,9 @@ from ..summary import build_summary
 from ..worker.lifeline import launcher_env
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+LOCAL_MAX_PROCESSES = 64  # training processes one machine runs in the embedded default (a Slurm job has no cap)
 
 
 def mpiexec_path() -> str:
@@ -96,6 +100,11 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
     logged and set in the summary. Such a signal before any process started raises Interrupted.
     """
     cfg.validate()
+    if cfg.total_processes > LOCAL_MAX_PROCESSES:
+        raise ConfigError(f"{cfg.total_processes} training processes requested ({cfg.total_nodes} nodes x "
+                          f"{cfg.ranks_per_node} ranks per node); the local launcher (deadpool run) runs at most "
+                          f"{LOCAL_MAX_PROCESSES} on one machine: use fewer --nodes / --spares / --ranks-per-node, or "
+                          f"sbatch/train.sbatch, deadpool slurm or HotSwapJob, which have no such cap")
     run_dir = check_run_dir(cfg.run_dir)
     if cfg.summary_path:
         check_output_file(cfg.summary_path, run_dir=cfg.run_dir)

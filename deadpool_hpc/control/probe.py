@@ -1,0 +1,151 @@
+"""Control-plane probe: a node agent's control plane with no training processes, for the scale study (issue 8).
+
+``python -m deadpool_hpc.control.probe OUT_DIR --active N [--watch-k K] [--window S] ...``, one per MPI rank
+under mpiexec (benchmarks/control_plane_scale.py starts it). Each probe is what a node agent is to the rest of
+the job, minus its training processes: the same ControlPlane (heartbeats on the ring, tree dissemination,
+agreement rounds through the lowest live agent, fencing of the decision's failed nodes) and the same ring watch
+(agent/watch.py: a crashed agent is seen at once through its closed socket). Its recovery report says it holds
+step 0 of its own rank and of the ranks it is a replica holder for, so ``decide`` plans a real hot swap.
+
+It writes, under OUT_DIR (JSON, one file per MPI rank and phase):
+
+- ``steady-R.json``: over ``--window`` seconds of a failure-free run: control messages sent and received per
+  second (heartbeats included) and this process's CPU seconds per second (all its threads);
+- ``recovery-R-G.json`` for each decision applied (generation G): wall times at which this agent first knew of
+  each failed node (``knew``) and applied the decision (``applied``), the coordinator's ``t_decided``, and the CPU
+  seconds this process spent in the recovery (``recovery_cpu_s``).
+
+It exits when ``OUT_DIR/stop`` appears, or after ``--lifetime`` seconds. Environment: ``DEADPOOL_JOB_SECRET`` (hex).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import socket
+import sys
+import time
+
+
+def _write(path: str, obj: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh)
+    os.replace(tmp, path)  # the harness never reads a half-written file
+
+
+def _ring(sock) -> None:
+    try:
+        sock.send(b"!")
+    except OSError:  # full: the main thread is awake already
+        pass
+
+
+def _drain(sock) -> None:
+    try:
+        while sock.recv(4096):
+            pass
+    except OSError:
+        pass
+
+
+def _report(cp) -> dict:
+    from .agreement import held_by
+
+    m = cp.me  # one virtual process per node (P = 1)
+    if m not in cp.assignment:
+        return {str(m): {"own_rank": None, "own": [], "held": {}, "done_step": -1}}
+    r = cp.assignment.index(m)
+    held = {str(h): [0] for h in held_by(r, 1, len(cp.assignment), cp.replicas)} if cp.replicas else {}
+    return {str(m): {"own_rank": r, "own": [0], "held": held, "done_step": 0}}
+
+
+def main(argv=None) -> None:
+    from ..config import RunConfig
+
+    ap = argparse.ArgumentParser(prog="python -m deadpool_hpc.control.probe")
+    ap.add_argument("out_dir")
+    ap.add_argument("--active", type=int, required=True, help="active nodes; the other MPI ranks are spares")
+    ap.add_argument("--watch-k", type=int, default=2, help="agents watching each agent (0: all-to-all)")
+    ap.add_argument("--period", type=float, default=RunConfig.heartbeat_period, help="heartbeat period, seconds")
+    ap.add_argument("--deadline", type=float, default=RunConfig.heartbeat_deadline, help="heartbeat deadline, seconds")
+    ap.add_argument("--warmup", type=float, default=3.0, help="seconds after start-up before the steady window")
+    ap.add_argument("--window", type=float, default=10.0, help="steady-state window, seconds")
+    ap.add_argument("--lifetime", type=float, default=600.0, help="exit after this many seconds whatever happens")
+    a = ap.parse_args(argv)
+    secret = bytes.fromhex(os.environ["DEADPOOL_JOB_SECRET"])
+    from ..agent.watch import RingWatch
+    from ..events import EventLog
+    from .plane import ControlPlane
+
+    log = EventLog(os.path.join(a.out_dir, "events.jsonl"))
+    watch = RingWatch(-1, secret, "127.0.0.1")
+    cp = ControlPlane(secret=secret, ranks_per_node=1, active_nodes=a.active, period=a.period, deadline=a.deadline,
+                      log=log, ready_timeout=30.0, recovery_timeout=120.0, replicas=1, watch_k=a.watch_k,
+                      extra_identity={"watch": watch.address})
+    watch.me = cp.me
+    log.base.update(mpi_rank=cp.me, node=cp.me)
+    addresses = {n: ident["watch"] for n, ident in enumerate(cp.idents)}
+    t_window = float(cp.bcast_text(f"{time.time() + a.warmup:.6f}" if cp.me == 0 else None))
+    bell_r, bell_w = socket.socketpair()
+    for sock in (bell_r, bell_w):
+        sock.setblocking(False)
+    cp.agent.on_notice = lambda: _ring(bell_w)
+
+    def wait(seconds: float) -> None:
+        """Sleep until a control message needs the main thread (on_notice), a watched agent's socket has news, or
+        ``seconds`` passed, then act on the watch (the node agent's loop does the same through its channel)."""
+        try:
+            select.select([bell_r, watch.listener, *watch.watched], [], [], seconds)
+        except (OSError, ValueError):
+            pass
+        _drain(bell_r)
+        cp.pump(0)
+        for lost in watch.poll():
+            cp.agent.suspect(lost, "its agent's watch connection closed (the process is gone)")
+    cp.start()
+    watch.retarget(cp.agent.alive(), addresses)
+    end_of_life = time.monotonic() + a.lifetime
+    stop = os.path.join(a.out_dir, "stop")
+    steady_done = False
+    c0 = None
+    last_stat = 0.0
+    try:
+        while time.monotonic() < end_of_life:
+            now = time.time()
+            if not steady_done and c0 is None and now >= t_window:
+                c0 = (now, time.process_time(), cp.agent.sent, cp.agent.received)
+            elif c0 is not None and not steady_done and now >= c0[0] + a.window:
+                dt = now - c0[0]
+                _write(os.path.join(a.out_dir, f"steady-{cp.me}.json"), {
+                    "mpi_rank": cp.me, "pid": os.getpid(), "size": cp.size, "watch_k": a.watch_k, "window_s": dt,
+                    "sent_per_s": (cp.agent.sent - c0[2]) / dt, "received_per_s": (cp.agent.received - c0[3]) / dt,
+                    "cpu_per_s": (time.process_time() - c0[1]) / dt, "suspected": sorted(cp.agent.suspected)})
+                steady_done = True
+            wait(0.5)
+            if cp.failure.is_set():
+                cpu0 = time.process_time()
+                decision = cp.recover(_report(cp), lambda: None, wait=wait)
+                cpu = time.process_time() - cpu0
+                with cp.agent.lock:
+                    knew = {str(n): t for n, t in cp.agent.suspected.items()}
+                _write(os.path.join(a.out_dir, f"recovery-{cp.me}-{decision.generation}.json"), {
+                    "mpi_rank": cp.me, "generation": decision.generation, "applied": time.time(), "knew": knew,
+                    "t_decided": decision.t_decided, "recovery_cpu_s": cpu, "coordinator": decision.coordinator,
+                    "failed_nodes": list(decision.failed_nodes), "promoted": decision.promoted})
+                watch.retarget(cp.agent.alive(), addresses)
+            if time.monotonic() - last_stat > 0.5:
+                last_stat = time.monotonic()
+                if os.path.exists(stop):
+                    break
+    except Exception as exc:  # a probe that fails says why, then leaves like an agent (no MPI_Finalize)
+        log.emit("error", error=f"{type(exc).__name__}: {exc}")
+        print(f"probe {cp.me}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        cp.exit(1)
+    watch.close()
+    cp.exit(0)
+
+
+if __name__ == "__main__":
+    main()
