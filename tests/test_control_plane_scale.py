@@ -26,7 +26,10 @@ def test_eight_agents_sparse_heartbeats_crash_and_freeze_recovered(tmp_path):
     # the frozen agent was the coordinator (MPI rank 0): the next lowest took over
     recs = [json.load(open(f)) for f in glob.glob(str(tmp_path / "ring-8" / "recovery-*-2.json"))]
     assert recs and {r["coordinator"] for r in recs} == {1} and all(r["failed_nodes"] == [0] for r in recs), recs
-    # nothing of the run is left alive (the harness ends its own process group)
-    for f in glob.glob(str(tmp_path / "ring-8" / "steady-*.json")):
-        pid = json.load(open(f))["pid"]
+    # the faults were injected by the probes themselves, and recorded
+    crash, freeze = (json.load(open(tmp_path / "ring-8" / f"fault-{x}.json")) for x in ("crash", "freeze"))
+    assert (crash["rank"], crash["signal"], freeze["rank"], freeze["signal"]) == (4, "SIGKILL", 0, "SIGSTOP")
+    # nothing of the run is left alive: the probes, and the frozen probe's killer
+    pids = [json.load(open(f))["pid"] for f in glob.glob(str(tmp_path / "ring-8" / "steady-*.json"))]
+    for pid in pids + [freeze["killer_pid"]]:
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z", pid

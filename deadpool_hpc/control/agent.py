@@ -70,6 +70,7 @@ class Agent(threading.Thread):
         self.on_suspect = on_suspect
         self.lock = threading.RLock()
         self.suspected: dict[int, float] = {}
+        self._alive: list[int] | None = None  # cache of alive(), dropped by suspect()
         self.failure = threading.Event()
         self.preempted = threading.Event()  # the job must save and leave (Slurm's SIGUSR2), see request_preempt
         self.preempt_signal = False         # set by a signal handler (a plain store: safe there); read by this thread
@@ -97,6 +98,8 @@ class Agent(threading.Thread):
         self.notice_g = -1              # generation in which a suspicion or teardown notice last reached us
         self.sent = 0                   # control messages sent / received and verified (heartbeats included)
         self.received = 0
+        self.passes = 0                 # passes of this thread's loop, and runs of MPI's progress engine among them
+        self.mpi_polls = 0
         self._rejected = 0
         self.stalls = 0
         self._outbox: deque = deque()   # (dest, bytes) queued by any thread, sent by this one
@@ -106,9 +109,12 @@ class Agent(threading.Thread):
 
     # ---- views -------------------------------------------------------------------------
     def alive(self) -> list[int]:
-        """MPI ranks (this one included) not suspected, in increasing order."""
+        """MPI ranks (this one included) not suspected, in increasing order (a copy of a list kept up to date by
+        ``suspect``: a recovery asks for it at every pass, and N Python steps per pass add up at scale)."""
         with self.lock:
-            return [p for p in range(self.size) if p not in self.suspected]
+            if self._alive is None:
+                self._alive = [p for p in range(self.size) if p not in self.suspected]
+            return list(self._alive)
 
     def is_suspected(self, rank: int) -> bool:
         with self.lock:
@@ -180,6 +186,7 @@ class Agent(threading.Thread):
                 return
             t = time.time()
             self.suspected[rank] = t
+            self._alive = None
             self._topology_dirty = True
             now = time.monotonic()
             self.last_suspicion = now
@@ -268,6 +275,7 @@ class Agent(threading.Thread):
         bell = True
         while not self._stopping.is_set():
             now = time.monotonic()
+            self.passes += 1
             stalled, last_loop = now - last_loop, now
             if stalled > self.deadline / 2:
                 # this thread itself did not run (CPU starvation, a paused VM): the silence it would
@@ -295,6 +303,7 @@ class Agent(threading.Thread):
             fast = self._owed > 0 or not self.sends_done()
             lively = fast or self.failure.is_set() or now - self._ctl_seen <= 1.0
             if fast or now >= next_mpi:
+                self.mpi_polls += 1
                 next_mpi = now + (MPI_ACTIVE_POLL_S if lively else MPI_IDLE_POLL_S)
                 # receive everything that has arrived: matched probe + receive of that very message
                 # (a preposted any-source Irecv stalled for good under the UCX netmod, measured)
@@ -398,4 +407,9 @@ class Agent(threading.Thread):
             return  # a round this process has already left behind
         if kind in ("teardown", "collect"):
             self.failure.set()  # a peer left the generation or a coordinator asks for reports: recover
+        if kind == "collect" and int(body.get("g", -1)) >= self.generation:
+            # a coordinator already collects this generation's reports: a teardown notice of ours would tell
+            # nobody anything (without this, every agent reached by the collect before the suspicion started its
+            # own tree: N trees, N^2 messages, measured at 64 agents)
+            self.notice_g = max(self.notice_g, self.generation)
         self.inbox.put((kind, src, body))

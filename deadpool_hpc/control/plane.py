@@ -352,9 +352,12 @@ class ControlPlane:
 
     def _coordinate(self, rid: tuple, alive: list[int], report: dict, host_store) -> Decision | RoundFailure | None:
         ready = self._ready.setdefault(rid, {})
-        ready[self.me] = self._ready_body(list(rid), report)
-        missing = [p for p in alive if p not in ready]
+        if self.me not in ready:
+            ready[self.me] = self._ready_body(list(rid), report)
         now = time.monotonic()
+        if len(ready) < len(alive) and now - self._round_t0 <= self.ready_timeout:
+            return None  # someone is missing for sure: the O(N) look below waits for the last report
+        missing = [p for p in alive if p not in ready]
         if missing:
             if now - self._round_t0 > self.ready_timeout:
                 for p in missing:

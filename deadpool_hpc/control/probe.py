@@ -15,7 +15,12 @@ It writes, under OUT_DIR (JSON, one file per MPI rank and phase):
   each failed node (``knew``) and applied the decision (``applied``), the coordinator's ``t_decided``, and the CPU
   seconds this process spent in the recovery (``recovery_cpu_s``).
 
-It exits when ``OUT_DIR/stop`` appears, or after ``--lifetime`` seconds. Environment: ``DEADPOOL_JOB_SECRET`` (hex).
+- ``fault-crash.json`` / ``fault-freeze.json``: the wall time at which agent ``--crash`` SIGKILLed itself (``--gap``
+  seconds after the window) and agent ``--freeze`` SIGSTOPped itself (``--gap`` seconds after the crash's
+  recovery): the faults are injected by the probes themselves, so any launcher (mpiexec, srun) runs the study.
+
+It exits ``--exit-after`` seconds after the last fault's recovery, when ``OUT_DIR/stop`` appears, or after
+``--lifetime`` seconds. Environment: ``DEADPOOL_JOB_SECRET`` (hex).
 """
 from __future__ import annotations
 
@@ -23,7 +28,9 @@ import argparse
 import json
 import os
 import select
+import signal
 import socket
+import subprocess
 import sys
 import time
 
@@ -50,6 +57,34 @@ def _drain(sock) -> None:
         pass
 
 
+_KILLER = """import os, signal, sys, time
+fd = os.pidfd_open(int(sys.argv[1]))
+time.sleep(float(sys.argv[2]))
+try:
+    signal.pidfd_send_signal(fd, signal.SIGKILL)
+except ProcessLookupError:
+    pass
+"""
+
+
+def _fault(out_dir: str, name: str, rank: int, sig, **extra) -> None:
+    """Record the fault (its wall time is what the study times from), then inject it into this very process."""
+    if "killer_pid" in extra:
+        time.sleep(0.2)  # the killer child has opened its pidfd of this process by then
+    _write(os.path.join(out_dir, f"fault-{name}.json"), {"fault": name, "rank": rank, "t": time.time(),
+                                                           "signal": signal.Signals(sig).name, **extra})
+    os.kill(os.getpid(), sig)
+
+
+def _thread_cpu(tid: int) -> float:
+    """CPU seconds of thread ``tid`` of this process so far (Linux schedstat; 0.0 where unavailable)."""
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat") as fh:
+            return int(fh.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def _report(cp) -> dict:
     from .agreement import held_by
 
@@ -73,17 +108,27 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=float, default=3.0, help="seconds after start-up before the steady window")
     ap.add_argument("--window", type=float, default=10.0, help="steady-state window, seconds")
     ap.add_argument("--lifetime", type=float, default=600.0, help="exit after this many seconds whatever happens")
+    ap.add_argument("--crash", type=int, help="MPI rank that SIGKILLs itself --gap seconds after the window")
+    ap.add_argument("--freeze", type=int, help="MPI rank that SIGSTOPs itself --gap seconds after the crash's "
+                                               "recovery (it is SIGKILLed --freeze-for seconds later)")
+    ap.add_argument("--gap", type=float, default=2.0, help="seconds before each fault")
+    ap.add_argument("--freeze-for", type=float, default=30.0)
+    ap.add_argument("--exit-after", type=float, default=5.0,
+                    help="seconds after the last fault's recovery that a probe leaves (0: wait for OUT_DIR/stop)")
     a = ap.parse_args(argv)
     secret = bytes.fromhex(os.environ["DEADPOOL_JOB_SECRET"])
     from ..agent.watch import RingWatch
+    from ..errors import RunFinished
+    from ..dataplane.groups import store_host
     from ..events import EventLog
     from .plane import ControlPlane
 
     log = EventLog(os.path.join(a.out_dir, "events.jsonl"))
-    watch = RingWatch(-1, secret, "127.0.0.1")
+    host = store_host()  # the address other nodes reach this one at (a node agent's too)
+    watch = RingWatch(-1, secret, host)
     cp = ControlPlane(secret=secret, ranks_per_node=1, active_nodes=a.active, period=a.period, deadline=a.deadline,
                       log=log, ready_timeout=30.0, recovery_timeout=120.0, replicas=1, watch_k=a.watch_k,
-                      extra_identity={"watch": watch.address})
+                      extra_identity={"watch": watch.address}, host=host)
     watch.me = cp.me
     log.base.update(mpi_rank=cp.me, node=cp.me)
     addresses = {n: ident["watch"] for n, ident in enumerate(cp.idents)}
@@ -103,7 +148,8 @@ def main(argv=None) -> None:
         _drain(bell_r)
         cp.pump(0)
         for lost in watch.poll():
-            cp.agent.suspect(lost, "its agent's watch connection closed (the process is gone)")
+            if cp.finished() is None:  # after the study, agents leave on purpose
+                cp.agent.suspect(lost, "its agent's watch connection closed (the process is gone)")
     cp.start()
     watch.retarget(cp.agent.alive(), addresses)
     end_of_life = time.monotonic() + a.lifetime
@@ -111,9 +157,27 @@ def main(argv=None) -> None:
     steady_done = False
     c0 = None
     last_stat = 0.0
+    applied: dict[int, float] = {}  # generation -> wall time this probe applied it
+    faults = sum(x is not None for x in (a.crash, a.freeze))
     try:
         while time.monotonic() < end_of_life:
             now = time.time()
+            if cp.me == a.crash and steady_done and now >= t_window + a.window + a.gap:
+                _fault(a.out_dir, "crash", cp.me, signal.SIGKILL)
+            if cp.me == a.freeze and (applied.get(1) or 0) and now >= applied[1] + a.gap:
+                # the process stops itself; a child ends it later (a stopped process cannot), so a Slurm step
+                # ends too. The child holds a pidfd of this process: its SIGKILL can never hit a reused pid
+                killer = subprocess.Popen([sys.executable, "-c", _KILLER, str(os.getpid()), str(a.freeze_for)])
+                _fault(a.out_dir, "freeze", cp.me, signal.SIGSTOP, killer_pid=killer.pid)
+            if a.exit_after and faults and len(applied) >= faults and now >= applied[max(applied)] + a.exit_after:
+                # all leave now: a probe that left alone would be seen leaving (its watch socket closes) and
+                # recovered; the others get the notice before this one's sockets close
+                cp.finish({"reason": "the study is done"})
+                cp.wait_sends(1.0)
+                time.sleep(0.5)
+                break
+            if cp.finished() is not None:
+                break
             if not steady_done and c0 is None and now >= t_window:
                 c0 = (now, time.process_time(), cp.agent.sent, cp.agent.received)
             elif c0 is not None and not steady_done and now >= c0[0] + a.window:
@@ -125,14 +189,21 @@ def main(argv=None) -> None:
                 steady_done = True
             wait(0.5)
             if cp.failure.is_set():
-                cpu0 = time.process_time()
-                decision = cp.recover(_report(cp), lambda: None, wait=wait)
-                cpu = time.process_time() - cpu0
+                cpu0, a0 = time.process_time(), _thread_cpu(cp.agent.native_id)
+                n0 = (cp.agent.passes, cp.agent.mpi_polls, cp.agent.sent, cp.agent.received)
+                try:
+                    decision = cp.recover(_report(cp), lambda: None, wait=wait)
+                except RunFinished:
+                    break
+                cpu, agent_cpu = time.process_time() - cpu0, _thread_cpu(cp.agent.native_id) - a0
                 with cp.agent.lock:
                     knew = {str(n): t for n, t in cp.agent.suspected.items()}
+                applied[decision.generation] = time.time()
                 _write(os.path.join(a.out_dir, f"recovery-{cp.me}-{decision.generation}.json"), {
                     "mpi_rank": cp.me, "generation": decision.generation, "applied": time.time(), "knew": knew,
-                    "t_decided": decision.t_decided, "recovery_cpu_s": cpu, "coordinator": decision.coordinator,
+                    "t_decided": decision.t_decided, "recovery_cpu_s": cpu, "agent_thread_cpu_s": agent_cpu,
+                    "agent_passes": cp.agent.passes - n0[0], "mpi_polls": cp.agent.mpi_polls - n0[1],
+                    "sent": cp.agent.sent - n0[2], "received": cp.agent.received - n0[3], "coordinator": decision.coordinator,
                     "failed_nodes": list(decision.failed_nodes), "promoted": decision.promoted})
                 watch.retarget(cp.agent.alive(), addresses)
             if time.monotonic() - last_stat > 0.5:
