@@ -119,7 +119,7 @@ def main(argv=None) -> None:
     secret = bytes.fromhex(os.environ["DEADPOOL_JOB_SECRET"])
     from ..agent.watch import RingWatch
     from ..errors import RunFinished
-    from ..dataplane.groups import store_host
+    from ..hostaddr import store_host
     from ..events import EventLog
     from .plane import ControlPlane
 

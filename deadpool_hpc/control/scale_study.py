@@ -123,7 +123,7 @@ def critical_path(rows: list[dict]) -> dict:
     Control-plane time at N agents: detect + (ceil(log2 N) + 3) hops (dissemination, collect, ready, decision) +
     the coordinator's CPU at N.
     """
-    ring = [r for r in rows if r["topology"] == "ring" and "crash_total_s" in r]
+    ring = [r for r in rows if r.get("topology") == "ring" and "crash_total_s" in r]
     small = [r for r in ring if r["n"] <= 16] or ring[:1]
     hop = statistics.median(r["crash_disseminate_s"] / math.ceil(math.log2(r["n"])) for r in small)
     detect = statistics.median(r["crash_detect_s"] for r in ring)

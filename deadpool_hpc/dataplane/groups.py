@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import datetime as dt
 import os
-import socket
 import threading
 import time
 
@@ -31,16 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-
-def store_host() -> str:
-    """Address other nodes use to reach a store served here: $DEADPOOL_STORE_HOST, else this host's IP."""
-    env = os.environ.get("DEADPOOL_STORE_HOST")
-    if env:
-        return env
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
+from ..hostaddr import store_host  # noqa: F401  (re-exported: its users import it from here)
 
 
 class GenerationGroups:
