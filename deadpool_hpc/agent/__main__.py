@@ -65,7 +65,7 @@ def main(argv=None) -> None:
         sys.exit("DEADPOOL_JOB_SECRET is missing or shorter than 16 bytes (hex); the launcher sets it")
     secret = bytes.fromhex(secret_hex)
     from ..control.plane import ControlPlane
-    from ..dataplane.groups import store_host
+    from ..hostaddr import store_host
     from ..errors import Fenced
     from ..events import EventLog
     from ..worker.faults import NodeFaults

@@ -30,8 +30,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from ..hostaddr import store_host  # noqa: F401  (re-exported: its users import it from here)
-
 
 class GenerationGroups:
     """Builds the default process group of each generation; never reuses a store key or group.
