@@ -111,6 +111,7 @@ class RunConfig:
     # fault tolerance
     replicate: bool = True
     replicas: int = 1              # K: each rank's snapshot is held by the next K nodes (any K node losses survive)
+    replica_transport: str = "tcp"  # replica/transports.py: an entry point of deadpool_hpc.transports (tcp, unix, ...)
     requeue: bool = False          # no spare left: save a checkpoint and start again from it
     max_requeues: int = 3
     heartbeat_period: float = 0.2    # seconds; 5 per deadline (issue 8: an idle agent's CPU is its heartbeat rate)

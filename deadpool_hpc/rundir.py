@@ -53,7 +53,7 @@ LOCK = "run.lock"
 # what a new attempt of a run removes (a resumed one too): the previous attempt's summary and per-attempt files
 ATTEMPT_FILES = ("summary.json", "finisher.lock")
 ATTEMPT_GLOBS = ("task-*.log",)
-ATTEMPT_DIRS = ("exited", "ready")
+ATTEMPT_DIRS = ("exited", "ready", "swap")  # swap: planned-swap requests (deadpool swap)
 # what a fresh run removes besides: the run's history (slurm_job_id: the job that runs here writes its own)
 FRESH_FILES = ("events.jsonl", "launcher.log", "slurm_job_id")
 FRESH_DIRS = ("checkpoint",)

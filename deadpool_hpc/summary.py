@@ -69,6 +69,8 @@ def build_summary(events: list[dict], config=None) -> dict:  # noqa: C901
         "spares_left": fin.get("spares_left"),
         "param_digest": fin.get("param_digest"),
         "swaps": sum(1 for f in failures if f["promoted"] and f["recovery_s"] is not None),
+        "planned_swaps": sum(1 for f in failures if f["kind"] == "planned swap" and f["recovery_s"] is not None),
+        "swaps_refused": [{k: e.get(k) for k in ("node", "detector", "reason", "why")} for e in by["swap_refused"]],
         "requeues": len(by["requeued"]),
         "failures": failures,
         "preemptions": preemptions,
@@ -100,8 +102,14 @@ def _failure(d: dict, by, fault, lost: set, t_next_attempt, P: int) -> dict:
     hung = [e for e in by["hang_detected"] if e.get("node") in lost and e.get("generation") == g - 1]
     exits = [e for e in by["node_failed"] if e.get("node") in lost and e.get("generation") == g - 1
              and e.get("cause") == "exit"]
+    # a planned swap (agent/health.py): the node left at a step boundary on a detector's request
+    planned = [e for e in by["swap_requested"] if e.get("node") in lost and e["t"] < d["t_decided"]]
+    planned = planned if any(e.get("cause") == "planned" for e in by["node_failed"] if e.get("node") in lost
+                             and e.get("generation") == g - 1) else []
     if fault is not None:
         t0, source = fault["t"], "fault_injected"
+    elif planned:  # from the moment the detector saw the reason (a drain, an operator's request)
+        t0, source = max(e["t_seen"] for e in planned), f"planned swap requested ({planned[-1].get('detector')})"
     elif exits:  # its agent saw a training process exit (pidfd): the fault is that moment, give or take ms
         t0, source = min(e["t"] for e in exits), "process exit seen by its agent"
     elif hung:  # a watchdog fenced it: the fault is when its training thread last made progress
@@ -140,12 +148,14 @@ def _failure(d: dict, by, fault, lost: set, t_next_attempt, P: int) -> dict:
     elif promoted and t_resume is None:
         outcome = "not recovered (the run ended before training resumed)"
     elif promoted:
-        outcome = "hot swap" if rec else "hot swap (its round failed; a later round recovered it)"
+        outcome = ("planned swap" if planned else "hot swap") + ("" if rec else " (its round failed; a later round "
+                                                                          "recovered it)")
     else:
         outcome = "spare lost" if lost else d.get("reason", "")
     return {
-        "kind": fault["kind"] if fault else "not injected",
+        "kind": fault["kind"] if fault else ("planned swap" if planned else "not injected"),
         "target": fault["target"] if fault else ",".join(f"node{n}" for n in sorted(lost)),
+        "reason": planned[-1].get("reason") if planned and not fault else None,
         "step": fault.get("step") if fault else d.get("cut_step"),
         "phase": fault.get("phase") if fault else None,
         "generation": g,

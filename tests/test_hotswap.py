@@ -50,6 +50,16 @@ def test_kill_node1_swaps_in_spare_bitwise_identical(tmp_path, baseline):
     check_recovered(run(tmp_path, "kill1", faults=[Fault("kill", "node", 1, 20)]), baseline, "node1")
 
 
+def test_replicas_over_the_unix_transport_plugin_point(tmp_path, baseline):
+    # --replica-transport unix (replica/transports.py, entry point group deadpool_hpc.transports): the same
+    # recovery with every replica pushed and pulled over abstract Unix sockets instead of TCP
+    s = run(tmp_path, "unix", faults=[Fault("kill", "node", 1, 20)], replica_transport="unix")
+    check_recovered(s, baseline, "node1")
+    hellos = [e for e in read_events(os.path.join(str(tmp_path / "unix"), "events.jsonl"))
+              if e["event"] == "hello" and e.get("role") == "agent"]
+    assert hellos and all(a[0] == "unix" for e in hellos for a in e["replica"])
+
+
 def test_kill_node_of_rank0_and_store_host(tmp_path, baseline):
     # node0 hosts rank 0 and the generation-0 TCPStore
     check_recovered(run(tmp_path, "kill0", faults=[Fault("kill", "node", 0, 15)]), baseline, "node0")

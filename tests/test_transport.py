@@ -578,3 +578,36 @@ def test_memory_stays_flat_across_generations_of_pushes_and_fetches(reps):
         gc.collect()
         after.append(rss_mb())
     assert max(after[1:]) - after[0] < 5, f"resident MB after each generation: {after}"
+
+
+# ---- the transport extension point (replica/transports.py) ---------------------------------------
+def test_unix_transport_pushes_commits_and_serves_bit_for_bit(reps):
+    """The built-in ``unix`` transport under the same protocol: a push is committed once the holder acked it, and a
+    fetch returns the same bytes; the addresses are abstract Unix socket names, not TCP ports."""
+    from deadpool_hpc.replica.transports import check_transport
+
+    unix = check_transport("unix")
+    n = 1 << 20
+    holder, me, spare = reps(n, transport=unix), reps(n, transport=unix), reps(n, transport=unix)
+    assert holder.address[0] == "unix" and holder.address[1].startswith("deadpool-replica-")
+    holder.configure(0, None, [], [4])
+    me.configure(0, 4, [holder.address], [])
+    state = state_of(n, 5)
+    me.submit(3, state, NO_RNG)
+    me.wait_committed(3, threading.Event(), 20)
+    assert holder.report()["held"] == {"4": [3]} and me.committed_step == 3
+    spare.configure(1, None, [], [])
+    slot = spare.fetch(holder.address, 4, 3, threading.Event(), 10)
+    assert slot.crc == me.own.get(3).crc and np.array_equal(slot.buf, me.own.get(3).buf)
+    with pytest.raises(PeerFailure, match="unix:nobody"):
+        spare.fetch(["unix", "nobody"], 4, 3, threading.Event(), 2)
+
+
+def test_an_unknown_or_broken_transport_is_refused_by_name():
+    from deadpool_hpc.plugins import PluginError
+    from deadpool_hpc.replica.transports import check_transport
+
+    with pytest.raises(PluginError, match=r"--replica-transport 'rdma': .*accepted: .*tcp.*unix"):
+        check_transport("rdma")
+    with pytest.raises(ValueError, match="is a wildcard"):
+        check_transport("tcp").listen("0.0.0.0")

@@ -70,6 +70,8 @@ def main(argv=None) -> None:
     from ..events import EventLog
     from ..worker.faults import NodeFaults
     from .channel import ChannelServer
+    from ..replica.transports import check_transport
+    from .health import HealthWatch, NodeInfo, load_detectors
     from .node import NodeAgent
     from .supervisor import Supervisor
     from .watch import RingWatch
@@ -78,7 +80,8 @@ def main(argv=None) -> None:
     if os.environ.get(lifeline.RUN_ENV):  # in every line, hello included: a launcher reaps only its own run
         log.base["run"] = os.environ[lifeline.RUN_ENV]
     host = store_host()
-    listeners = [socket.create_server((host, 0), backlog=64) for _ in range(cfg.ranks_per_node)]  # replica servers
+    transport = check_transport(cfg.replica_transport)  # replica/transports.py: tcp, unix or a plugin's
+    listeners = [transport.listen(host) for _ in range(cfg.ranks_per_node)]  # one replica server per local rank
     watch = RingWatch(-1, secret, host)
     channel = ChannelServer(secret, log=log)
     cp = ControlPlane(secret=secret, ranks_per_node=cfg.ranks_per_node, active_nodes=cfg.nodes,
@@ -86,7 +89,8 @@ def main(argv=None) -> None:
                       ready_timeout=cfg.ready_timeout, recovery_timeout=cfg.recovery_timeout,
                       replicas=cfg.replicas if cfg.replicate else 0,
                       host=host,
-                      extra_identity={"replica": [list(s.getsockname()[:2]) for s in listeners], "watch": watch.address})
+                      extra_identity={"replica": [transport.address(s) for s in listeners], "watch": watch.address,
+                                      "slurm_node": os.environ.get("SLURMD_NODENAME")})
     watch.me = cp.me
     setup_logging(f"node{cp.me}")
     log.base.update(mpi_rank=cp.me, node=cp.me)
@@ -107,7 +111,13 @@ def main(argv=None) -> None:
         faults = NodeFaults(cfg.faults, node=cp.me, log=log, pids=lambda: {lo: p.pid for lo, p in sup.procs.items()},
                             rank_local=lambda r: next((lo for lo in range(cfg.ranks_per_node)
                                                        if cp.train_rank(lo) == r), None))
-        code = NodeAgent(cfg, cp, channel, sup, watch, listeners, log, faults).run()
+        # the node's health detectors (plugins): a factory that fails ends the run here, at start-up, by name
+        detectors = load_detectors(NodeInfo(node=cp.me, hostname=socket.gethostname(),
+                                            slurm_node=os.environ.get("SLURMD_NODENAME"),
+                                            slurm_job_id=os.environ.get("SLURM_JOB_ID"), run_dir=run_dir))
+        agent = NodeAgent(cfg, cp, channel, sup, watch, listeners, log, faults, transport=transport)
+        agent.health = HealthWatch(detectors, log, wake=channel.wake).start()
+        code = agent.run()
     except Fenced as exc:  # this node failed, or the others declared it failed: they go on without it
         log.emit("fenced", error=str(exc))
     except BaseException as exc:  # report, tell the others, leave

@@ -4,6 +4,7 @@
 - ``deadpool submit ...``: the same run options plus Slurm ones; renders sbatch/train.sbatch and submits
   it; the last line printed is the Slurm job id.
 - ``deadpool status JOBID|RUN_DIR``: steps, failures, swaps and recovery times, from the run's event log.
+- ``deadpool swap JOBID|RUN_DIR NODE``: a planned swap of NODE at the next step boundary (launch/swap.py).
 
 Exit 2 on bad input (a run directory in use by another run included), before any process starts or any
 job is submitted; 1 if the run did not complete; 128 + N if signal N (SIGINT, SIGTERM, SIGHUP) stopped it.
@@ -114,6 +115,15 @@ def cmd_status(a) -> int:
     return 0 if summary["completed"] else 1
 
 
+def cmd_swap(a) -> int:
+    from .swap import request
+
+    r = request(a.target, a.node, a.reason)
+    print(f"swap of {r['node']} (node{r['index']}) requested: it leaves at its next step boundary and a spare "
+          f"takes its place; follow it in {r['run_dir']}/events.jsonl (swap_requested, decision, resumed)")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="deadpool", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -130,6 +140,12 @@ def main(argv=None) -> int:
     st = sub.add_parser("status", help="summarise a run from its event log: a Slurm job id or a run directory")
     st.add_argument("target", metavar="JOBID|RUN_DIR")
     st.set_defaults(fn=cmd_status)
+    sw = sub.add_parser("swap", help="planned swap: NODE leaves the running job at its next step boundary, a spare "
+                                     "takes its place, no step recomputed")
+    sw.add_argument("target", metavar="JOBID|RUN_DIR")
+    sw.add_argument("node", metavar="NODE", help="Slurm's node name (a Slurm job) or node<index> (a local run)")
+    sw.add_argument("--reason", default="deadpool swap", help="recorded in the event log and the summary")
+    sw.set_defaults(fn=cmd_swap)
     a = parser.parse_args(argv)
     from ..logs import setup as setup_logging
 

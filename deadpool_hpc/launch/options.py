@@ -11,7 +11,9 @@ import argparse
 import math
 
 from ..config import RunConfig, parse_fault, parse_train_arg
+from ..agent.health import check_plugins
 from ..errors import ConfigError
+from ..replica.transports import check_transport
 
 
 def hang_timeout(text: str) -> float:
@@ -41,6 +43,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    help="SIGSTOP nodeN or rankN, at a step or phase as for --kill (repeatable)")
     p.add_argument("--replicas", type=int, default=d.replicas,
                    help="K: each rank's snapshot lives on the next K nodes, so any K node losses at once survive")
+    p.add_argument("--replica-transport", default=d.replica_transport, metavar="NAME",
+                   help="how replicas travel between node agents: tcp (default), unix (one machine only), or a "
+                        "transport plugin's name (docs/plugins.md)")
     p.add_argument("--hang-timeout", type=hang_timeout, default=d.hang_timeout, metavar="SECONDS|off",
                    help="seconds without progress of a rank's training thread before it is fenced, or off (no hang "
                         "detection); must exceed your longest step")
@@ -101,6 +106,8 @@ def config_from_args(a) -> RunConfig:
         if getattr(a, name) is not None:
             train_args[name] = getattr(a, name)
     check_train_fn(a.train_fn, train_args)
+    check_plugins()  # a detector plugin that fails to import: named, and nothing starts
+    check_transport(a.replica_transport)  # PluginError: not installed (naming those that are), or broken
     if a.summary:
         from ..rundir import check_output_file
 
@@ -109,7 +116,7 @@ def config_from_args(a) -> RunConfig:
     return RunConfig(nodes=a.nodes, spares=a.spares, ranks_per_node=a.ranks_per_node, steps=a.steps, faults=faults,
                      train_args=train_args,
                      heartbeat_deadline=a.heartbeat_deadline, heartbeat_period=a.heartbeat_period,
-                     replicas=a.replicas, hang_timeout=a.hang_timeout, rendezvous_timeout=a.rendezvous_timeout,
+                     replicas=a.replicas, replica_transport=a.replica_transport, hang_timeout=a.hang_timeout, rendezvous_timeout=a.rendezvous_timeout,
                      startup_timeout=a.startup_timeout, collective_timeout=a.collective_timeout,
                      replicate=not a.no_replicate, requeue=a.requeue, run_dir=a.run_dir, summary_path=a.summary,
                      log_every=a.log_every, train_fn=a.train_fn).validate()

@@ -31,6 +31,9 @@ import time
 
 from ..control import wire
 from ..errors import WireError
+from .transports import TcpTransport
+
+TCP = TcpTransport()
 
 POLL_S = 0.05                 # longest a call waits before it looks at stop() and its deadlines again
 CHUNK = 16 * 1024 * 1024      # bytes handed to one send()/recv_into()
@@ -62,7 +65,7 @@ def fmt(address) -> str:
 
 
 class Link:
-    """One TCP connection with bounded calls.
+    """One stream connection (TCP, or another transport's socket) with bounded calls.
 
     stop: callable returning a reason (str) to give up, or None. deadline: time.monotonic() value after
     which any call raises Stalled. idle: seconds without progress after which a call raises Stalled.
@@ -86,15 +89,16 @@ class Link:
             pass
 
     @classmethod
-    def connect(cls, address, stop=None, deadline: float | None = None, idle: float | None = None) -> "Link":
-        """Connect to ``address`` ([host, port]) without ever blocking longer than POLL_S at a time."""
-        host, port = address[0], int(address[1])
-        peer = fmt(address)
+    def connect(cls, address, stop=None, deadline: float | None = None, idle: float | None = None,
+                transport=None) -> "Link":
+        """Connect to ``address`` (a transport's JSON address; TCP: [host, port]) without ever blocking longer than
+        POLL_S at a time. ``transport``: replica/transports.py (default TCP)."""
+        transport = transport or TCP
+        peer = transport.peer(address)
         try:
-            family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+            sock, sockaddr = transport.open(address)
         except OSError as exc:
             raise PeerGone(f"cannot resolve replica peer {peer}: {exc}") from exc
-        sock = socket.socket(family, kind, proto)
         try:
             sock.setblocking(False)
             err = sock.connect_ex(sockaddr)

@@ -51,14 +51,13 @@ end-to-end checksum, pushes for replication, abort flags checked between chunks.
 """
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections import deque
 
 from ..errors import PeerFailure, ReplicaError, WireError
 from .snapshot import Slot, SlotPair, StateLayout, checksum
-from .stream import POLL_S, Link, LinkError, PeerGone, Stalled, Stopped, fmt
+from .stream import POLL_S, TCP, Link, LinkError, PeerGone, Stalled, Stopped, fmt
 
 MAX_CONNECTIONS = 64      # concurrent incoming connections; more are closed at once
 HELLO_S = 10.0            # an incoming connection must send its first message within this
@@ -76,12 +75,10 @@ class Replicator:
     """
 
     def __init__(self, secret: bytes, layout: StateLayout, log, *, host: str | None = None, sock=None,
-                 timeout: float = 30.0, own: SlotPair | None = None):
-        if sock is not None:  # a listening socket bound before the layout was known (worker/entry.py)
-            host = sock.getsockname()[0]
-        if host in ("", "0.0.0.0", "::"):
-            raise ValueError(f"Replicator host {host!r} is a wildcard; pass the address peers reach this "
-                             "process at (127.0.0.1 locally, the node's IP under Slurm)")
+                 timeout: float = 30.0, own: SlotPair | None = None, transport=None):
+        self.transport = transport or TCP  # replica/transports.py: which sockets (tcp, unix, a plugin's)
+        if sock is None:  # else: a listener made by the transport before the layout was known (agent/__main__.py)
+            sock = self.transport.listen(host)  # ValueError for a wildcard TCP host, OSError if it cannot listen
         self.secret = secret
         self.layout = layout
         self.log = log
@@ -111,12 +108,9 @@ class Replicator:
         self._links: set[Link] = set()            # pushes in either direction (quiesce aborts them)
         self._pushers: dict[tuple[str, int], _Pusher] = {}  # holder -> its push thread
         self._other_links: set[Link] = set()      # fetches and serves (only close aborts them)
-        if sock is None:
-            family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
-            sock = socket.create_server((host, 0), family=family, backlog=MAX_CONNECTIONS)
         self._listener = sock
         self._listener.settimeout(POLL_S)
-        self._address = [host, self._listener.getsockname()[1]]
+        self._address = self.transport.address(sock)
         self._handlers = 0
         self._threads = [threading.Thread(target=self._accept_loop, name="deadpool-replica-accept", daemon=True),
                          threading.Thread(target=self._copy_loop, name="deadpool-snapshot", daemon=True)]
@@ -126,7 +120,7 @@ class Replicator:
     # ---- configuration and state ---------------------------------------------------------------
     @property
     def address(self) -> list:
-        """[host, port] of this process's replica server (JSON-serialisable)."""
+        """This process's replica server address, the transport's JSON form (TCP: [host, port])."""
         return list(self._address)
 
     def held(self, rank: int) -> SlotPair:
@@ -149,8 +143,8 @@ class Replicator:
         hs = []
         for h in holders:
             if not (isinstance(h, (list, tuple)) and len(h) == 2 and isinstance(h[0], str)
-                    and isinstance(h[1], int) and 0 < h[1] < 65536):
-                raise ValueError(f"holder address {h!r} is not [host, port]")
+                    and ((isinstance(h[1], int) and 0 < h[1] < 65536) or (isinstance(h[1], str) and h[1]))):
+                raise ValueError(f"holder address {h!r} is not [host, port] (TCP) or a transport's [kind, name]")
             hs.append((h[0], h[1]))
         if hs and my_rank is None:
             raise ValueError(f"holders {holders} given without a rank to replicate (my_rank is None)")
@@ -360,7 +354,7 @@ class Replicator:
             while True:
                 kept = link is not None
                 if link is None:
-                    link = Link.connect(holder, stop, idle=self.timeout)
+                    link = Link.connect(holder, stop, idle=self.timeout, transport=self.transport)
                     self._track(link, self._links)
                 link.stop, link.idle, link.last = stop, self.timeout, time.monotonic()
                 try:
@@ -456,7 +450,7 @@ class Replicator:
         deadline = time.monotonic() + timeout
         link, slot, claimed = None, None, False
         try:
-            link = Link.connect(address, stop, deadline=deadline)
+            link = Link.connect(address, stop, deadline=deadline, transport=self.transport)
             self._track(link, self._other_links)
             link.send_msg("fetch", {"generation": self._generation, "rank": rank, "step": step}, self.secret)
             kind, hdr = link.recv_msg(self.secret)
@@ -522,7 +516,8 @@ class Replicator:
 
     def _handle(self, sock, addr) -> None:
         closed = lambda: "closed" if self._closed else None  # noqa: E731
-        link = Link(sock, f"{addr[0]}:{addr[1]}", closed, deadline=time.monotonic() + min(HELLO_S, self.timeout))
+        peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else f"{self.transport.peer(self._address)} (incoming)"
+        link = Link(sock, peer, closed, deadline=time.monotonic() + min(HELLO_S, self.timeout))
         self._track(link, self._other_links)
         try:
             first = True

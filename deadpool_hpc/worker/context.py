@@ -30,6 +30,10 @@ from ..replica.snapshot import Slot, StateLayout
 from .faults import RankFaults
 from .zero import ShardedAdamW
 
+# seconds a process leaving a failed generation waits for the snapshot of the step it completed (a copy into shared
+# memory: GB/s): finished, the recovery can cut at that step instead of recomputing it (a planned swap relies on it)
+SETTLE_S = 1.0
+
 
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as fh:
@@ -297,8 +301,9 @@ class Context:
         t_fail = time.time()
         self.client.progress.disarm()
         self.groups.abandon()
-        self.copier.quiesce()
         done = self.step if self.rank is not None else -1
+        self.copier.settle(done, SETTLE_S)  # a snapshot of the step just completed is worth finishing: no recompute
+        self.copier.quiesce()
         while True:
             role = self._wait_role(done, why)
             if role["what"] != "train":
@@ -419,12 +424,24 @@ class _Copier:
         self.cv = threading.Condition()
         self.epoch = 0
         self.busy = False
+        self.current = None  # the step being copied
         threading.Thread(target=self._run, name="deadpool-snapshot", daemon=True).start()
 
     def submit(self, step: int, tensors, rng) -> None:
         with self.cv:
             self.jobs.append((step, tensors, rng, self.epoch))
             self.cv.notify_all()
+
+    def settle(self, step: int, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the copy of ``step`` (queued or under way) to be written, so that the
+        recovery can cut at the step this process completed. True if none is left."""
+        end = time.monotonic() + timeout
+        with self.cv:
+            while (self.busy and self.current == step) or any(j[0] == step for j in self.jobs):
+                if time.monotonic() > end:
+                    return False
+                self.cv.wait(0.002)
+        return True
 
     def quiesce(self) -> None:
         """Drop queued snapshots and stop the copy in progress (its slot is never stamped); returns once idle."""
@@ -443,7 +460,7 @@ class _Copier:
                 step, tensors, rng, epoch = self.jobs.popleft()
                 if epoch != self.epoch:
                     continue
-                self.busy = True
+                self.busy, self.current = True, step
             try:
                 stop = lambda: self.epoch != epoch  # noqa: E731
                 reply = ctx.client.request("claim", {"step": step}, ctx.config.collective_timeout)
@@ -456,5 +473,5 @@ class _Copier:
                 pass
             finally:
                 with self.cv:
-                    self.busy = False
+                    self.busy, self.current = False, None
                     self.cv.notify_all()

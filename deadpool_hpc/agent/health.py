@@ -1,0 +1,201 @@
+"""Node health detectors: the extension point through which a site asks for a *planned* swap of a node.
+
+A detector watches something the control plane cannot see (Slurm's view of the node, a health check, an operator's
+request) and says, for the node its agent runs on, "this node should leave": the agent then retires the node at
+the next step boundary (agent/node.py, "planned swap"): no step is recomputed, a spare takes its place. Failure
+detection proper (a process's exit, a hang, heartbeats among agents) is the control plane's own and is not
+pluggable: a detector can only *add* reasons to leave, never hide a failure.
+
+Interface (docs/plugins.md has a working example):
+
+- an entry point in the group ``deadpool_hpc.detectors`` names a *factory*, ``factory(node: NodeInfo)``, called
+  once by each node agent at start-up; it returns a detector, or None when it does not apply there (e.g. no
+  Slurm job);
+- a detector has ``interval_s`` (float, seconds between checks, > 0) and ``check() -> Unhealthy | None``;
+  ``check`` runs on the agent's health thread, never on its main loop, so it may block (a subprocess, a file
+  read) for up to a few seconds.
+
+A factory that fails to import or raises is a ``PluginError`` (deadpool_hpc/plugins.py) naming the plugin: the
+launchers check the imports before anything starts (``check_plugins``), and an agent whose factory raises ends
+the run at start-up. A ``check`` that raises later is logged (``detector_error``, once per distinct message) and
+does not disturb the run.
+
+Built in: ``swap-request`` (``SwapRequestFile``), the file ``RUN_DIR/swap/NODE.json`` that ``deadpool swap``
+writes (NODE: the Slurm node name under Slurm, else ``node<index>``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+from ..plugins import PluginError, entry_points, load, names
+
+GROUP = "deadpool_hpc.detectors"
+SWAP_DIR = "swap"  # RUN_DIR/swap/NODE.json: planned-swap requests (deadpool swap)
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What a detector factory learns about the node its agent runs on.
+
+    node: the agent's index (its MPI rank; node ``node<index>`` of ``--kill``/``--hang``); hostname: this host's
+    name; slurm_node: Slurm's name for the node (``SLURMD_NODENAME``), None outside Slurm; slurm_job_id: None
+    outside Slurm; run_dir: the run directory (absolute)."""
+    node: int
+    hostname: str
+    slurm_node: str | None
+    slurm_job_id: str | None
+    run_dir: str
+
+    @property
+    def name(self) -> str:
+        """The node's name for operators: Slurm's, else ``node<index>``."""
+        return self.slurm_node or f"node{self.node}"
+
+
+@dataclass(frozen=True)
+class Unhealthy:
+    """A detector's verdict: this node should be swapped out at the next step boundary. ``reason``: free text for
+    the event log and the summary (e.g. Slurm's drain reason)."""
+    reason: str
+
+
+def installed() -> list[str]:
+    """Names of the detector entry points installed in this environment."""
+    return names(GROUP)
+
+
+def check_plugins() -> list[str]:
+    """Import every installed detector plugin (launchers call this before starting anything). Returns their
+    names. Raises PluginError naming the first that fails to import."""
+    return [ep.name for ep in entry_points(GROUP) if load(ep, "detector") is not None]
+
+
+def load_detectors(node: NodeInfo) -> list[tuple[str, object]]:
+    """Build every installed detector that applies to ``node``: ``[(name, detector)]``. Raises PluginError if a
+    factory fails to import, raises, or returns an object without ``check()`` and a positive ``interval_s``."""
+    out = []
+    for ep in entry_points(GROUP):
+        factory = load(ep, "detector")
+        try:
+            det = factory(node)
+        except Exception as exc:  # noqa: BLE001
+            raise PluginError(f"detector plugin {ep.name!r} ({ep.value}) raised at start-up on {node.name}: "
+                              f"{type(exc).__name__}: {exc}") from exc
+        if det is None:
+            continue
+        interval = getattr(det, "interval_s", None)
+        if not callable(getattr(det, "check", None)) or not isinstance(interval, (int, float)) or interval <= 0:
+            raise PluginError(f"detector plugin {ep.name!r} ({ep.value}) returned {det!r}: a detector needs a "
+                              f"check() method and interval_s > 0 (seconds); got interval_s={interval!r}")
+        out.append((ep.name, det))
+    return out
+
+
+# ---- built-in: the operator's request file --------------------------------------------------------------------
+def request_path(run_dir: str, node_name: str) -> str:
+    return os.path.join(run_dir, SWAP_DIR, f"{node_name}.json")
+
+
+def write_request(run_dir: str, node_name: str, reason: str) -> str:
+    """Ask the agent of ``node_name`` to retire its node at the next step boundary (``deadpool swap``). The file
+    is written under a temporary name and renamed, so an agent never reads half of it. Returns its path."""
+    path = request_path(run_dir, node_name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump({"node": node_name, "reason": reason, "t": time.time()}, fh)
+    os.replace(tmp, path)
+    return path
+
+
+class SwapRequestFile:
+    """Detector ``swap-request``: RUN_DIR/swap/NODE.json exists (``deadpool swap``). Checked every 0.5 s: one
+    stat() of a file in the run directory."""
+    interval_s = 0.5
+
+    def __init__(self, node: NodeInfo):
+        self.path = request_path(node.run_dir, node.name)
+
+    def check(self) -> Unhealthy | None:
+        try:
+            with open(self.path) as fh:
+                body = json.load(fh)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            return Unhealthy(f"operator request ({self.path}, unreadable: {exc})")
+        return Unhealthy(f"operator request: {body.get('reason') or 'deadpool swap'}")
+
+    def consumed(self) -> None:
+        """The agent acted on the request: remove it (a requeued attempt must not swap the node again)."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def swap_request_detector(node: NodeInfo) -> SwapRequestFile:
+    """Factory of the built-in ``swap-request`` detector (entry point in pyproject.toml)."""
+    return SwapRequestFile(node)
+
+
+# ---- the agent's health thread ----------------------------------------------------------------------------------
+class HealthWatch:
+    """Runs the detectors of one node on a daemon thread, each every ``interval_s`` seconds; a verdict is queued
+    for the agent's main loop (``pending``) and ``wake`` is called so the loop sees it at once. A detector that
+    reported is not asked again (the node leaves); one whose ``check`` raises is logged and asked again later."""
+
+    def __init__(self, detectors: list[tuple[str, object]], log, wake=lambda: None):
+        self.detectors = list(detectors)
+        self.log = log
+        self.wake = wake
+        self._queue: list[tuple[str, Unhealthy]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._errors: dict[str, str] = {}
+        self._thread = threading.Thread(target=self._run, name="health", daemon=True)
+
+    def start(self) -> HealthWatch:
+        if self.detectors:
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def pending(self) -> list[tuple[str, Unhealthy]]:
+        with self._lock:
+            out, self._queue = self._queue, []
+        return out
+
+    def consumed(self, name: str) -> None:
+        det = dict(self.detectors).get(name)
+        if det is not None and callable(getattr(det, "consumed", None)):
+            det.consumed()
+
+    def _run(self) -> None:
+        due = {name: time.monotonic() for name, _ in self.detectors}
+        active = dict(self.detectors)
+        while active and not self._stop.is_set():
+            name = min(active, key=lambda n: due[n])
+            if self._stop.wait(max(0.0, due[name] - time.monotonic())):
+                return
+            det = active[name]
+            due[name] = time.monotonic() + float(det.interval_s)
+            try:
+                verdict = det.check()
+            except Exception as exc:  # noqa: BLE001 - a plugin's bug must not end the run
+                msg = f"{type(exc).__name__}: {exc}"
+                if self._errors.get(name) != msg:
+                    self._errors[name] = msg
+                    self.log.emit("detector_error", detector=name, error=msg[:300])
+                continue
+            if verdict is not None:
+                del active[name]
+                with self._lock:
+                    self._queue.append((name, verdict))
+                self.wake()

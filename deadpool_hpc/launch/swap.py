@@ -1,0 +1,78 @@
+"""``deadpool swap JOBID|RUN_DIR NODE``: an operator's planned swap (maintenance, a node that logs ECC errors).
+
+The node named leaves the running job at its next step boundary and a spare takes its place, with no step
+recomputed (agent/node.py, "planned swap"); the request travels as the file RUN_DIR/swap/NODE.json, read by the
+node's agent through the built-in ``swap-request`` detector (agent/health.py). NODE is Slurm's node name for a
+Slurm job, ``node<index>`` for a local run (``deadpool run``).
+
+Everything is checked before the request is written, so a refused request leaves the run alone: the job must be
+running, NODE one of its active nodes (not a spare, not already failed), and a spare must be left.
+"""
+from __future__ import annotations
+
+import os
+
+from ..agent.health import request_path, write_request
+from ..errors import ConfigError
+from ..events import read_events
+from ..rundir import RunDirBusy, check_free
+from .slurm import status
+from .slurm_common import load_config
+
+
+def _view(events: list[dict], total_nodes: int, active_nodes: int) -> tuple[set[int], list[int]]:
+    """(failed nodes, spare nodes) now, from the newest applied decision (or the start-up layout)."""
+    failed = {n for e in events if e["event"] == "decision" for n in e.get("failed_nodes") or []}
+    failed |= {e["node"] for e in events if e["event"] == "node_failed" and "node" in e}
+    decisions = [e for e in events if e["event"] == "decision" and "spare_nodes" in e]
+    spares = decisions[-1]["spare_nodes"] if decisions else list(range(active_nodes, total_nodes))
+    return failed, [n for n in spares if n not in failed]
+
+
+def request(target: str, node: str, reason: str = "deadpool swap") -> dict:
+    """Ask the run ``target`` (a Slurm job id or a run directory) to swap ``node`` out at its next step boundary.
+    Returns ``{"run_dir", "node", "index", "path"}``. Raises ConfigError (exit 2), writing nothing, if the run is
+    not running, ``node`` is not one of its active nodes, or no spare is left."""
+    st = status(target)
+    run = st.get("run")
+    if not run or not os.path.exists(os.path.join(run["run_dir"], "config.json")):
+        raise ConfigError(f"no run directory found for {target!r}; accepted: a running job's id (a job submitted "
+                          f"with deadpool submit) or its run directory")
+    run_dir = run["run_dir"]
+    job = st.get("slurm")
+    if job is not None:
+        if job.get("state") != "RUNNING":
+            raise ConfigError(f"job {job['job_id']} is {job.get('state') or 'unknown to Slurm'}, not RUNNING: "
+                              f"there is no run to swap a node of")
+    else:
+        try:
+            check_free(run_dir)
+        except RunDirBusy:
+            pass  # a live launcher holds it: the run is in progress
+        else:
+            raise ConfigError(f"no run is in progress in {run_dir} (nobody holds its run.lock): nothing to swap")
+    if run.get("finished"):
+        raise ConfigError(f"the run in {run_dir} has finished: nothing to swap")
+    cfg = load_config(run_dir)
+    events = list(read_events(os.path.join(run_dir, "events.jsonl")))
+    failed, spares = _view(events, cfg.total_nodes, cfg.nodes)
+    if job is not None:  # Slurm's node names, from each agent's newest hello
+        names = {e["mpi_rank"]: e.get("slurm_node") for e in events
+                 if e["event"] == "hello" and e.get("role") == "agent"}
+    else:
+        names = {i: f"node{i}" for i in range(cfg.total_nodes)}
+    index = next((i for i, n in names.items() if n == node), None)
+    if index is None:
+        raise ConfigError(f"node {node!r} is not in the run in {run_dir}; its nodes: "
+                          f"{', '.join(str(n) for _, n in sorted(names.items()))}")
+    if index in failed:
+        raise ConfigError(f"node {node!r} (node{index}) already failed and left the run")
+    if index in spares:
+        raise ConfigError(f"node {node!r} (node{index}) is a spare: nothing to hand over; accepted: an active node "
+                          f"({', '.join(str(names[i]) for i in sorted(names) if i not in spares and i not in failed)})")
+    if not spares:
+        raise ConfigError(f"no spare node left in the run in {run_dir}: {node!r} cannot be swapped out")
+    if os.path.exists(request_path(run_dir, node)):
+        raise ConfigError(f"a swap of {node!r} is already requested ({request_path(run_dir, node)})")
+    path = write_request(run_dir, node, reason)
+    return {"run_dir": run_dir, "node": node, "index": index, "path": path}

@@ -1,0 +1,136 @@
+"""Planned swap (agent/health.py, agent/node.py): a node asked to leave (``deadpool swap``, a detector plugin such as
+plugins/slurm-health) leaves at a step boundary and a spare takes its place with no step recomputed; the run ends
+bitwise equal to a run that never swapped. Real runs (MPI, gloo, real processes); the request is made with the real
+``deadpool swap`` command while the run trains. Detector plugins are registered the way pip would: a dist-info with
+an entry_points.txt on PYTHONPATH."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+
+from deadpool_hpc.config import RunConfig
+from deadpool_hpc.events import read_events
+
+from runs import launch_reaped  # tests/runs.py
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEADPOOL = [sys.executable, "-m", "deadpool_hpc.launch.cli"]
+
+
+def _steps(run_dir) -> int:
+    path = os.path.join(run_dir, "events.jsonl")
+    return max((e["step"] for e in read_events(path) if e["event"] == "step"), default=-1) if os.path.exists(path) else -1
+
+
+def swap(*args, env=None):
+    return subprocess.run(DEADPOOL + ["swap", *args], capture_output=True, text=True, timeout=60, env=env)
+
+
+def run_with_swap(tmp_path, name, node, at_step, refused=(), **kw):
+    """Launch a local run; when it reaches ``at_step``, first check that each of ``refused`` (a node name) is
+    refused by ``deadpool swap`` with exit 2, then request the swap of ``node``. Returns (summary, swap's output)."""
+    cfg = RunConfig(**{**dict(nodes=3, spares=1, steps=40, run_dir=str(tmp_path / name)), **kw}).validate()
+    out = {}
+
+    def operator():
+        end = time.time() + 240
+        while _steps(cfg.run_dir) < at_step and time.time() < end:
+            time.sleep(0.05)
+        out["refused"] = {n: swap(cfg.run_dir, n) for n in refused}
+        out["swap"] = swap(cfg.run_dir, node, "--reason", "ECC errors (test)")
+
+    t = threading.Thread(target=operator, daemon=True)
+    t.start()
+    s = launch_reaped(cfg, 300)
+    t.join(30)
+    return s, out
+
+
+def check_planned(s, base, node_index):
+    assert s["completed"], s
+    assert s["planned_swaps"] == 1 and s["swaps"] == 1 and len(s["failures"]) == 1, s["failures"]
+    f = s["failures"][0]
+    assert f["kind"] == "planned swap" and f["outcome"] == "planned swap", f
+    assert f["failed_nodes"] == [node_index] and "ECC errors (test)" in f["reason"], f
+    assert f["recomputed_steps"] == 0, f
+    assert f["recovery_s"] is not None and f["recovery_s"] > 0
+    assert s["param_digest"] == base["param_digest"], "a planned swap changed the parameters"
+
+
+def test_deadpool_swap_of_a_running_node_recomputes_nothing_and_stays_bitwise_equal(tmp_path):
+    base = launch_reaped(RunConfig(nodes=3, spares=1, steps=40, run_dir=str(tmp_path / "base")).validate(), 300)
+    assert base["completed"] and base["failures"] == []
+    s, out = run_with_swap(tmp_path, "swap1", "node1", 15, refused=("node3", "node7", "nodeX"))
+    assert out["swap"].returncode == 0, out["swap"].stderr
+    # bad requests while it ran: exit 2 with what is accepted, and the run was not disturbed (one swap only)
+    spare, unknown, junk = (out["refused"][n] for n in ("node3", "node7", "nodeX"))
+    assert spare.returncode == 2 and "is a spare" in spare.stderr and "node0, node1, node2" in spare.stderr
+    assert unknown.returncode == 2 and "not in the run" in unknown.stderr
+    assert junk.returncode == 2 and "not in the run" in junk.stderr
+    check_planned(s, base, 1)
+    ev = list(read_events(os.path.join(str(tmp_path / "swap1"), "events.jsonl")))
+    req = [e for e in ev if e["event"] == "swap_requested"]
+    assert len(req) == 1 and req[0]["detector"] == "swap-request" and req[0]["node"] == 1
+    assert not os.path.exists(os.path.join(str(tmp_path / "swap1"), "swap", "node1.json")), "request not consumed"
+    # the run is over: nothing to swap
+    done = swap(str(tmp_path / "swap1"), "node2")
+    assert done.returncode == 2 and ("no run is in progress" in done.stderr or "finished" in done.stderr), done.stderr
+
+
+def test_planned_swap_of_rank0s_node_with_two_ranks_per_node(tmp_path):
+    """Node 0 holds ranks 0 and 1 (and the coordinator): both processes stop at the same boundary."""
+    kw = dict(nodes=2, ranks_per_node=2, spares=1, steps=30)
+    base = launch_reaped(RunConfig(**kw, run_dir=str(tmp_path / "base")).validate(), 300)
+    s, out = run_with_swap(tmp_path, "swap0", "node0", 12, **kw)
+    assert out["swap"].returncode == 0, out["swap"].stderr
+    check_planned(s, base, 0)
+    assert s["failures"][0]["promoted"] == {"0": 4, "1": 5}
+
+
+def _plugin_env(tmp_path, entry_points: str) -> dict:
+    """PYTHONPATH with a dist-info that registers ``entry_points`` (what pip install of a plugin writes)."""
+    dist = tmp_path / "site" / "deadpool_test_plugin-0.1.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: deadpool-test-plugin\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[deadpool_hpc.detectors]\n" + entry_points)
+    path = os.pathsep.join([str(tmp_path / "site"), os.path.join(HERE, "plugin_fixture"),
+                            os.environ.get("PYTHONPATH", "")])
+    return dict(os.environ, PYTHONPATH=path)
+
+
+def test_a_plugin_that_fails_to_import_is_named_and_nothing_starts(tmp_path):
+    env = _plugin_env(tmp_path, "broken = broken_at_import:factory\n")
+    run_dir = tmp_path / "run"
+    r = subprocess.run(DEADPOOL + ["run", "--nodes", "2", "--spares", "1", "--steps", "5", "--run-dir", str(run_dir)],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "detector plugin 'broken' (broken_at_import:factory) failed to import" in r.stderr, r.stderr
+    assert "dependency is missing" in r.stderr
+    assert not (run_dir / "events.jsonl").exists(), "the run started"
+
+
+def test_a_plugin_that_raises_at_start_up_ends_the_run_by_name_and_a_failing_check_does_not(tmp_path):
+    env = _plugin_env(tmp_path, "startup = detectors:raises_at_start\n")
+    run_dir = tmp_path / "run"
+    r = subprocess.run(DEADPOOL + ["run", "--nodes", "2", "--spares", "1", "--steps", "5", "--run-dir", str(run_dir),
+                                   "--summary", str(tmp_path / "s.json")],
+                       capture_output=True, text=True, timeout=180, env=env)
+    assert r.returncode == 1, r.stdout + r.stderr
+    s = json.load(open(tmp_path / "s.json"))
+    assert not s["completed"] and s["steps_completed"] == 0, s
+    assert any("detector plugin 'startup' (detectors:raises_at_start) raised at start-up" in str(e)
+               and "cannot reach the health service" in str(e) for e in s["errors"]), s["errors"]
+    # a detector whose checks raise: logged once per agent, the run completes as if it were not there
+    env = _plugin_env(tmp_path / "b", "flaky = detectors:flaky\n")
+    run_dir = tmp_path / "run2"
+    r = subprocess.run(DEADPOOL + ["run", "--nodes", "2", "--spares", "1", "--steps", "10", "--run-dir", str(run_dir)],
+                       capture_output=True, text=True, timeout=180, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    errs = [e for e in read_events(str(run_dir / "events.jsonl")) if e["event"] == "detector_error"]
+    assert errs and all(e["detector"] == "flaky" and "timed out" in e["error"] for e in errs)
+    assert len(errs) <= 3, "a failing check must be logged once per agent, not at every check"
