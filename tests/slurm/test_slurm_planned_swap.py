@@ -1,0 +1,78 @@
+"""Planned swap under a real Slurm (plugins/slurm-health, deadpool swap): 4 active + 1 spare nodes submitted with
+``deadpool submit``; at step 25 the node of MPI rank 1 is drained with ``scontrol update state=drain`` (the
+slurm-health plugin's detector sees it) or named to ``deadpool swap JOBID NODE``. The node leaves at a step boundary,
+the spare takes its place with no step recomputed, the job ends COMPLETED with the failure-free parameters. The pause
+(drain or request seen by the node's agent -> first completed step after the swap) is printed and appended to
+$DEADPOOL_SLURM_MEASURE."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from slurm_helpers import (CRASH_STEP, MEASURE, STEPS, crash_when, final_state, gone, host_of, job_output,
+                           wait_gone)
+
+pytestmark = pytest.mark.slurm
+DEADPOOL = [sys.executable, "-m", "deadpool_hpc.launch.cli"]
+
+
+def _submit(tmp_path):
+    run_dir = str(tmp_path / "run")
+    env = dict(os.environ, DEADPOOL_SLURM_HEALTH_INTERVAL="1")  # sbatch exports the submitter's environment
+    out = subprocess.run(DEADPOOL + ["submit", "--nodes", "4", "--spares", "1", "--steps", str(STEPS),
+                                     "--run-dir", run_dir], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout.strip().splitlines()[-1], run_dir
+
+
+def _planned_swap(tmp_path, act, reference_digest, label):
+    job, run_dir = _submit(tmp_path)
+    node, _ = crash_when(run_dir, lambda n: act(n, job), host_of(1), CRASH_STEP, time.time() + 180, lambda: gone(job))
+    assert wait_gone(job, 180), f"job {job} still running"
+    state = final_state(job)
+    out = job_output(os.path.join(run_dir, f"deadpool-{job}.out"))
+    s = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert state == "COMPLETED", f"{state}\n{out[-3000:]}"
+    assert s["completed"] and s["steps_completed"] == STEPS, s
+    assert s["planned_swaps"] == 1 and s["swaps"] == 1 and len(s["failures"]) == 1, s["failures"]
+    f = s["failures"][0]
+    assert f["kind"] == "planned swap" and f["failed_hosts"] == [node], f
+    assert f["recomputed_steps"] == 0, f
+    assert s["param_digest"] == reference_digest, "a planned swap changed the parameters"
+    rec = {"test": label, "pause_s": f["recovery_s"], "phases_s": f["phases"], "reason": f["reason"], "job": job,
+           "node": node}
+    print(f"\n[measure] {json.dumps(rec)}")
+    with open(MEASURE, "a") as fh:
+        fh.write(json.dumps(rec) + "\n")
+    return job, run_dir, s
+
+
+def test_a_drained_node_is_swapped_out_with_no_step_recomputed(tmp_path, slurm_cluster, reference_digest):
+    def drain(node, _job):
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=drain", "reason=ECC errors (test)"],
+                       check=True, timeout=30)
+
+    _, _, s = _planned_swap(tmp_path, drain, reference_digest, "planned-swap-drain")
+    f = s["failures"][0]
+    assert "DRAIN" in f["reason"] and "ECC errors (test)" in f["reason"], f
+    assert f["t_fault_source"] == "planned swap requested (slurm-health)", f
+
+
+def test_deadpool_swap_of_a_slurm_job_and_its_bad_requests(tmp_path, slurm_cluster, reference_digest):
+    def request(node, job):
+        bad = subprocess.run(DEADPOOL + ["swap", job, "node99"], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and "not in the run" in bad.stderr, bad.stderr
+        r = subprocess.run(DEADPOOL + ["swap", job, node, "--reason", "maintenance (test)"], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+
+    job, run_dir, s = _planned_swap(tmp_path, request, reference_digest, "planned-swap-deadpool-swap")
+    f = s["failures"][0]
+    assert "maintenance (test)" in f["reason"] and f["t_fault_source"] == "planned swap requested (swap-request)", f
+    late = subprocess.run(DEADPOOL + ["swap", job, "node1"], capture_output=True, text=True, timeout=60)
+    assert late.returncode == 2 and "not RUNNING" in late.stderr, late.stderr
