@@ -31,9 +31,10 @@ def swap(*args, env=None):
     return subprocess.run(DEADPOOL + ["swap", *args], capture_output=True, text=True, timeout=60, env=env)
 
 
-def run_with_swap(tmp_path, name, node, at_step, refused=(), **kw):
+def run_with_swap(tmp_path, name, node, at_step, refused=(), also=(), **kw):
     """Launch a local run; when it reaches ``at_step``, first check that each of ``refused`` (a node name) is
-    refused by ``deadpool swap`` with exit 2, then request the swap of ``node``. Returns (summary, swap's output)."""
+    refused by ``deadpool swap`` with exit 2, then request the swap of ``node`` (and at once of each of ``also``).
+    Returns (summary, swap's output)."""
     cfg = RunConfig(**{**dict(nodes=3, spares=1, steps=40, run_dir=str(tmp_path / name)), **kw}).validate()
     out = {}
 
@@ -43,6 +44,7 @@ def run_with_swap(tmp_path, name, node, at_step, refused=(), **kw):
             time.sleep(0.05)
         out["refused"] = {n: swap(cfg.run_dir, n) for n in refused}
         out["swap"] = swap(cfg.run_dir, node, "--reason", "ECC errors (test)")
+        out["also"] = [swap(cfg.run_dir, n, "--reason", "ECC errors (test)") for n in also]
 
     t = threading.Thread(target=operator, daemon=True)
     t.start()
@@ -92,6 +94,49 @@ def test_planned_swap_of_rank0s_node_with_two_ranks_per_node(tmp_path):
     assert s["failures"][0]["promoted"] == {"0": 4, "1": 5}
 
 
+def test_two_nodes_asked_together_leave_one_after_the_other(tmp_path):
+    """node0 and node1 asked back to back: node1 holds node0's replica, so leaving together would lose rank 0's
+    state; the swap lease makes them leave one at a time, each with no step recomputed."""
+    kw = dict(nodes=3, spares=2, steps=40)
+    base = launch_reaped(RunConfig(**kw, run_dir=str(tmp_path / "base")).validate(), 300)
+    s, out = run_with_swap(tmp_path, "two", "node0", 12, also=("node1",), **kw)
+    assert out["swap"].returncode == 0 and out["also"][0].returncode == 0, (out["swap"].stderr, out["also"][0].stderr)
+    assert s["completed"] and s["planned_swaps"] == 2 and s["swaps"] == 2, s["failures"]
+    assert [f["failed_nodes"] for f in s["failures"]] == [[0], [1]], s["failures"]
+    assert all(f["recomputed_steps"] == 0 and f["kind"] == "planned swap" for f in s["failures"]), s["failures"]
+    assert s["param_digest"] == base["param_digest"]
+
+
+def test_a_swap_asked_during_the_last_steps_never_fails_the_run(tmp_path):
+    """Asked when the run is about to end: either the node leaves before the last step or the swap is refused
+    ("the run ends ... before the next step boundary"); the run completes either way, with its parameters."""
+    kw = dict(nodes=2, spares=1, steps=16)
+    base = launch_reaped(RunConfig(**kw, run_dir=str(tmp_path / "base")).validate(), 300)
+    s, out = run_with_swap(tmp_path, "last", "node0", 15, **kw)
+    assert s["completed"] and s["param_digest"] == base["param_digest"], s
+    refused = [r["why"] for r in s["swaps_refused"]]
+    assert s["planned_swaps"] == 1 or any("the run ends at step 16" in w for w in refused) \
+        or out["swap"].returncode == 2, (s["failures"], refused, out["swap"].stderr)
+
+
+def test_deadpool_swap_refuses_a_run_without_replicas(tmp_path):
+    cfg = RunConfig(nodes=2, spares=1, steps=60, replicate=False, run_dir=str(tmp_path / "norep")).validate()
+    got = {}
+
+    def operator():
+        end = time.time() + 120
+        while _steps(cfg.run_dir) < 3 and time.time() < end:
+            time.sleep(0.05)
+        got["r"] = swap(cfg.run_dir, "node0")
+
+    t = threading.Thread(target=operator, daemon=True)
+    t.start()
+    s = launch_reaped(cfg, 300)
+    t.join(30)
+    assert got["r"].returncode == 2 and "--no-replicate" in got["r"].stderr, got["r"].stderr
+    assert s["completed"] and s["planned_swaps"] == 0
+
+
 def _plugin_env(tmp_path, entry_points: str) -> dict:
     """PYTHONPATH with a dist-info that registers ``entry_points`` (what pip install of a plugin writes)."""
     dist = tmp_path / "site" / "deadpool_test_plugin-0.1.dist-info"
@@ -134,3 +179,13 @@ def test_a_plugin_that_raises_at_start_up_ends_the_run_by_name_and_a_failing_che
     errs = [e for e in read_events(str(run_dir / "events.jsonl")) if e["event"] == "detector_error"]
     assert errs and all(e["detector"] == "flaky" and "timed out" in e["error"] for e in errs)
     assert len(errs) <= 3, "a failing check must be logged once per agent, not at every check"
+
+
+def test_the_current_layout_is_read_from_the_current_attempts_decisions():
+    """deadpool swap's view (pure): node1 replaced by spare 3, then a requeue starts the layout afresh."""
+    from deadpool_hpc.launch.swap import _view
+
+    ev = [{"event": "decision", "failed_nodes": [1], "replaced": {"1": 3}},
+          {"event": "node_failed", "node": 1}]
+    assert _view(ev, 5, 3) == ({1}, [4])   # node 3 now active, node 4 the spare left
+    assert _view(ev + [{"event": "requeued"}], 5, 3) == (set(), [3, 4])

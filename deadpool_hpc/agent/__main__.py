@@ -80,6 +80,10 @@ def main(argv=None) -> None:
     if os.environ.get(lifeline.RUN_ENV):  # in every line, hello included: a launcher reaps only its own run
         log.base["run"] = os.environ[lifeline.RUN_ENV]
     host = store_host()
+    # Slurm's name for this node; not under the local launcher (lifeline: deadpool run), whose emulated nodes are
+    # node<index> even inside a Slurm allocation (they would all inherit the same SLURMD_NODENAME)
+    slurm_node = os.environ.get("SLURMD_NODENAME") if line is None else None
+    slurm_job = os.environ.get("SLURM_JOB_ID") if line is None else None
     transport = check_transport(cfg.replica_transport)  # replica/transports.py: tcp, unix or a plugin's
     listeners = [transport.listen(host) for _ in range(cfg.ranks_per_node)]  # one replica server per local rank
     watch = RingWatch(-1, secret, host)
@@ -90,7 +94,7 @@ def main(argv=None) -> None:
                       replicas=cfg.replicas if cfg.replicate else 0,
                       host=host,
                       extra_identity={"replica": [transport.address(s) for s in listeners], "watch": watch.address,
-                                      "slurm_node": os.environ.get("SLURMD_NODENAME")})
+                                      "slurm_node": slurm_node})
     watch.me = cp.me
     setup_logging(f"node{cp.me}")
     log.base.update(mpi_rank=cp.me, node=cp.me)
@@ -112,9 +116,8 @@ def main(argv=None) -> None:
                             rank_local=lambda r: next((lo for lo in range(cfg.ranks_per_node)
                                                        if cp.train_rank(lo) == r), None))
         # the node's health detectors (plugins): a factory that fails ends the run here, at start-up, by name
-        detectors = load_detectors(NodeInfo(node=cp.me, hostname=socket.gethostname(),
-                                            slurm_node=os.environ.get("SLURMD_NODENAME"),
-                                            slurm_job_id=os.environ.get("SLURM_JOB_ID"), run_dir=run_dir))
+        detectors = load_detectors(NodeInfo(node=cp.me, hostname=socket.gethostname(), slurm_node=slurm_node,
+                                            slurm_job_id=slurm_job, run_dir=run_dir))
         agent = NodeAgent(cfg, cp, channel, sup, watch, listeners, log, faults, transport=transport)
         agent.health = HealthWatch(detectors, log, wake=channel.wake).start()
         code = agent.run()

@@ -147,16 +147,19 @@ def swap_request_detector(node: NodeInfo) -> SwapRequestFile:
 class HealthWatch:
     """Runs the detectors of one node on a daemon thread, each every ``interval_s`` seconds; a verdict is queued
     for the agent's main loop (``pending``) and ``wake`` is called so the loop sees it at once. A detector that
-    reported is not asked again (the node leaves); one whose ``check`` raises is logged and asked again later."""
+    reported is not asked again until the agent has acted on its verdict (``consumed``: the node left, or the swap
+    was refused and the detector may report again); one whose ``check`` raises is logged and asked again later."""
 
     def __init__(self, detectors: list[tuple[str, object]], log, wake=lambda: None):
-        self.detectors = list(detectors)
+        self.detectors = dict(detectors)
         self.log = log
         self.wake = wake
         self._queue: list[tuple[str, Unhealthy]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._errors: dict[str, str] = {}
+        self._active = dict(self.detectors)   # name -> detector still asked
+        self._due = {name: time.monotonic() for name in self.detectors}
         self._thread = threading.Thread(target=self._run, name="health", daemon=True)
 
     def start(self) -> HealthWatch:
@@ -173,29 +176,42 @@ class HealthWatch:
         return out
 
     def consumed(self, name: str) -> None:
-        det = dict(self.detectors).get(name)
-        if det is not None and callable(getattr(det, "consumed", None)):
-            det.consumed()
+        """The agent acted on ``name``'s verdict: tell the detector (optional ``consumed()``; an error there is
+        logged, never raised) and ask it again from its next interval on."""
+        det = self.detectors.get(name)
+        if det is None:
+            return
+        try:
+            if callable(getattr(det, "consumed", None)):
+                det.consumed()
+        except Exception as exc:  # noqa: BLE001 - a plugin's bug must not end the run
+            self._error(name, f"consumed(): {type(exc).__name__}: {exc}")
+        with self._lock:
+            self._active[name] = det
+            self._due[name] = time.monotonic() + float(det.interval_s)
+
+    def _error(self, name: str, msg: str) -> None:
+        if self._errors.get(name) != msg:
+            self._errors[name] = msg
+            self.log.emit("detector_error", detector=name, error=msg[:300])
 
     def _run(self) -> None:
-        due = {name: time.monotonic() for name, _ in self.detectors}
-        active = dict(self.detectors)
-        while active and not self._stop.is_set():
-            name = min(active, key=lambda n: due[n])
-            if self._stop.wait(max(0.0, due[name] - time.monotonic())):
-                return
-            det = active[name]
-            due[name] = time.monotonic() + float(det.interval_s)
+        while not self._stop.is_set():
+            with self._lock:
+                name = min(self._active, key=lambda n: self._due[n]) if self._active else None
+                wait = max(0.0, self._due[name] - time.monotonic()) if name else 0.5
+            if self._stop.wait(min(wait, 0.5)) or name is None or self._due[name] > time.monotonic():
+                continue
+            det = self.detectors[name]
+            with self._lock:
+                self._due[name] = time.monotonic() + float(det.interval_s)
             try:
                 verdict = det.check()
             except Exception as exc:  # noqa: BLE001 - a plugin's bug must not end the run
-                msg = f"{type(exc).__name__}: {exc}"
-                if self._errors.get(name) != msg:
-                    self._errors[name] = msg
-                    self.log.emit("detector_error", detector=name, error=msg[:300])
+                self._error(name, f"{type(exc).__name__}: {exc}")
                 continue
             if verdict is not None:
-                del active[name]
                 with self._lock:
+                    self._active.pop(name, None)
                     self._queue.append((name, verdict))
                 self.wake()

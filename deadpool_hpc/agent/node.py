@@ -25,13 +25,12 @@ from ..control.agreement import held_by, holders_of
 from ..control.decision import Decision
 from ..errors import Fenced, PeerFailure, RecoveryTimeout, RunFinished
 from ..replica import persist
+from .planned import PlannedSwaps
 from .store import GenerationStore
 
 MAX_FAILED_ROUNDS = 8
-
-
-PLANNED_SETTLE_S = 1.0  # a planned swap's longest wait for the neighbours' replicas of its boundary step (seconds)
 STEADY_TICK_S = 0.05  # seconds between passes of the agent's loop when nothing happens (issue 7: idle CPU)
+
 
 class NodeAgent:
     """One node's agent. ``cp``: its ControlPlane (started); ``channel``: its ChannelServer; ``supervisor``;
@@ -61,8 +60,7 @@ class NodeAgent:
         self._in_round = False             # a recovery round runs (its own failure notices are answered in it)
         self.health = None                 # agent/health.py HealthWatch: detectors asking for a planned swap
         self.written: dict = {}            # local -> step of the last snapshot it wrote into its slot
-        self.swap_wanted: list = []        # [(detector, Unhealthy, t_seen)] not acted on yet (not training)
-        self.planned: dict | None = None   # the planned swap under way (see _plan_swap)
+        self.swaps = PlannedSwaps(self)    # agent/planned.py: leaving on a detector's request, one node at a time
         self.stores: dict[int, GenerationStore] = {}
         self.kv_early: dict[int, list] = {}  # generation -> [(key, value)] broadcast before we had that store
         self.high_water = -1
@@ -118,7 +116,9 @@ class NodeAgent:
                 continue  # the run is complete: training processes leave
             self._node_failed(f"training process {local} (pid {self.sup.procs[local].pid}) exited with "
                               f"{'signal ' + signal.Signals(-rc).name if rc < 0 else 'code ' + str(rc)}", cause="exit")
-        armed = [lo for lo in range(self.P) if self.channel.progress(lo) is not None and self.channel.progress(lo).armed]
+        frozen = self.swaps.frozen()  # stopped on purpose at a planned swap's boundary: not a hang
+        armed = [lo for lo in range(self.P) if self.channel.progress(lo) is not None and self.channel.progress(lo).armed
+                 and lo not in frozen]
         for local, stuck in self.sup.hung(armed):
             self.log.emit("hang_detected", generation=self.cp.generation, local=local, stuck_s=round(stuck, 3),
                           step=self.channel.progress(local).step, where=f"step {self.channel.progress(local).step}",
@@ -137,12 +137,9 @@ class NodeAgent:
         for st in self.stores.values():
             st.expire()
         if self.health is not None:
-            self.swap_wanted += [(name, v, time.time()) for name, v in self.health.pending()]
-        if self.swap_wanted and self.planned is None and self.state in ("training", "spare") \
-                and not self.cp.failure.is_set() and not self._in_round:
-            self._plan_swap(*self.swap_wanted.pop(0))
-        if self.planned is not None:
-            self._advance_planned()
+            for name, verdict in self.health.pending():
+                self.swaps.want(name, verdict, time.time())
+        self.swaps.tick()
 
     # ---- start-up --------------------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -180,8 +177,7 @@ class NodeAgent:
         elif kind == "written":
             self.reps[local].written(int(body["step"]), int(body["index"]))
             self.written[local] = int(body["step"])
-            if self.planned is not None:
-                self._freeze_at_boundary(local)
+            self.swaps.on_written(local)
         elif kind == "left":
             # a training process that left an older generation than ours is late: the round that generation's
             # failure started is over, and its "left" must not start another
@@ -321,75 +317,10 @@ class NodeAgent:
             self.cp.wait_sends()  # a coordinator dies once its decision has reached the members
         self.faults.at_phase(name, self.rounds)
 
-    # ---- planned swap ---------------------------------------------------------------------------------------
-    # A detector (agent/health.py: Slurm drained the node, `deadpool swap`) asks this node to leave before it fails.
-    # The node leaves at a step boundary B, the first step its training processes write a snapshot of after the
-    # request: each process is stopped (SIGSTOP) as soon as it has written snapshot B, i.e. before it can add its
-    # gradients to step B+1's all-reduce, so no rank anywhere completes B+1; once every snapshot B is committed at
-    # its holders, the node declares itself failed (cause "planned") and leaves. The survivors' recovery then cuts at
-    # B: a spare takes the node's ranks from the replicas of B, and no step is recomputed.
-    def _plan_swap(self, detector: str, verdict, t_seen: float) -> None:
-        reason = f"planned swap ({detector}): {verdict.reason}"
-        common = {"detector": detector, "reason": verdict.reason, "t_seen": t_seen, "generation": self.cp.generation}
-        if self.state == "spare":  # nothing to hand over: the job has one spare fewer
-            self.log.emit("swap_requested", **common, role="spare")
-            self.health.consumed(detector)
-            self._node_failed(reason, cause="planned")
-        spares = [n for n in self.cp.spare_nodes if not self.cp.agent.is_suspected(n)]
-        why = None if spares else "no spare node left"
-        if why is None and not (self.cfg.replicate and self.reps):
-            why = "replication is off (--no-replicate): no replica to hand the node's state over"
-        if why is not None:
-            self.log.emit("swap_refused", **common, why=why)
-            self.health.consumed(detector)
-            return
-        target = max(self.written.values(), default=-1) + 1
-        self.planned = dict(common, target=target, frozen=set(), armed=time.monotonic(), msg=reason)
-        self.log.emit("swap_requested", **common, role="active", boundary=target)
-        for local in list(self.written):
-            self._freeze_at_boundary(local)
-
-    def _freeze_at_boundary(self, local: int) -> None:
-        pl = self.planned
-        if local in pl["frozen"] or self.written.get(local, -1) < pl["target"] or local not in self.sup.alive():
-            return
-        os.kill(self.sup.procs[local].pid, signal.SIGSTOP)
-        pl["frozen"].add(local)
-
-    def _advance_planned(self) -> None:
-        pl = self.planned
-        committed = all(lo in self.reps and self.reps[lo].committed_step >= pl["target"] for lo in range(self.P))
-        late = time.monotonic() - pl["armed"] > self.cfg.wait_timeout
-        if len(pl["frozen"]) == self.P and committed and not late:
-            # the survivors' snapshots of B: the replicas this node holds for its ring neighbour's ranks reaching B say
-            # they wrote theirs (they cannot pass B+1 meanwhile); bounded, the survivors also finish theirs on leaving
-            pl.setdefault("t_committed", time.monotonic())
-            held = [max(steps, default=-1) for rep in self.reps.values() for steps in rep.report()["held"].values()]
-            if any(h < pl["target"] for h in held) and time.monotonic() - pl["t_committed"] < PLANNED_SETTLE_S:
-                return
-        if (len(pl["frozen"]) == self.P and committed) or late:
-            self.log.emit("swap_boundary", generation=self.cp.generation, boundary=pl["target"], committed=committed,
-                          detector=pl["detector"])
-            self.health.consumed(pl["detector"])
-            self._node_failed(pl["msg"] + ("" if committed else f" (boundary {pl['target']} not committed within "
-                                                                 f"{self.cfg.wait_timeout:.0f} s)"), cause="planned")
-
-    def _suspend_planned(self) -> None:
-        """A failure elsewhere interrupts a planned swap: let the stopped processes go (the round needs them to
-        leave the generation) and try again once training resumes."""
-        pl, self.planned = self.planned, None
-        for local in pl["frozen"]:
-            if local in self.sup.alive():
-                os.kill(self.sup.procs[local].pid, signal.SIGCONT)
-        from .health import Unhealthy
-
-        self.swap_wanted.insert(0, (pl["detector"], Unhealthy(pl["reason"]), pl["t_seen"]))
-
     # ---- recovery ---------------------------------------------------------------------------------------------
     def _recover(self) -> None:
         """Rounds until one succeeds; every wait has a deadline and keeps the loop's sources ticking."""
-        if self.planned is not None:
-            self._suspend_planned()
+        self.swaps.suspend()  # a planned swap waiting for its boundary lets its stopped processes go
         t_fail = time.time()
         while True:
             self.rounds += 1
@@ -435,6 +366,7 @@ class NodeAgent:
         g = decision.generation
         self.high_water = max(self.high_water, decision.high_water)
         self.left = {}
+        self.written = {lo: decision.cut_step for lo in self.written}  # training resumes from the cut
         if decision.reason == "rebuild":  # collectives timed out with nobody at fault
             if decision.cut_step == self._rebuilt_at:
                 raise RecoveryTimeout(

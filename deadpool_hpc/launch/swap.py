@@ -6,7 +6,8 @@ node's agent through the built-in ``swap-request`` detector (agent/health.py). N
 Slurm job, ``node<index>`` for a local run (``deadpool run``).
 
 Everything is checked before the request is written, so a refused request leaves the run alone: the job must be
-running, NODE one of its active nodes (not a spare, not already failed), and a spare must be left.
+running with replication on, NODE one of its active nodes (not a spare, not already failed), and a spare must be
+left. Requests for several nodes are taken one at a time by the job (agent/planned.py: the swap lease).
 """
 from __future__ import annotations
 
@@ -21,12 +22,16 @@ from .slurm_common import load_config
 
 
 def _view(events: list[dict], total_nodes: int, active_nodes: int) -> tuple[set[int], list[int]]:
-    """(failed nodes, spare nodes) now, from the newest applied decision (or the start-up layout)."""
-    failed = {n for e in events if e["event"] == "decision" for n in e.get("failed_nodes") or []}
+    """(failed nodes, spare nodes left) of the current attempt of the run (events after its last requeue: a requeued
+    attempt starts again from the start-up layout), from its decisions (``failed_nodes``; ``replaced``: failed node
+    -> the spare that took its place)."""
+    last = max((i for i, e in enumerate(events) if e["event"] == "requeued"), default=-1)
+    events = events[last + 1:]
+    failed = {int(n) for e in events if e["event"] == "decision" for n in e.get("failed_nodes") or []}
     failed |= {e["node"] for e in events if e["event"] == "node_failed" and "node" in e}
-    decisions = [e for e in events if e["event"] == "decision" and "spare_nodes" in e]
-    spares = decisions[-1]["spare_nodes"] if decisions else list(range(active_nodes, total_nodes))
-    return failed, [n for n in spares if n not in failed]
+    promoted = {int(v) for e in events if e["event"] == "decision" for v in (e.get("replaced") or {}).values()}
+    spares = [n for n in range(active_nodes, total_nodes) if n not in promoted and n not in failed]
+    return failed, spares
 
 
 def request(target: str, node: str, reason: str = "deadpool swap") -> dict:
@@ -54,6 +59,9 @@ def request(target: str, node: str, reason: str = "deadpool swap") -> dict:
     if run.get("finished"):
         raise ConfigError(f"the run in {run_dir} has finished: nothing to swap")
     cfg = load_config(run_dir)
+    if not cfg.replicate:
+        raise ConfigError(f"the run in {run_dir} keeps no replicas (--no-replicate): a node's state cannot be handed "
+                          f"to a spare; accepted: a run with replication on")
     events = list(read_events(os.path.join(run_dir, "events.jsonl")))
     failed, spares = _view(events, cfg.total_nodes, cfg.nodes)
     if job is not None:  # Slurm's node names, from each agent's newest hello
@@ -63,8 +71,8 @@ def request(target: str, node: str, reason: str = "deadpool swap") -> dict:
         names = {i: f"node{i}" for i in range(cfg.total_nodes)}
     index = next((i for i, n in names.items() if n == node), None)
     if index is None:
-        raise ConfigError(f"node {node!r} is not in the run in {run_dir}; its nodes: "
-                          f"{', '.join(str(n) for _, n in sorted(names.items()))}")
+        known = ", ".join(str(n) for _, n in sorted(names.items())) or "none known yet (no node agent has started)"
+        raise ConfigError(f"node {node!r} is not in the run in {run_dir}; its nodes: {known}")
     if index in failed:
         raise ConfigError(f"node {node!r} (node{index}) already failed and left the run")
     if index in spares:
