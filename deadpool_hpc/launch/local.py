@@ -35,12 +35,12 @@ import threading
 import time
 from contextlib import contextmanager
 
-from ..config import RunConfig
 from ..agent.health import check_plugins
-from ..errors import ConfigError
-from ..replica.transports import check_transport
+from ..config import RunConfig
 from ..control.fence import descendants, fence, is_alive
+from ..errors import ConfigError
 from ..events import EventLog, EventTail, read_events
+from ..replica.transports import check_transport
 from ..rundir import RunDir, check_output_file, check_run_dir, emit_requeued, latest_checkpoint
 from ..summary import build_summary
 from ..worker.lifeline import launcher_env

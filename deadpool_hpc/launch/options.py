@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import math
 
-from ..config import RunConfig, parse_fault, parse_train_arg
 from ..agent.health import check_plugins
+from ..config import RunConfig, parse_fault, parse_train_arg
 from ..errors import ConfigError
 from ..replica.transports import check_transport
 
@@ -116,7 +116,8 @@ def config_from_args(a) -> RunConfig:
     return RunConfig(nodes=a.nodes, spares=a.spares, ranks_per_node=a.ranks_per_node, steps=a.steps, faults=faults,
                      train_args=train_args,
                      heartbeat_deadline=a.heartbeat_deadline, heartbeat_period=a.heartbeat_period,
-                     replicas=a.replicas, replica_transport=a.replica_transport, hang_timeout=a.hang_timeout, rendezvous_timeout=a.rendezvous_timeout,
+                     replicas=a.replicas, replica_transport=a.replica_transport, hang_timeout=a.hang_timeout,
+                     rendezvous_timeout=a.rendezvous_timeout,
                      startup_timeout=a.startup_timeout, collective_timeout=a.collective_timeout,
                      replicate=not a.no_replicate, requeue=a.requeue, run_dir=a.run_dir, summary_path=a.summary,
                      log_every=a.log_every, train_fn=a.train_fn).validate()

@@ -22,7 +22,8 @@ generic ones (``nodes`` = ACTIVE nodes, ``timeout_min``, ``cpus_per_task``, ``gp
 ``name``) and every SlurmExecutor parameter (``deadpool_partition``, ``deadpool_account``, ``deadpool_qos``, ...),
 it takes the run's settings (``RUN_PARAMETERS``, RunConfig's fields of the same names):
 ``spares``, ``ranks_per_node``, ``steps``, ``train_args``, ``replicas``, ``replica_transport``, ``requeue``,
-``max_requeues``, ``run_dir``, ``summary_path``, timeouts in seconds, ... and HotSwapJob's ``wait_survivors_s`` and ``checkpoint_wait_s``.
+``max_requeues``, ``run_dir``, ``summary_path``, timeouts in seconds, ... and HotSwapJob's ``wait_survivors_s``
+and ``checkpoint_wait_s``.
 ``slurm_``-prefixed parameters do not reach this executor (AutoExecutor drops other clusters' parameters).
 """
 from __future__ import annotations
