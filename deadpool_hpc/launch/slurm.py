@@ -179,7 +179,8 @@ def check_partition(cfg: RunConfig, partition: str | None = None) -> dict | None
 def submit(cfg: RunConfig, partition: str | None = None, time: str | None = None, account: str | None = None,
            extra: list[str] | None = None, template: str | None = None) -> str:
     """Write the config, render the batch script into RUN_DIR/job.sbatch and submit it. Returns the job id.
-    A relative run directory or summary path means this process's current directory (the submitter's).
+    A relative run directory or summary path means this process's current directory (the submitter's), which
+    is also put first on the job's PYTHONPATH (a ``--train-fn`` module found from here is found by the job).
 
     Raises ConfigError (before writing anything) if the partition can never run the job (check_partition), if
     RUN_DIR belongs to a job that is still pending or running (it reads RUN_DIR/config.json when it starts),
@@ -208,7 +209,12 @@ def submit(cfg: RunConfig, partition: str | None = None, time: str | None = None
     cmd += [f"--time={time}"] if time else []
     cmd += [f"--account={account}"] if account else []
     cmd += list(extra or []) + [script]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    # the job runs in RUN_DIR (--chdir), but --train-fn was found from here (check_train_fn imported it, as deadpool
+    # run's workers do from their current directory): sbatch exports this environment, so put this directory on
+    # the job's PYTHONPATH (examples.ddp_gpt:train from the repository root)
+    old = os.environ.get("PYTHONPATH")
+    env = dict(os.environ, PYTHONPATH=os.getcwd() + (os.pathsep + old if old else ""))
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
     if out.returncode != 0:
         raise ConfigError(f"sbatch refused the job (exit {out.returncode}): {out.stderr.strip()}")
     job_id = out.stdout.strip().split(";")[0]
