@@ -115,7 +115,9 @@ def _failure(d: dict, by, fault, lost: set, t_next_attempt, P: int) -> dict:
     elif hung:  # a watchdog fenced it: the fault is when its training thread last made progress
         t0, source = min(e["t"] - e["stuck_s"] for e in hung), "last progress of its training thread (watchdog)"
     elif heard:
-        t0, source = max(heard), "last heartbeat heard (estimated)"
+        # a heartbeat still in flight can be read by one survivor after another has already suspected: the fault
+        # happened no later than the first suspicion
+        t0, source = min(max(heard), t_detect), "last heartbeat heard (estimated)"
     else:
         t0, source = t_detect, "first suspicion (no earlier trace)"
     rec = [e for e in by["recovered"] if e.get("generation") == g]

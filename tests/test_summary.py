@@ -40,3 +40,17 @@ def test_a_node_lost_together_with_a_preemption_is_also_a_failure():
     (f,) = s["failures"]
     assert f["failed_nodes"] == [1] and f["requeued"] and f["cut_step"] == 10
     assert not s["completed"]
+
+
+def test_an_estimated_fault_time_is_never_after_the_first_suspicion():
+    """One survivor suspects node 1 at t=1.60 (its connection reset); another reads a heartbeat that was still in
+    flight at t=1.603 and suspects later. The fault happened no later than the first suspicion (CI saw a detect
+    phase of -3 ms before this was clamped)."""
+    ev = _steps(0, 0.0, 1, 10) + [
+        {"event": "suspect", "t": 1.60, "generation": 0, "node": 1, "last_heard": 1.55},
+        {"event": "suspect", "t": 1.70, "generation": 0, "node": 1, "last_heard": 1.603},
+        _decision(1, 1.8, "hot swap", [1], 10),
+    ]
+    (f,) = build_summary(ev)["failures"]
+    assert f["t_fault_source"] == "last heartbeat heard (estimated)"
+    assert f["phases"]["detect"] == 0.0
