@@ -280,36 +280,65 @@ def test_protect_twice_is_refused(local_group):
         ctx.zero_adamw(model)
 
 
-def test_each_rank_snapshots_its_shard_and_restore_gathers_them(local_group, monkeypatch):
-    """DDP ranks hold the same parameters and optimizer state: each replicates 1/world_size of its bytes, and a
-    restore all-gathers the shards (here the all-gather is played by the test: the three ranks' shards)."""
+def _ranks_payloads(prot, world):
+    """Each rank's snapshot payload (the DDP state is the same on every rank: one process plays them all)."""
+    def solid(t):   # a share is handed over as pieces (views of the live tensors)
+        return torch.cat([p.clone() for p in t]) if isinstance(t, list) else t.clone()
+
+    return [(prot.bind(r, None), [solid(t) for t in prot.state_tensors()])[1] for r in range(world)]
+
+
+def test_ddp_state_stays_local_and_a_lost_rank_gets_its_share_from_its_holder(local_group, monkeypatch):
+    """DDP ranks hold the same parameters and optimizer state: none of it is sent. Rank r keeps its share r and the
+    share of the rank whose replica it holds (r - 1 on a ring of 3 nodes); the replica carries buffers, JSON and RNG
+    only. A spare restoring rank 1 from a replica (no shares of its own) gets share 1 from rank 2, which holds rank
+    1's replica; the restored state trains on bitwise like the original. The two all-gathers are played by the test."""
+    from deadpool_hpc.errors import ReplicaError
     from deadpool_hpc.worker import protect as protect_mod
 
-    model, opt, sched, prot = setup(world_size=3, ddp=True)
+    model, opt, sched, prot = setup(world_size=3, ddp=True, ring=(1, 3, 1))
     prot.world_size = 1
     train_steps(model, opt, sched, 0, 3)   # one process: no gradient average needed
     prot.world_size = 3
-    layout = StateLayout(prot.layout_tensors(), torch.get_rng_state().numel())
-    shards = []
-    for r in range(3):
-        prot.bind(r, None)
-        shards.append(prot.state_tensors()[0].clone())
-    assert layout.nbytes < prot.common_nbytes / 3 + prot.blob_nbytes + 8 * 3 + torch.get_rng_state().numel() + 1
+    rng_n = torch.get_rng_state().numel()
+    layout = StateLayout(prot.layout_tensors(), rng_n, prot.local_nbytes)
+    assert layout.local_nbytes == 2 * prot.shard_nbytes >= 2 * prot.common_nbytes / 3
+    per_rank = sum(t.numel() * t.element_size() for t in prot.layout_tensors()[2:-1])   # the model's buffers
+    assert layout.wire_nbytes == per_rank + prot.blob_nbytes + rng_n
+    payloads = _ranks_payloads(prot, 3)
+    for r in range(3):   # kept: own share, then the share of held_by(r) = r - 1
+        shares = [torch.cat(prot._share(x, prot._collect()[0])) for x in (r, (r - 1) % 3)]
+        assert all(torch.equal(a, b) for a, b in zip(payloads[r][:2], shares))
     slot = Slot(layout.nbytes)
-    prot.bind(1, None)
-    assert layout.write(slot, prot.state_tensors(), torch.get_rng_state(), step=3)
+    assert layout.write(slot, payloads[1], torch.get_rng_state(), step=3)
+    slot.tensor[:layout.local_nbytes].fill_(0xAB)     # what a holder has: the wire bytes only
     prot.world_size = 1
     train_steps(model, opt, sched, 3, 2)
     want = digest(model)
     train_steps(model, opt, sched, 5, 2)   # wander off
     prot.world_size = 3
 
-    def all_gather(out, inp, watch):
-        assert torch.equal(inp.view(torch.uint8), shards[1])
-        out.view(torch.uint8).copy_(torch.cat(shards))
+    def play(lost):
+        calls = []
 
-    monkeypatch.setattr(protect_mod.collectives, "all_gather", all_gather)
-    restore(prot, layout, slot)
+        def all_gather(out, inp, watch):
+            calls.append(inp.dtype)
+            if inp.dtype == torch.int64:   # which shares each rank kept good
+                assert inp.tolist() == [0, 0], "a rank restored from a replica has no good share"
+                out.copy_(torch.tensor([0 if r in lost else 1 for r in range(3) for _ in range(2)]))
+            else:
+                out.view(torch.uint8).copy_(torch.cat([torch.cat(p[:2]) for p in payloads]))
+        monkeypatch.setattr(protect_mod.collectives, "all_gather", all_gather)
+        prot.bind(1, None, pulled=True)
+        torch.set_rng_state(layout.read(slot, prot.restore_targets()))
+        return calls
+
+    play(lost={1, 2})   # rank 1 and the holder of its replica, together
+    with pytest.raises(ReplicaError, match=r"rank 1's share .* is lost: neither rank 1 nor a holder of its replica"):
+        prot.gather()
+    calls = play(lost={1})
+    prot.gather()
+    assert calls == [torch.int64, torch.float64]
     prot.world_size = 1
     train_steps(model, opt, sched, 3, 2)
     assert torch.equal(digest(model), want)

@@ -213,7 +213,7 @@ class NodeAgent:
 
         nbytes = int(body["nbytes"])
         tensors = [torch.empty(shape, dtype=getattr(torch, dtype), device="meta") for dtype, shape in body["tensors"]]
-        layout = StateLayout(tensors, int(body["rng_nbytes"]))
+        layout = StateLayout(tensors, int(body["rng_nbytes"]), int(body.get("local_nbytes", 0)))
         if layout.nbytes != nbytes:
             raise ValueError(f"training process {local} sent a layout of {layout.nbytes} bytes but asked for {nbytes}")
         bufs = [SharedBuffer.create(nbytes, name=f"deadpool-slot{local}") for _ in range(int(body.get("count", 2)))]
@@ -410,7 +410,7 @@ class NodeAgent:
                 "cut_step": decision.cut_step, "slot": rep.own.slots.index(slot), "crc": slot.crc,
                 "recomputed_steps": decision.recomputed_steps, "high_water": self.high_water, "t_fail": t_fail,
                 "t_agreed": time.time(), "failed_nodes": list(decision.failed_nodes), "round": self.rounds,
-                "promoted": r in decision.promoted})
+                "promoted": r in decision.promoted, "pulled": r in decision.sources})
         self.state = "training"
 
     def _save_checkpoint(self, decision: Decision) -> None:
@@ -432,6 +432,12 @@ class NodeAgent:
             shard = [torch.empty(shape, dtype=dtype) for shape, dtype in zip(layout.shapes, layout.dtypes)]
             for rank, slot in mine:
                 rng = layout.read(slot, shard)
+                if rank != r and layout.local_nbytes:
+                    # a replica carries no share of the data-parallel state (worker/protect.py): the lost rank's
+                    # share is the one this rank kept for it, in its own snapshot of the cut step
+                    k = min(self.cfg.replicas, self.cfg.nodes - 1)
+                    kept = layout.views(rep.own.get(cut))[1 + held_by(r, self.P, self.cfg.nodes, k).index(rank)]
+                    shard[0].copy_(kept)
                 persist.save_shard(self.checkpoint_dir, cut, rank, shard, rng)
         self.cp.barrier(f"saved{g}.{decision.coordinator}", self.cp.member_nodes, self.cfg.collective_timeout,
                         tick=self._tick)

@@ -142,15 +142,31 @@ class SlotPair:
 
 
 class StateLayout:
-    """Where each state tensor and the RNG bytes sit in a payload. Sizes in bytes."""
+    """Where each state tensor and the RNG bytes sit in a payload. Sizes in bytes.
 
-    def __init__(self, tensors: list[torch.Tensor], rng_nbytes: int):
+    local_nbytes: the payload's first bytes (whole leading tensors) that stay in the node's own snapshot and are
+    never sent (``ctx.protect``'s data-parallel state, identical on every rank: each rank keeps its share and the
+    shares of the ranks whose replica it holds, worker/protect.py). The rest, ``wire(slot)`` (``wire_nbytes``), is
+    what a replica holds, what the checksum covers and what a restore verifies. 0 (default): all of it.
+    """
+
+    def __init__(self, tensors: list[torch.Tensor], rng_nbytes: int, local_nbytes: int = 0):
         self.sizes = [t.numel() * t.element_size() for t in tensors]
         self.dtypes = [t.dtype for t in tensors]
         self.shapes = [tuple(t.shape) for t in tensors]
         self.state_nbytes = sum(self.sizes)
         self.rng_nbytes = rng_nbytes
         self.nbytes = self.state_nbytes + rng_nbytes
+        bounds = [sum(self.sizes[:i]) for i in range(len(self.sizes) + 1)]
+        if local_nbytes not in bounds:
+            raise ReplicaError(f"local_nbytes {local_nbytes} is not the end of a leading tensor of the layout "
+                               f"(accepted: one of {bounds[:8]}{' ...' if len(bounds) > 8 else ''})")
+        self.local_nbytes = local_nbytes
+        self.wire_nbytes = self.nbytes - local_nbytes
+
+    def wire(self, slot: Slot):
+        """The bytes of ``slot`` a replica carries (numpy view): all but the local prefix."""
+        return slot.buf[self.local_nbytes:]
 
     def views(self, slot: Slot) -> list[torch.Tensor]:
         """Tensor views of ``slot`` for each state tensor (copy into them / out of them)."""
@@ -162,7 +178,9 @@ class StateLayout:
 
     def write(self, slot: Slot, tensors: list[torch.Tensor], rng: torch.Tensor, step: int,
               should_stop=None, crc: bool = True) -> bool:
-        """Copy ``tensors`` and ``rng`` (uint8) into ``slot``, checksum it, stamp it with ``step``.
+        """Copy ``tensors`` and ``rng`` (uint8) into ``slot``, checksum it, stamp it with ``step``. An entry of
+        ``tensors`` may be a list of 1-D uint8 tensors instead: pieces copied one after the other into that
+        tensor's place (their sizes must add up to it), e.g. byte ranges of several live tensors.
 
         The copy and the CRC go chunk by chunk (``COPY_CHUNK`` bytes: each chunk is checksummed while
         it is still in cache). ``should_stop()`` is asked between chunks: if it turns true the slot is
@@ -175,14 +193,14 @@ class StateLayout:
         mv = memoryview(slot.buf)
         with torch.no_grad():
             dsts = self.views(slot) + [slot.tensor[self.state_nbytes:]]
-            for dst, src in zip(dsts, list(tensors) + [rng]):
+            for dst, src in _flat_pairs(dsts, list(tensors) + [rng]):
                 pieces = _chunk_pairs(dst, src) if src.is_contiguous() else [(dst, src)]
                 for d, s in pieces:
                     if should_stop is not None and should_stop():
                         return False
                     d.copy_(s)
                     n = d.numel() * d.element_size()
-                    if crc is not False:
+                    if crc is not False and off >= self.local_nbytes:
                         value = checksum(mv[off:off + n], value)
                     off += n
             if off != self.nbytes:
@@ -196,7 +214,7 @@ class StateLayout:
         slot stays invalid and False is returned). A writer that died half-way leaves bytes whose checksum the
         holders verify against this one: the slot is only trusted with the checksum taken here."""
         crc, mv = 0, memoryview(slot.buf)
-        for off in range(0, self.nbytes, COPY_CHUNK):
+        for off in range(self.local_nbytes, self.nbytes, COPY_CHUNK):
             if should_stop is not None and should_stop():
                 return False
             crc = checksum(mv[off:off + COPY_CHUNK], crc)
@@ -204,13 +222,30 @@ class StateLayout:
         return True
 
     def read(self, slot: Slot, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """Copy ``slot`` back into ``tensors``; returns the RNG bytes. Raises ReplicaError on a bad CRC."""
-        if slot.step is None or checksum(slot.buf) != slot.crc:
+        """Copy ``slot`` back into ``tensors``; returns the RNG bytes. Raises ReplicaError on a bad CRC (of the
+        ``wire`` bytes; the local prefix is checked by its user: worker/protect.py keeps its CRC-32C in the wire
+        bytes)."""
+        if slot.step is None or checksum(self.wire(slot)) != slot.crc:
             raise ReplicaError(f"snapshot slot for step {slot.step} fails its checksum")
         with torch.no_grad():
             for dst, src in zip(tensors, self.views(slot)):
                 dst.copy_(src)
         return slot.tensor[self.state_nbytes:].clone()
+
+
+def _flat_pairs(dsts: list[torch.Tensor], srcs: list):
+    """(dst, src) pairs; a src that is a list of uint8 pieces becomes one pair per piece (dst: its byte range)."""
+    for dst, src in zip(dsts, srcs):
+        if not isinstance(src, (list, tuple)):
+            yield dst, src
+            continue
+        flat, off = dst.reshape(-1).view(torch.uint8), 0
+        for piece in src:
+            n = piece.numel()
+            yield flat[off:off + n], piece
+            off += n
+        if off != flat.numel():
+            raise ReplicaError(f"pieces of {off} bytes for a tensor of {flat.numel()} bytes")
 
 
 def _chunk_pairs(dst: torch.Tensor, src: torch.Tensor):

@@ -359,7 +359,7 @@ class Replicator:
                 link.stop, link.idle, link.last = stop, self.timeout, time.monotonic()
                 try:
                     link.send_msg("push", {"generation": self._generation, "rank": rank, "step": step,
-                                           "nbytes": self.layout.nbytes, "crc": slot.crc}, self.secret)
+                                           "nbytes": self.layout.wire_nbytes, "crc": slot.crc}, self.secret)
                     kind, go = link.recv_msg(self.secret)
                 except PeerGone:
                     if not kept or stop():
@@ -387,7 +387,7 @@ class Replicator:
                     self._cv.wait(POLL_S)
                     if stop():
                         raise Stopped(stop())
-            link.send(slot.buf)
+            link.send(self.layout.wire(slot))
             kind, ack = link.recv_msg(self.secret)
             if kind != "ack" or ack.get("rank") != rank or ack.get("step") != step or ack.get("crc") != slot.crc:
                 raise WireError(f"expected the ack of rank {rank} step {step} crc {slot.crc}, got {kind} {ack}")
@@ -400,7 +400,7 @@ class Replicator:
                     self._last_reason.pop(peer, None)
                     pending = self._pending.get(step, set())
                     pending.discard(peer)
-                    self.bytes_sent += self.layout.nbytes
+                    self.bytes_sent += self.layout.wire_nbytes
                     if not pending:
                         self._committed = max(self._committed, step)
                         self._commit_notice()
@@ -408,7 +408,7 @@ class Replicator:
         except (LinkError, WireError, OSError) as exc:
             self._note(epoch, peer, f"{type(exc).__name__}: {exc}")
             self.log.emit("replica_transfer_abandoned", kind="push", peer=peer, rank=rank, step=step,
-                          done_bytes=getattr(exc, "done", None), nbytes=self.layout.nbytes,
+                          done_bytes=getattr(exc, "done", None), nbytes=self.layout.wire_nbytes,
                           reason=f"{type(exc).__name__}: {exc}"[:300])
         finally:
             if link is not None and not ok:
@@ -459,9 +459,9 @@ class Replicator:
             if not hdr.get("ok"):
                 raise ReplicaError(f"{what}: {hdr.get('reason')}")
             got = (hdr.get("rank"), hdr.get("step"), hdr.get("nbytes"))
-            if got != (rank, step, self.layout.nbytes) or not isinstance(hdr.get("crc"), int):
+            if got != (rank, step, self.layout.wire_nbytes) or not isinstance(hdr.get("crc"), int):
                 raise ReplicaError(f"{what}: got rank {got[0]} step {got[1]} ({got[2]} bytes); expected rank {rank} "
-                                   f"step {step} ({self.layout.nbytes} bytes)")
+                                   f"step {step} ({self.layout.wire_nbytes} bytes)")
             with self._cv:
                 slot = self._claim_own("fetch", lambda: stop() or time.monotonic() > deadline, step)
                 if slot is None:
@@ -469,8 +469,9 @@ class Replicator:
                     raise PeerFailure(f"{what}: an own slot stayed busy until the timeout ({timeout:g} s)")
                 claimed = True
                 slot.rank = rank
-            crc = _RunningCrc(slot.buf)
-            link.recv_into(slot.buf, crc.update)
+            wire = self.layout.wire(slot)
+            crc = _RunningCrc(wire)
+            link.recv_into(wire, crc.update)
             if crc.value != hdr["crc"]:
                 self.log.emit("replica_rejected", role="fetcher", peer=peer, rank=rank, step=step,
                               reason=f"checksum mismatch: header {hdr['crc']}, payload {crc.value}")
@@ -482,7 +483,7 @@ class Replicator:
             raise ReplicaError(f"{what}: {exc}") from exc
         except LinkError as exc:
             self.log.emit("replica_transfer_abandoned", kind="fetch", peer=peer, rank=rank, step=step,
-                          done_bytes=exc.done, nbytes=self.layout.nbytes, reason=f"{type(exc).__name__}: {exc}"[:300])
+                          done_bytes=exc.done, nbytes=self.layout.wire_nbytes, reason=f"{type(exc).__name__}: {exc}"[:300])
             raise PeerFailure(f"{what} failed: {exc}") from exc
         finally:
             if link is not None:
@@ -570,8 +571,8 @@ class Replicator:
                 # a process still on an older generation (one the others left: fenced, or not yet told) must not
                 # evict a copy the live rank has committed since
                 reason = f"push of generation {generation}; this holder is at generation {self._generation}"
-            elif nbytes != self.layout.nbytes:
-                reason = f"payload of {nbytes} bytes, expected {self.layout.nbytes}"
+            elif nbytes != self.layout.wire_nbytes:
+                reason = f"payload of {nbytes} bytes, expected {self.layout.wire_nbytes}"
             elif self._paused:
                 reason, retry = "not accepting pushes (quiesced, not yet configured)", True
             elif rank not in self._held:
@@ -593,11 +594,12 @@ class Replicator:
             link.stop = lambda: ("quiesced" if self._epoch != epoch else None) or ("closed" if self._closed else None)
             self._track(link, self._links)
             link.send_msg("go", {"ok": True, "reason": "", "retry": False}, self.secret)
-            got = _RunningCrc(slot.buf)
+            wire = self.layout.wire(slot)
+            got = _RunningCrc(wire)
             hook = self.receive_hook
             on_recv = got.update if hook is None else (lambda n: (got.update(n), hook(rank, step, n, nbytes)))
             try:
-                link.recv_into(slot.buf, on_recv)
+                link.recv_into(wire, on_recv)
             except LinkError as exc:
                 self.log.emit("replica_transfer_abandoned", kind="receive", peer=link.peer, rank=rank, step=step,
                               done_bytes=exc.done, nbytes=nbytes, reason=f"{type(exc).__name__}: {exc}"[:300])
@@ -646,12 +648,12 @@ class Replicator:
             return
         try:
             link.send_msg("replica", {"ok": True, "reason": "", "rank": rank, "step": step,
-                                      "nbytes": self.layout.nbytes, "crc": crc}, self.secret)
-            hook, total = self.serve_hook, self.layout.nbytes
-            link.send(slot.buf, None if hook is None else (lambda sent: hook(rank, step, sent, total)))
+                                      "nbytes": self.layout.wire_nbytes, "crc": crc}, self.secret)
+            hook, total = self.serve_hook, self.layout.wire_nbytes
+            link.send(self.layout.wire(slot), None if hook is None else (lambda sent: hook(rank, step, sent, total)))
         except LinkError as exc:
             self.log.emit("replica_transfer_abandoned", kind="serve", peer=link.peer, rank=rank, step=step,
-                          done_bytes=exc.done, nbytes=self.layout.nbytes, reason=f"{type(exc).__name__}: {exc}"[:300])
+                          done_bytes=exc.done, nbytes=self.layout.wire_nbytes, reason=f"{type(exc).__name__}: {exc}"[:300])
         finally:
             with self._cv:
                 slot.readers -= 1

@@ -119,8 +119,10 @@ class Context:
         from .protect import Protected
 
         self._refuse_second("protect")
+        cfg = self.config
+        k = min(cfg.replicas, cfg.nodes - 1) if cfg.replicate else 0   # as the agents place replicas
         self.opt = Protected(self.world_size, model, optimizer, scheduler, dataloader, extra,
-                             python_rng=python_rng, numpy_rng=numpy_rng)
+                             python_rng=python_rng, numpy_rng=numpy_rng, ring=(cfg.ranks_per_node, cfg.nodes, k))
         self.opt.before_update = self._before_update
 
     def _refuse_second(self, what: str) -> None:
@@ -138,10 +140,11 @@ class Context:
                                "ctx.zero_adamw(model) first")
         rng = torch.get_rng_state()
         shapes = self._shard_shapes()
-        self.layout = StateLayout(shapes, rng.numel())
+        local_nbytes = getattr(self.opt, "local_nbytes", 0)   # ctx.protect's shares: kept, never sent
+        self.layout = StateLayout(shapes, rng.numel(), local_nbytes)
         bufs = self.client.attach_slots(self.layout.nbytes, self.config.startup_timeout,
                                         tensors=[[str(t.dtype).replace("torch.", ""), list(t.shape)] for t in shapes],
-                                        rng_nbytes=rng.numel())
+                                        rng_nbytes=rng.numel(), local_nbytes=local_nbytes)
         self.slots = [Slot(self.layout.nbytes, b.tensor) for b in bufs]
         self._bufs = bufs
         self.copier = _Copier(self)
@@ -176,7 +179,7 @@ class Context:
         self._role = role
         self._high_water = role.get("high_water", -1)
         self._join(first=True)
-        self.opt.bind(self.rank, self.watch)
+        self._bind()
         if role.get("resume"):
             self._load_checkpoint(role["resume"])
         self._snapshot()
@@ -357,7 +360,7 @@ class Context:
         t_rebuilt = time.time()
         if not role.get("serving"):
             self.faults.at_phase("restore", nth, self.rank)
-        self.opt.bind(self.rank, self.watch)
+        self._bind(pulled=bool(role.get("pulled", promoted)))
         slot = self.slots[role["slot"]]
         slot.step, slot.crc = role["cut_step"], role["crc"]
         rng = self.layout.read(slot, self._restore_targets())  # verifies the checksum the agent took
@@ -372,6 +375,12 @@ class Context:
         self.log.emit("recovered", generation=self.generation, rank=self.rank, promoted=promoted or was_rank is None,
                       t_fail=t_fail, t_agreed=role.get("t_agreed"), t_rebuilt=t_rebuilt, t_restored=t_restored,
                       cut_step=self.step, failed_nodes=role.get("failed_nodes"), round=nth, rss_bytes=_rss_bytes())
+
+    def _bind(self, pulled: bool = False) -> None:
+        if type(self.opt).__name__ == "Protected":
+            self.opt.bind(self.rank, self.watch, pulled=pulled)
+        else:
+            self.opt.bind(self.rank, self.watch)
 
     def _join(self, first: bool = False) -> None:
         from .client import AgentStore
@@ -402,7 +411,8 @@ class Context:
             self.client.send("finished", {"steps": self.step})  # first: hashing a large model takes a while
             self.log.emit("finished", generation=self.generation, steps=self.step, param_digest=self.param_digest(),
                           world_size=self.world_size, spares_left=self._role.get("spares_left"),
-                          bytes_per_rank_per_step=self.layout.nbytes if self.config.replicate else 0,
+                          bytes_per_rank_per_step=self.layout.wire_nbytes if self.config.replicate else 0,
+                          local_bytes_per_rank_per_step=self.layout.local_nbytes if self.config.replicate else 0,
                           replica_wait_s=self.wait_s)
             self.log.sync()
             return

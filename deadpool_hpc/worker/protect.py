@@ -11,8 +11,12 @@ optimizer, and key the optimizer state by parameter name). The payload holds:
 
 - the tensors of the model and optimizer state dicts, each at a fixed place (the layout is fixed before the first
   step; see "Layout" below; a tensor shared by two names, a tied weight, is stored once). Parameters and optimizer
-  state are the same on every DDP rank, so their bytes are cut into world_size shards and rank r holds shard r only
-  (a restore all-gathers them, pollably); the model's buffers, per rank, are held whole;
+  state are the same on every DDP rank, so they are never sent: their bytes are cut into world_size *shares*, and
+  rank r's own snapshot (the node's shared-memory slot) keeps share r plus the shares of the K ranks whose replica
+  it holds (``held_by``: the same ring as the replicas, control/agreement.py), each with its CRC-32C. This is the
+  payload's *local* prefix (``StateLayout.local_nbytes``). A restore all-gathers the shares, pollably: share j
+  from rank j if rank j restored its own snapshot, else from a holder of rank j's replica, so a lost rank's share
+  survives exactly when its replica does. The model's buffers, per rank, are held whole and replicated;
 - a JSON document (no pickle) of everything else: the optimizer's param groups (lr, betas, ...) and non-tensor
   state, the scheduler's, data loader's and ``extra``'s state dicts (their small tensors inline, base64), the
   CUDA generators, Python's and numpy's RNG when asked for; in a fixed-size region of its own;
@@ -50,9 +54,9 @@ import torch
 from torch import nn
 
 from ..dataplane import collectives
+from ..replica.snapshot import checksum
 
 BLOB_MIN = 64 << 10          # bytes reserved for the JSON document, at least
-_HEADER = struct.Struct("<Q")
 
 
 def _ddp_class():
@@ -132,8 +136,15 @@ class Protected:
     ``before_update`` (set by the context: wait for the replica's commit), ``param_digest()``."""
 
     def __init__(self, world_size: int, model, optimizer, scheduler=None, dataloader=None, extra=None, *,
-                 python_rng: bool = False, numpy_rng: bool = False):
+                 python_rng: bool = False, numpy_rng: bool = False, ring: tuple[int, int, int] = (1, 1, 0)):
         self.world_size = world_size
+        # (ranks per node, active nodes, K replicas): whose shares this rank keeps (module docstring)
+        self.ring = ring
+        self.k = ring[2] if world_size > 1 else 0
+        self.held: list[int] = []
+        self._pulled = False
+        self._plans: dict[int, tuple] = {}
+        self._hdr = struct.Struct(f"<{2 + self.k}Q")   # JSON length, then the CRC-32C of each kept share
         self._check(model, optimizer, scheduler, dataloader, extra)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.dataloader, self.extra = dataloader, extra
@@ -148,6 +159,7 @@ class Protected:
         self._queued = False
         self._cache_sig, self._cache = None, None
         self.params = [p for p in self.inner.parameters() if p.requires_grad]
+        self._sig_tensors = list(self.inner.parameters()) + list(self.inner.buffers())
         self._layout_from_dry_run()
         if self.ddp:
             model.require_backward_grad_sync = False   # DDP's reducer stays idle: the average is done here
@@ -274,7 +286,7 @@ class Protected:
         tree = self._split({"model": model_sd, "optim": optim_sd}, add)
         del twin_model, twin_opt, optim_sd
         doc = self._document(tree, self._small_state())
-        self.blob_nbytes = max(BLOB_MIN, 4 * len(doc) + 4096)
+        self.blob_nbytes = max(BLOB_MIN, 4 * len(doc) + 4096 + self._hdr.size)
         self.blob_nbytes += -self.blob_nbytes % 8
         # 8-byte elements first, then 4, 2, 1: every view into the payload (and into the gathered state) is aligned
         esize = [torch.empty(0, dtype=dtype).element_size() for _, dtype, _ in self.entries]
@@ -292,6 +304,7 @@ class Protected:
             off += n
         self.common_nbytes = off
         self.shard_nbytes = max(8, -(-off // (self.world_size * 8)) * 8)
+        self.local_nbytes = (1 + self.k) * self.shard_nbytes   # the shares kept, never sent
 
     def _split(self, state: dict, sink) -> object:
         """Encode ``state``; tensor leaves go to ``sink(path, tensor) -> index``; a tensor already seen (a tied
@@ -311,9 +324,10 @@ class Protected:
         return json.dumps({"tree": tree, "small": _encode(small, "", None)}, separators=(",", ":")).encode()
 
     def layout_tensors(self) -> list[torch.Tensor]:
-        """Meta tensors describing the payload's state tensors, in payload order: this rank's shard of the common
-        state (bytes), the per-rank tensors, the JSON region."""
-        return [torch.empty(self.shard_nbytes, dtype=torch.uint8, device="meta")] + \
+        """Meta tensors describing the payload's state tensors, in payload order: this rank's share of the common
+        state (bytes) and the K shares it keeps for the ranks whose replica it holds (the local prefix,
+        ``local_nbytes``), the per-rank tensors, the JSON region."""
+        return [torch.empty(self.shard_nbytes, dtype=torch.uint8, device="meta") for _ in range(1 + self.k)] + \
             [torch.empty(self.entries[i][2], dtype=self.entries[i][1], device="meta") for i in self._unique] + \
             [torch.empty(self.blob_nbytes, dtype=torch.uint8, device="meta")]
 
@@ -335,34 +349,52 @@ class Protected:
                 self._cache = (found, tree["model"], tree["optim"]["state"],
                                [g["params"] for g in tree["optim"]["param_groups"]])
         doc = self._document(tree, self._small_state())
-        if len(doc) + _HEADER.size > self.blob_nbytes:
+        if len(doc) + self._hdr.size > self.blob_nbytes:
             raise ValueError(f"protect: the non-tensor state is {len(doc)} bytes of JSON, more than the "
-                             f"{self.blob_nbytes - _HEADER.size} reserved at protect() (4x its size then)")
+                             f"{self.blob_nbytes - self._hdr.size} reserved at protect() (4x its size then)")
+        # this rank's share of the common state and the shares it keeps for others: byte ranges of the live tensors
+        # (the background copy reads them before the update, which waits for the commit), checksummed here
+        out = [self._share(r, found) for r in [self.rank] + self.held]
         blob = torch.zeros(self.blob_nbytes, dtype=torch.uint8)
-        blob[:_HEADER.size] = torch.frombuffer(bytearray(_HEADER.pack(len(doc))), dtype=torch.uint8)
-        blob[_HEADER.size:_HEADER.size + len(doc)] = torch.frombuffer(bytearray(doc), dtype=torch.uint8)
-        # this rank's byte range of the common state, copied now (so later updates cannot race the background copy);
-        # state not there yet (no optimizer state before the first step) stays zeros and is never read back
-        shard = torch.zeros(self.shard_nbytes, dtype=torch.uint8)
-        lo = self.rank * self.shard_nbytes
-        hi = lo + self.shard_nbytes
-        with torch.no_grad():
-            for i in self._common:
-                off, n = self._span[i]
-                a, b = max(off, lo), min(off + n, hi)
-                t = found.get(i)
-                if a < b and t is not None:
-                    shard[a - lo:b - lo].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8)[a - off:b - off])
-        out = [shard]
+        head = self._hdr.pack(len(doc), *(_crc_pieces(pieces) for pieces in out))
+        blob[:self._hdr.size] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        blob[self._hdr.size:self._hdr.size + len(doc)] = torch.frombuffer(bytearray(doc), dtype=torch.uint8)
         for i in self._unique:
             t = found.get(i)
             out.append(t.detach() if t is not None else torch.zeros(self.entries[i][2], dtype=self.entries[i][1]))
         return out + [blob]
 
+    def _share(self, r: int, found: dict) -> list[torch.Tensor]:
+        """Bytes [r * shard_nbytes, (r + 1) * shard_nbytes) of the common state: 1-D uint8 pieces, views of the
+        live tensors where they exist (zeros for state not there yet, e.g. no optimizer state before the first step,
+        never read back, and for the padding of the last share)."""
+        plan = self._plans.get(r)
+        if plan is None:   # which byte range of which tensor: fixed by the layout, computed once per share
+            lo, hi = r * self.shard_nbytes, (r + 1) * self.shard_nbytes
+            plan, pos = [], lo
+            for i in self._common:
+                off, n = self._span[i]
+                a, b = max(off, lo), min(off + n, hi)
+                if a < b:
+                    plan.append((i, a - off, b - off))
+                    pos = b
+            self._plans[r] = plan = (plan, hi - max(pos, lo))
+        ranges, pad = plan
+        pieces = []
+        for i, a, b in ranges:
+            t = found.get(i)
+            if t is None:
+                pieces.append(torch.zeros(b - a, dtype=torch.uint8))
+            else:
+                pieces.append(t.detach().contiguous().reshape(-1).view(torch.uint8)[a:b])
+        if pad:
+            pieces.append(torch.zeros(pad, dtype=torch.uint8))
+        return pieces
+
     def _signature(self):
         """Which tensors hold the model's and optimizer's state now (None: not cacheable, e.g. a non-tensor value
         in the optimizer's state). Equal signatures: the tensors found by the last ``_collect`` are still the ones."""
-        sig = [p.data_ptr() for p in self.inner.parameters()] + [b.data_ptr() for b in self.inner.buffers()]
+        sig = [t.data_ptr() for t in self._sig_tensors]
         for st in self.optimizer.state.values():
             for v in st.values():
                 if not isinstance(v, torch.Tensor):
@@ -415,21 +447,20 @@ class Protected:
         scratch, self._scratch = self._scratch, None
         self._cache_sig, self._cache = None, None
         blob = scratch[-1]
-        n = _HEADER.unpack(bytes(blob[:_HEADER.size].numpy()))[0]
-        doc = json.loads(bytes(blob[_HEADER.size:_HEADER.size + n].numpy()))
-        shard = scratch[0]
-        if self.world_size > 1:   # every rank's shard of the common state, at the same step (pollable)
-            full = torch.empty(self.shard_nbytes * self.world_size, dtype=torch.uint8)
-            collectives.all_gather(full.view(torch.float64), shard.view(torch.float64), self.watch)
-        else:
-            full = shard
+        n, *crcs = self._hdr.unpack(bytes(blob[:self._hdr.size].numpy()))
+        doc = json.loads(bytes(blob[self._hdr.size:self._hdr.size + n].numpy()))
+        kept = scratch[:1 + self.k]
+        # a share is good if this process restored its own snapshot (not a replica pulled from a holder: that
+        # carries no shares) and its bytes match the CRC-32C taken with them
+        good = [not self._pulled and checksum(t.numpy()) == c for t, c in zip(kept, crcs)]
+        full = self._exchange_shares(kept, good)
         tensors = [None] * len(self.entries)
         for i in self._common:
             off, n = self._span[i]
             _, dtype, shape = self.entries[i]
             tensors[i] = full[off:off + n].view(dtype).reshape(shape)
         for pos, i in enumerate(self._unique):
-            tensors[i] = scratch[1 + pos]
+            tensors[i] = scratch[1 + self.k + pos]
         tree = _decode(doc["tree"], tensors)
         small = _decode(doc["small"], None)
         self._restoring = True
@@ -475,9 +506,46 @@ class Protected:
         self._queued = False
 
     # ---- the step ------------------------------------------------------------------------------------------------
-    def bind(self, rank: int, watch) -> None:
-        """This process is now training rank ``rank``; ``watch``: what the gradient all-reduce waits under."""
+    def _exchange_shares(self, kept: list[torch.Tensor], good: list[bool]) -> torch.Tensor:
+        """Every rank's share of the common state, at the restored step (pollable all-gathers of what each rank
+        kept and of which of it is good). Share j comes from rank j, else from a holder of rank j's replica.
+        Raises ReplicaError naming the share no live rank kept."""
+        from ..control.agreement import holders_of
+        from ..errors import ReplicaError
+
+        W, m = self.world_size, 1 + self.k
+        if W == 1:
+            if not good[0]:
+                raise ReplicaError("protect: the restored snapshot's share of the parameters and optimizer state "
+                                   "fails its checksum")
+            return kept[0]
+        flags = torch.zeros(W * m, dtype=torch.int64)
+        collectives.all_gather(flags, torch.tensor(good, dtype=torch.int64), self.watch)
+        every = torch.empty(W * m * self.shard_nbytes, dtype=torch.uint8)
+        collectives.all_gather(every.view(torch.float64), torch.cat(kept).view(torch.float64), self.watch)
+        every = every.view(W, m, self.shard_nbytes)
+        flags = flags.view(W, m).tolist()
+        P, nodes, k = self.ring
+        out = torch.empty(W * self.shard_nbytes, dtype=torch.uint8)
+        for j in range(W):
+            where = [(j, 0)] + [(h, 1 + _held_by(h, P, nodes, k).index(j)) for h in holders_of(j, P, nodes, k)] \
+                if k else [(j, 0)]
+            src = next(((r, i) for r, i in where if flags[r][i]), None)
+            if src is None:
+                raise ReplicaError(f"protect: rank {j}'s share of the parameters and optimizer state is lost: "
+                                   f"neither rank {j} nor a holder of its replica ({[r for r, _ in where[1:]]}) "
+                                   "kept a good copy")
+            out[j * self.shard_nbytes:(j + 1) * self.shard_nbytes] = every[src[0], src[1]]
+        return out
+
+    def bind(self, rank: int, watch, pulled: bool = False) -> None:
+        """This process is now training rank ``rank``; ``watch``: what the gradient all-reduce waits under;
+        ``pulled``: the state it restores next is a replica pulled from a holder (no shares of its own)."""
         self.rank, self.watch = rank, watch
+        self._pulled = pulled
+        if self.k:
+            P, nodes, k = self.ring
+            self.held = _held_by(rank, P, nodes, k)
         self._queued = False
         sampler = _distributed_sampler(self.dataloader) if self.dataloader is not None else None
         if sampler is not None:
@@ -523,6 +591,19 @@ class Protected:
         for p in self.inner.parameters():
             h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
+
+
+def _crc_pieces(pieces: list[torch.Tensor]) -> int:
+    crc = 0
+    for p in pieces:
+        crc = checksum(p.cpu().numpy(), crc)   # a CPU tensor as is; a GPU one through a host copy
+    return crc
+
+
+def _held_by(rank: int, P: int, nodes: int, k: int) -> list[int]:
+    from ..control.agreement import held_by
+
+    return held_by(rank, P, nodes, k)
 
 
 def _distributed_sampler(loader):
