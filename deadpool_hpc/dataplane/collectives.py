@@ -29,17 +29,27 @@ class Watch:
     beat: object = field(default=lambda: None)
 
 
-def wait(work, watch: Watch, poll: float = 0.0005) -> None:
+def wait(work, watch: Watch, poll: float = 0.005) -> None:
     """Wait for ``work`` (a torch.distributed Work). Raises PeerFailure if the failure flag is set first,
-    the collective itself errors (e.g. gloo: "Connection closed by peer"), or ``watch.timeout`` passes."""
+    the collective itself errors (e.g. gloo: "Connection closed by peer"), or ``watch.timeout`` passes.
+
+    The work's future (``Work.get_future``) wakes this wait the moment the collective completes; the failure flag,
+    the deadline and the watchdog's beat are looked at every ``poll`` seconds in between (a failure is noticed
+    within ``poll``). A work without a future is polled with ``is_completed`` at the same interval."""
     end = time.monotonic() + watch.timeout
     failure = watch.failure
+    done = threading.Event()
+    try:
+        work.get_future().add_done_callback(lambda _fut: done.set())
+    except (RuntimeError, AttributeError):  # a backend or work type without futures
+        pass
     while not work.is_completed():
-        if failure.wait(poll):
+        if failure.is_set():
             raise PeerFailure("a peer failed during a collective")
         watch.beat()
         if time.monotonic() > end:
             raise PeerFailure(f"a collective did not complete within {watch.timeout:.0f} s (no peer suspected)")
+        done.wait(poll)
     try:
         work.wait()
     except RuntimeError as exc:

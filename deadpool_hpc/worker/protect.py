@@ -37,8 +37,15 @@ iteration (so a rank that joins later would sum differently). So the reducer is 
 backward (an autograd engine callback queued by the first gradient) the gradients are averaged here: flattened in
 ``parameters()`` order, all-reduced with ``dataplane.collectives.all_reduce`` (issued async, polled against the
 failure flag and the collective timeout), divided by the world size, written back. A peer failure raises
-``PeerFailure`` out of ``loss.backward()``; ``ctx.run`` recovers. Before the optimizer updates (a step pre-hook),
-the replica of the current state must be committed, as for ZeRO.
+``PeerFailure`` out of ``loss.backward()``; ``ctx.run`` recovers.
+
+The commit. Before a rank joins the gradient all-reduce of step s (and again before the optimizer updates, a step
+pre-hook), its replica of step s must be committed at its holders. Waiting only before the update is not enough
+for DDP: nothing after the update synchronizes the ranks, so two ranks could finish step s and write snapshot s+1
+while a third, killed at that moment, never got its snapshot s to its holder; the survivors' two own slots then
+hold s and s+1, the lost rank's replica s-1 and s-2, and no step exists for every rank (seen in a test). With the
+wait before the all-reduce, which completes nowhere before every rank joined, every rank's s is committed before
+anyone updates past it (the ZeRO step gets the same from its all-gather after the update).
 """
 from __future__ import annotations
 
@@ -560,8 +567,11 @@ class Protected:
             torch.autograd.Variable._execution_engine.queue_callback(self._average_gradients)
 
     def _average_gradients(self) -> None:
-        """(end of backward) Sum every gradient over the ranks, pollably, and divide by the world size."""
+        """(end of backward) Sum every gradient over the ranks, pollably, and divide by the world size. First wait
+        for this rank's replica of the step to be committed: the all-reduce completes nowhere before every rank's is,
+        so no survivor can be more than one snapshot ahead of a lost rank's newest replica (module docstring)."""
         self._queued = False
+        self.before_update()
         by_dtype: dict[torch.dtype, list] = {}
         for p in self.params:
             by_dtype.setdefault(p.dtype, []).append(p)
