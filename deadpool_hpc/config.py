@@ -131,6 +131,11 @@ class RunConfig:
         return self.nodes * self.ranks_per_node
 
     @property
+    def replica_holders(self) -> int:
+        """K as placed: how many nodes hold each rank's snapshot (0 without replication or with one node)."""
+        return min(self.replicas, self.nodes - 1) if self.replicate else 0
+
+    @property
     def total_nodes(self) -> int:
         return self.nodes + self.spares
 

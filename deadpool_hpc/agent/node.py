@@ -236,7 +236,7 @@ class NodeAgent:
 
     def _configure(self, local: int) -> None:
         cfg, P, r = self.cfg, self.P, self.cp.train_rank(local)
-        k = min(cfg.replicas, cfg.nodes - 1) if cfg.replicate else 0
+        k = cfg.replica_holders
         rep = self.reps[local]
         if r is None or k <= 0:
             rep.configure(self.cp.generation, r, [], [])
@@ -435,8 +435,8 @@ class NodeAgent:
                 if rank != r and layout.local_nbytes:
                     # a replica carries no share of the data-parallel state (worker/protect.py): the lost rank's
                     # share is the one this rank kept for it, in its own snapshot of the cut step
-                    k = min(self.cfg.replicas, self.cfg.nodes - 1)
-                    kept = layout.views(rep.own.get(cut))[1 + held_by(r, self.P, self.cfg.nodes, k).index(rank)]
+                    held = held_by(r, self.P, self.cfg.nodes, self.cfg.replica_holders)
+                    kept = layout.views(rep.own.get(cut))[1 + held.index(rank)]
                     shard[0].copy_(kept)
                 persist.save_shard(self.checkpoint_dir, cut, rank, shard, rng)
         self.cp.barrier(f"saved{g}.{decision.coordinator}", self.cp.member_nodes, self.cfg.collective_timeout,

@@ -120,9 +120,9 @@ class Context:
 
         self._refuse_second("protect")
         cfg = self.config
-        k = min(cfg.replicas, cfg.nodes - 1) if cfg.replicate else 0   # as the agents place replicas
         self.opt = Protected(self.world_size, model, optimizer, scheduler, dataloader, extra,
-                             python_rng=python_rng, numpy_rng=numpy_rng, ring=(cfg.ranks_per_node, cfg.nodes, k))
+                             python_rng=python_rng, numpy_rng=numpy_rng,
+                             ring=(cfg.ranks_per_node, cfg.nodes, cfg.replica_holders))
         self.opt.before_update = self._before_update
 
     def _refuse_second(self, what: str) -> None:
@@ -179,7 +179,7 @@ class Context:
         self._role = role
         self._high_water = role.get("high_water", -1)
         self._join(first=True)
-        self._bind()
+        self.opt.bind(self.rank, self.watch)
         if role.get("resume"):
             self._load_checkpoint(role["resume"])
         self._snapshot()
@@ -360,7 +360,7 @@ class Context:
         t_rebuilt = time.time()
         if not role.get("serving"):
             self.faults.at_phase("restore", nth, self.rank)
-        self._bind(pulled=bool(role.get("pulled", promoted)))
+        self.opt.bind(self.rank, self.watch, pulled=bool(role.get("pulled", promoted)))
         slot = self.slots[role["slot"]]
         slot.step, slot.crc = role["cut_step"], role["crc"]
         rng = self.layout.read(slot, self._restore_targets())  # verifies the checksum the agent took
@@ -375,12 +375,6 @@ class Context:
         self.log.emit("recovered", generation=self.generation, rank=self.rank, promoted=promoted or was_rank is None,
                       t_fail=t_fail, t_agreed=role.get("t_agreed"), t_rebuilt=t_rebuilt, t_restored=t_restored,
                       cut_step=self.step, failed_nodes=role.get("failed_nodes"), round=nth, rss_bytes=_rss_bytes())
-
-    def _bind(self, pulled: bool = False) -> None:
-        if type(self.opt).__name__ == "Protected":
-            self.opt.bind(self.rank, self.watch, pulled=pulled)
-        else:
-            self.opt.bind(self.rank, self.watch)
 
     def _join(self, first: bool = False) -> None:
         from .client import AgentStore

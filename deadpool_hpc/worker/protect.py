@@ -60,7 +60,9 @@ import struct
 import torch
 from torch import nn
 
+from ..control.agreement import held_by, holders_of
 from ..dataplane import collectives
+from ..errors import ReplicaError
 from ..replica.snapshot import checksum
 
 BLOB_MIN = 64 << 10          # bytes reserved for the JSON document, at least
@@ -517,9 +519,6 @@ class Protected:
         """Every rank's share of the common state, at the restored step (pollable all-gathers of what each rank
         kept and of which of it is good). Share j comes from rank j, else from a holder of rank j's replica.
         Raises ReplicaError naming the share no live rank kept."""
-        from ..control.agreement import holders_of
-        from ..errors import ReplicaError
-
         W, m = self.world_size, 1 + self.k
         if W == 1:
             if not good[0]:
@@ -535,8 +534,7 @@ class Protected:
         P, nodes, k = self.ring
         out = torch.empty(W * self.shard_nbytes, dtype=torch.uint8)
         for j in range(W):
-            where = [(j, 0)] + [(h, 1 + _held_by(h, P, nodes, k).index(j)) for h in holders_of(j, P, nodes, k)] \
-                if k else [(j, 0)]
+            where = [(j, 0)] + [(h, 1 + held_by(h, P, nodes, k).index(j)) for h in holders_of(j, P, nodes, k)]
             src = next(((r, i) for r, i in where if flags[r][i]), None)
             if src is None:
                 raise ReplicaError(f"protect: rank {j}'s share of the parameters and optimizer state is lost: "
@@ -552,7 +550,7 @@ class Protected:
         self._pulled = pulled
         if self.k:
             P, nodes, k = self.ring
-            self.held = _held_by(rank, P, nodes, k)
+            self.held = held_by(rank, P, nodes, k)
         self._queued = False
         sampler = _distributed_sampler(self.dataloader) if self.dataloader is not None else None
         if sampler is not None:
@@ -608,12 +606,6 @@ def _crc_pieces(pieces: list[torch.Tensor]) -> int:
     for p in pieces:
         crc = checksum(p.cpu().numpy(), crc)   # a CPU tensor as is; a GPU one through a host copy
     return crc
-
-
-def _held_by(rank: int, P: int, nodes: int, k: int) -> list[int]:
-    from ..control.agreement import held_by
-
-    return held_by(rank, P, nodes, k)
 
 
 def _distributed_sampler(loader):

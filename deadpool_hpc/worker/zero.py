@@ -59,9 +59,10 @@ class ShardedAdamW:
         self.watch = None
         self.before_update = lambda: None
 
-    def bind(self, rank: int, watch) -> None:
+    def bind(self, rank: int, watch, pulled: bool = False) -> None:
         """Take shard ``rank`` (call again when the process is promoted or its rank changes); ``watch``: the
-        dataplane.collectives.Watch every collective of a step waits under."""
+        dataplane.collectives.Watch every collective of a step waits under. ``pulled`` (the state restored next came
+        from a replica) changes nothing here: the whole shard is in the replica."""
         self.rank = rank
         self.watch = watch
         lo = rank * self.shard
