@@ -5,6 +5,7 @@ median step time over its steps after a warm-up; the ratio is median(on) / media
 Also prints the bytes each rank replicates per step.
 
     .venv/bin/python benchmarks/overhead.py --rounds 5 --steps 120
+    .venv/bin/python benchmarks/overhead.py --rounds 5 --train-fn deadpool_hpc.train.demo:train_zero   # ZeRO-1
 """
 from __future__ import annotations
 
@@ -28,13 +29,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--train-fn", default=RunConfig.train_fn,
+                    help="module:function (default: the demo, ctx.protect; deadpool_hpc.train.demo:train_zero: ZeRO-1)")
     a = ap.parse_args()
     on, off, nbytes = [], [], None
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(a.rounds):
             for replicate in (True, False):
                 cfg = RunConfig(nodes=a.nodes, spares=1, steps=a.steps, replicate=replicate,
-                                run_dir=f"{tmp}/r{i}-{int(replicate)}").validate()
+                                train_fn=a.train_fn, run_dir=f"{tmp}/r{i}-{int(replicate)}").validate()
                 s = launch(cfg, timeout=600)
                 assert s["completed"], s
                 t = median_step_s(cfg.run_dir, a.warmup)

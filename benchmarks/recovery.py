@@ -28,6 +28,8 @@ def main() -> None:
     ap.add_argument("--kill", action="append", default=[], help="fault spec, repeatable (default node1@40)")
     ap.add_argument("--hang", action="append", default=[], help="SIGSTOP fault spec, repeatable")
     ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--train-fn", default=RunConfig.train_fn,
+                    help="module:function (default: the demo, ctx.protect; deadpool_hpc.train.demo:train_zero: ZeRO-1)")
     ap.add_argument("--hang-timeout", type=float, default=RunConfig.hang_timeout,
                     help="seconds without progress before a frozen training process is fenced (for --hang)")
     a = ap.parse_args()
@@ -36,6 +38,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(a.runs):
             cfg = RunConfig(nodes=a.nodes, spares=a.spares, steps=a.steps, run_dir=f"{tmp}/r{i}", replicas=a.replicas,
+                            train_fn=a.train_fn,
                             hang_timeout=a.hang_timeout, faults=[parse_fault(k, v) for k, v in specs]).validate()
             s = launch(cfg, timeout=600)
             assert s["completed"] and len(s["failures"]) == len(specs), s

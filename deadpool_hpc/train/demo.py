@@ -1,8 +1,8 @@
-"""The demo training function: the micro GPT on Shakespeare, ZeRO-1 AdamW, data parallel.
+"""The demo training function: the micro GPT on Shakespeare, DDP, torch.optim.AdamW, kept alive by ``ctx.protect``.
 
 This is what ``deadpool run`` trains by default, and the shape a user's own function takes:
-read its own settings from ``ctx.config.train_args``, build the model and data, get the optimizer from the
-context, and hand one step to ``ctx.run``. ``DemoConfig`` is the demo's settings; the launcher checks
+read its own settings from ``ctx.config.train_args``, build the model, optimizer, schedule and data as in any torch
+script, protect them (``ctx.protect``), and hand one step to ``ctx.run``. ``DemoConfig`` is the demo's settings; the launcher checks
 ``--train-arg`` values with it (``train.check_args``) before any process starts.
 """
 from __future__ import annotations
@@ -64,6 +64,42 @@ class DemoConfig:
 
 
 def train(ctx) -> None:
+    """The micro GPT in DistributedDataParallel, torch.optim.AdamW with a linear warm-up (LambdaLR), made to survive
+    with one call: ``ctx.protect(model, optimizer, scheduler)`` (docs/your-loop.md)."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from .corpus import Batches, load_tokens
+    from .model import GPT, GPTConfig
+
+    cfg = DemoConfig.from_args(ctx.config.train_args)
+    torch.manual_seed(cfg.seed)                                      # every process builds the same model
+    model = DDP(GPT(GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, d_model=cfg.d_model, context=cfg.context)))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = max(1, cfg.warmup_steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
+    ctx.protect(model, opt, sched)
+    data = Batches(load_tokens(), cfg.batch_size, cfg.context, cfg.seed)   # batch = f(step, rank)
+    tokens = cfg.batch_size * cfg.context
+
+    def step(s: int) -> dict:
+        x, y = data.get(s, ctx.rank)
+        _, loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        return {"loss": loss.item(), "tokens": tokens}
+
+    ctx.run(step)
+
+
+train.check_args = DemoConfig.from_args  # the launcher calls it on train_args before any process starts
+
+
+def train_zero(ctx) -> None:
+    """The same model and data with the built-in ZeRO-1 AdamW (``ctx.zero_adamw``: each rank's shard of the
+    parameters and AdamW state is what gets replicated): ``--train-fn deadpool_hpc.train.demo:train_zero``."""
     import torch
 
     from .corpus import Batches, load_tokens
@@ -86,4 +122,4 @@ def train(ctx) -> None:
     ctx.run(step)
 
 
-train.check_args = DemoConfig.from_args  # the launcher calls it on train_args before any process starts
+train_zero.check_args = DemoConfig.from_args
