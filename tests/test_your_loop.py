@@ -314,12 +314,17 @@ def test_protect_twice_is_refused(local_group):
         ctx.zero_adamw(model)
 
 
-def _ranks_payloads(prot, world):
-    """Each rank's snapshot payload (the DDP state is the same on every rank: one process plays them all)."""
-    def solid(t):   # a share is handed over as pieces (views of the live tensors)
-        return torch.cat([p.clone() for p in t]) if isinstance(t, list) else t.clone()
-
-    return [(prot.bind(r, None), [solid(t) for t in prot.state_tensors()])[1] for r in range(world)]
+def _ranks_payloads(prot, world, layout):
+    """Each rank's snapshot payload, as written into a slot (shares are handed over as views of the live tensors,
+    the JSON region as a function of the slot: the shares' CRCs are taken there), one solid tensor per entry. The
+    DDP state is the same on every rank: one process plays them all."""
+    out = []
+    for r in range(world):
+        prot.bind(r, None)
+        slot = Slot(layout.nbytes)
+        assert layout.write(slot, prot.state_tensors(), torch.get_rng_state(), step=0)
+        out.append([v.clone() for v in layout.views(slot)])
+    return out
 
 
 def test_ddp_state_stays_local_and_a_lost_rank_gets_its_share_from_its_holder(local_group, monkeypatch):
@@ -339,7 +344,7 @@ def test_ddp_state_stays_local_and_a_lost_rank_gets_its_share_from_its_holder(lo
     assert layout.local_nbytes == 2 * prot.shard_nbytes >= 2 * prot.common_nbytes / 3
     per_rank = sum(t.numel() * t.element_size() for t in prot.layout_tensors()[2:-1])   # the model's buffers
     assert layout.wire_nbytes == per_rank + prot.blob_nbytes + rng_n
-    payloads = _ranks_payloads(prot, 3)
+    payloads = _ranks_payloads(prot, 3, layout)
     for r in range(3):   # kept: own share, then the share of held_by(r) = r - 1
         shares = [torch.cat(prot._share(x, prot._collect()[0])) for x in (r, (r - 1) % 3)]
         assert all(torch.equal(a, b) for a, b in zip(payloads[r][:2], shares))

@@ -180,7 +180,9 @@ class StateLayout:
               should_stop=None, crc: bool = True) -> bool:
         """Copy ``tensors`` and ``rng`` (uint8) into ``slot``, checksum it, stamp it with ``step``. An entry of
         ``tensors`` may be a list of 1-D uint8 tensors instead: pieces copied one after the other into that
-        tensor's place (their sizes must add up to it), e.g. byte ranges of several live tensors.
+        tensor's place (their sizes must add up to it), e.g. byte ranges of several live tensors; or a callable
+        ``f(slot) -> tensor``, called when the copy reaches that entry (every entry before it is in ``slot`` then:
+        worker/protect.py checksums the shares it just wrote there).
 
         The copy and the CRC go chunk by chunk (``COPY_CHUNK`` bytes: each chunk is checksummed while
         it is still in cache). ``should_stop()`` is asked between chunks: if it turns true the slot is
@@ -193,7 +195,7 @@ class StateLayout:
         mv = memoryview(slot.buf)
         with torch.no_grad():
             dsts = self.views(slot) + [slot.tensor[self.state_nbytes:]]
-            for dst, src in _flat_pairs(dsts, list(tensors) + [rng]):
+            for dst, src in _flat_pairs(dsts, list(tensors) + [rng], slot):
                 pieces = _chunk_pairs(dst, src) if src.is_contiguous() else [(dst, src)]
                 for d, s in pieces:
                     if should_stop is not None and should_stop():
@@ -233,9 +235,12 @@ class StateLayout:
         return slot.tensor[self.state_nbytes:].clone()
 
 
-def _flat_pairs(dsts: list[torch.Tensor], srcs: list):
-    """(dst, src) pairs; a src that is a list of uint8 pieces becomes one pair per piece (dst: its byte range)."""
+def _flat_pairs(dsts: list[torch.Tensor], srcs: list, slot: Slot | None = None):
+    """(dst, src) pairs; a src that is a list of uint8 pieces becomes one pair per piece (dst: its byte range); a
+    callable src is called with ``slot`` only when the pairs before it have been consumed (copied)."""
     for dst, src in zip(dsts, srcs):
+        if callable(src):
+            src = src(slot)
         if not isinstance(src, (list, tuple)):
             yield dst, src
             continue

@@ -13,7 +13,8 @@ optimizer, and key the optimizer state by parameter name). The payload holds:
   step; see "Layout" below; a tensor shared by two names, a tied weight, is stored once). Parameters and optimizer
   state are the same on every DDP rank, so they are never sent: their bytes are cut into world_size *shares*, and
   rank r's own snapshot (the node's shared-memory slot) keeps share r plus the shares of the K ranks whose replica
-  it holds (``held_by``: the same ring as the replicas, control/agreement.py), each with its CRC-32C. This is the
+  it holds (``held_by``: the same ring as the replicas, control/agreement.py), each with its CRC-32C (taken by the
+  background copy over the bytes it wrote, ``StateLayout.write`` calling the JSON region's builder last). This is the
   payload's *local* prefix (``StateLayout.local_nbytes``). A restore all-gathers the shares, pollably: share j
   from rank j if rank j restored its own snapshot, else from a holder of rank j's replica, so a lost rank's share
   survives exactly when its replica does. The model's buffers, per rank, are held whole and replicated;
@@ -167,6 +168,7 @@ class Protected:
         self._restoring = False
         self._queued = False
         self._cache_sig, self._cache = None, None
+        self._pieces = None   # ((signature, owners), the shares' pieces): see state_tensors
         self.params = [p for p in self.inner.parameters() if p.requires_grad]
         self._sig_tensors = list(self.inner.parameters()) + list(self.inner.buffers())
         self._layout_from_dry_run()
@@ -362,15 +364,29 @@ class Protected:
             raise ValueError(f"protect: the non-tensor state is {len(doc)} bytes of JSON, more than the "
                              f"{self.blob_nbytes - self._hdr.size} reserved at protect() (4x its size then)")
         # this rank's share of the common state and the shares it keeps for others: byte ranges of the live tensors
-        # (the background copy reads them before the update, which waits for the commit), checksummed here
-        out = [self._share(r, found) for r in [self.rank] + self.held]
-        blob = torch.zeros(self.blob_nbytes, dtype=torch.uint8)
-        head = self._hdr.pack(len(doc), *(_crc_pieces(pieces) for pieces in out))
-        blob[:self._hdr.size] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-        blob[self._hdr.size:self._hdr.size + len(doc)] = torch.frombuffer(bytearray(doc), dtype=torch.uint8)
+        # (the background copy reads them before the update, which waits for the commit); the same views while the
+        # state's tensors are the same ones (``_signature``)
+        owners = [self.rank] + self.held
+        if sig is not None and self._pieces is not None and self._pieces[0] == (sig, owners):
+            out = list(self._pieces[1])
+        else:
+            out = [self._share(r, found) for r in owners]
+            self._pieces = ((sig, owners), out) if sig is not None else None
+            out = list(out)
         for i in self._unique:
             t = found.get(i)
             out.append(t.detach() if t is not None else torch.zeros(self.entries[i][2], dtype=self.entries[i][1]))
+        hdr, blob_nbytes, shard, m = self._hdr, self.blob_nbytes, self.shard_nbytes, len(owners)
+
+        def blob(slot) -> torch.Tensor:
+            """The JSON region, built by the background copy once the shares are in ``slot``: their CRC-32Cs are
+            taken there, off the training thread, over the bytes a restore will read."""
+            head = hdr.pack(len(doc), *(checksum(slot.tensor[i * shard:(i + 1) * shard].numpy()) for i in range(m)))
+            region = torch.zeros(blob_nbytes, dtype=torch.uint8)
+            region[:hdr.size] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+            region[hdr.size:hdr.size + len(doc)] = torch.frombuffer(bytearray(doc), dtype=torch.uint8)
+            return region
+
         return out + [blob]
 
     def _share(self, r: int, found: dict) -> list[torch.Tensor]:
@@ -454,7 +470,7 @@ class Protected:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         scratch, self._scratch = self._scratch, None
-        self._cache_sig, self._cache = None, None
+        self._cache_sig, self._cache, self._pieces = None, None, None
         blob = scratch[-1]
         n, *crcs = self._hdr.unpack(bytes(blob[:self._hdr.size].numpy()))
         doc = json.loads(bytes(blob[self._hdr.size:self._hdr.size + n].numpy()))
@@ -599,13 +615,6 @@ class Protected:
         for p in self.inner.parameters():
             h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
-
-
-def _crc_pieces(pieces: list[torch.Tensor]) -> int:
-    crc = 0
-    for p in pieces:
-        crc = checksum(p.cpu().numpy(), crc)   # a CPU tensor as is; a GPU one through a host copy
-    return crc
 
 
 def _distributed_sampler(loader):
