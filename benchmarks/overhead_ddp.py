@@ -7,7 +7,8 @@ of a step (from one step's end to the next's, rank 0) after a warm-up:
 - ``unreplicated``: the same with ``--no-replicate`` (the pollable gradient average and the step loop, no snapshots);
 - ``plain``: the plain torch loop of the example (``build`` + the same step), under torchrun, no deadpool at all.
 
-Also prints the bytes each rank replicates per step (each DDP rank replicates its own 1/world_size share of the parameters and optimizer state, plus what is unique to it: docs/your-loop.md).
+Also prints the bytes each rank replicates per step (what is unique to a rank: the DDP parameters and optimizer
+state stay in the ranks' own snapshots, docs/your-loop.md).
 
     .venv/bin/python benchmarks/overhead_ddp.py --rounds 3 --steps 60
 """
