@@ -399,3 +399,26 @@ def test_a_stateful_dataloader_resumes_where_it_was(local_group):
     restore(prot, layout, slot)
     it = iter(loader)
     assert [next(it).tolist() for _ in range(4)] == want
+
+
+def test_a_snapshot_reads_the_live_state_every_step_even_for_a_non_contiguous_parameter(local_group):
+    """The shares are handed to the copy as views of the live tensors, reused while the tensors stay the same; a
+    non-contiguous parameter's piece is a copy, so it must be taken afresh: a change made in place between two
+    snapshots is in the second."""
+    model = torch.nn.Linear(3, 4)
+    model.weight = torch.nn.Parameter(torch.randn(3, 4).t())   # non-contiguous, same storage from step to step
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prot = Protected(1, model, opt)
+    prot.bind(0, None)
+    first = snapshot(prot)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+        model.bias.add_(1.0)
+    want = [p.detach().clone() for p in model.parameters()]
+    layout, slot = snapshot(prot)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    restore(prot, layout, slot)
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), want))
+    assert first[1].tensor.ne(slot.tensor).any()

@@ -371,7 +371,9 @@ class Protected:
             out = list(self._pieces[1])
         else:
             out = [self._share(r, found) for r in owners]
-            self._pieces = ((sig, owners), out) if sig is not None else None
+            # only views can be reused: a non-contiguous tensor's piece is a copy, taken afresh every step
+            views = all(found[i].is_contiguous() for i in self._common if i in found)
+            self._pieces = ((sig, owners), out) if sig is not None and views else None
             out = list(out)
         for i in self._unique:
             t = found.get(i)
