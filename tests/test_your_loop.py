@@ -331,7 +331,8 @@ def test_ddp_state_stays_local_and_a_lost_rank_gets_its_share_from_its_holder(lo
     """DDP ranks hold the same parameters and optimizer state: none of it is sent. Rank r keeps its share r and the
     share of the rank whose replica it holds (r - 1 on a ring of 3 nodes); the replica carries buffers, JSON and RNG
     only. A spare restoring rank 1 from a replica (no shares of its own) gets share 1 from rank 2, which holds rank
-    1's replica; the restored state trains on bitwise like the original. The two all-gathers are played by the test."""
+    1's replica; the restored state trains on bitwise like the original. The two collectives (an all-gather of which
+    shares are good, an all-to-all of the missing ones) are played by the test."""
     from deadpool_hpc.errors import ReplicaError
     from deadpool_hpc.worker import protect as protect_mod
 
@@ -359,15 +360,21 @@ def test_ddp_state_stays_local_and_a_lost_rank_gets_its_share_from_its_holder(lo
 
     def play(lost):
         calls = []
+        s = prot.shard_nbytes
 
         def all_gather(out, inp, watch):
-            calls.append(inp.dtype)
-            if inp.dtype == torch.int64:   # which shares each rank kept good
-                assert inp.tolist() == [0, 0], "a rank restored from a replica has no good share"
-                out.copy_(torch.tensor([0 if r in lost else 1 for r in range(3) for _ in range(2)]))
-            else:
-                out.view(torch.uint8).copy_(torch.cat([torch.cat(p[:2]) for p in payloads]))
+            calls.append("all_gather")
+            assert inp.tolist() == [0, 0], "a rank restored from a replica has no good share"
+            out.copy_(torch.tensor([0 if r in lost else 1 for r in range(3) for _ in range(2)]))
+
+        def all_to_all(out, inp, out_splits, in_splits, watch):
+            # rank 1 sends nothing; it gets share 0 from rank 0 (its own, kept first) and shares 1 and 2 from
+            # rank 2, which keeps [2, 1]: each sender's shares in ascending order, senders in rank order
+            calls.append("all_to_all")
+            assert inp.numel() == 0 and in_splits == [0, 0, 0] and out_splits == [s, 0, 2 * s]
+            out.copy_(torch.cat([payloads[0][0], payloads[2][1], payloads[2][0]]))
         monkeypatch.setattr(protect_mod.collectives, "all_gather", all_gather)
+        monkeypatch.setattr(protect_mod.collectives, "all_to_all", all_to_all)
         prot.bind(1, None, pulled=True)
         torch.set_rng_state(layout.read(slot, prot.restore_targets()))
         return calls
@@ -377,7 +384,7 @@ def test_ddp_state_stays_local_and_a_lost_rank_gets_its_share_from_its_holder(lo
         prot.gather()
     calls = play(lost={1})
     prot.gather()
-    assert calls == [torch.int64, torch.float64]
+    assert calls == ["all_gather", "all_to_all"]
     prot.world_size = 1
     train_steps(model, opt, sched, 3, 2)
     assert torch.equal(digest(model), want)

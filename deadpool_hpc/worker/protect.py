@@ -15,8 +15,9 @@ optimizer, and key the optimizer state by parameter name). The payload holds:
   rank r's own snapshot (the node's shared-memory slot) keeps share r plus the shares of the K ranks whose replica
   it holds (``held_by``: the same ring as the replicas, control/agreement.py), each with its CRC-32C (taken by the
   background copy over the bytes it wrote, ``StateLayout.write`` calling the JSON region's builder last). This is the
-  payload's *local* prefix (``StateLayout.local_nbytes``). A restore all-gathers the shares, pollably: share j
-  from rank j if rank j restored its own snapshot, else from a holder of rank j's replica, so a lost rank's share
+  payload's *local* prefix (``StateLayout.local_nbytes``). A restore all-gathers which shares each rank kept good,
+  then moves only the missing ones in one all-to-all, pollably: share j from rank j if rank j restored its own
+  snapshot, else from a holder of rank j's replica, to every rank without a good copy of it, so a lost rank's share
   survives exactly when its replica does. The model's buffers, per rank, are held whole and replicated;
 - a JSON document (no pickle) of everything else: the optimizer's param groups (lr, betas, ...) and non-tensor
   state, the scheduler's, data loader's and ``extra``'s state dicts (their small tensors inline, base64), the
@@ -534,10 +535,11 @@ class Protected:
 
     # ---- the step ------------------------------------------------------------------------------------------------
     def _exchange_shares(self, kept: list[torch.Tensor], good: list[bool]) -> torch.Tensor:
-        """Every rank's share of the common state, at the restored step (pollable all-gathers of what each rank
-        kept and of which of it is good). Share j comes from rank j, else from a holder of rank j's replica.
-        Raises ReplicaError naming the share no live rank kept."""
-        W, m = self.world_size, 1 + self.k
+        """Every rank's share of the common state, at the restored step. A pollable all-gather of which kept
+        shares are good, then point-to-point transfers of only the shares a rank lacks: share j comes from rank j,
+        else from a holder of rank j's replica, and goes to every rank that kept no good copy of it (a survivor
+        lacks W - 1 - K shares, a promoted spare all W). Raises ReplicaError naming the share no live rank kept."""
+        W, m, shard = self.world_size, 1 + self.k, self.shard_nbytes
         if W == 1:
             if not good[0]:
                 raise ReplicaError("protect: the restored snapshot's share of the parameters and optimizer state "
@@ -545,20 +547,40 @@ class Protected:
             return kept[0]
         flags = torch.zeros(W * m, dtype=torch.int64)
         collectives.all_gather(flags, torch.tensor(good, dtype=torch.int64), self.watch)
-        every = torch.empty(W * m * self.shard_nbytes, dtype=torch.uint8)
-        collectives.all_gather(every.view(torch.float64), torch.cat(kept).view(torch.float64), self.watch)
-        every = every.view(W, m, self.shard_nbytes)
         flags = flags.view(W, m).tolist()
         P, nodes, k = self.ring
-        out = torch.empty(W * self.shard_nbytes, dtype=torch.uint8)
+        keeps = [[r] + held_by(r, P, nodes, k) for r in range(W)]   # the shares rank r keeps, in its kept order
+
+        def good_copy(r: int, j: int) -> int | None:
+            """Where in rank r's kept shares a good copy of share j is (None: r has none)."""
+            return next((i for i, jj in enumerate(keeps[r]) if jj == j and flags[r][i]), None)
+
+        out = torch.empty(W * shard, dtype=torch.uint8)
+        to, frm = [[] for _ in range(W)], [[] for _ in range(W)]   # share ids sent to / received from each rank
         for j in range(W):
-            where = [(j, 0)] + [(h, 1 + held_by(h, P, nodes, k).index(j)) for h in holders_of(j, P, nodes, k)]
-            src = next(((r, i) for r, i in where if flags[r][i]), None)
+            src = next((r for r in [j] + holders_of(j, P, nodes, k) if good_copy(r, j) is not None), None)
             if src is None:
                 raise ReplicaError(f"protect: rank {j}'s share of the parameters and optimizer state is lost: "
-                                   f"neither rank {j} nor a holder of its replica ({[r for r, _ in where[1:]]}) "
+                                   f"neither rank {j} nor a holder of its replica ({holders_of(j, P, nodes, k)}) "
                                    "kept a good copy")
-            out[j * self.shard_nbytes:(j + 1) * self.shard_nbytes] = every[src[0], src[1]]
+            mine = good_copy(self.rank, j)
+            if mine is not None:
+                out[j * shard:(j + 1) * shard] = kept[mine]
+            elif src != self.rank:
+                frm[src].append(j)
+            if src == self.rank:
+                for q in range(W):
+                    if q != src and good_copy(q, j) is None:
+                        to[q].append(j)
+        send = [kept[good_copy(self.rank, j)] for q in range(W) for j in to[q]]
+        inp = torch.cat(send) if send else torch.empty(0, dtype=torch.uint8)
+        got = torch.empty(sum(len(f) for f in frm) * shard, dtype=torch.uint8)
+        collectives.all_to_all(got, inp, [len(f) * shard for f in frm], [len(t) * shard for t in to], self.watch)
+        pos = 0
+        for q in range(W):
+            for j in frm[q]:
+                out[j * shard:(j + 1) * shard] = got[pos:pos + shard]
+                pos += shard
         return out
 
     def bind(self, rank: int, watch, pulled: bool = False) -> None:
