@@ -37,6 +37,8 @@ from .topology import ring_neighbours, tree_children
 
 TAG_CONTROL = 7
 TREE_KINDS = ("suspect", "teardown")  # notices disseminated along a tree (topology.py), not sent to every peer
+# a recovery's decision travels down the same kind of tree from its coordinator (control/plane.py)
+TREE_DECISION = "decision"
 
 
 MPI_IDLE_POLL_S = 0.5     # seconds between runs of MPI's progress engine in a quiet agent (waker.py)
@@ -163,9 +165,10 @@ class Agent(threading.Thread):
         self.send_many([p for p in self.alive() if p != self.me or include_self], kind, body)
 
     def disseminate(self, kind: str, body: dict) -> None:
-        """Start notice ``kind`` (one of TREE_KINDS) at this agent: it reaches every live agent along a binomial
-        tree (topology.tree_children), N - 1 messages in all and O(log N) hops."""
-        self.notice_g = max(self.notice_g, self.generation)
+        """Start notice ``kind`` (one of TREE_KINDS, or TREE_DECISION) at this agent: it reaches every live agent
+        along a binomial tree (topology.tree_children), N - 1 messages in all and O(log N) hops."""
+        if kind != TREE_DECISION:
+            self.notice_g = max(self.notice_g, self.generation)
         self._forward(kind, dict(body, origin=self.me))
 
     def _forward(self, kind: str, body: dict) -> None:
@@ -381,6 +384,8 @@ class Agent(threading.Thread):
             self.on_notice()
 
     def _handle_control(self, src: int, kind: str, body: dict) -> None:
+        if kind == TREE_DECISION and "origin" in body:   # passed on first, then read by the main thread
+            self._forward(kind, body)
         if kind in TREE_KINDS:
             body.setdefault("origin", src)
             if kind == "suspect" or int(body.get("g", -1)) >= self.generation:  # a stale teardown tells nothing

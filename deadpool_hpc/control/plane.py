@@ -14,14 +14,19 @@ thread when a member died after reporting (issue 11, item 1). Agreement and barr
 control messages; every wait has a deadline and watches the failure flag, and a failure at any moment of a
 recovery starts the next round.
 
-Agreement (DESIGN.md "Recovery"), one *round*: every process that leaves its generation broadcasts
-``teardown``. The coordinator, the lowest-ranked live process, asks every live process for its report
-(``collect``, with a fresh round id) and waits for each ``ready`` (a live process that does not answer
-within ``ready_timeout`` seconds has a stuck training thread: it is suspected). Once all live processes
-have answered and no suspicion arrived for ``settle`` seconds, it takes the newest view among the reports
-(the assignment of the highest applied generation: some members may have applied a decision others never
-received), runs ``agreement.decide``, hosts the new generation's store, and sends ``decision`` to every
-member. If the coordinator is suspected meanwhile, the next lowest takes over with a new round. A process
+Agreement (DESIGN.md "Recovery"), one *round*: a process that leaves its generation without having heard of the
+failure disseminates ``teardown``. Every live process sends its report (``ready``) unasked to the coordinator,
+the lowest-ranked live process in its view, as soon as it starts to recover, and again to a new coordinator if
+that one is suspected. The coordinator asks only the processes whose report is still missing ``collect_after``
+seconds into its round (``collect``, with a fresh round id: the failure notice may not have reached them), and
+waits for every ``ready`` (a live process that does not answer within ``ready_timeout`` seconds has a stuck
+training thread: it is suspected). Once all live processes have reported and no suspicion arrived for
+``settle`` seconds, it takes the newest view among the reports (the assignment of the highest applied
+generation: some members may have applied a decision others never received), runs ``agreement.decide``, hosts
+the new generation's store, and disseminates ``decision`` down a binomial tree over the live agents (each agent
+passes it on before reading it: O(log N) hops, no agent sends more than log2 N copies). If the coordinator is
+suspected meanwhile, the next lowest takes over with a new round. A forwarder that dies unnoticed cuts its
+subtree off this decision; its death is a failure, and the next round's decision reaches them. A process
 accepts a decision newer than its generation from an unsuspected coordinator; if its waiting exceeds
 ``recovery_timeout`` it gives up with RecoveryTimeout (a clear exit, never a hang).
 """
@@ -97,8 +102,11 @@ class ControlPlane:
         self.generation = 0
         # seconds the recovery's and the barriers' loops wait for a control message (or, through their ``wait``, a
         # local event) before they look again: an event ends the wait at once, so this only bounds the latency of
-        # what rings nothing; shorter costs CPU in every agent of a large job at once (issue 8)
-        self.poll_s = 0.1
+        # what rings nothing; shorter costs CPU in every agent of a large job at once (issue 8). What a waiting agent
+        # acts on all rings: a control message or a suspicion (the agent thread's on_notice), a training process's
+        # exit (its channel socket closes). At 0.1 s the 255 waiting agents of the 256-agent study spent about 1.3
+        # s of CPU per second of recovery in these wake-ups, on the two cores the recovery itself needed
+        self.poll_s = 1.0
         self.handlers = dict(handlers or {})
         W = active_nodes * ranks_per_node
         self.assignment = list(range(W))
@@ -112,6 +120,10 @@ class ControlPlane:
         self._round = 0
         self._collects: dict[int, tuple] = {}        # coordinator MPI rank -> (its newest round id, its generation)
         self._ready: dict[tuple, dict[int, dict]] = {}  # round id -> {MPI rank: ready body}
+        self._auto: dict[int, dict] = {}              # MPI rank -> the report it sent unasked (its newest)
+        # seconds a coordinator waits for the reports sent unasked before it asks the agents still missing
+        # (``collect``): those the failure notice did not reach (a forwarder died unnoticed) or did not wake
+        self.collect_after = 0.5
         self._decisions: dict[int, tuple[int, Decision | RoundFailure]] = {}
         self._sync: dict[str, set[int]] = {}
         self._finish: dict | None = None
@@ -220,10 +232,14 @@ class ControlPlane:
                 if int(body["g"]) >= self.generation:  # a collect from before our last decision is stale
                     self._collects[src] = (body["round"], int(body["g"]))
             elif kind == "ready":
-                self._ready.setdefault(tuple(body["round"]), {})[src] = body
+                if body["round"][0] == "auto":   # sent unasked, as soon as the sender began to recover
+                    self._auto[src] = body
+                else:
+                    self._ready.setdefault(tuple(body["round"]), {})[src] = body
             elif kind == "decision":
                 d = decision_from_wire(body)  # ValueError naming the bad key: a bug, not a fault to tolerate
-                self._decisions[d.generation] = (src, d)
+                # it may come through a forwarder of the tree: the coordinator is the one that must be unsuspected
+                self._decisions[d.generation] = (src if d.coordinator is None else d.coordinator, d)
             elif kind == "sync":
                 self._sync.setdefault(body["tag"], set()).add(src)
             elif kind == "finish":
@@ -282,6 +298,7 @@ class ControlPlane:
         answered: dict[int, list] = {}
         my_round = None
         told = False
+        auto_to = None
         while True:
             self.pump(0)
             tick()
@@ -302,6 +319,12 @@ class ControlPlane:
                     break
             else:
                 my_round = None
+                if auto_to != alive[0]:   # report at once to the coordinator-to-be: no collect round trip
+                    auto_to = alive[0]
+                    self.agent.send(auto_to, "ready", self._ready_body(["auto", self.generation], report))
+                    if not told:
+                        told = True
+                        on_phase("agree")
                 for src, (rid, _g) in list(self._collects.items()):
                     if src in alive and answered.get(src) != rid:
                         self.agent.send(src, "ready", self._ready_body(rid, report))
@@ -333,10 +356,12 @@ class ControlPlane:
                 "spare_nodes": self.spare_nodes}
 
     def _start_round(self, alive: list[int]) -> tuple:
+        """A new round with this agent as coordinator. The reports come unasked (``recover``); ``_coordinate``
+        asks the agents still missing ``collect_after`` seconds from now."""
         self._round += 1
         rid = (self.me, self._round)
         self._round_t0 = time.monotonic()
-        self.agent.send_many([p for p in alive if p != self.me], "collect", {"round": list(rid), "g": self.generation})
+        self._collected = False
         return rid
 
     def _take_decision(self) -> Decision | RoundFailure | None:
@@ -354,7 +379,15 @@ class ControlPlane:
         ready = self._ready.setdefault(rid, {})
         if self.me not in ready:
             ready[self.me] = self._ready_body(list(rid), report)
+        if self._auto:
+            for src, body in self._auto.items():
+                ready.setdefault(src, body)
+            self._auto.clear()
         now = time.monotonic()
+        if not self._collected and len(ready) < len(alive) and now - self._round_t0 >= self.collect_after:
+            self._collected = True
+            self.agent.send_many([p for p in alive if p not in ready], "collect",
+                                 {"round": list(rid), "g": self.generation})
         if len(ready) < len(alive) and now - self._round_t0 <= self.ready_timeout:
             return None  # someone is missing for sure: the O(N) look below waits for the last report
         missing = [p for p in alive if p not in ready]
@@ -385,7 +418,7 @@ class ControlPlane:
         decision = dataclasses.replace(decision, coordinator=self.me, t_decided=time.time(),
                                        first_suspicion=self.first_suspicion)
         wire = decision.to_wire()
-        self.agent.send_many([n for n in sorted({m // P for m in decision.members}) if n != self.me], "decision", wire)
+        self.agent.disseminate("decision", wire)   # down a tree over the live agents: O(log N) hops
         self._ready.pop(rid, None)
         self.log.emit("decision", **{k: wire.get(k) for k in (
             "generation", "failed_nodes", "promoted", "replaced", "sources", "cut_step", "exhausted", "reason", "recomputed_steps",
@@ -410,6 +443,8 @@ class ControlPlane:
         if any(self.agent.is_suspected(n) for n in self.member_nodes):
             self.agent.failure.set()
         self._decisions = {k: v for k, v in self._decisions.items() if k > g}
+        # a report sent unasked before this decision belongs to a round now over
+        self._auto = {src: b for src, b in self._auto.items() if b["applied"] >= g}
         # a collect sent from generation g already asks for the next round: keep it
         self._collects = {src: c for src, c in self._collects.items() if c[1] >= g}
 

@@ -118,10 +118,11 @@ def critical_path(rows: list[dict]) -> dict:
     - hop: one tree hop (a message, a wake-up, a decode), from the sizes whose agents all fit the cores (N <= 16):
       dissemination time / ceil(log2 N);
     - coordinator: its CPU for one recovery round, fitted to a + b*N over every size (its work is O(N): N reports
-      in, one decision out to N agents).
+      in, one decision out).
 
-    Control-plane time at N agents: detect + (ceil(log2 N) + 3) hops (dissemination, collect, ready, decision) +
-    the coordinator's CPU at N.
+    Control-plane time at N agents: detect + (2 ceil(log2 N) + 1) hops + the coordinator's CPU at N: the suspicion
+    down a tree (ceil(log2 N) hops), each agent's report straight to the coordinator as soon as it knows (1 hop
+    after the last agent knows; no collect round trip), the decision down a tree (ceil(log2 N) hops).
     """
     ring = [r for r in rows if r.get("topology") == "ring" and "crash_total_s" in r]
     small = [r for r in ring if r["n"] <= 16] or ring[:1]
@@ -132,7 +133,7 @@ def critical_path(rows: list[dict]) -> dict:
 
 
 def control_plane_s(model: dict, n: int) -> float:
-    return model["detect_s"] + (math.ceil(math.log2(n)) + 3) * model["hop_s"] + predict(model["coordinator_s"], n)
+    return model["detect_s"] + (2 * math.ceil(math.log2(n)) + 1) * model["hop_s"] + predict(model["coordinator_s"], n)
 
 
 def project(model: dict) -> dict:
