@@ -122,8 +122,11 @@ class ControlPlane:
         self._ready: dict[tuple, dict[int, dict]] = {}  # round id -> {MPI rank: ready body}
         self._auto: dict[int, dict] = {}              # MPI rank -> the report it sent unasked (its newest)
         # seconds a coordinator waits for the reports sent unasked before it asks the agents still missing
-        # (``collect``): those the failure notice did not reach (a forwarder died unnoticed) or did not wake
-        self.collect_after = 0.5
+        # (``collect``): those the failure notice did not reach (a forwarder died unnoticed). Not sooner: at 256
+        # agents on 2 cores the notice takes ~0.5 s to reach everyone, and a collect to an agent whose report is
+        # on its way doubles the coordinator's load; at 0.5 s the coordinator of a freeze recovery was starved
+        # so long that its own heartbeats stopped (it was suspected, a false failure)
+        self.collect_after = 2.0
         self._decisions: dict[int, tuple[int, Decision | RoundFailure]] = {}
         self._sync: dict[str, set[int]] = {}
         self._finish: dict | None = None
