@@ -384,7 +384,9 @@ class ControlPlane:
             ready[self.me] = self._ready_body(list(rid), report)
         if self._auto:
             for src, body in self._auto.items():
-                ready.setdefault(src, body)
+                old = ready.get(src)
+                if old is None or body["applied"] > old["applied"]:   # a newer report replaces an older one
+                    ready[src] = body
             self._auto.clear()
         now = time.monotonic()
         if not self._collected and len(ready) < len(alive) and now - self._round_t0 >= self.collect_after:
