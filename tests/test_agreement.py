@@ -5,7 +5,7 @@ import json
 import pytest
 
 from deadpool_hpc.control.agreement import decide, held_by, holders_of
-from deadpool_hpc.control.decision import Decision, RoundFailure, decision_from_wire
+from deadpool_hpc.control.decision import Decision, RoundFailure, decision_from_wire, from_int_runs, int_runs
 from deadpool_hpc.errors import ReplicaError
 
 
@@ -134,7 +134,7 @@ def _decision():
 def test_decision_round_trips_through_json():
     d = _decision()
     wire = json.loads(json.dumps(d.to_wire()))  # what a control message carries
-    assert wire["sources"] == {"1": 2} and wire["assignment"] == [0, 3, 2]
+    assert wire["sources"] == {"1": 2} and wire["assignment"] == [[0, 1], [3, 1], [2, 1]]   # runs of ids
     back = decision_from_wire(wire)
     assert back == d and isinstance(back, Decision)
     assert back.sources == {1: 2} and back.promoted == {1: 3} and back.replaced == {1: 3}
@@ -149,6 +149,8 @@ def test_decision_round_trips_through_json():
     (lambda w: w.pop("cut_step"), "lacks key 'cut_step'"),
     (lambda w: w.update(sources={"one": 2}), "key 'sources'"),
     (lambda w: w.update(assignment=[0, "3", 2]), "key 'assignment'"),
+    (lambda w: w.update(assignment=[[0, 1], [3, 0]]), "key 'assignment'"),     # a run of no ids
+    (lambda w: w.update(members=[[0, 1 << 30]]), "key 'members'.* more than"),  # a list no job has
     (lambda w: w.update(exhausted=0), "key 'exhausted'"),
     (lambda w: w.update(generation=True), "key 'generation'"),
 ])
@@ -159,3 +161,29 @@ def test_bad_wire_decision_names_the_key(change, match):
         Decision.from_wire(wire)
     with pytest.raises(ValueError, match="lacks key 'message'"):
         decision_from_wire({"generation": 1, "error": "ReplicaError"})
+
+
+def test_ids_travel_as_runs_and_come_back_in_order():
+    for ids in ([], [5], [0, 1, 2, 7, 3], list(range(100)) + [200] + list(range(101, 150)), [3, 2, 1]):
+        assert from_int_runs(int_runs(ids)) == tuple(ids)
+    assert int_runs([0, 1, 2, 7, 3]) == [[0, 3], [7, 1], [3, 1]]
+
+
+def test_a_decision_for_8192_ranks_fits_a_control_message():
+    """1,024 nodes x 8 ranks, one node lost and swapped for a spare: written out id by id its assignment and members
+    made the decision 80 KB, over the 64 KiB a control message may carry (wire.MAX_MESSAGE_BYTES); as runs, a few
+    hundred bytes."""
+    from deadpool_hpc.control import wire
+
+    P, nodes = 8, 1024
+    W = nodes * P
+    reps = {m: {"own_rank": m, "own": [0], "held": {str(((m // P - 1) % nodes) * P + m % P): [0]}, "done_step": 0}
+            for m in range(W) if m // P != 3}
+    reps.update({m: {} for m in range(W, W + 2 * P)})
+    d = decide(generation=1, ranks_per_node=P, assignment=list(range(W)), spare_nodes=[nodes, nodes + 1],
+               failed=set(range(3 * P, 4 * P)), reports=reps)
+    msg = wire.encode("decision", d.to_wire(), b"k" * 32)
+    assert len(msg) < 4096
+    kind, body = wire.decode(msg, len(msg), b"k" * 32)
+    assert decision_from_wire(body) == d and d.assignment[3 * P:4 * P] == tuple(range(W, W + P))
+

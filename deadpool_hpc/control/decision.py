@@ -8,7 +8,9 @@ message (``to_wire`` / ``from_wire``; no pickle on the wire). Does not own how a
 Ids, as in agreement.py: a *training rank* r in 0..world_size-1; a *virtual process* m = node * P + local
 (the id the control plane works in); a *node* n = m // P, which is also the node agent's MPI rank. JSON has
 only string object keys, so the maps keyed by an int are keyed by ``str(int)`` on the wire; ``from_wire``
-turns them back, so nothing past this module sees a string key.
+turns them back, so nothing past this module sees a string key. The lists of ids travel as runs of consecutive
+ids (``int_runs``): an assignment or a member list is O(N) ids but a few runs, and a decision for 8,192 ranks
+written out id by id (80 KB) exceeded the control plane's 64 KiB message limit (wire.py).
 """
 from __future__ import annotations
 
@@ -39,9 +41,37 @@ def _opt_float(d, key, what):
     return None if v is None else float(v)
 
 
+MAX_IDS = 1 << 24   # ids in one list on the wire: far above any job, low enough that a bad message cannot exhaust memory
+
+
+def int_runs(ids) -> list[list[int]]:
+    """``ids`` (ints) as runs ``[[first, count], ...]`` of consecutive increasing ids, in order: [0, 1, 2, 7, 3]
+    -> [[0, 3], [7, 1], [3, 1]]. ``from_int_runs`` is the inverse."""
+    out: list[list[int]] = []
+    for i in ids:
+        if out and out[-1][0] + out[-1][1] == i:
+            out[-1][1] += 1
+        else:
+            out.append([i, 1])
+    return out
+
+
+def from_int_runs(runs, what: str = "a list of ids") -> tuple[int, ...]:
+    """The ids of ``int_runs`` output. Raises ValueError naming ``what`` when ``runs`` is not a list of
+    ``[first, count]`` pairs of ints with count >= 1 and at most MAX_IDS ids in all."""
+    if not isinstance(runs, (list, tuple)) or not all(
+            isinstance(r, (list, tuple)) and len(r) == 2 and _is_int(r[0]) and _is_int(r[1]) and r[1] >= 1
+            for r in runs):
+        raise ValueError(f"{what} on the wire is {str(runs)[:80]!r}; expected runs [[first, count >= 1], ...]")
+    if sum(r[1] for r in runs) > MAX_IDS:
+        raise ValueError(f"{what} on the wire has more than {MAX_IDS} ids")
+    return tuple(i for first, count in runs for i in range(first, first + count))
+
+
 def _ints(d, key, what) -> tuple[int, ...]:
-    return tuple(_req(d, key, what, lambda x: isinstance(x, (list, tuple)) and all(_is_int(i) for i in x),
-                      "a list of ints"))
+    if key not in d:
+        raise ValueError(f"{what} on the wire lacks key {key!r}")
+    return from_int_runs(d[key], f"{what}: key {key!r}")
 
 
 def _int_map(d, key, what) -> dict[int, int]:
@@ -106,10 +136,10 @@ class Decision:
     first_suspicion: float | None = None
 
     def to_wire(self) -> dict:
-        """A JSON-safe dict: lists for tuples, string keys for the int-keyed maps."""
+        """A JSON-safe dict: runs of ids (``int_runs``) for the tuples, string keys for the int-keyed maps."""
         d = dataclasses.asdict(self)
         for k in ("failed_nodes", "fenced", "assignment", "spare_nodes", "members"):
-            d[k] = list(d[k])
+            d[k] = int_runs(d[k])
         for k in ("promoted", "replaced", "sources"):
             d[k] = {str(r): v for r, v in d[k].items()}
         return d
@@ -179,7 +209,7 @@ class RoundFailure:
     def to_wire(self) -> dict:
         d = dataclasses.asdict(self)
         for k in ("members", "failed_nodes", "fenced"):
-            d[k] = list(d[k])
+            d[k] = int_runs(d[k])
         return d
 
     @classmethod

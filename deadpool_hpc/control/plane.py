@@ -44,7 +44,7 @@ from . import fence as fencing
 from . import pmi_relay
 from .agent import Agent
 from .agreement import decide
-from .decision import Decision, RoundFailure, decision_from_wire
+from .decision import Decision, RoundFailure, decision_from_wire, from_int_runs, int_runs
 from .waker import Waker
 
 _HELLO_BYTES = 512
@@ -355,8 +355,8 @@ class ControlPlane:
         return self.agent.alive()
 
     def _ready_body(self, rid, report: dict) -> dict:
-        return {"round": rid, "report": report, "applied": self.generation, "assignment": self.assignment,
-                "spare_nodes": self.spare_nodes}
+        return {"round": rid, "report": report, "applied": self.generation, "assignment": int_runs(self.assignment),
+                "spare_nodes": self.spare_nodes}   # the assignment as runs of ids: O(N) ids, a few runs
 
     def _start_round(self, alive: list[int]) -> tuple:
         """A new round with this agent as coordinator. The reports come unasked (``recover``); ``_coordinate``
@@ -407,11 +407,12 @@ class ControlPlane:
         view = max((ready[n] for n in alive), key=lambda b: b["applied"])
         g = view["applied"] + 1
         P = self.P
-        in_job = set(view["assignment"]) | {n * P + i for n in view["spare_nodes"] for i in range(P)}
+        assignment = list(from_int_runs(view["assignment"], "a recovery report's assignment"))
+        in_job = set(assignment) | {n * P + i for n in view["spare_nodes"] for i in range(P)}
         failed = {m for n in range(self.size) if self.agent.is_suspected(n) for m in self.procs(n) if m in in_job}
         reports = {int(m): rep for n in alive for m, rep in ready[n]["report"].items()}
         try:
-            decision = decide(generation=g, ranks_per_node=P, assignment=view["assignment"],
+            decision = decide(generation=g, ranks_per_node=P, assignment=assignment,
                               spare_nodes=view["spare_nodes"], failed=failed, reports=reports,
                               preempt=self.agent.preempted.is_set(), replicas=self.replicas)
         except Exception as exc:  # tell everybody, then raise the same error everywhere
@@ -425,7 +426,7 @@ class ControlPlane:
         wire = decision.to_wire()
         self.agent.disseminate("decision", wire)   # down a tree over the live agents: O(log N) hops
         self._ready.pop(rid, None)
-        self.log.emit("decision", **{k: wire.get(k) for k in (
+        self.log.emit("decision", **{k: wire.get(k) if k != "failed_nodes" else list(decision.failed_nodes) for k in (
             "generation", "failed_nodes", "promoted", "replaced", "sources", "cut_step", "exhausted", "reason", "recomputed_steps",
             "store", "t_decided", "first_suspicion", "error", "message")})
         return decision
