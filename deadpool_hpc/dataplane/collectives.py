@@ -64,7 +64,6 @@ def all_gather(out, inp, watch: Watch) -> None:
     wait(dist.all_gather_single(out, inp, async_op=True), watch)
 
 
-
 def all_to_all(out, inp, out_splits: list[int], in_splits: list[int], watch: Watch) -> None:
     """``torch.distributed.all_to_all_single`` with split sizes (elements sent to / received from each rank, in
     rank order), waited on like ``wait``. (gloo's point-to-point works have no future and never report

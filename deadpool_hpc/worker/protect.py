@@ -536,7 +536,7 @@ class Protected:
     # ---- the step ------------------------------------------------------------------------------------------------
     def _exchange_shares(self, kept: list[torch.Tensor], good: list[bool]) -> torch.Tensor:
         """Every rank's share of the common state, at the restored step. A pollable all-gather of which kept
-        shares are good, then point-to-point transfers of only the shares a rank lacks: share j comes from rank j,
+        shares are good, then one all-to-all that moves only the shares a rank lacks: share j comes from rank j,
         else from a holder of rank j's replica, and goes to every rank that kept no good copy of it (a survivor
         lacks W - 1 - K shares, a promoted spare all W). Raises ReplicaError naming the share no live rank kept."""
         W, m, shard = self.world_size, 1 + self.k, self.shard_nbytes
