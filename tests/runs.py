@@ -1,4 +1,6 @@
-"""Shared by the tests that launch local runs: launch one, then check that none of its processes outlived it."""
+"""Shared by the tests that launch local runs: launch one, then check that none of its processes outlived it
+and that it left no MPI shared-memory segment in /dev/shm (which is memory)."""
+import glob
 import os
 
 from deadpool_hpc.config import RunConfig, parse_fault
@@ -12,10 +14,30 @@ def faults(*specs: str) -> list:
     return [parse_fault(kind, spec) for kind, spec in (s.split(" ") for s in specs)]
 
 
+def _mpi_segments() -> set[str]:
+    return set(glob.glob("/dev/shm/mpich_shm_*"))
+
+
+def _mapped_anywhere() -> set[str]:
+    """Paths under /dev/shm that some live process maps (another job's segments are not ours to judge)."""
+    out = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                out.update(line.split()[-1] for line in f if "/dev/shm/" in line)
+        except OSError:
+            pass
+    return out
+
+
 def launch_reaped(cfg: RunConfig, timeout: float) -> dict:
-    """``launch(cfg)``; whatever happened, no process that said hello in the run may be left alive."""
+    """``launch(cfg)``; whatever happened, no process that said hello in the run may be left alive, and no MPICH
+    segment may be left in /dev/shm by it (control/plane.py:unlink_mpi_shm)."""
+    before = _mpi_segments()
     summary = launch(cfg, timeout=timeout)
     for e in read_events(os.path.join(cfg.run_dir, "events.jsonl")):
         if e["event"] == "hello":
             assert not is_alive(e), f"pid {e['pid']} ({e.get('role')}) outlived the run"
+    left = _mpi_segments() - before - _mapped_anywhere()
+    assert not left, f"the run left MPI shared-memory segments in /dev/shm: {sorted(left)}"
     return summary

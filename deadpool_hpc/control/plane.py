@@ -65,6 +65,30 @@ def _mpi():
     return MPI
 
 
+def unlink_mpi_shm(maps: str = "/proc/self/maps") -> list[str]:
+    """Remove the names of the MPICH shared-memory segments this process maps (``/dev/shm/mpich_shm_*``); the
+    mappings stay valid. Returns the paths removed.
+
+    Call it once every local process has finished ``MPI_Init`` (after a collective over ``COMM_WORLD``): MPICH
+    attaches these segments by name only during init, and unlinks them only in ``MPI_Finalize``, which an agent never
+    calls (it leaves with ``os._exit``: peers may be dead). Measured here (MPICH 5.0.2 wheel): each agent left one
+    1 MB segment (16 MB in larger runs) in ``/dev/shm`` per run, killed or not; a day of tests had left 12,516 of them,
+    14 GB of the machine's 24 GB of memory, since ``/dev/shm`` is memory."""
+    removed = []
+    try:
+        with open(maps) as f:
+            paths = {line.split()[-1] for line in f if "/dev/shm/mpich_shm_" in line and not line.rstrip().endswith("(deleted)")}
+    except OSError:
+        return removed
+    for path in sorted(paths):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:  # another local process of the job removed it first
+            pass
+    return removed
+
+
 class ControlPlane:
     """One node agent's view of the job's membership.
 
@@ -115,6 +139,7 @@ class ControlPlane:
         self.waker = Waker(host, secret)
         self.idents = self._exchange_identities({**(extra_identity or {}), "wake": self.waker.address,
                                                  "hb": self.waker.hb_address})
+        unlink_mpi_shm()  # every agent is past MPI_Init: the exchange above was a collective over COMM_WORLD
         self._wire_up()
         self.coordinator: int | None = None  # of the last applied decision
         self._round = 0
