@@ -69,9 +69,7 @@ def from_int_runs(runs, what: str = "a list of ids") -> tuple[int, ...]:
 
 
 def _ints(d, key, what) -> tuple[int, ...]:
-    if key not in d:
-        raise ValueError(f"{what} on the wire lacks key {key!r}")
-    return from_int_runs(d[key], f"{what}: key {key!r}")
+    return from_int_runs(_req(d, key, what, lambda v: True, "runs"), f"{what}: key {key!r}")
 
 
 def _int_map(d, key, what) -> dict[int, int]:

@@ -557,6 +557,7 @@ class Protected:
 
         out = torch.empty(W * shard, dtype=torch.uint8)
         to, frm = [[] for _ in range(W)], [[] for _ in range(W)]   # share ids sent to / received from each rank
+        sent_from = {}  # share id this rank sends -> where in its kept shares its good copy is
         for j in range(W):
             src = next((r for r in [j] + holders_of(j, P, nodes, k) if good_copy(r, j) is not None), None)
             if src is None:
@@ -569,10 +570,11 @@ class Protected:
             elif src != self.rank:
                 frm[src].append(j)
             if src == self.rank:
+                sent_from[j] = mine
                 for q in range(W):
                     if q != src and good_copy(q, j) is None:
                         to[q].append(j)
-        send = [kept[good_copy(self.rank, j)] for q in range(W) for j in to[q]]
+        send = [kept[sent_from[j]] for q in range(W) for j in to[q]]
         inp = torch.cat(send) if send else torch.empty(0, dtype=torch.uint8)
         got = torch.empty(sum(len(f) for f in frm) * shard, dtype=torch.uint8)
         collectives.all_to_all(got, inp, [len(f) * shard for f in frm], [len(t) * shard for t in to], self.watch)
