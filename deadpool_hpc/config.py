@@ -111,6 +111,10 @@ class RunConfig:
     # fault tolerance
     replicate: bool = True
     replicas: int = 1              # K: each rank's snapshot is held by the next K nodes (any K node losses survive)
+    # benchmark only (benchmarks/overhead.py): K > 0 alternates blocks of K steps with replication on and off within
+    # one run (steps 0..K-1 on, K..2K-1 off, ...), so that both halves see the same machine at the same time. A fault
+    # in an off block would recompute up to K steps, so faults are refused with it
+    interleave_replication: int = 0
     replica_transport: str = "tcp"  # replica/transports.py: an entry point of deadpool_hpc.transports (tcp, unix, ...)
     requeue: bool = False          # no spare left: save a checkpoint and start again from it
     max_requeues: int = 3
@@ -190,6 +194,11 @@ class RunConfig:
         need(not self.replicate or self.nodes == 1 or self.replicas < self.nodes,
              f"--replicas {self.replicas} with --nodes {self.nodes}: each replica lives on another active node; "
              f"accepted: --replicas 0..{self.nodes - 1}")
+        need(isinstance(self.interleave_replication, int) and self.interleave_replication >= 0,
+             f"interleave_replication {self.interleave_replication!r}: accepted: 0 (off) or a block of K >= 1 steps")
+        need(not self.interleave_replication or (self.replicate and not self.faults),
+             "interleave_replication (a benchmark's on/off blocks) needs replication on and no faults: a fault in an "
+             "off block would recompute up to a block of steps")
         for name in ("hang_timeout", "rendezvous_timeout", "collective_timeout", "startup_timeout"):
             v = getattr(self, name)
             need(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 and (v > 0 or name == "hang_timeout"),

@@ -28,6 +28,9 @@ def test_parse_fault():
     (dict(train_args={"layers": [1, 2]}), r"--train-arg layers=\[1, 2\]: accepted"),
     (dict(train_args={"n-layer": 2}), r"--train-arg 'n-layer': accepted"),
     (dict(max_requeues=-1), "max_requeues -1"),
+    (dict(interleave_replication=-2), "interleave_replication -2: accepted"),
+    (dict(interleave_replication=4, replicate=False), "needs replication on and no faults"),
+    (dict(interleave_replication=4, faults=[Fault("kill", "node", 1, 10)]), "needs replication on and no faults"),
 ])
 def test_bad_layouts_name_the_value(kwargs, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -127,3 +130,17 @@ def test_the_64_process_cap_is_the_local_launchers_only():
     """A Slurm job of 512 nodes x 8 is a valid layout; only the local launcher refuses more than 64 processes."""
     cfg = RunConfig(nodes=512, spares=8, ranks_per_node=8, steps=10).validate()
     assert cfg.total_processes == 520 * 8
+
+
+def test_interleaved_replication_alternates_blocks_of_steps():
+    """benchmarks/overhead.py's within-run estimator: steps 0..K-1 replicate, K..2K-1 do not, and so on."""
+    from types import SimpleNamespace
+
+    from deadpool_hpc.worker.context import Context
+
+    def on(cfg, steps):
+        return [Context._replicating(SimpleNamespace(config=cfg), s) for s in steps]
+
+    assert on(RunConfig(interleave_replication=3), range(8)) == [True] * 3 + [False] * 3 + [True] * 2
+    assert on(RunConfig(), range(4)) == [True] * 4
+    assert on(RunConfig(replicate=False), range(4)) == [False] * 4

@@ -183,7 +183,7 @@ class Context:
         if role.get("resume"):
             self._load_checkpoint(role["resume"])
         self._snapshot()
-        if self.config.replicate:
+        if self._replicating(self.step):
             self._wait_committed(self.step)  # a fault at the first step needs it
         self.log.emit("started", rank=self.rank, generation=self.generation, world_size=self.world_size, step=self.step)
 
@@ -221,12 +221,18 @@ class Context:
             self.log.emit("step", step=self.step, generation=self.generation, step_s=dt, **rate,
                           **{k: v for k, v in metrics.items() if isinstance(v, (int, float))})
 
+    def _replicating(self, step: int) -> bool:
+        """Whether the state at the start of ``step`` is snapshotted and replicated: with replication on, every step,
+        except in the off blocks of a benchmark's ``interleave_replication``."""
+        k = self.config.interleave_replication
+        return self.config.replicate and (not k or (step // k) % 2 == 0)
+
     def _before_update(self) -> None:
-        if self.config.replicate:
+        if self._replicating(self.step):
             self._wait_committed(self.step)
 
     def _snapshot(self) -> None:
-        if self.config.replicate:
+        if self._replicating(self.step):
             self.copier.submit(self.step, self.opt.state_tensors(), torch.get_rng_state())
 
     def _wait_committed(self, step: int) -> None:
