@@ -22,7 +22,6 @@ stream and the agent runs on otherwise idle cores.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -30,7 +29,7 @@ import threading
 import time
 
 from deadpool_hpc.config import RunConfig
-from deadpool_hpc.events import read_events
+from deadpool_hpc.events import EventTail, read_events
 from deadpool_hpc.launch.local import launch
 
 
@@ -38,18 +37,6 @@ def step_times(run_dir: str, warmup: int) -> dict[int, float]:
     """{step index s (0-based, the s-th step run): seconds} for the steps after ``warmup``, from rank 0's events."""
     return {e["step"] - 1: e["step_s"] for e in read_events(f"{run_dir}/events.jsonl")
             if e["event"] == "step" and e["step"] > warmup}
-
-
-def _last_step(run_dir: str) -> int:
-    n = 0
-    try:
-        with open(f"{run_dir}/events.jsonl") as f:
-            for line in f:
-                if '"event":"step"' in line:
-                    n = json.loads(line)["step"]
-    except (OSError, ValueError):   # not there yet, or a line being written
-        pass
-    return n
 
 
 def _cpu_s(run_dir: str) -> dict[int, tuple[str, float]]:
@@ -76,11 +63,12 @@ def run(cfg: RunConfig, warmup: int) -> tuple[dict, dict[str, float]]:
     box = {}
     t = threading.Thread(target=lambda: box.update(s=launch(cfg, timeout=600)))
     t.start()
-    marks = []
+    tail, step, marks = EventTail(f"{cfg.run_dir}/events.jsonl"), 0, []
     for at in (warmup, cfg.steps - 10):
-        while t.is_alive() and _last_step(cfg.run_dir) < at:
+        while t.is_alive() and step < at:
             time.sleep(0.02)
-        marks.append((_last_step(cfg.run_dir), _cpu_s(cfg.run_dir)))
+            step = max([step] + [e["step"] for e in tail.poll() if e["event"] == "step"])
+        marks.append((step, _cpu_s(cfg.run_dir)))
     t.join()
     (s0, a), (s1, b) = marks
     per = {"agent": 0.0, "training": 0.0}
