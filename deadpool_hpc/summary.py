@@ -75,6 +75,8 @@ def build_summary(events: list[dict], config=None) -> dict:  # noqa: C901
         "failures": failures,
         "preemptions": preemptions,
         "bytes_replicated_per_rank_per_step": fin.get("bytes_per_rank_per_step"),
+        # rank 0's snapshots, by how they were copied: inline after the update, or by the background copier
+        "snapshots": fin.get("snapshots"),
         "errors": [e.get("error") for e in by["error"]],
     }
 

@@ -33,6 +33,11 @@ def test_failure_free_run_trains(baseline):
     assert baseline["final_loss"] < 0.75 * baseline["first_loss"]
     assert baseline["spares_left"] == 1 and baseline["world_size"] == 3
     assert baseline["bytes_replicated_per_rank_per_step"] > 0
+    # rank 0 snapshots the start of every step and the end: the first one by the background copier (no slot is
+    # reserved before the first update), most of the others inline, with the slot claimed while the optimizer ran
+    snaps = baseline["snapshots"]
+    assert snaps["inline"] + snaps["background"] == STEPS + 1, snaps
+    assert snaps["inline"] >= STEPS // 2, snaps
 
 
 def check_recovered(s, baseline, target):

@@ -205,27 +205,46 @@ class AgentClient:
         with self._cond:
             self._cond.notify_all()
 
-    def request(self, kind: str, body: dict, timeout: float) -> dict:
-        """Send ``kind`` with a fresh ``id`` and wait for the agent's ``store_reply`` with that id (``timeout``
-        seconds). Returns the reply body. Raises AgentLost, ChannelTimeout, or, when the reply says ``ok: false``:
-        PeerFailure (``code`` "failed": the generation failed or was left), ChannelTimeout (``code`` "timeout"),
-        ChannelError (anything else)."""
-        deadline = _deadline(timeout, f"request {kind!r}")
+    def submit(self, kind: str, body: dict) -> cf.Future:
+        """Send ``kind`` with a fresh ``id`` and return at once: the Future gets the body of the agent's
+        ``store_reply`` with that id (``answer`` reads it), or AgentLost if the channel goes first. Raises AgentLost
+        if it is gone already."""
         rid = next(self._ids)
         fut: cf.Future = cf.Future()
+        fut.rid = rid
         with self._cond:
             if self.lost.is_set():
                 raise AgentLost(f"request {kind!r}: {self.lost_why}")
             self._replies[rid] = fut
+        fut.add_done_callback(lambda _f: self._forget(rid))
         try:
             self.send(kind, dict(body, id=rid))
-            try:
-                reply = fut.result(max(0.0, deadline - time.monotonic()))
-            except cf.TimeoutError:
-                raise ChannelTimeout(f"no reply to {kind!r} from the node agent within {timeout:g} s") from None
+        except BaseException:
+            self._forget(rid)
+            raise
+        return fut
+
+    def _forget(self, rid: int) -> None:
+        with self._cond:
+            self._replies.pop(rid, None)
+
+    def request(self, kind: str, body: dict, timeout: float) -> dict:
+        """Send ``kind`` with a fresh ``id`` and wait for the agent's ``store_reply`` with that id (``timeout``
+        seconds). Returns the reply body. Raises AgentLost, ChannelTimeout, or what ``answer`` raises."""
+        deadline = _deadline(timeout, f"request {kind!r}")
+        fut = self.submit(kind, body)
+        try:
+            reply = fut.result(max(0.0, deadline - time.monotonic()))
+        except cf.TimeoutError:
+            raise ChannelTimeout(f"no reply to {kind!r} from the node agent within {timeout:g} s") from None
         finally:
-            with self._cond:
-                self._replies.pop(rid, None)
+            self._forget(fut.rid)   # a reply that comes later is dropped
+        return self.answer(kind, body, reply)
+
+    @staticmethod
+    def answer(kind: str, body: dict, reply: dict) -> dict:
+        """The reply body if it says ``ok``; else raises PeerFailure (``code`` "failed": the generation failed or
+        was left), ChannelTimeout (``code`` "timeout"), ChannelError (anything else)."""
         if reply.get("ok"):
             return reply
         code, error = reply.get("code"), reply.get("error", "no reason given")

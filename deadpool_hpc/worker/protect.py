@@ -118,6 +118,10 @@ def _encode(obj, path: str, sink):
                     "strings, None, and dicts/lists/tuples of them")
 
 
+def _dumps(obj) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
 def _decode(obj, tensors):
     if isinstance(obj, list):
         return [_decode(v, tensors) for v in obj]
@@ -166,11 +170,16 @@ class Protected:
         self.rank: int | None = None
         self.watch = None
         self.before_update = lambda: None
+        self.claim_next = lambda: None   # set by the context: reserve the next snapshot's slot (Context._claim_next)
+        self._reduced = False            # this step's gradient all-reduce completed
         self._restoring = False
         self._queued = False
         self._cache_sig, self._cache = None, None
         self._pieces = None   # ((signature, owners), the shares' pieces): see state_tensors
         self.params = [p for p in self.inner.parameters() if p.requires_grad]
+        # the state lives in host memory: its snapshot is a memory copy, done inline (Context._snapshot); a device's
+        # is a device-to-host transfer, left to the background copier
+        self.on_host = all(t.device.type == "cpu" for t in self.inner.parameters())
         self._sig_tensors = list(self.inner.parameters()) + list(self.inner.buffers())
         self._layout_from_dry_run()
         if self.ddp:
@@ -333,7 +342,7 @@ class Protected:
 
     @staticmethod
     def _document(tree, small: dict) -> bytes:
-        return json.dumps({"tree": tree, "small": _encode(small, "", None)}, separators=(",", ":")).encode()
+        return _dumps({"tree": tree, "small": _encode(small, "", None)}).encode()
 
     def layout_tensors(self) -> list[torch.Tensor]:
         """Meta tensors describing the payload's state tensors, in payload order: this rank's share of the common
@@ -349,18 +358,20 @@ class Protected:
         optimizer does not update before the replica is committed); the JSON region is a fresh tensor."""
         sig = self._signature()
         if sig is not None and sig == self._cache_sig:
-            # the same tensors as last time: only the param groups' scalars (lr, ...) are read again
-            found, model_enc, state_enc, names = self._cache
+            # the same tensors as last time: only the param groups' scalars (lr, ...) and the small state are read
+            # and encoded again; the rest of the document (the tensors' places, ~100 entries) is the cached JSON
+            found, model_json, state_json, names = self._cache
             groups = [dict(_encode(_without_params(g), "", None), params=n)
                       for g, n in zip(self.optimizer.param_groups, names)]
-            tree = {"model": model_enc, "optim": {"state": state_enc, "param_groups": groups}, "optim_empty": False}
+            doc = ('{"tree":{"model":%s,"optim":{"state":%s,"param_groups":%s},"optim_empty":false},"small":%s}' % (
+                model_json, state_json, _dumps(groups), _dumps(_encode(self._small_state(), "", None)))).encode()
         else:
             found, tree = self._collect()
             self._cache_sig = sig if not tree["optim_empty"] else None
             if self._cache_sig is not None:
-                self._cache = (found, tree["model"], tree["optim"]["state"],
+                self._cache = (found, _dumps(tree["model"]), _dumps(tree["optim"]["state"]),
                                [g["params"] for g in tree["optim"]["param_groups"]])
-        doc = self._document(tree, self._small_state())
+            doc = self._document(tree, self._small_state())
         if len(doc) + self._hdr.size > self.blob_nbytes:
             raise ValueError(f"protect: the non-tensor state is {len(doc)} bytes of JSON, more than the "
                              f"{self.blob_nbytes - self._hdr.size} reserved at protect() (4x its size then)")
@@ -600,6 +611,7 @@ class Protected:
 
     def _forward_starts(self, module, args) -> None:
         self._queued = False   # a backward that failed half-way never ran its callback
+        self._reduced = False
 
     def _grad_ready(self, param) -> None:
         if not self._queued and self.world_size > 1 and self.rank is not None:
@@ -630,10 +642,14 @@ class Protected:
                     else:
                         p.grad.copy_(g)
                     off += n
+        self._reduced = True
 
     def _pre_step(self, optimizer, args, kwargs) -> None:
         if not self._restoring:
             self.before_update()   # the replica of the current state must be committed first
+            # past this step's all-reduce every rank's replica of the step is committed (or there is one rank)
+            if self._reduced or self.world_size == 1:
+                self.claim_next()
 
     def param_digest(self) -> str:
         """sha256 over the model's parameters (``parameters()`` order, raw bytes)."""
