@@ -647,8 +647,11 @@ class Protected:
     def _pre_step(self, optimizer, args, kwargs) -> None:
         if not self._restoring:
             self.before_update()   # the replica of the current state must be committed first
-            # past this step's all-reduce every rank's replica of the step is committed (or there is one rank)
+            # past this step's all-reduce every rank's replica of the step is committed (or there is one rank); one
+            # all-reduce allows one early claim (an update with no backward of its own, e.g. a second opt.step(),
+            # claims nothing)
             if self._reduced or self.world_size == 1:
+                self._reduced = False
                 self.claim_next()
 
     def param_digest(self) -> str:
