@@ -357,6 +357,9 @@ class NodeAgent:
                                   f"did not leave the failed generation within {self.cfg.ready_timeout:.0f} s")
         for rep in self.reps.values():
             rep.quiesce()
+        # a claim waiting for a slot belongs to the failed generation: granted after the resume, it would hold the
+        # own slots for a copy nobody makes (the training process dropped it when it left)
+        self.pending_claims.clear()
         report = {}
         for local, rep in self.reps.items():
             m = self.node * self.P + local

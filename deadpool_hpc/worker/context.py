@@ -15,6 +15,7 @@ The contract is in docs/worker-contract.md.
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import hashlib
 import os
 import threading
@@ -507,6 +508,19 @@ class _Copier:
             while self.busy:
                 self.cv.wait(0.005)
 
+    def _claim(self, step: int, claim, stop) -> dict | None:
+        """The agent's grant of a slot for ``step`` (``claim``: the Future of a claim already sent, else one is sent
+        now). None once ``stop()`` turns true (a ``quiesce``: a recovery must not wait for a grant that a paused
+        replicator holds back) or after the collective timeout; raises what ``AgentClient.answer`` raises."""
+        client = self.ctx.client
+        fut = claim if claim is not None else client.submit("claim", {"step": step})
+        end = time.monotonic() + self.ctx.config.collective_timeout
+        while not fut.done():
+            if stop() or time.monotonic() > end:
+                return None
+            cf.wait([fut], timeout=0.005)
+        return client.answer("claim", {"step": step}, fut.result())
+
     def _run(self) -> None:
         ctx = self.ctx
         while True:
@@ -519,10 +533,9 @@ class _Copier:
                 self.busy, self.current = True, step
             try:
                 stop = lambda: self.epoch != epoch  # noqa: E731
-                if claim is None:
-                    reply = ctx.client.request("claim", {"step": step}, ctx.config.collective_timeout)
-                else:
-                    reply = ctx.client.answer("claim", {"step": step}, claim.result(ctx.config.collective_timeout))
+                reply = self._claim(step, claim, stop)
+                if reply is None:
+                    continue   # quiesced while waiting (or no answer within the collective timeout)
                 slot = ctx.slots[reply["index"]]
                 # no checksum here: the agent takes the one it ships and the holders verify (stamp_written)
                 if not stop() and ctx.layout.write(slot, tensors, rng, step, should_stop=stop, crc=False):
