@@ -89,7 +89,7 @@ def run_size(n: int, topology: str, window: float, out_root: str) -> dict:
         proc.wait()
         log.close()
         _reap_killer(out)
-    return {"n": n, "topology": topology, **row(out), "startup_and_window_s": startup}
+    return {"n": n, "topology": topology, **row(out, cores=os.cpu_count()), "startup_and_window_s": startup}
 
 
 def _reap_killer(out: str) -> None:

@@ -36,14 +36,21 @@ def _phases(files: dict[int, dict], victim: int, t_fault: float) -> dict:
             "broadcast_s": max(applied) - t_decided, "total_s": max(applied) - t_fault,
             "agents": len(files), "knew": len(knew),
             "cpu_ms_per_agent": 1000 * statistics.median(f["recovery_cpu_s"] for f in files.values()),
+            "cpu_s_all": sum(f["recovery_cpu_s"] for f in files.values()),
             "coordinator_cpu_ms": 1000 * next(f["recovery_cpu_s"] for f in files.values()
                                               if f["coordinator"] == f["mpi_rank"])}
 
 
-def row(out_dir: str) -> dict:
+def row(out_dir: str, cores: int | None = None) -> dict:
     """One row of measures from a probe run's directory (see the module docstring). Keys: n, topology, the
     steady state's sent_per_s / received_per_s / cpu_pct (median per agent) / cpu_total_pct / false_suspicions,
-    and for each fault that ran, ``<fault>_<phase>`` (seconds, ms of CPU), or ``<fault>_error``."""
+    and for each fault that ran, ``<fault>_<phase>`` (seconds, ms of CPU), or ``<fault>_error``.
+
+    ``cores``: when every agent ran on one machine with that many cores, also ``<fault>_cpu_floor_s``, the least
+    time the recovery could take there: the CPU all agents spent in it (``<fault>_cpu_s_all``, counted from when
+    each agent's main thread saw the failure, so an underestimate) spread perfectly over the cores the idle agents
+    leave free (``cores - cpu_total_pct / 100``). Where it is close to ``<fault>_total_s`` the run measured the
+    cores, not the protocol (docs/scaling.md)."""
     steady = _load(os.path.join(out_dir, "steady-*.json"))
     if not steady:
         return {"dir": out_dir, "error": "no steady-state file: the probes never got through their window"}
@@ -70,6 +77,8 @@ def row(out_dir: str) -> dict:
             continue
         for key, v in _phases(files, fault["rank"], fault["t"]).items():
             r[f"{name}_{key}"] = v
+        if cores:
+            r[f"{name}_cpu_floor_s"] = r[f"{name}_cpu_s_all"] / max(0.1, cores - r["cpu_total_pct"] / 100)
     return r
 
 
