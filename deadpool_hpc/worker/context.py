@@ -85,6 +85,7 @@ class Context:
         self._high_water = -1
         self._claim = None   # (step, Future of the agent's reply): the next snapshot's slot, reserved early
         self.snapshots = {"inline": 0, "background": 0}   # how this process's snapshots were copied
+        self._mesh = self._stand_in = None   # ctx.device_mesh
         self.wait_s = 0.0
         client.on("failure", self._on_failure)
         client.on("committed", self._on_committed)
@@ -98,6 +99,22 @@ class Context:
     @property
     def generation(self) -> int:
         return self._role.get("generation", 0)
+
+    @property
+    def device_mesh(self):
+        """The 1-D DeviceMesh of the training ranks, for ``fully_shard(module, mesh=ctx.device_mesh)`` (FSDP2).
+        Its group carries no traffic and outlives the generations; ``ctx.protect`` runs FSDP2's collectives on each
+        generation's group, pollably (dataplane/fsdp.py). Before the run's first role this process is the rank the
+        job's first generation gives it (a spare: rank 0 until its promotion, when its state is restored)."""
+        if self._mesh is None:
+            from ..dataplane.fsdp import StandInGroup, device_mesh
+
+            P = self.config.ranks_per_node
+            first = self.node * P + self.local if self.node < self.config.nodes else 0
+            rank = self.rank if self.rank is not None else first
+            self._stand_in = StandInGroup(rank, self.world_size)
+            self._mesh = device_mesh(self._stand_in, self.device.type)
+        return self._mesh
 
     @property
     def process_group(self):
@@ -174,6 +191,8 @@ class Context:
                     self._one_step(step_fn)
                 self.client.progress.disarm()
                 collectives.all_reduce(torch.zeros(1), self.watch)  # everyone has finished
+                if getattr(self.opt, "sharded", False):
+                    self.opt.gather_digests()   # FSDP2: the final digest covers every rank's shards
                 break
             except PeerFailure as exc:
                 if not self._recover(str(exc)):
@@ -436,6 +455,8 @@ class Context:
         limit = self.config.startup_timeout if first else self.config.rendezvous_timeout
         store = AgentStore(self.client, g, timeout=limit)
         self.groups.join(g, store, self.rank, self.world_size, timeout=limit)
+        if self._stand_in is not None:
+            self._stand_in.register()   # the join cleared torch's registry of groups (dataplane/groups.py)
 
     def _load_checkpoint(self, meta: dict) -> None:
         rng = persist.load_shard(self.config.run_dir + "/checkpoint", meta, self.rank, self._restore_targets())

@@ -76,13 +76,37 @@ def _ddp_class():
     return DistributedDataParallel
 
 
-def _is_fsdp(model) -> bool:
+def _is_fsdp1(model) -> bool:
     try:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+        from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # pragma: no cover - torch without FSDP
         return False
-    return isinstance(model, (FSDPModule, FullyShardedDataParallel)) or any(
-        isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
+    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+
+
+def _is_fsdp2(model) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _local(t):
+    """A DTensor's local shard (FSDP2's parameters and their optimizer state), else ``t``."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None and isinstance(t, torch.Tensor) else t
+
+
+def _locals(obj):
+    """``obj`` (nested dicts/lists of a state dict) with every DTensor replaced by its local shard."""
+    if isinstance(obj, torch.Tensor):
+        return _local(obj)
+    if isinstance(obj, dict):
+        return {k: _locals(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_locals(v) for v in obj]
+    return obj
 
 
 def _name(obj) -> str:
@@ -165,6 +189,10 @@ class Protected:
         self.dataloader, self.extra = dataloader, extra
         self.ddp = isinstance(model, _ddp_class())
         self.inner = model.module if self.ddp else model
+        # FSDP2 over ctx.device_mesh: every tensor of the state is this rank's shard, unique to it (replicated
+        # whole, no shares); FSDP2's collectives run pollably on the generation's group (dataplane/fsdp.py)
+        self.sharded = _is_fsdp2(model)
+        self._digest: str | None = None
         self.python_rng, self.numpy_rng = python_rng, numpy_rng
         self.cuda = torch.cuda.is_available()
         self.rank: int | None = None
@@ -180,8 +208,12 @@ class Protected:
         # the state lives in host memory: its snapshot is a memory copy, done inline (Context._snapshot); a device's
         # is a device-to-host transfer, left to the background copier
         self.on_host = all(t.device.type == "cpu" for t in self.inner.parameters())
-        self._sig_tensors = list(self.inner.parameters()) + list(self.inner.buffers())
-        self._layout_from_dry_run()
+        self._sig_tensors = [_local(t) for t in list(self.inner.parameters()) + list(self.inner.buffers())]
+        if self.sharded:
+            self._layout_from_real_dry_run()
+            self._install_fsdp_comms()
+        else:
+            self._layout_from_dry_run()
         if self.ddp:
             model.require_backward_grad_sync = False   # DDP's reducer stays idle: the average is done here
             for p in self.params:
@@ -195,14 +227,17 @@ class Protected:
         if not isinstance(model, nn.Module):
             raise TypeError(f"protect(model=...): got a {_name(model)}; accepted: a torch.nn.Module, wrapped in "
                             "torch.nn.parallel.DistributedDataParallel when world_size > 1")
-        if _is_fsdp(model):
-            raise ValueError(f"protect(model={type(model).__name__}): FSDP / fully_shard modules are not supported "
-                             "yet; accepted: DistributedDataParallel(model) (see docs/your-loop.md)")
-        if self.world_size > 1 and not isinstance(model, DDP):
+        if _is_fsdp1(model):
+            raise ValueError(f"protect(model={type(model).__name__}): FSDP1 (FullyShardedDataParallel) is not "
+                             "supported; accepted: FSDP2 (torch.distributed.fsdp.fully_shard(module, "
+                             "mesh=ctx.device_mesh)) or DistributedDataParallel(model) (docs/your-loop.md)")
+        if _is_fsdp2(model):
+            self._check_fsdp2(model)
+        elif self.world_size > 1 and not isinstance(model, DDP):
             raise ValueError(f"protect(model={type(model).__name__}): world_size is {self.world_size} but the model "
-                             "is not wrapped in DistributedDataParallel, so its gradients would never be averaged "
-                             "over ranks; accepted: DistributedDataParallel(model) (a plain nn.Module only when "
-                             "world_size is 1)")
+                             "is not wrapped in DistributedDataParallel nor sharded with fully_shard, so its gradients "
+                             "would never be averaged over ranks; accepted: DistributedDataParallel(model), "
+                             "fully_shard(model, mesh=ctx.device_mesh) (a plain nn.Module only when world_size is 1)")
         if isinstance(model, DDP):
             if model.broadcast_buffers and any(True for _ in model.module.buffers()):
                 raise ValueError(f"protect(model=DistributedDataParallel({type(model.module).__name__})): the "
@@ -235,6 +270,29 @@ class Protected:
         if extra is not None and not _stateful(extra):
             raise TypeError(f"protect(extra=...): got a {_name(extra)} without state_dict()/load_state_dict(); "
                             "accepted: an object with both (torch.distributed.checkpoint.stateful.Stateful), or None")
+
+    def _check_fsdp2(self, model) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        from ..dataplane.fsdp import StandInGroup, mesh_infos, uneven_shards
+
+        if not isinstance(model, FSDPModule):
+            raise ValueError(f"protect(model={type(model).__name__}): only some of its submodules are sharded with "
+                             "fully_shard; accepted: fully_shard on the root module too (it drives the others)")
+        groups = {type(info.shard_process_group).__name__ for info in mesh_infos(model)
+                  if not isinstance(getattr(info, "shard_process_group", None), StandInGroup)}
+        if groups or getattr(model._get_fsdp_state()._fsdp_param_groups[0].mesh_info, "replicate_process_group",
+                             None) is not None:
+            raise ValueError("protect(model=...): fully_shard was called with another mesh than ctx.device_mesh "
+                             f"(its groups: {sorted(groups) or 'a 2-D HSDP mesh'}); accepted: fully_shard(module, "
+                             "mesh=ctx.device_mesh) on every sharded module")
+        uneven = uneven_shards(model, self.world_size)
+        if uneven:
+            raise ValueError(f"protect(model=...): {len(uneven)} parameter(s) cannot be cut into {self.world_size} "
+                             f"equal shards along dimension 0: {', '.join(uneven[:4])}"
+                             f"{' ...' if len(uneven) > 4 else ''}; accepted: FSDP2 models whose sharded dimensions "
+                             f"divide by the world size ({self.world_size}): a spare builds its model before it "
+                             "knows its rank, so every rank's shards must have the same shapes (docs/your-loop.md)")
 
     @staticmethod
     def _check_loader(loader) -> None:
@@ -296,6 +354,13 @@ class Protected:
         twin_opt.step()
         model_sd = get_model_state_dict(self.model)
         optim_sd = get_optimizer_state_dict(twin_model, twin_opt)
+        del twin_model, twin_opt
+        buffers = {f"/model/{n}" for n, _ in self.inner.named_buffers()}
+        self._fix_layout(model_sd, optim_sd, unique=lambda path: path in buffers)
+
+    def _fix_layout(self, model_sd: dict, optim_sd: dict, unique) -> None:
+        """The payload's layout from the state dicts' tensors; ``unique(path)``: the tensor is this rank's own
+        (replicated whole), else the same on every rank (cut into shares)."""
         self.entries: list[tuple[str, torch.dtype, tuple]] = []
         self._index: dict[str, int] = {}
 
@@ -305,7 +370,6 @@ class Protected:
             return 0
 
         tree = self._split({"model": model_sd, "optim": optim_sd}, add)
-        del twin_model, twin_opt, optim_sd
         doc = self._document(tree, self._small_state())
         self.blob_nbytes = max(BLOB_MIN, 4 * len(doc) + 4096 + self._hdr.size)
         self.blob_nbytes += -self.blob_nbytes % 8
@@ -314,9 +378,8 @@ class Protected:
         self.order = sorted(range(len(self.entries)), key=lambda i: -esize[i])
         # parameters and optimizer state are the same on every rank (DDP): each rank's payload holds 1/world_size
         # of their bytes; buffers (per rank, as DDP without broadcast_buffers keeps them) are held whole
-        buffers = {f"/model/{n}" for n, _ in self.inner.named_buffers()}
-        self._common = [i for i in self.order if self.entries[i][0] not in buffers]
-        self._unique = [i for i in self.order if self.entries[i][0] in buffers]
+        self._common = [i for i in self.order if not unique(self.entries[i][0])]
+        self._unique = [i for i in self.order if unique(self.entries[i][0])]
         self._span: dict[int, tuple[int, int]] = {}
         off = 0
         for i in self._common:
@@ -326,6 +389,62 @@ class Protected:
         self.common_nbytes = off
         self.shard_nbytes = max(8, -(-off // (self.world_size * 8)) * 8)
         self.local_nbytes = (1 + self.k) * self.shard_nbytes   # the shares kept, never sent
+
+    def _dry_step(self, optimizer) -> None:
+        """One optimizer step that changes no parameter and creates the optimizer's state: zero gradients, lr 0
+        (AdamW's decoupled weight decay multiplies by 1 - 0 * wd, its update adds 0)."""
+        lrs = []
+        with torch.no_grad():
+            for g in optimizer.param_groups:
+                for p in g["params"]:
+                    if p.requires_grad:
+                        p.grad = torch.zeros_like(p)
+                lrs.append(g.get("lr"))
+                if "lr" in g:
+                    g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+        restoring, self._restoring = self._restoring, True   # no commit wait, no claim: not a training step
+        try:
+            optimizer.step()
+        finally:
+            self._restoring = restoring
+            for g, lr in zip(optimizer.param_groups, lrs):
+                if lr is not None:
+                    g["lr"] = lr
+                for p in g["params"]:
+                    p.grad = None
+
+    def _layout_from_real_dry_run(self) -> None:
+        """FSDP2's layout: a sharded module cannot be deep-copied with its process group, so the dry step runs on the
+        real optimizer, whose state is then emptied again (its first real step is bitwise a plain run's). Every
+        tensor is this rank's shard: all per rank, none shared."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        had_state = bool(self.optimizer.state)
+        if not had_state:
+            self._dry_step(self.optimizer)
+        model_sd = _locals(get_model_state_dict(self.model))
+        optim_sd = _locals(get_optimizer_state_dict(self.model, self.optimizer))
+        if not had_state:
+            self.optimizer.state.clear()
+        self._fix_layout(model_sd, optim_sd, unique=lambda path: True)
+
+    def _install_fsdp_comms(self) -> None:
+        from ..dataplane.fsdp import PollableAllGather, PollableReduceScatter, fsdp_modules
+
+        for m in fsdp_modules(self.model):
+            m.set_custom_all_gather(PollableAllGather(self))
+            m.set_custom_reduce_scatter(PollableReduceScatter(self))
+        # the first collective of a step is the forward's all-gather: wait for the replica's commit before it
+        self.model.register_forward_pre_hook(self._forward_starts_sharded, prepend=True)
+
+    def on_reduced(self) -> None:
+        """(FSDP2) A gradient reduce-scatter of this step completed (dataplane/fsdp.py)."""
+        self._reduced = True
+
+    def _forward_starts_sharded(self, module, args) -> None:
+        self._reduced = False
+        if self.rank is not None and not self._restoring:
+            self.before_update()
 
     def _split(self, state: dict, sink) -> object:
         """Encode ``state``; tensor leaves go to ``sink(path, tensor) -> index``; a tensor already seen (a tied
@@ -439,7 +558,7 @@ class Protected:
                 if not isinstance(v, torch.Tensor):
                     return None
                 sig.append(id(v))
-                sig.append(v.data_ptr())
+                sig.append(_local(v).data_ptr())
         sig.append(len(self.optimizer.state))
         return tuple(sig)
 
@@ -453,6 +572,8 @@ class Protected:
             optim_sd = {"param_groups": [_without_params(g) for g in self.optimizer.param_groups]}
         else:
             optim_sd = get_optimizer_state_dict(self.model, self.optimizer)
+        if self.sharded:   # FSDP2: the local shards of the DTensors
+            model_sd, optim_sd = _locals(model_sd), _locals(optim_sd)
         found: dict[int, torch.Tensor] = {}
 
         def sink(path, t):
@@ -481,8 +602,6 @@ class Protected:
     def gather(self) -> None:
         """Apply the payload read into ``restore_targets()``: model, optimizer, scheduler, loader, extra, RNGs.
         Gradients are dropped (a failed step may have left some)."""
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
         scratch, self._scratch = self._scratch, None
         self._cache_sig, self._cache, self._pieces = None, None, None
         blob = scratch[-1]
@@ -504,22 +623,61 @@ class Protected:
         small = _decode(doc["small"], None)
         self._restoring = True
         try:
-            set_model_state_dict(self.model, tree["model"])
-            osd = tree["optim"]
-            if tree["optim_empty"]:
-                self.optimizer.state.clear()
-                _set_groups(self.optimizer, osd["param_groups"])
+            if self.sharded:
+                self._load_shards(tree)
             else:
-                if not self.optimizer.state:
-                    # a spare's optimizer has no state yet: fill it first, or DCP makes it with a dry step of the
-                    # real optimizer (lr 0); load_state_dict then replaces it as usual
-                    for live, saved in zip(self.optimizer.param_groups, osd["param_groups"]):
-                        for p, fqn in zip(live["params"], saved["params"]):
-                            if fqn in osd["state"]:
-                                self.optimizer.state[p] = dict(osd["state"][fqn])
-                set_optimizer_state_dict(self.model, self.optimizer, osd)
+                self._load_full(tree)
         finally:
             self._restoring = False
+        self._load_small(small)
+
+    def _load_full(self, tree: dict) -> None:
+        """The model and optimizer state through DCP's set_*_state_dict (DDP and plain modules)."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        set_model_state_dict(self.model, tree["model"])
+        osd = tree["optim"]
+        if tree["optim_empty"]:
+            self.optimizer.state.clear()
+            _set_groups(self.optimizer, osd["param_groups"])
+        else:
+            if not self.optimizer.state:
+                # a spare's optimizer has no state yet: fill it first, or DCP makes it with a dry step of the
+                # real optimizer (lr 0); load_state_dict then replaces it as usual
+                for live, saved in zip(self.optimizer.param_groups, osd["param_groups"]):
+                    for p, fqn in zip(live["params"], saved["params"]):
+                        if fqn in osd["state"]:
+                            self.optimizer.state[p] = dict(osd["state"][fqn])
+            set_optimizer_state_dict(self.model, self.optimizer, osd)
+
+    def _load_shards(self, tree: dict) -> None:
+        """(FSDP2) Copy the saved shards into the live ones, in place: DCP's set_*_state_dict would treat the local
+        tensors as whole ones and redistribute them over the mesh, whose group carries no traffic
+        (dataplane/fsdp.py). A spare's optimizer gets its state from a dry step first."""
+        osd = tree["optim"]
+        with torch.no_grad():
+            live = self.model.state_dict()
+            for name, saved in tree["model"].items():
+                if name not in live:
+                    raise ReplicaError(f"protect: the snapshot has a model tensor {name} the model does not have")
+                _local(live[name]).copy_(saved)
+            if tree["optim_empty"]:
+                self.optimizer.state.clear()
+            else:
+                if not self.optimizer.state:
+                    self._dry_step(self.optimizer)
+                by_name = dict(self.model.named_parameters())
+                for fqn, saved in osd["state"].items():
+                    st = self.optimizer.state[by_name[fqn]]
+                    for k, v in saved.items():
+                        if isinstance(v, torch.Tensor) and isinstance(st.get(k), torch.Tensor):
+                            _local(st[k]).copy_(v)
+                        else:
+                            st[k] = v
+        _set_groups(self.optimizer, osd["param_groups"])
+
+    def _load_small(self, small: dict) -> None:
+        """Gradients dropped; scheduler, loader, extra and RNGs from the JSON document."""
         self.optimizer.zero_grad(set_to_none=True)
         for p in self.inner.parameters():
             p.grad = None
@@ -601,6 +759,10 @@ class Protected:
         ``pulled``: the state it restores next is a replica pulled from a holder (no shares of its own)."""
         self.rank, self.watch = rank, watch
         self._pulled = pulled
+        if self.sharded:
+            from ..dataplane.fsdp import rebind
+
+            rebind(self.model, rank)
         if self.k:
             P, nodes, k = self.ring
             self.held = held_by(rank, P, nodes, k)
@@ -655,11 +817,23 @@ class Protected:
                 self.claim_next()
 
     def param_digest(self) -> str:
-        """sha256 over the model's parameters (``parameters()`` order, raw bytes)."""
+        """sha256 over the model's parameters (``parameters()`` order, raw bytes). FSDP2: over every rank's
+        digest of its shards, in rank order, once ``gather_digests`` ran (else this rank's shards only)."""
+        if self._digest is not None:
+            return self._digest
         h = hashlib.sha256()
         for p in self.inner.parameters():
-            h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(_local(p).detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
+
+    def gather_digests(self) -> None:
+        """(FSDP2, every rank, at the end of the run) Make ``param_digest`` cover the whole model: all-gather every
+        rank's digest of its shards, pollably. Raises PeerFailure."""
+        self._digest = None
+        mine = torch.frombuffer(bytearray(bytes.fromhex(self.param_digest())), dtype=torch.uint8)
+        every = torch.empty(32 * self.world_size, dtype=torch.uint8)
+        collectives.all_gather(every, mine, self.watch)
+        self._digest = hashlib.sha256(every.numpy().tobytes()).hexdigest()
 
 
 def _distributed_sampler(loader):

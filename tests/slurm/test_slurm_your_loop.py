@@ -1,7 +1,7 @@
-"""Your own DDP loop under a real Slurm (issue 9): ``examples/ddp_gpt.py``'s ``train`` (DDP, torch.optim.AdamW, a
-cosine schedule, ``ctx.protect``), 4 active + 1 spare nodes, submitted with ``deadpool submit --train-fn
-examples.ddp_gpt:train`` from the repository root and through the submitit plugin
-(``AutoExecutor(cluster="deadpool").submit(examples.ddp_gpt.train)``); the node of MPI rank 1 is crashed
+"""Your own DDP or FSDP2 loop under a real Slurm (issue 9): ``examples/ddp_gpt.py``'s and ``examples/fsdp2_gpt.py``'s
+``train`` (DDP or fully_shard, torch.optim.AdamW, a cosine schedule, ``ctx.protect``), 4 active + 1 spare nodes,
+submitted with ``deadpool submit --train-fn examples.<example>:train`` from the repository root and through the
+submitit plugin (``AutoExecutor(cluster="deadpool").submit(examples.<example>.train)``); the node of MPI rank 1 is crashed
 (scripts/slurm-local-cluster.sh: every process SIGKILLed) at step 25. Each job ends COMPLETED with parameters
 bit-identical to a failure-free local run of the same example."""
 from __future__ import annotations
@@ -18,19 +18,32 @@ from slurm_helpers import CRASH_STEP, ROOT, STEPS, crash_when, final_state, gone
 
 pytestmark = pytest.mark.slurm
 SMALL = dict(n_layer=1, n_head=2, d_model=32, context=32, batch_size=4)  # as tests/test_your_loop.py
-TRAIN_FN = "examples.ddp_gpt:train"
+EXAMPLES = ("ddp_gpt", "fsdp2_gpt")
+_REFERENCES: dict = {}
 
 
-@pytest.fixture(scope="module")
-def ddp_reference(tmp_path_factory):
-    """param_digest of the example's failure-free run (4 + 1, STEPS), launched locally from the repository root."""
+@pytest.fixture(params=EXAMPLES)
+def example(request):
+    return request.param
+
+
+@pytest.fixture()
+def ddp_reference(tmp_path_factory, example):
+    """param_digest of the example's failure-free run (4 + 1, STEPS), launched locally from the repository root
+    (once per example)."""
+    if example not in _REFERENCES:
+        _REFERENCES[example] = _reference(tmp_path_factory, f"examples.{example}:train")
+    return _REFERENCES[example]
+
+
+def _reference(tmp_path_factory, train_fn: str) -> str:
     from deadpool_hpc.config import RunConfig
     from deadpool_hpc.launch.local import launch
 
     cwd = os.getcwd()
     os.chdir(ROOT)  # the workers import examples.ddp_gpt from their current directory, as deadpool run's do
     try:
-        s = launch(RunConfig(nodes=4, spares=1, steps=STEPS, train_fn=TRAIN_FN, train_args=SMALL,
+        s = launch(RunConfig(nodes=4, spares=1, steps=STEPS, train_fn=train_fn, train_args=SMALL,
                              run_dir=str(tmp_path_factory.mktemp("ddpref") / "run")), timeout=240)
     finally:
         os.chdir(cwd)
@@ -41,13 +54,14 @@ def ddp_reference(tmp_path_factory):
 def _check(s, node, ref):
     assert s["completed"] and s["steps_completed"] == STEPS, s
     assert s["swaps"] == 1 and s["failures"][0]["failed_hosts"] == [node], s["failures"]
-    assert s["param_digest"] == ref, "the DDP example's parameters differ from its failure-free run"
+    assert s["param_digest"] == ref, "the example's parameters differ from its failure-free run"
 
 
-def test_ddp_example_through_deadpool_submit_survives_a_node_crash(tmp_path, fail_node, ddp_reference):
+def test_example_through_deadpool_submit_survives_a_node_crash(tmp_path, fail_node, example, ddp_reference):
     run_dir = str(tmp_path / "run")
     args = [a for k, v in SMALL.items() for a in ("--train-arg", f"{k}={v}")]
-    out = subprocess.run([sys.executable, "-m", "deadpool_hpc.launch.cli", "submit", "--train-fn", TRAIN_FN, *args,
+    out = subprocess.run([sys.executable, "-m", "deadpool_hpc.launch.cli", "submit", "--train-fn",
+                          f"examples.{example}:train", *args,
                           "--nodes", "4", "--spares", "1", "--steps", str(STEPS), "--run-dir", run_dir],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -58,12 +72,14 @@ def test_ddp_example_through_deadpool_submit_survives_a_node_crash(tmp_path, fai
     _check(json.load(open(os.path.join(run_dir, "summary.json"))), node, ddp_reference)
 
 
-def test_ddp_example_through_the_submitit_plugin_survives_a_node_crash(tmp_path, fail_node, ddp_reference,
-                                                                       monkeypatch):
+def test_example_through_the_submitit_plugin_survives_a_node_crash(tmp_path, fail_node, example, ddp_reference,
+                                                                   monkeypatch):
     submitit = pytest.importorskip("submitit")
     monkeypatch.chdir(ROOT)  # submitit's job starts where it was submitted from: examples/ is importable there
     monkeypatch.syspath_prepend(ROOT)
-    from examples.ddp_gpt import train
+    import importlib
+
+    train = importlib.import_module(f"examples.{example}").train
 
     run_dir = tmp_path / "run"
     ex = submitit.AutoExecutor(folder=tmp_path / "submitit", cluster="deadpool")
