@@ -118,6 +118,24 @@ def rebind(model, rank: int) -> None:
         info.shard_mesh_rank = rank
 
 
+def reset_after_failure(model) -> None:
+    """Put FSDP2's per-iteration state back to the start of a step after a failure interrupted a forward or a
+    backward: ``FSDPModule.reset_iter_state()`` on the root (torch >= 2.13: waits on nothing of ours, reshards every
+    group, clears the iteration's trackers), then drop the gradients the interrupted backward left on the unsharded
+    parameters (torch internals). Without it a survivor whose backward was cut short kept its parameters unsharded
+    and trained on alone, without a collective (seen on the Slurm cluster)."""
+    if not model._get_fsdp_state()._is_root:
+        return   # it never ran a forward (a spare's model): nothing to reset
+    model.reset_iter_state()
+    for m in fsdp_modules(model):
+        for group in m._get_fsdp_state()._fsdp_param_groups:
+            for fp in group.fsdp_params:
+                unsharded = getattr(fp, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
+                fp.unsharded_accumulated_grad = None
+
+
 class _Comm:
     def __init__(self, owner):
         self.owner = owner   # has .watch (collectives.Watch) and .on_reduced()

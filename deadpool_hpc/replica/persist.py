@@ -33,7 +33,7 @@ def _names(n: int) -> tuple:
 def _payload_crc(tensors) -> int:
     crc = 0
     for t in tensors:
-        crc = checksum(t.contiguous().view(torch.uint8).numpy(), crc)
+        crc = checksum(t.contiguous().reshape(-1).view(torch.uint8).numpy(), crc)
     return crc
 
 
@@ -43,7 +43,7 @@ def _legacy_crc32(tensors) -> int:
 
     crc = 0
     for t in tensors:
-        crc = zlib.crc32(t.contiguous().view(torch.uint8).numpy(), crc)
+        crc = zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy(), crc)
     return crc & 0xFFFFFFFF
 
 

@@ -624,6 +624,9 @@ class Protected:
         self._restoring = True
         try:
             if self.sharded:
+                from ..dataplane.fsdp import reset_after_failure
+
+                reset_after_failure(self.model)   # a failure may have cut a forward or backward short
                 self._load_shards(tree)
             else:
                 self._load_full(tree)
