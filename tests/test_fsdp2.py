@@ -25,22 +25,10 @@ from deadpool_hpc.train.model import GPT, GPTConfig
 from deadpool_hpc.worker.protect import Protected
 
 from runs import faults, launch_reaped  # tests/runs.py
-from test_your_loop import restore, snapshot, train_steps
+from test_your_loop import STEPS, check_recovered, importable_examples, restore, snapshot, train_steps  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 44
 SMALL = dict(n_layer=1, n_head=2, d_model=32, context=32, batch_size=4)   # every dimension divides by 4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def importable_examples():
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = ROOT + (os.pathsep + old if old else "")
-    yield
-    if old is None:
-        os.environ.pop("PYTHONPATH", None)
-    else:
-        os.environ["PYTHONPATH"] = old
 
 
 def run(tmp_path, name, *specs, **kw):
@@ -63,15 +51,6 @@ def baseline_p2(tmp_path_factory):
     s = run(tmp_path_factory.mktemp("base2"), "base2", nodes=2, ranks_per_node=2, spares=0)
     assert s["completed"] and s["failures"] == [] and s["errors"] == [], s
     return s["param_digest"]
-
-
-def check_recovered(s, digest, target):
-    assert s["completed"] and s["errors"] == [], s
-    assert s["steps_completed"] == STEPS
-    (f,) = s["failures"]
-    assert f["target"] == target and f["outcome"] == "hot swap", f
-    assert f["recomputed_steps"] <= 1, f
-    assert s["param_digest"] == digest, "recovered run diverged from the failure-free run"
 
 
 def test_fsdp2_example_kill_node1_at_40(tmp_path, baseline):

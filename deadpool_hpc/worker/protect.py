@@ -279,10 +279,10 @@ class Protected:
         if not isinstance(model, FSDPModule):
             raise ValueError(f"protect(model={type(model).__name__}): only some of its submodules are sharded with "
                              "fully_shard; accepted: fully_shard on the root module too (it drives the others)")
-        groups = {type(info.shard_process_group).__name__ for info in mesh_infos(model)
+        infos = mesh_infos(model)
+        groups = {type(getattr(info, "shard_process_group", None)).__name__ for info in infos
                   if not isinstance(getattr(info, "shard_process_group", None), StandInGroup)}
-        if groups or getattr(model._get_fsdp_state()._fsdp_param_groups[0].mesh_info, "replicate_process_group",
-                             None) is not None:
+        if groups or any(getattr(info, "replicate_process_group", None) is not None for info in infos):
             raise ValueError("protect(model=...): fully_shard was called with another mesh than ctx.device_mesh "
                              f"(its groups: {sorted(groups) or 'a 2-D HSDP mesh'}); accepted: fully_shard(module, "
                              "mesh=ctx.device_mesh) on every sharded module")
