@@ -1,7 +1,8 @@
 """Planned swap under a real Slurm (plugins/slurm-health, deadpool swap): 4 active + 1 spare nodes submitted with
 ``deadpool submit``; at step 25 the node of MPI rank 1 is drained with ``scontrol update state=drain`` (the
 slurm-health plugin's detector sees it) or named to ``deadpool swap JOBID NODE``. The node leaves at a step boundary,
-the spare takes its place with no step recomputed, the job ends COMPLETED with the failure-free parameters. The pause
+the spare takes its place with no step recomputed (at most one: agent/planned.py, "Limit"), the job ends COMPLETED
+with the failure-free parameters. The pause
 (drain or request seen by the node's agent -> first completed step after the swap) is printed and appended to
 $DEADPOOL_SLURM_MEASURE."""
 from __future__ import annotations
