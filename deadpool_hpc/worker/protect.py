@@ -344,14 +344,7 @@ class Protected:
         twin_opt.__dict__.pop("step", None)        # an LR scheduler's wrapper would call the real optimizer
         twin_opt._optimizer_step_pre_hooks.clear()
         twin_opt._optimizer_step_post_hooks.clear()
-        with torch.no_grad():
-            for g in twin_opt.param_groups:
-                for p in g["params"]:
-                    if p.requires_grad:
-                        p.grad = torch.zeros_like(p)
-                if "lr" in g:
-                    g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
-        twin_opt.step()
+        self._dry_step(twin_opt)
         model_sd = get_model_state_dict(self.model)
         optim_sd = get_optimizer_state_dict(twin_model, twin_opt)
         del twin_model, twin_opt
