@@ -18,6 +18,7 @@ stream and the agent runs on otherwise idle cores.
 
     .venv/bin/python benchmarks/overhead.py --rounds 5 --steps 120
     .venv/bin/python benchmarks/overhead.py --rounds 5 --train-fn deadpool_hpc.train.demo:train_zero   # ZeRO-1
+    .venv/bin/python benchmarks/overhead.py --rounds 5 --steps 200 --train-fn examples.ddp_gpt:train --train-arg batch_size=32
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import tempfile
 import threading
 import time
 
-from deadpool_hpc.config import RunConfig
+from deadpool_hpc.config import RunConfig, parse_train_arg
 from deadpool_hpc.events import EventTail, read_events
 from deadpool_hpc.launch.local import launch
 
@@ -98,7 +99,10 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=4, help="steps per on / off block of the within-run estimator")
     ap.add_argument("--train-fn", default=RunConfig.train_fn,
                     help="module:function (default: the demo, ctx.protect; deadpool_hpc.train.demo:train_zero: ZeRO-1)")
+    ap.add_argument("--train-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="a setting of the training function, as for deadpool run (e.g. batch_size=32)")
     a = ap.parse_args()
+    train_args = dict(parse_train_arg(x) for x in a.train_arg)
     within, between, floor, nbytes = [], [], [], None
     cpu = {"on": [], "off": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -107,7 +111,7 @@ def main() -> None:
             for mode in ("interleaved", "on", "off"):
                 cfg = RunConfig(nodes=a.nodes, spares=1, steps=a.steps, replicate=mode != "off",
                                 interleave_replication=a.block if mode == "interleaved" else 0,
-                                train_fn=a.train_fn, run_dir=f"{tmp}/r{i}-{mode}").validate()
+                                train_fn=a.train_fn, train_args=train_args, run_dir=f"{tmp}/r{i}-{mode}").validate()
                 s, per = run(cfg, a.warmup)
                 assert s["completed"], s
                 if mode in cpu:

@@ -59,20 +59,14 @@ def test_chunked_write_checksums_the_whole_payload_and_can_be_stopped():
     assert other.step is None and pair.steps() == [3] and len(calls) == 3
 
 
-def test_write_without_checksum_batches_the_same_bytes_pieces_and_callables_included():
+def test_write_without_checksum_batches_the_same_bytes_pieces_included():
     # the path a training process takes into its agent's slot (crc=False: torch._foreach_copy_ batches): the same
-    # bytes as the checksummed path, for a large tensor, a list of byte pieces (views of live tensors, as
-    # ctx.protect's shares) and a callable that must see every entry before it already in the slot
+    # bytes as the checksummed path, for a large tensor and lists of byte pieces (views of live tensors, as
+    # ctx.protect's shares; a document and a view of zeros, as its JSON region)
     big = torch.randn(2 * COPY_CHUNK // 4 + 3)
     a, b = torch.arange(10, dtype=torch.float32), torch.arange(6, dtype=torch.int64)
     pieces = [a.view(torch.uint8)[:24], b.view(torch.uint8), a.view(torch.uint8)[24:]]
-    seen = []
-
-    def region(slot):
-        n = big.numel() * 4
-        seen.append(bytes(slot.buf[n:n + 88]))   # the pieces, written before this entry is asked for
-        return torch.full((8,), 7, dtype=torch.uint8)
-
+    region = [torch.full((3,), 7, dtype=torch.uint8), torch.zeros(16, dtype=torch.uint8)[:5]]
     meta = [big, torch.empty(88, dtype=torch.uint8), torch.empty(8, dtype=torch.uint8)]
     rng = torch.get_rng_state()
     layout = StateLayout(meta, rng.numel())
@@ -82,7 +76,8 @@ def test_write_without_checksum_batches_the_same_bytes_pieces_and_callables_incl
     assert layout.write(second, [big, pieces, region], rng, step=2, crc=False)
     assert second.step == 2 and second.crc == 0
     assert bytes(second.buf) == bytes(first.buf)
-    assert seen[-1] == b"".join(p.numpy().tobytes() for p in pieces)
+    n = big.numel() * 4
+    assert bytes(second.buf[n:n + 96]) == b"".join(p.numpy().tobytes() for p in pieces) + bytes([7] * 3 + [0] * 5)
     calls = []
     assert not layout.write(third, [big, pieces, region], rng, step=3, crc=False,
                             should_stop=lambda: calls.append(1) or len(calls) > 1)

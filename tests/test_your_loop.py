@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from deadpool_hpc.config import RunConfig
-from deadpool_hpc.replica.snapshot import Slot, StateLayout
+from deadpool_hpc.replica.snapshot import Slot, StateLayout, checksum
 from deadpool_hpc.train.model import GPT, GPTConfig
 from deadpool_hpc.worker.protect import Protected
 
@@ -321,9 +321,9 @@ def test_protect_twice_is_refused(local_group):
 
 
 def _ranks_payloads(prot, world, layout):
-    """Each rank's snapshot payload, as written into a slot (shares are handed over as views of the live tensors,
-    the JSON region as a function of the slot: the shares' CRCs are taken there), one solid tensor per entry. The
-    DDP state is the same on every rank: one process plays them all."""
+    """Each rank's snapshot payload, as written into a slot (shares and the JSON region are handed over as lists of
+    pieces: views of the live tensors, the document, zeros), one solid tensor per entry. The DDP state is the same
+    on every rank: one process plays them all."""
     out = []
     for r in range(world):
         prot.bind(r, None)
@@ -338,7 +338,8 @@ def test_ddp_state_stays_local_and_a_lost_rank_gets_its_share_from_its_holder(lo
     share of the rank whose replica it holds (r - 1 on a ring of 3 nodes); the replica carries buffers, JSON and RNG
     only. A spare restoring rank 1 from a replica (no shares of its own) gets share 1 from rank 2, which holds rank
     1's replica; the restored state trains on bitwise like the original. The two collectives (an all-gather of which
-    shares are good, an all-to-all of the missing ones) are played by the test."""
+    shares each rank has, with their CRC-32C, an all-to-all of the missing ones) are played by the test; a share
+    that arrives with other bytes than its sender checksummed is refused."""
     from deadpool_hpc.errors import ReplicaError
     from deadpool_hpc.worker import protect as protect_mod
 
@@ -364,14 +365,16 @@ def test_ddp_state_stays_local_and_a_lost_rank_gets_its_share_from_its_holder(lo
     train_steps(model, opt, sched, 5, 2)   # wander off
     prot.world_size = 3
 
-    def play(lost):
+    def play(lost, flip=None):
         calls = []
         s = prot.shard_nbytes
 
         def all_gather(out, inp, watch):
             calls.append("all_gather")
-            assert inp.tolist() == [0, 0], "a rank restored from a replica has no good share"
-            out.copy_(torch.tensor([0 if r in lost else 1 for r in range(3) for _ in range(2)]))
+            assert inp.tolist() == [0, 0, 0, 0], "a rank restored from a replica has no share (and no CRC)"
+            have = [[0, 0] if r in lost else [1, 1] for r in range(3)]
+            crcs = [[checksum(payloads[r][i].numpy()) * have[r][i] for i in range(2)] for r in range(3)]
+            out.copy_(torch.tensor([x for r in range(3) for x in have[r] + crcs[r]]))
 
         def all_to_all(out, inp, out_splits, in_splits, watch):
             # rank 1 sends nothing; it gets share 0 from rank 0 (its own, kept first) and shares 1 and 2 from
@@ -379,6 +382,8 @@ def test_ddp_state_stays_local_and_a_lost_rank_gets_its_share_from_its_holder(lo
             calls.append("all_to_all")
             assert inp.numel() == 0 and in_splits == [0, 0, 0] and out_splits == [s, 0, 2 * s]
             out.copy_(torch.cat([payloads[0][0], payloads[2][1], payloads[2][0]]))
+            if flip is not None:
+                out[flip] ^= 1   # one bit changed on the way
         monkeypatch.setattr(protect_mod.collectives, "all_gather", all_gather)
         monkeypatch.setattr(protect_mod.collectives, "all_to_all", all_to_all)
         prot.bind(1, None, pulled=True)
@@ -387,6 +392,9 @@ def test_ddp_state_stays_local_and_a_lost_rank_gets_its_share_from_its_holder(lo
 
     play(lost={1, 2})   # rank 1 and the holder of its replica, together
     with pytest.raises(ReplicaError, match=r"rank 1's share .* is lost: neither rank 1 nor a holder of its replica"):
+        prot.gather()
+    play(lost={1}, flip=prot.shard_nbytes + 5)   # in share 1, from rank 2
+    with pytest.raises(ReplicaError, match=r"rank 1's share .* arrived from rank 2 with CRC-32C 0x[0-9a-f]{8}, not"):
         prot.gather()
     calls = play(lost={1})
     prot.gather()

@@ -435,13 +435,17 @@ class NodeAgent:
             shard = [torch.empty(shape, dtype=dtype) for shape, dtype in zip(layout.shapes, layout.dtypes)]
             for rank, slot in mine:
                 rng = layout.read(slot, shard)
-                if rank != r and layout.local_nbytes:
+                kept = None
+                if layout.local_nbytes:
                     # a replica carries no share of the data-parallel state (worker/protect.py): the lost rank's
-                    # share is the one this rank kept for it, in its own snapshot of the cut step
-                    held = held_by(r, self.P, self.cfg.nodes, self.cfg.replica_holders)
-                    kept = layout.views(rep.own.get(cut))[1 + held.index(rank)]
-                    shard[0].copy_(kept)
-                persist.save_shard(self.checkpoint_dir, cut, rank, shard, rng)
+                    # share is the one this rank kept for it, in its own snapshot of the cut step; the other shares
+                    # of the saved local prefix are not the lost rank's (the record says so)
+                    kept = [True] * (layout.local_nbytes // shard[0].numel())   # shares: equal uint8 tensors
+                    if rank != r:
+                        held = held_by(r, self.P, self.cfg.nodes, self.cfg.replica_holders)
+                        shard[0].copy_(layout.views(rep.own.get(cut))[1 + held.index(rank)])
+                        kept = [True] + [False] * (len(kept) - 1)
+                persist.save_shard(self.checkpoint_dir, cut, rank, shard, rng, kept=kept)
         self.cp.barrier(f"saved{g}.{decision.coordinator}", self.cp.member_nodes, self.cfg.collective_timeout,
                         tick=self._tick)
         persist.commit(self.checkpoint_dir, cut, self.cfg.world_size, g, self.high_water)

@@ -47,15 +47,27 @@ def _legacy_crc32(tensors) -> int:
     return crc & 0xFFFFFFFF
 
 
-def save_shard(root: str, step: int, rank: int, tensors: list[torch.Tensor], rng: torch.Tensor) -> None:
-    """Write rank ``rank``'s state at ``step`` (tensors = [param shard, exp_avg, exp_avg_sq])."""
+def save_shard(root: str, step: int, rank: int, tensors: list[torch.Tensor], rng: torch.Tensor,
+               kept: list[bool] | None = None) -> None:
+    """Write rank ``rank``'s state at ``step`` (``tensors``: the payload's tensors, e.g. [param shard, exp_avg,
+    exp_avg_sq] for ZeRO-1). ``kept``: for a ``ctx.protect`` payload, which of the shares in its local prefix hold
+    this rank's bytes (all when saved from the rank's own snapshot; only its own share when saved from a replica,
+    which carries none: worker/protect.py), recorded with it (``shard_record``)."""
     d = os.path.join(root, f"step{step}")
     os.makedirs(d, exist_ok=True)
     names = _names(len(tensors))
     state = dict(zip(names, [t.clone() for t in tensors] + [rng.clone()]))
     dcp.save(state, checkpoint_id=os.path.join(d, f"rank{rank}"), no_dist=True)
-    _write_json(os.path.join(d, f"rank{rank}.json"),
-                {"step": step, "rank": rank, CRC_NAME: _payload_crc([state[n] for n in names])})
+    rec = {"step": step, "rank": rank, CRC_NAME: _payload_crc([state[n] for n in names])}
+    if kept is not None:
+        rec["kept"] = [bool(k) for k in kept]
+    _write_json(os.path.join(d, f"rank{rank}.json"), rec)
+
+
+def shard_record(root: str, meta: dict, rank: int) -> dict:
+    """The record written with rank ``rank``'s shard of checkpoint ``meta`` ({step, rank, crc32c[, kept]})."""
+    with open(os.path.join(root, f"step{meta['step']}", f"rank{rank}.json")) as fh:
+        return json.load(fh)
 
 
 def commit(root: str, step: int, world_size: int, generation: int, high_water: int = -1) -> None:
@@ -83,8 +95,7 @@ def load_shard(root: str, meta: dict, rank: int, tensors: list[torch.Tensor]) ->
     Raises ReplicaError if the shard's step or checksum does not match its record.
     """
     d = os.path.join(root, f"step{meta['step']}")
-    with open(os.path.join(d, f"rank{rank}.json")) as fh:
-        rec = json.load(fh)
+    rec = shard_record(root, meta, rank)
     rng = torch.get_rng_state()
     names = _names(len(tensors))
     state = dict(zip(names, [torch.empty_like(t) for t in tensors] + [torch.empty_like(rng)]))

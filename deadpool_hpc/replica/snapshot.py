@@ -180,9 +180,7 @@ class StateLayout:
               should_stop=None, crc: bool = True) -> bool:
         """Copy ``tensors`` and ``rng`` (uint8) into ``slot``, checksum it, stamp it with ``step``. An entry of
         ``tensors`` may be a list of 1-D uint8 tensors instead: pieces copied one after the other into that
-        tensor's place (their sizes must add up to it), e.g. byte ranges of several live tensors; or a callable
-        ``f(slot) -> tensor``, called when the copy reaches that entry (every entry before it is in ``slot`` then:
-        worker/protect.py checksums the shares it just wrote there).
+        tensor's place (their sizes must add up to it), e.g. byte ranges of several live tensors.
 
         The copy and the CRC go chunk by chunk (``COPY_CHUNK`` bytes: each chunk is checksummed while
         it is still in cache). ``should_stop()`` is asked between chunks: if it turns true the slot is
@@ -196,11 +194,11 @@ class StateLayout:
         with torch.no_grad():
             dsts = self.views(slot) + [slot.tensor[self.state_nbytes:]]
             if crc is False:
-                if not self._copy_batched(slot, dsts, list(tensors) + [rng], should_stop):
+                if not self._copy_batched(dsts, list(tensors) + [rng], should_stop):
                     return False
                 slot.stamp(step, 0)
                 return True
-            for dst, src in _flat_pairs(dsts, list(tensors) + [rng], slot):
+            for dst, src in _flat_pairs(dsts, list(tensors) + [rng]):
                 pieces = _chunk_pairs(dst, src) if src.is_contiguous() else [(dst, src)]
                 for d, s in pieces:
                     if should_stop is not None and should_stop():
@@ -215,31 +213,24 @@ class StateLayout:
         slot.stamp(step, value)
         return True
 
-    def _copy_batched(self, slot: Slot, dsts: list[torch.Tensor], srcs: list, should_stop) -> bool:
+    def _copy_batched(self, dsts: list[torch.Tensor], srcs: list, should_stop) -> bool:
         """``write`` without a checksum: the pieces go in ``torch._foreach_copy_`` batches of about COPY_CHUNK
         bytes (one call into torch per batch, which releases the GIL, instead of a Python loop per piece; the
-        micro GPT's snapshot is ~150 pieces), asking ``should_stop()`` before each batch. A callable entry is called
-        once every entry before it is in ``slot``, as ``write`` promises."""
+        micro GPT's snapshot is ~150 pieces), asking ``should_stop()`` before each batch."""
         batch_d: list[torch.Tensor] = []
         batch_s: list[torch.Tensor] = []
         pending = off = 0
-        for dst, src in zip(dsts, srcs):
-            if callable(src):
-                if batch_d:
-                    torch._foreach_copy_(batch_d, batch_s)
-                    batch_d, batch_s, pending = [], [], 0
-                src = src(slot)
-            for d, s in _split_large(_flat_pairs([dst], [src])):
-                if pending >= COPY_CHUNK:
-                    torch._foreach_copy_(batch_d, batch_s)
-                    batch_d, batch_s, pending = [], [], 0
-                if not batch_d and should_stop is not None and should_stop():
-                    return False
-                n = d.numel() * d.element_size()
-                batch_d.append(d)
-                batch_s.append(s)
-                pending += n
-                off += n
+        for d, s in _split_large(_flat_pairs(dsts, srcs)):
+            if pending >= COPY_CHUNK:
+                torch._foreach_copy_(batch_d, batch_s)
+                batch_d, batch_s, pending = [], [], 0
+            if not batch_d and should_stop is not None and should_stop():
+                return False
+            n = d.numel() * d.element_size()
+            batch_d.append(d)
+            batch_s.append(s)
+            pending += n
+            off += n
         if batch_d:
             torch._foreach_copy_(batch_d, batch_s)
         if off != self.nbytes:
@@ -271,12 +262,9 @@ class StateLayout:
         return slot.tensor[self.state_nbytes:].clone()
 
 
-def _flat_pairs(dsts: list[torch.Tensor], srcs: list, slot: Slot | None = None):
-    """(dst, src) pairs; a src that is a list of uint8 pieces becomes one pair per piece (dst: its byte range); a
-    callable src is called with ``slot`` only when the pairs before it have been consumed (copied)."""
+def _flat_pairs(dsts: list[torch.Tensor], srcs: list):
+    """(dst, src) pairs; a src that is a list of uint8 pieces becomes one pair per piece (dst: its byte range)."""
     for dst, src in zip(dsts, srcs):
-        if callable(src):
-            src = src(slot)
         if not isinstance(src, (list, tuple)):
             yield dst, src
             continue

@@ -459,7 +459,11 @@ class Context:
             self._stand_in.register()   # the join cleared torch's registry of groups (dataplane/groups.py)
 
     def _load_checkpoint(self, meta: dict) -> None:
-        rng = persist.load_shard(self.config.run_dir + "/checkpoint", meta, self.rank, self._restore_targets())
+        root = self.config.run_dir + "/checkpoint"
+        kept = persist.shard_record(root, meta, self.rank).get("kept")
+        if kept is not None:   # ctx.protect: which saved shares are this rank's (a lost rank's came from a replica)
+            self.opt.bind(self.rank, self.watch, kept=kept)
+        rng = persist.load_shard(root, meta, self.rank, self._restore_targets())
         self.opt.gather()
         torch.set_rng_state(rng)
         self.step = meta["step"]

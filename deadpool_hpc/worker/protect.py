@@ -13,12 +13,16 @@ optimizer, and key the optimizer state by parameter name). The payload holds:
   step; see "Layout" below; a tensor shared by two names, a tied weight, is stored once). Parameters and optimizer
   state are the same on every DDP rank, so they are never sent: their bytes are cut into world_size *shares*, and
   rank r's own snapshot (the node's shared-memory slot) keeps share r plus the shares of the K ranks whose replica
-  it holds (``held_by``: the same ring as the replicas, control/agreement.py), each with its CRC-32C (taken by the
-  background copy over the bytes it wrote, ``StateLayout.write`` calling the JSON region's builder last). This is the
-  payload's *local* prefix (``StateLayout.local_nbytes``). A restore all-gathers which shares each rank kept good,
-  then moves only the missing ones in one all-to-all, pollably: share j from rank j if rank j restored its own
-  snapshot, else from a holder of rank j's replica, to every rank without a good copy of it, so a lost rank's share
-  survives exactly when its replica does. The model's buffers, per rank, are held whole and replicated;
+  it holds (``held_by``: the same ring as the replicas, control/agreement.py). This is the payload's *local* prefix
+  (``StateLayout.local_nbytes``): a memory copy on the node, complete once the slot is stamped with its step (the
+  stamp is set only after the whole payload is in), and never sent while training. A restore all-gathers which
+  shares each rank kept, each with a CRC-32C taken then, and moves only the missing ones in one all-to-all,
+  pollably: share j from rank j if rank j restored its own snapshot, else from a holder of rank j's replica, to every
+  rank without a copy of it, so a lost rank's share survives exactly when its replica does; a receiver checks each
+  share against its sender's CRC-32C. (The shares are not checksummed at every snapshot: that took 0.65 ms of the
+  training thread's CPU per step of the micro GPT, a third of the copy, to guard bytes that stay in the node's
+  memory until a restore; ``benchmarks/overhead.py``.) The model's buffers, per rank, are held whole and
+  replicated;
 - a JSON document (no pickle) of everything else: the optimizer's param groups (lr, betas, ...) and non-tensor
   state, the scheduler's, data loader's and ``extra``'s state dicts (their small tensors inline, base64), the
   CUDA generators, Python's and numpy's RNG when asked for; in a fixed-size region of its own;
@@ -181,9 +185,9 @@ class Protected:
         self.ring = ring
         self.k = ring[2] if world_size > 1 else 0
         self.held: list[int] = []
-        self._pulled = False
+        self._have: list[bool] = []   # which kept shares the next restore has (bind)
         self._plans: dict[int, tuple] = {}
-        self._hdr = struct.Struct(f"<{2 + self.k}Q")   # JSON length, then the CRC-32C of each kept share
+        self._hdr = struct.Struct("<Q")   # the JSON region starts with the document's length
         self._check(model, optimizer, scheduler, dataloader, extra)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.dataloader, self.extra = dataloader, extra
@@ -204,6 +208,7 @@ class Protected:
         self._queued = False
         self._cache_sig, self._cache = None, None
         self._pieces = None   # ((signature, owners), the shares' pieces): see state_tensors
+        self._zeros = None    # the JSON region's padding (state_tensors)
         self.params = [p for p in self.inner.parameters() if p.requires_grad]
         # the state lives in host memory: its snapshot is a memory copy, done inline (Context._snapshot); a device's
         # is a device-to-host transfer, left to the background copier
@@ -466,8 +471,9 @@ class Protected:
 
     # ---- snapshot ------------------------------------------------------------------------------------------------
     def state_tensors(self) -> list[torch.Tensor]:
-        """The current state, in payload order. Tensors are the live ones (the copy runs in the background: the
-        optimizer does not update before the replica is committed); the JSON region is a fresh tensor."""
+        """The current state, in payload order. Tensors are the live ones (the optimizer does not update before the
+        replica is committed); the shares are lists of 1-D uint8 pieces of them, and so is the JSON region (a fresh
+        tensor of the document, then zeros)."""
         sig = self._signature()
         if sig is not None and sig == self._cache_sig:
             # the same tensors as last time: only the param groups' scalars (lr, ...) and the small state are read
@@ -502,18 +508,11 @@ class Protected:
         for i in self._unique:
             t = found.get(i)
             out.append(t.detach() if t is not None else torch.zeros(self.entries[i][2], dtype=self.entries[i][1]))
-        hdr, blob_nbytes, shard, m = self._hdr, self.blob_nbytes, self.shard_nbytes, len(owners)
-
-        def blob(slot) -> torch.Tensor:
-            """The JSON region, built by the background copy once the shares are in ``slot``: their CRC-32Cs are
-            taken there, off the training thread, over the bytes a restore will read."""
-            head = hdr.pack(len(doc), *(checksum(slot.tensor[i * shard:(i + 1) * shard].numpy()) for i in range(m)))
-            region = torch.zeros(blob_nbytes, dtype=torch.uint8)
-            region[:hdr.size] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-            region[hdr.size:hdr.size + len(doc)] = torch.frombuffer(bytearray(doc), dtype=torch.uint8)
-            return region
-
-        return out + [blob]
+        # the JSON region: the document's length and the document, then zeros (a view of one tensor kept for it)
+        head = torch.frombuffer(bytearray(self._hdr.pack(len(doc)) + doc), dtype=torch.uint8)
+        if self._zeros is None or self._zeros.numel() != self.blob_nbytes:
+            self._zeros = torch.zeros(self.blob_nbytes, dtype=torch.uint8)
+        return out + [[head, self._zeros[head.numel():]]]
 
     def _share(self, r: int, found: dict) -> list[torch.Tensor]:
         """Bytes [r * shard_nbytes, (r + 1) * shard_nbytes) of the common state: 1-D uint8 pieces, views of the
@@ -598,13 +597,12 @@ class Protected:
         scratch, self._scratch = self._scratch, None
         self._cache_sig, self._cache, self._pieces = None, None, None
         blob = scratch[-1]
-        n, *crcs = self._hdr.unpack(bytes(blob[:self._hdr.size].numpy()))
+        (n,) = self._hdr.unpack(bytes(blob[:self._hdr.size].numpy()))
         doc = json.loads(bytes(blob[self._hdr.size:self._hdr.size + n].numpy()))
         kept = scratch[:1 + self.k]
-        # a share is good if this process restored its own snapshot (not a replica pulled from a holder: that
-        # carries no shares) and its bytes match the CRC-32C taken with them
-        good = [not self._pulled and checksum(t.numpy()) == c for t, c in zip(kept, crcs)]
-        full = self._exchange_shares(kept, good)
+        # this process restored its own snapshot (stamped with the cut step once complete): its shares are there;
+        # a replica pulled from a holder carries none; a checkpoint's record says which are (bind)
+        full = self._exchange_shares(kept, self._have)
         tensors = [None] * len(self.entries)
         for i in self._common:
             off, n = self._span[i]
@@ -699,36 +697,40 @@ class Protected:
         self._queued = False
 
     # ---- the step ------------------------------------------------------------------------------------------------
-    def _exchange_shares(self, kept: list[torch.Tensor], good: list[bool]) -> torch.Tensor:
-        """Every rank's share of the common state, at the restored step. A pollable all-gather of which kept
-        shares are good, then one all-to-all that moves only the shares a rank lacks: share j comes from rank j,
-        else from a holder of rank j's replica, and goes to every rank that kept no good copy of it (a survivor
-        lacks W - 1 - K shares, a promoted spare all W). Raises ReplicaError naming the share no live rank kept."""
+    def _exchange_shares(self, kept: list[torch.Tensor], have: list[bool]) -> torch.Tensor:
+        """Every rank's share of the common state, at the restored step. A pollable all-gather of which shares each
+        rank kept (``have``) with their CRC-32C, taken now, then one all-to-all that moves only the shares a rank
+        lacks: share j comes from rank j, else from a holder of rank j's replica, and goes to every rank that kept no
+        copy of it (a survivor lacks W - 1 - K shares, a promoted spare all W). Raises ReplicaError naming the share
+        no live rank kept, or one that arrived with another checksum than its sender's."""
         W, m, shard = self.world_size, 1 + self.k, self.shard_nbytes
         if W == 1:
-            if not good[0]:
-                raise ReplicaError("protect: the restored snapshot's share of the parameters and optimizer state "
-                                   "fails its checksum")
+            if not have[0]:
+                raise ReplicaError("protect: the restored snapshot carries no share of the parameters and "
+                                   "optimizer state")
             return kept[0]
-        flags = torch.zeros(W * m, dtype=torch.int64)
-        collectives.all_gather(flags, torch.tensor(good, dtype=torch.int64), self.watch)
-        flags = flags.view(W, m).tolist()
+        mine_info = torch.tensor(have + [checksum(t.numpy()) if h else 0 for t, h in zip(kept, have)],
+                                 dtype=torch.int64)
+        info = torch.zeros(W * 2 * m, dtype=torch.int64)
+        collectives.all_gather(info, mine_info, self.watch)
+        info = info.view(W, 2 * m).tolist()
+        flags, crcs = [row[:m] for row in info], [row[m:] for row in info]
         P, nodes, k = self.ring
         keeps = [[r] + held_by(r, P, nodes, k) for r in range(W)]   # the shares rank r keeps, in its kept order
 
         def good_copy(r: int, j: int) -> int | None:
-            """Where in rank r's kept shares a good copy of share j is (None: r has none)."""
+            """Where in rank r's kept shares a copy of share j is (None: r has none)."""
             return next((i for i, jj in enumerate(keeps[r]) if jj == j and flags[r][i]), None)
 
         out = torch.empty(W * shard, dtype=torch.uint8)
         to, frm = [[] for _ in range(W)], [[] for _ in range(W)]   # share ids sent to / received from each rank
-        sent_from = {}  # share id this rank sends -> where in its kept shares its good copy is
+        sent_from = {}  # share id this rank sends -> where in its kept shares its copy is
         for j in range(W):
             src = next((r for r in [j] + holders_of(j, P, nodes, k) if good_copy(r, j) is not None), None)
             if src is None:
                 raise ReplicaError(f"protect: rank {j}'s share of the parameters and optimizer state is lost: "
                                    f"neither rank {j} nor a holder of its replica ({holders_of(j, P, nodes, k)}) "
-                                   "kept a good copy")
+                                   "kept a copy")
             mine = good_copy(self.rank, j)
             if mine is not None:
                 out[j * shard:(j + 1) * shard] = kept[mine]
@@ -746,15 +748,26 @@ class Protected:
         pos = 0
         for q in range(W):
             for j in frm[q]:
-                out[j * shard:(j + 1) * shard] = got[pos:pos + shard]
+                piece = got[pos:pos + shard]
+                want, crc = crcs[q][good_copy(q, j)], checksum(piece.numpy())
+                if crc != want:
+                    raise ReplicaError(f"protect: rank {j}'s share of the parameters and optimizer state arrived "
+                                       f"from rank {q} with CRC-32C {crc:#010x}, not the {want:#010x} rank {q} "
+                                       "took before sending it")
+                out[j * shard:(j + 1) * shard] = piece
                 pos += shard
         return out
 
-    def bind(self, rank: int, watch, pulled: bool = False) -> None:
+    def bind(self, rank: int, watch, pulled: bool = False, kept: list[bool] | None = None) -> None:
         """This process is now training rank ``rank``; ``watch``: what the gradient all-reduce waits under;
-        ``pulled``: the state it restores next is a replica pulled from a holder (no shares of its own)."""
+        ``pulled``: the state it restores next is a replica pulled from a holder (no shares of its own); ``kept``:
+        else, which of the 1 + K shares in it are this rank's (a checkpoint's record: ``persist.save_shard``;
+        default all)."""
         self.rank, self.watch = rank, watch
-        self._pulled = pulled
+        self._have = [False] * (1 + self.k) if pulled else [bool(x) for x in (kept or [True] * (1 + self.k))]
+        if len(self._have) != 1 + self.k:
+            raise ReplicaError(f"protect: the snapshot to restore says {len(self._have)} shares were kept; this "
+                               f"layout keeps {1 + self.k}")
         if self.sharded:
             from ..dataplane.fsdp import rebind
 
