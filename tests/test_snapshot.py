@@ -114,6 +114,9 @@ def test_checkpoint_shard_roundtrip_checks_its_crc32c(tmp_path):
     legacy = persist._legacy_crc32(tensors + [rng])     # a shard recorded by a version before CRC-32C
     rec_path.write_text(json.dumps({"step": 5, "rank": 0, "crc": legacy}))
     persist.load_shard(root, meta, 0, out)
+    assert "kept" not in persist.shard_record(root, meta, 0)
+    persist.save_shard(root, 5, 1, tensors, rng, kept=[True, False])   # a lost rank's, saved from a replica
+    assert persist.shard_record(root, meta, 1)["kept"] == [True, False]
 
 
 def test_the_slot_written_keeps_what_a_recovery_may_need():
