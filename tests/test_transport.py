@@ -386,6 +386,7 @@ def test_fetch_round_trip_is_bit_for_bit_and_calls_serve_hook(reps):
         spare.configure(1, None, [], [])
         slot = spare.fetch(server.address, 2, 6, threading.Event(), 10)
         assert slot.step == 6 and slot.crc == server.own.get(6).crc
+        assert slot.pulled and not server.own.get(6).pulled   # a fetched payload: no kept shares of its own
         assert np.array_equal(slot.buf, server.own.get(6).buf)
         out = [torch.empty_like(state[0])]
         got_rng = layout.read(slot, out)

@@ -413,7 +413,8 @@ class NodeAgent:
                 "cut_step": decision.cut_step, "slot": rep.own.slots.index(slot), "crc": slot.crc,
                 "recomputed_steps": decision.recomputed_steps, "high_water": self.high_water, "t_fail": t_fail,
                 "t_agreed": time.time(), "failed_nodes": list(decision.failed_nodes), "round": self.rounds,
-                "promoted": r in decision.promoted, "pulled": r in decision.sources})
+                # pulled: no kept shares in the slot, also when an earlier round of this recovery fetched it
+                "promoted": r in decision.promoted, "pulled": r in decision.sources or slot.pulled})
         self.state = "training"
 
     def _save_checkpoint(self, decision: Decision) -> None:
@@ -439,12 +440,15 @@ class NodeAgent:
                 if layout.local_nbytes:
                     # a replica carries no share of the data-parallel state (worker/protect.py): the lost rank's
                     # share is the one this rank kept for it, in its own snapshot of the cut step; the other shares
-                    # of the saved local prefix are not the lost rank's (the record says so)
-                    kept = [True] * (layout.local_nbytes // shard[0].numel())   # shares: equal uint8 tensors
+                    # of the saved local prefix are not the lost rank's, and a snapshot that is itself a fetched
+                    # replica (Slot.pulled) kept none (the record says which are)
+                    n = layout.local_nbytes // shard[0].numel()   # the shares: equal uint8 tensors
+                    kept = [not slot.pulled] * n
                     if rank != r:
+                        own = rep.own.get(cut)
                         held = held_by(r, self.P, self.cfg.nodes, self.cfg.replica_holders)
-                        shard[0].copy_(layout.views(rep.own.get(cut))[1 + held.index(rank)])
-                        kept = [True] + [False] * (len(kept) - 1)
+                        shard[0].copy_(layout.views(own)[1 + held.index(rank)])
+                        kept = [not own.pulled] + [False] * (n - 1)
                 persist.save_shard(self.checkpoint_dir, cut, rank, shard, rng, kept=kept)
         self.cp.barrier(f"saved{g}.{decision.coordinator}", self.cp.member_nodes, self.cfg.collective_timeout,
                         tick=self._tick)

@@ -52,7 +52,9 @@ class Slot:
 
     ``step``/``crc`` are set only once the whole payload is in place and verified. ``rank`` is the
     training rank whose state it holds (set by whoever writes it). ``readers`` counts the transfers
-    reading it (a push or a served fetch): a slot with readers is never rewritten.
+    reading it (a push or a served fetch): a slot with readers is never rewritten. ``pulled``: its payload is a
+    replica fetched from a holder, which carries only the wire part (``StateLayout.wire``): the local prefix (a
+    ``ctx.protect`` rank's kept shares) is not this rank's; reset when the slot is invalidated.
 
     tensor: an existing 1-D uint8 CPU tensor of ``nbytes`` bytes to use as the buffer instead of a new one (a
     node agent's slot in memory shared with its training process, see agent/shm.py); it is used as is, not pinned.
@@ -70,10 +72,12 @@ class Slot:
         self.crc: int | None = None
         self.rank: int | None = None
         self.readers = 0
+        self.pulled = False
 
     def invalidate(self) -> None:
         self.step = None
         self.crc = None
+        self.pulled = False
 
     def stamp(self, step: int, crc: int) -> None:
         self.crc = crc

@@ -477,6 +477,7 @@ class Replicator:
                               reason=f"checksum mismatch: header {hdr['crc']}, payload {crc.value}")
                 raise ReplicaError(f"{what} fails its checksum (header {hdr['crc']}, payload {crc.value})")
             with self._cv:
+                slot.pulled = True   # the wire part only: no kept shares (Slot)
                 slot.stamp(step, crc.value)
             return slot
         except WireError as exc:
