@@ -413,8 +413,9 @@ class NodeAgent:
                 "cut_step": decision.cut_step, "slot": rep.own.slots.index(slot), "crc": slot.crc,
                 "recomputed_steps": decision.recomputed_steps, "high_water": self.high_water, "t_fail": t_fail,
                 "t_agreed": time.time(), "failed_nodes": list(decision.failed_nodes), "round": self.rounds,
-                # pulled: no kept shares in the slot, also when an earlier round of this recovery fetched it
-                "promoted": r in decision.promoted, "pulled": r in decision.sources or slot.pulled})
+                # pulled: fetched (this round for decision.sources, or an earlier round of this recovery): no kept
+                # shares in the slot
+                "promoted": r in decision.promoted, "pulled": slot.pulled})
         self.state = "training"
 
     def _save_checkpoint(self, decision: Decision) -> None:

@@ -185,7 +185,7 @@ class Protected:
         self.ring = ring
         self.k = ring[2] if world_size > 1 else 0
         self.held: list[int] = []
-        self._have: list[bool] = []   # which kept shares the next restore has (bind)
+        self._have = [True] * (1 + self.k)   # which kept shares the next restore has (bind)
         self._plans: dict[int, tuple] = {}
         self._hdr = struct.Struct("<Q")   # the JSON region starts with the document's length
         self._check(model, optimizer, scheduler, dataloader, extra)
