@@ -25,7 +25,9 @@ from ..control.agreement import held_by, holders_of
 from ..control.decision import Decision
 from ..errors import Fenced, PeerFailure, RecoveryTimeout, RunFinished
 from ..replica import persist
+from .desk import SnapshotDesk
 from .planned import PlannedSwaps
+from .shm import Doorbell
 from .store import GenerationStore
 
 MAX_FAILED_ROUNDS = 8
@@ -53,8 +55,7 @@ class NodeAgent:
         self.reps: dict = {}               # local -> Replicator (once the training process sent its layout)
         self.layouts: dict = {}            # local -> StateLayout
         self.bufs: dict = {}               # local -> [SharedBuffer, SharedBuffer]
-        self.committed_sent: dict = {}     # local -> last committed step told
-        self.pending_claims: dict = {}     # local -> (id, step) of a claim to answer when a slot is free
+        self.committed_seen: dict = {}     # local -> last committed step seen (training makes progress)
         self.left: dict = {}               # local -> done_step, during a recovery
         self.round_failed = False
         self._in_round = False             # a recovery round runs (its own failure notices are answered in it)
@@ -75,6 +76,7 @@ class NodeAgent:
         cp.handlers["kv"] = self._on_kv
         cp.on_member_lost = self._fail_stores
         cp.agent.on_inject = self._on_inject
+        self.desk = SnapshotDesk(self, Doorbell.create())  # agent/desk.py: claim, written, committed, off this loop
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -128,12 +130,12 @@ class NodeAgent:
             self.cp.agent.suspect(lost, "its agent's watch connection closed (the process is gone)")
         for local, rep in self.reps.items():
             c = rep.committed_step
-            if c > self.committed_sent.get(local, -1):
-                self.committed_sent[local] = c
-                self.channel.send(local, "committed", {"step": c})
+            if c > self.committed_seen.get(local, -1):
+                self.committed_seen[local] = c
                 self.failed_rounds = 0  # training makes progress again
-            if local in self.pending_claims:
-                self._claim(local, *self.pending_claims.pop(local))
+        if self.swaps.current is not None:  # the desk wakes this loop at each snapshot written meanwhile
+            for local in list(self.written):
+                self.swaps.on_written(local)
         for st in self.stores.values():
             st.expire()
         if self.health is not None:
@@ -172,12 +174,6 @@ class NodeAgent:
             (self.stores.get(gen) or st or self._store(self.cp.generation)).handle(local, kind, body, self.channel.send)
         elif kind == "layout":
             self._layout(local, body)
-        elif kind == "claim":
-            self._claim(local, body["id"], int(body["step"]))
-        elif kind == "written":
-            self.reps[local].written(int(body["step"]), int(body["index"]))
-            self.written[local] = int(body["step"])
-            self.swaps.on_written(local)
         elif kind == "left":
             # a training process that left an older generation than ours is late: the round that generation's
             # failure started is over, and its "left" must not start another
@@ -223,16 +219,11 @@ class NodeAgent:
                                       transport=self.transport,
                                       timeout=self.cfg.collective_timeout, own=slot_pair(bufs))
         self.reps[local].serve_hook = self._serve_hook
-        # the training process's update waits for 'committed', sent from the main loop: wake it at each commit
-        self.reps[local].on_commit = self.channel.wake
-        self.channel.send(local, "slots", {"nbytes": nbytes, "count": len(bufs)}, fds=[b.fd for b in bufs])
-
-    def _claim(self, local: int, rid, step: int) -> None:
-        index = self.reps[local].claim(step)
-        if index is None:
-            self.pending_claims[local] = (rid, step)
-        else:
-            self.channel.send(local, "store_reply", {"id": rid, "ok": True, "index": index})
+        # the training process's update waits for the committed word of its progress page (agent/desk.py)
+        page = self.channel.progress(local)
+        self.reps[local].on_commit = lambda g, step: page.put(page.COMMITTED, g, step)
+        self.channel.send(local, "slots", {"nbytes": nbytes, "count": len(bufs), "bell": True},
+                          fds=[b.fd for b in bufs] + [self.desk.bell.fd])
 
     def _configure(self, local: int) -> None:
         cfg, P, r = self.cfg, self.P, self.cp.train_rank(local)
@@ -243,7 +234,7 @@ class NodeAgent:
             return
         addr = lambda t: self._replica_address(self.cp.assignment[t])  # noqa: E731
         rep.configure(self.cp.generation, r, [addr(h) for h in holders_of(r, P, cfg.nodes, k)], held_by(r, P, cfg.nodes, k))
-        self.committed_sent[local] = -1
+        self.committed_seen[local] = -1
 
     def _replica_address(self, proc: int) -> list:
         return self.cp.idents[proc // self.P]["replica"][proc % self.P]
@@ -359,7 +350,7 @@ class NodeAgent:
             rep.quiesce()
         # a claim waiting for a slot belongs to the failed generation: granted after the resume, it would hold the
         # own slots for a copy nobody makes (the training process dropped it when it left)
-        self.pending_claims.clear()
+        self.desk.drop_pending()
         report = {}
         for local, rep in self.reps.items():
             m = self.node * self.P + local

@@ -142,8 +142,22 @@ class SharedBuffer:
             self.fd = None
 
 
+GEN_MASK = 0xFFFFF   # the generation bits of a snapshot word: compare a generation with ``generation & GEN_MASK``
+
+
+def pack_word(generation: int, step: int, index: int = -1) -> int:
+    """One uint64 word of the snapshot words of a ``ProgressPage``: ``generation`` (20 bits), slot ``index`` + 1
+    (4 bits; 0: none) and ``step`` + 1 (40 bits; 0: none). One aligned store: a reader never sees half of it."""
+    return ((generation & GEN_MASK) << 44) | (((index + 1) & 0xF) << 40) | ((step + 1) & 0xFF_FFFF_FFFF)
+
+
+def unpack_word(word: int) -> tuple[int, int, int]:
+    """(generation, step, index) of a ``pack_word`` word; step -1 / index -1: none."""
+    return word >> 44, (word & 0xFF_FFFF_FFFF) - 1, ((word >> 40) & 0xF) - 1
+
+
 class ProgressPage:
-    """One page shared by a training process (writer) and its agent (reader), per local rank.
+    """One page shared by a training process and its agent, per local rank.
 
     Layout, native-endian uint64 words: ``[0]`` beats, incremented by the training thread at every step boundary
     and while it waits in a bounded wait (``beat()``: one store to shared memory, no syscall, ~60-90 ns from
@@ -151,9 +165,18 @@ class ProgressPage:
     detected, i.e. inside a step; 0 while it waits for a decision or is done). One writer per word; an aligned
     8-byte store is atomic on x86-64 and aarch64, and the agent only compares values, so no lock.
 
+    The snapshot words (``pack_word``: generation, step, slot index) carry the per-step snapshot protocol without a
+    message and without the agent's main loop: ``[3]`` claim (training process: the slot for this step, please),
+    ``[4]`` grant (agent: this slot), ``[5]`` written (training process: the step is in that slot), ``[6]``
+    committed (agent: every holder acknowledged this step). A training process rings the agent's ``Doorbell``
+    after writing a claim or a written word; the agent's answers are read where they are needed (the snapshot, the
+    wait before the update). The generation in each word tells a stale one from the current generation's.
+
     Agent side: ``beats()``, ``step``, ``armed``, and ``stalled_for()``: seconds since the beat count last
     changed, as seen by successive calls (the supervisor calls it every iteration).
     """
+
+    CLAIM, GRANT, WRITTEN, COMMITTED = 3, 4, 5, 6
 
     def __init__(self, buf: SharedBuffer):
         if buf.nbytes < 24:
@@ -189,6 +212,18 @@ class ProgressPage:
     def disarm(self) -> None:
         self._q[2] = 0
 
+    # ---- the snapshot words (either side writes its own) ----
+    def put(self, word: int, generation: int, step: int, index: int = -1) -> None:
+        """Store ``pack_word(generation, step, index)`` in word ``word`` (``CLAIM`` ... ``COMMITTED``)."""
+        self._q[word] = pack_word(generation, step, index)
+
+    def get(self, word: int) -> tuple[int, int, int]:
+        """(generation, step, index) in word ``word``; (0, -1, -1) before anything was stored."""
+        return unpack_word(self._q[word])
+
+    def raw(self, word: int) -> int:
+        return self._q[word]
+
     # ---- agent (reader) ----
     def beats(self) -> int:
         return self._q[0]
@@ -214,6 +249,41 @@ class ProgressPage:
     def close(self) -> None:
         self._q.release()
         self.buf.close()
+
+
+class Doorbell:
+    """An eventfd a node agent's training processes ring (``ring``: one 8-byte write, ~2 us) to say a snapshot word
+    of their progress page changed; the agent's ``SnapshotDesk`` thread waits on it (``wait``). One per agent,
+    shared by its training processes (the fd is passed with the ``slots`` message). ``fd``: the eventfd."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    @classmethod
+    def create(cls) -> "Doorbell":
+        return cls(os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK))
+
+    def ring(self) -> None:
+        """Wake the waiter. Raises OSError or TypeError once closed."""
+        os.eventfd_write(self.fd, 1)
+
+    def wait(self, timeout: float) -> bool:
+        """Up to ``timeout`` seconds for a ring (True) or none (False); consumes every ring so far."""
+        import select
+
+        r, _, _ = select.select([self.fd], [], [], timeout)
+        if not r:
+            return False
+        try:
+            os.eventfd_read(self.fd)
+        except BlockingIOError:
+            return False
+        return True
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, None   # first: a ring racing the close fails (TypeError), never hits a reused fd
+        if fd is not None:
+            os.close(fd)
 
 
 def slot_pair(buffers: list[SharedBuffer]):

@@ -101,7 +101,8 @@ class Replicator:
         self._my_rank: int | None = None
         self._holders: list[tuple[str, int]] = []
         self._committed = -1
-        self.on_commit = None     # called (under this object's lock; must not block) when committed_step grows
+        self.on_commit = None     # on_commit(generation, step), under this object's lock (must not block): the
+        #                           committed step grew
         self._pending: dict[int, set[str]] = {}   # step -> holders that have not acked it
         self._refused: dict[int, tuple] = {}      # step -> (why a holder refused it, transient?)
         self._last_reason: dict[str, str] = {}    # holder -> why its last push did not complete
@@ -179,7 +180,12 @@ class Replicator:
 
     def _commit_notice(self) -> None:
         if self.on_commit is not None:
-            self.on_commit()
+            self.on_commit(self._generation, self._committed)
+
+    @property
+    def generation(self) -> int:
+        """The generation of the last ``configure``."""
+        return self._generation
 
     @property
     def committed_step(self) -> int:
@@ -304,11 +310,14 @@ class Replicator:
                     pusher.jobs.append((slot, step, epoch))
                 self._cv.notify_all()
 
-    def claim(self, step: int) -> int | None:
+    def claim(self, step: int, generation: int | None = None) -> int | None:
         """For a training process that writes its own snapshot into the shared own slots (node agents): reserve
         the slot for ``step`` (invalidated) and return its index in ``own.slots``, or None if an own slot is busy
-        right now (ask again). Follow with ``written(step, index)`` once the bytes are there."""
+        right now (ask again) or the claim is of another ``generation`` than the configured one (a stale claim:
+        never granted). Follow with ``written(step, index)`` once the bytes are there."""
         with self._cv:
+            if generation is not None and generation != self._generation:
+                return None
             if self._paused or self._own_busy or self.own.target(step).readers:
                 return None
             self._own_busy = "writer"

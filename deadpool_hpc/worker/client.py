@@ -30,7 +30,7 @@ from collections import defaultdict, deque
 import torch.distributed as dist
 
 from ..agent.channel import ENV, FD_KEY, MAX_FDS, RESERVED, FrameReader, address_of, encode_frame
-from ..agent.shm import ProgressPage, SharedBuffer
+from ..agent.shm import Doorbell, ProgressPage, SharedBuffer
 from ..errors import AgentLost, ChannelError, ChannelTimeout, PeerFailure
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class AgentClient:
         self.local_rank = local_rank
         self.agent_pid = welcome.get("agent_pid")
         self.progress = page
+        self.bell: Doorbell | None = None   # the agent's doorbell (agent/desk.py), from ``attach_slots``
         self.on_lost = on_lost
         self.send_timeout = send_timeout
         self.lost = threading.Event()
@@ -263,13 +264,15 @@ class AgentClient:
         body = self.get("slots", timeout)
         fds = body.get(FD_KEY, [])
         try:
-            if body.get("nbytes") != nbytes or len(fds) != count:
-                raise ChannelError(f"the agent sent {len(fds)} slots of {body.get('nbytes')} bytes; asked for "
-                                   f"{count} of {nbytes}")
+            if body.get("nbytes") != nbytes or len(fds) != count + bool(body.get("bell")):
+                raise ChannelError(f"the agent sent {len(fds)} fds for slots of {body.get('nbytes')} bytes; asked "
+                                   f"for {count} of {nbytes}" + (" and its doorbell" if body.get("bell") else ""))
         except ChannelError:
             for fd in fds:
                 os.close(fd)
             raise
+        if body.get("bell"):
+            self.bell = Doorbell(fds.pop())   # agent/desk.py: rung after each claim and written word
         bufs = []
         try:
             for fd in fds:
@@ -389,6 +392,8 @@ class AgentClient:
         if self.progress is not None:
             self.progress.close()
             self.progress = None
+        if self.bell is not None:
+            self.bell.close()
 
 
 def _first_message(sock: socket.socket, reader: FrameReader, deadline: float, timeout: float):

@@ -15,7 +15,6 @@ The contract is in docs/worker-contract.md.
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import hashlib
 import os
 import threading
@@ -24,6 +23,7 @@ from collections import deque
 
 import torch
 
+from ..agent.shm import GEN_MASK, ProgressPage
 from ..dataplane import collectives
 from ..dataplane.collectives import Watch
 from ..dataplane.groups import device_for, release_free_memory
@@ -78,17 +78,14 @@ class Context:
         self.faults = RankFaults(cfg.faults, node=node, local=local, ranks_per_node=cfg.ranks_per_node, log=log,
                                  send=client.send)
         self._role: dict = {}
-        self._committed = -1
-        self._cv = threading.Condition()
         self._waiting: dict | None = None   # the "left" body while this process waits for its next role
         self._recovery: dict | None = None
         self._high_water = -1
-        self._claim = None   # (step, Future of the agent's reply): the next snapshot's slot, reserved early
+        self._claim = None   # the step whose snapshot's slot was claimed early (_claim_next)
         self.snapshots = {"inline": 0, "background": 0}   # how this process's snapshots were copied
         self._mesh = self._stand_in = None   # ctx.device_mesh
         self.wait_s = 0.0
         client.on("failure", self._on_failure)
-        client.on("committed", self._on_committed)
         _local_default_group()
 
     # ---- what the training function uses ---------------------------------------------------
@@ -263,10 +260,30 @@ class Context:
         then copied at once on this thread (``_snapshot``)."""
         nxt = self.step + 1
         if self._claim is None and self._replicating(nxt) and getattr(self.opt, "on_host", False):
-            try:
-                self._claim = (nxt, self.client.submit("claim", {"step": nxt}))
-            except Exception:  # noqa: BLE001 - the agent is gone: the copier's own claim and the commit wait say so
-                self._claim = None
+            self._claim = nxt
+            self._request_claim(nxt, self.generation)
+
+    # ---- the snapshot words of the progress page (agent/desk.py answers them) ----------------------------------
+    def _ring(self) -> None:
+        try:
+            self.client.bell.ring()
+        except (OSError, TypeError, AttributeError):
+            pass   # the agent is gone: the wait for commit says so
+
+    def _request_claim(self, step: int, generation: int) -> None:
+        page = self.client.progress
+        page.put(page.CLAIM, generation, step)
+        self._ring()
+
+    def _granted(self, step: int, generation: int) -> int | None:
+        """The slot index the agent granted for ``step``'s snapshot, or None (not yet, or not for this step)."""
+        g, s, index = self.client.progress.get(ProgressPage.GRANT)
+        return index if s == step and g == generation & GEN_MASK and index >= 0 else None
+
+    def _tell_written(self, step: int, index: int, generation: int) -> None:
+        page = self.client.progress
+        page.put(page.WRITTEN, generation, step, index)
+        self._ring()
 
     def _snapshot(self) -> None:
         """Snapshot the state at the start of ``self.step`` into the agent's shared slot. With the slot already
@@ -276,42 +293,41 @@ class Context:
         closing note of this change). Otherwise the background copier claims, copies and tells the agent."""
         if not self._replicating(self.step):
             return
-        claim, self._claim = self._claim, None
-        fut = claim[1] if claim is not None and claim[0] == self.step else None
+        claimed, self._claim = self._claim == self.step, None
+        gen = self.generation
         tensors, rng = self.opt.state_tensors(), torch.get_rng_state()
-        if fut is not None and fut.done():
+        index = self._granted(self.step, gen) if claimed else None
+        if index is not None:
             self.snapshots["inline"] += 1
-            try:
-                reply = self.client.answer("claim", {"step": self.step}, fut.result())
-                slot = self.slots[reply["index"]]
-                # no checksum here: the agent takes the one it ships and the holders verify (stamp_written)
-                if self.layout.write(slot, tensors, rng, self.step, crc=False):
-                    self.client.send("written", {"step": self.step, "index": reply["index"]})
-            except Exception:  # noqa: BLE001 - as the copier: the agent is gone, the wait for commit says so
-                pass
+            # no checksum here: the agent takes the one it ships and the holders verify (stamp_written)
+            if self.layout.write(self.slots[index], tensors, rng, self.step, crc=False):
+                self._tell_written(self.step, index, gen)
             return
         self.snapshots["background"] += 1
-        self.copier.submit(self.step, tensors, rng, claim=fut)
+        self.copier.submit(self.step, tensors, rng, gen, claimed=claimed)
 
     def _wait_committed(self, step: int) -> None:
-        """Until the agent says every holder acknowledged ``step``. Raises PeerFailure on failure or timeout."""
+        """Until the agent says every holder acknowledged ``step`` (the committed word of the progress page, of this
+        generation). Raises PeerFailure on failure or timeout."""
+        page, gen = self.client.progress, self.generation & GEN_MASK
+        g, s, _ = page.get(page.COMMITTED)
+        if g == gen and s >= step:
+            return   # the usual case: the replica was committed while the step computed
         t0 = time.perf_counter()
         end = time.monotonic() + self.config.wait_timeout
-        beat = self.client.progress.beat
-        with self._cv:
-            while self._committed < step:
-                if self.failure.is_set() or self.client.lost.is_set():
-                    raise PeerFailure(f"replica of step {step} not committed: a peer failed")
-                if time.monotonic() > end:
-                    raise PeerFailure(f"replica of step {step} not committed within {self.config.wait_timeout:.0f} s")
-                self._cv.wait(0.01)
-                beat()
+        pause = 0.0005
+        while True:
+            g, s, _ = page.get(page.COMMITTED)
+            if g == gen and s >= step:
+                break
+            if self.failure.is_set() or self.client.lost.is_set():
+                raise PeerFailure(f"replica of step {step} not committed: a peer failed")
+            if time.monotonic() > end:
+                raise PeerFailure(f"replica of step {step} not committed within {self.config.wait_timeout:.0f} s")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.005)
+            page.beat()
         self.wait_s += time.perf_counter() - t0
-
-    def _on_committed(self, body: dict) -> None:
-        with self._cv:
-            self._committed = max(self._committed, int(body["step"]))
-            self._cv.notify_all()
 
     def _on_failure(self, body: dict) -> None:
         """(reader thread) The agent starts a recovery round: a process already waiting for its role answers at
@@ -438,8 +454,6 @@ class Context:
         torch.set_rng_state(rng)
         self.step = role["cut_step"]
         t_restored = time.time()
-        with self._cv:
-            self._committed = -1
         self._snapshot()
         self._recovery = {"t_fail": t_fail, "recomputed_steps": role.get("recomputed_steps", 0)}
         self.log.emit("recovered", generation=self.generation, rank=self.rank, promoted=promoted or was_rank is None,
@@ -508,10 +522,10 @@ class _Copier:
         self.current = None  # the step being copied
         threading.Thread(target=self._run, name="deadpool-snapshot", daemon=True).start()
 
-    def submit(self, step: int, tensors, rng, claim=None) -> None:
-        """Copy ``step``'s ``tensors`` + ``rng``; ``claim``: the Future of a claim already sent for it, if any."""
+    def submit(self, step: int, tensors, rng, generation: int, claimed: bool = False) -> None:
+        """Copy ``step``'s ``tensors`` + ``rng`` (of ``generation``); ``claimed``: its slot was claimed already."""
         with self.cv:
-            self.jobs.append((step, tensors, rng, self.epoch, claim))
+            self.jobs.append((step, tensors, rng, self.epoch, generation, claimed))
             self.cv.notify_all()
 
     def settle(self, step: int, timeout: float) -> bool:
@@ -533,18 +547,23 @@ class _Copier:
             while self.busy:
                 self.cv.wait(0.005)
 
-    def _claim(self, step: int, claim, stop) -> dict | None:
-        """The agent's grant of a slot for ``step`` (``claim``: the Future of a claim already sent, else one is sent
+    def _claim(self, step: int, generation: int, claimed: bool, stop) -> int | None:
+        """The slot index the agent grants for ``step`` (``claimed``: the claim was made already, else it is made
         now). None once ``stop()`` turns true (a ``quiesce``: a recovery must not wait for a grant that a paused
-        replicator holds back) or after the collective timeout; raises what ``AgentClient.answer`` raises."""
-        client = self.ctx.client
-        fut = claim if claim is not None else client.submit("claim", {"step": step})
-        end = time.monotonic() + self.ctx.config.collective_timeout
-        while not fut.done():
-            if stop() or time.monotonic() > end:
+        replicator holds back), the agent is gone, or after the collective timeout."""
+        ctx = self.ctx
+        if not claimed:
+            ctx._request_claim(step, generation)
+        end = time.monotonic() + ctx.config.collective_timeout
+        pause = 0.0002
+        while True:
+            index = ctx._granted(step, generation)
+            if index is not None:
+                return index
+            if stop() or ctx.client.lost.is_set() or time.monotonic() > end:
                 return None
-            cf.wait([fut], timeout=0.005)
-        return client.answer("claim", {"step": step}, fut.result())
+            time.sleep(pause)
+            pause = min(2 * pause, 0.005)
 
     def _run(self) -> None:
         ctx = self.ctx
@@ -552,20 +571,19 @@ class _Copier:
             with self.cv:
                 while not self.jobs:
                     self.cv.wait(0.1)
-                step, tensors, rng, epoch, claim = self.jobs.popleft()
+                step, tensors, rng, epoch, gen, claimed = self.jobs.popleft()
                 if epoch != self.epoch:
                     continue
                 self.busy, self.current = True, step
             try:
                 stop = lambda: self.epoch != epoch  # noqa: E731
-                reply = self._claim(step, claim, stop)
-                if reply is None:
+                index = self._claim(step, gen, claimed, stop)
+                if index is None:
                     continue   # quiesced while waiting (or no answer within the collective timeout)
-                slot = ctx.slots[reply["index"]]
                 # no checksum here: the agent takes the one it ships and the holders verify (stamp_written)
-                if not stop() and ctx.layout.write(slot, tensors, rng, step, should_stop=stop, crc=False):
+                if not stop() and ctx.layout.write(ctx.slots[index], tensors, rng, step, should_stop=stop, crc=False):
                     if not stop():
-                        ctx.client.send("written", {"step": step, "index": reply["index"]})
+                        ctx._tell_written(step, index, gen)
             except Exception:  # noqa: BLE001 - the agent failed the claim or is gone: the wait for commit says so
                 pass
             finally:

@@ -1,0 +1,171 @@
+"""The per-step snapshot protocol over the progress page (agent/desk.py, agent/shm.py): a claim word answered with a
+grant, a written word shipped to a real holder over TCP, the committed word stored by the Replicator, all woken by
+a real eventfd doorbell; stale and busy claims. The training process's side is played here by storing the words
+(what worker/context.py does); the end-to-end runs (test_your_loop.py, test_hotswap.py) use the real one.
+Run: DEADPOOL_SLURM_TESTS=0 .venv/bin/python -m pytest -q tests/test_desk.py
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from deadpool_hpc.agent.desk import SnapshotDesk
+from deadpool_hpc.agent.shm import GEN_MASK, Doorbell, ProgressPage, SharedBuffer, pack_word, slot_pair, unpack_word
+from deadpool_hpc.replica.snapshot import StateLayout, checksum
+from deadpool_hpc.replica.transport import Replicator
+
+SECRET = b"test-secret-0123456789abcdef-32b"
+NBYTES = 1 << 16
+
+
+class Log:
+    def __init__(self):
+        self.events = []
+
+    def emit(self, name, **fields):
+        self.events.append(dict(fields, event=name))
+
+
+class Channel:
+    """What the desk uses of the agent's ChannelServer: each local rank's progress page, and a wake-up."""
+
+    def __init__(self, pages):
+        self.pages = pages
+        self.wakes = 0
+
+    def progress(self, local):
+        return self.pages.get(local)
+
+    def wake(self):
+        self.wakes += 1
+
+
+class Swaps:
+    current = None
+
+
+class Agent:
+    """The NodeAgent attributes the desk reads (agent/node.py): reps, channel, written, swaps."""
+
+    def __init__(self, reps, pages):
+        self.reps = reps
+        self.channel = Channel(pages)
+        self.written = {}
+        self.swaps = Swaps()
+
+
+def wait_until(pred, timeout, what):
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.002)
+
+
+def test_words_pack_generation_step_and_index_into_one_word():
+    for g, step, index in [(0, -1, -1), (0, 0, 0), (7, 123_456_789, 1), (GEN_MASK, (1 << 40) - 2, 14)]:
+        assert unpack_word(pack_word(g, step, index)) == (g, step, index)
+    assert unpack_word(pack_word(GEN_MASK + 3, 5))[0] == 2   # the generation wraps at 20 bits: compared masked
+    assert pack_word(0, 0) != 0   # the first claim of the first generation differs from an empty word
+
+
+def test_doorbell_wakes_a_waiter_and_coalesces_rings():
+    bell = Doorbell.create()
+    try:
+        assert bell.wait(0.01) is False
+        for _ in range(3):
+            bell.ring()
+        assert bell.wait(0.01) is True and bell.wait(0.01) is False   # three rings, one wake: the words say what
+        t = threading.Timer(0.05, bell.ring)
+        t.start()
+        t0 = time.monotonic()
+        assert bell.wait(2.0) is True and time.monotonic() - t0 < 1.0
+    finally:
+        bell.close()
+    with pytest.raises(TypeError):
+        bell.ring()   # closed: never a write to a reused fd number
+
+
+@pytest.fixture
+def desk_setup():
+    """A node of one local rank: its own slots in shared memory, a Replicator pushing to a holder Replicator over
+    TCP, its progress page, and the desk. Everything is closed at the end."""
+    layout = StateLayout([torch.empty(NBYTES // 4)], 0)
+    bufs = [SharedBuffer.create(NBYTES) for _ in range(2)]
+    holder = Replicator(SECRET, layout, Log(), host="127.0.0.1")
+    me = Replicator(SECRET, layout, Log(), host="127.0.0.1", own=slot_pair(bufs))
+    page = ProgressPage.create()
+    agent = Agent({0: me}, {0: page})
+    committed = []
+    me.on_commit = lambda g, step: (committed.append((g, step)), page.put(page.COMMITTED, g, step))
+    desk = SnapshotDesk(agent, Doorbell.create())
+    yield layout, bufs, holder, me, page, agent, desk, committed
+    desk.close()
+    me.close()
+    holder.close()
+    page.close()
+    for b in bufs:
+        b.close()
+
+
+def _configure(holder, me, g):
+    holder.configure(g, None, [], [0])
+    me.configure(g, 0, [holder.address], [])
+
+
+def _grant(page, g, step, timeout=5.0):
+    wait_until(lambda: unpack_word(page.raw(page.GRANT))[:2] == (g, step), timeout, f"the grant of step {step}")
+    return page.get(page.GRANT)[2]
+
+
+def test_a_claimed_and_written_snapshot_reaches_its_holder_and_comes_back_committed(desk_setup):
+    layout, bufs, holder, me, page, agent, desk, committed = desk_setup
+    _configure(holder, me, 3)
+    for step in range(4):
+        page.put(page.CLAIM, 3, step)
+        desk.bell.ring()
+        index = _grant(page, 3, step)
+        state = [torch.full((NBYTES // 4,), float(step))]
+        assert layout.write(me.own.slots[index], state, torch.empty(0, dtype=torch.uint8), step, crc=False)
+        page.put(page.WRITTEN, 3, step, index)
+        desk.bell.ring()
+        wait_until(lambda: page.get(page.COMMITTED)[:2] == (3, step), 5, f"the commit of step {step}")
+        held = holder.held(0).get(step)
+        assert checksum(layout.wire(held)) == held.crc == me.own.get(step).crc
+        assert agent.written[0] == step
+    assert committed == [(3, s) for s in range(4)]
+    # two slots, alternating: the newest step and the one before are kept, the grant never hands out the newest
+    assert me.own.steps() == [2, 3]
+
+
+def test_a_claim_of_an_older_generation_is_never_granted(desk_setup):
+    layout, bufs, holder, me, page, agent, desk, committed = desk_setup
+    _configure(holder, me, 5)
+    page.put(page.CLAIM, 4, 10)    # a process still on generation 4 (it left before the agent reconfigured)
+    desk.bell.ring()
+    time.sleep(0.1)
+    assert page.raw(page.GRANT) == 0 and desk.pending == {}
+    assert me.claim(11, generation=4) is None   # the Replicator refuses it too (under its lock)
+    page.put(page.CLAIM, 5, 10)
+    desk.bell.ring()
+    assert _grant(page, 5, 10) in (0, 1)
+
+
+def test_a_claim_refused_while_a_slot_is_busy_is_granted_once_it_is_free(desk_setup):
+    layout, bufs, holder, me, page, agent, desk, committed = desk_setup
+    _configure(holder, me, 1)
+    page.put(page.CLAIM, 1, 0)
+    desk.bell.ring()
+    first = _grant(page, 1, 0)
+    # the granted slot is still being written (no written word yet): the next claim must wait for it
+    page.put(page.CLAIM, 1, 1)
+    desk.bell.ring()
+    wait_until(lambda: desk.pending.get(0) == (1, 1), 5, "the busy claim to be pending")
+    assert unpack_word(page.raw(page.GRANT))[1] == 0
+    layout.write(me.own.slots[first], [torch.zeros(NBYTES // 4)], torch.empty(0, dtype=torch.uint8), 0, crc=False)
+    page.put(page.WRITTEN, 1, 0, first)
+    desk.bell.ring()   # the written word frees the slot; the pending claim is retried without another ring
+    assert _grant(page, 1, 1) == 1 - first
+    assert desk.pending == {}
