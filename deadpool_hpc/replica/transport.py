@@ -88,7 +88,13 @@ class Replicator:
         self.own = own if own is not None else SlotPair(layout.nbytes)  # own: shared with a training process
         self.bytes_sent = 0       # payload bytes acked by holders
         self.wait_s = 0.0         # time spent in wait_committed
-        self._cv = threading.Condition()
+        # one lock; waiters wait on their own condition, so a change wakes only whom it concerns: the copy thread
+        # (_copy_cv: a job, the end of a pause), each holder's push thread (_Pusher.cv: a job, retired), the rest
+        # (_cv: claims, commits, slots freed). A notify_all on one shared condition woke every thread of this
+        # object several times a step (the closing note of this change)
+        self._lock = threading.RLock()
+        self._cv = threading.Condition(self._lock)
+        self._copy_cv = threading.Condition(self._lock)
         self._held: dict[int, SlotPair] = {}
         self._writing: dict[int, object] = {}   # held rank -> token of the push being received into it
         self._own_busy: str | None = None  # "copy", "fetch" or "writer" while one writes an own slot
@@ -164,7 +170,9 @@ class Replicator:
                     slot.invalidate()
             self._holders = hs
             for h in [h for h in self._pushers if h not in hs]:
-                self._pushers.pop(h).retired = True
+                pusher = self._pushers.pop(h)
+                pusher.retired = True
+                pusher.cv.notify()
             for r in list(self._held):
                 if r not in held_ranks:
                     del self._held[r]       # freed once no transfer reads it
@@ -177,6 +185,7 @@ class Replicator:
             self._last_reason.clear()
             self._paused = False
             self._cv.notify_all()
+            self._copy_cv.notify_all()
 
     def _commit_notice(self) -> None:
         if self.on_commit is not None:
@@ -204,7 +213,7 @@ class Replicator:
         holder. The caller must not modify ``tensors`` until ``wait_committed(step)`` returns."""
         with self._cv:
             self._jobs.append((step, tensors, rng))
-            self._cv.notify_all()
+            self._copy_cv.notify()
 
     def wait_committed(self, step: int, failure: threading.Event, timeout: float, beat=None) -> None:
         """Return once every holder acked a verified copy of ``step`` (no holders: once the local copy
@@ -264,27 +273,18 @@ class Replicator:
         while True:
             with self._cv:
                 while not self._closed and (self._paused or not self._jobs):
-                    self._cv.wait(0.1)
+                    self._copy_cv.wait(1.0)
                 if self._closed:
                     return
                 step, tensors, rng = self._jobs.popleft()
                 epoch = self._epoch
-                if tensors is None:  # written into the claimed slot ``rng`` by the training process (``written``)
-                    slot, claim_epoch = rng
-                    if claim_epoch != epoch:
-                        self._own_busy = None
-                        continue
-                else:
-                    slot = self._claim_own("copy", lambda: self._epoch != epoch or self._closed, step)
-                    if slot is None:
-                        continue
-                    slot.rank = self._my_rank
+                slot = self._claim_own("copy", lambda: self._epoch != epoch or self._closed, step)
+                if slot is None:
+                    continue
+                slot.rank = self._my_rank
             try:
-                if tensors is None:
-                    done = self.layout.stamp_written(slot, step, should_stop=lambda: self._epoch != epoch or self._closed)
-                else:
-                    done = self.layout.write(slot, tensors, rng, step,
-                                             should_stop=lambda: self._epoch != epoch or self._closed)
+                done = self.layout.write(slot, tensors, rng, step,
+                                         should_stop=lambda: self._epoch != epoch or self._closed)
             except Exception as exc:  # a bad submit (shapes not those of the layout): fail its wait, keep the thread
                 done = False
                 with self._cv:
@@ -294,21 +294,24 @@ class Replicator:
                     self._own_busy = None
                     self._cv.notify_all()
             with self._cv:
-                if not done or self._epoch != epoch:
-                    continue  # aborted (slot invalid) or finished just as we quiesced: valid, not pushed
-                if not self._holders:
-                    self._committed = max(self._committed, step)
-                    self._commit_notice()
-                    self._cv.notify_all()
-                    continue
-                self._pending[step] = {fmt(h) for h in self._holders}
-                slot.readers += len(self._holders)
-                for h in self._holders:
-                    pusher = self._pushers.get(h)
-                    if pusher is None:
-                        pusher = self._pushers[h] = _Pusher(self, h)
-                    pusher.jobs.append((slot, step, epoch))
-                self._cv.notify_all()
+                if done and self._epoch == epoch:  # else aborted (slot invalid), or done just as we quiesced
+                    self._ship(slot, step, epoch)
+
+    def _ship(self, slot: Slot, step: int, epoch: int) -> None:
+        """(under _cv) ``slot`` holds ``step``, stamped: commit it (no holders) or queue it to every holder's pusher."""
+        if not self._holders:
+            self._committed = max(self._committed, step)
+            self._commit_notice()
+            self._cv.notify_all()
+            return
+        self._pending[step] = {fmt(h) for h in self._holders}
+        slot.readers += len(self._holders)
+        for h in self._holders:
+            pusher = self._pushers.get(h)
+            if pusher is None:
+                pusher = self._pushers[h] = _Pusher(self, h)
+            pusher.jobs.append((slot, step, epoch))
+            pusher.cv.notify()
 
     def claim(self, step: int, generation: int | None = None) -> int | None:
         """For a training process that writes its own snapshot into the shared own slots (node agents): reserve
@@ -327,17 +330,27 @@ class Replicator:
             return self.own.slots.index(slot)
 
     def written(self, step: int, index: int) -> None:
-        """The training process finished writing ``step`` into the claimed slot ``index``: checksum it, stamp it
-        and push it to the holders in the background (as ``submit`` does after its own copy). A claim from
-        before a ``quiesce``/``configure`` is dropped (its slot stays invalid)."""
+        """The training process finished writing ``step`` into the claimed slot ``index``: checksum it and stamp it
+        here, in the caller's thread (a node agent's snapshot desk: no hand-off to another thread), and push it to
+        the holders in the background (as ``submit`` does after its own copy). A claim from before a
+        ``quiesce``/``configure`` is dropped (its slot stays invalid)."""
         with self._cv:
             claimed, self._claimed = self._claimed, None
             if claimed is None or self.own.slots.index(claimed[0]) != index or claimed[1] != self._epoch:
                 if self._own_busy == "writer":
                     self._own_busy = None
                 return
-            self._jobs.append((step, None, claimed))
-            self._cv.notify_all()
+            slot, epoch = claimed
+        done = False
+        try:
+            done = self.layout.stamp_written(slot, step, should_stop=lambda: self._epoch != epoch or self._closed)
+        finally:
+            with self._cv:
+                if self._epoch == epoch:   # else a quiesce released the claim (and a new one may hold the slots)
+                    self._own_busy = None
+                    if done:
+                        self._ship(slot, step, epoch)
+                self._cv.notify_all()
 
     def _claim_own(self, who: str, give_up, step: int) -> Slot | None:
         """(under _cv) Wait until no one writes an own slot and the one to write ``step`` into has no readers;
@@ -685,6 +698,9 @@ class Replicator:
             self._epoch += 1
             links = list(self._links | self._other_links)
             self._cv.notify_all()
+            self._copy_cv.notify_all()
+            for pusher in self._pushers.values():
+                pusher.cv.notify()
         for link in links:
             link.shutdown()
         try:
@@ -705,6 +721,7 @@ class _Pusher:
         self.rep, self.holder = rep, holder
         self.jobs: deque = deque()
         self.retired = False
+        self.cv = threading.Condition(rep._lock)   # notified with a job, when retired, at close
         threading.Thread(target=self._run, name="deadpool-replica-push", daemon=True).start()
 
     def _run(self) -> None:
@@ -713,7 +730,7 @@ class _Pusher:
             while True:
                 with rep._cv:
                     while not self.jobs and not (self.retired or rep._closed):
-                        rep._cv.wait(KEEP_S)
+                        self.cv.wait(KEEP_S)
                     if not self.jobs:
                         return
                     slot, step, epoch = self.jobs.popleft()
