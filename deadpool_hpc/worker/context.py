@@ -3,7 +3,9 @@
 A training process is torch and a thin client of its node agent (worker/client.py); it does not call MPI.
 ``Context.run(step_fn)`` runs ``step_fn(step)`` for each step, and around each step it injects the faults due,
 copies the state unique to this rank into the agent's shared snapshot slot (the agent checksums it and ships it to
-the holders), and waits for the agent's ``committed`` before the optimizer updates. With ``ctx.protect`` on host
+the holders), and waits for the agent's ``committed`` before the optimizer updates (the claim of a slot, its grant,
+``written`` and ``committed`` are words of the progress page, answered by the agent's snapshot desk: agent/desk.py;
+no channel message per step). With ``ctx.protect`` on host
 memory the copy is made right after the update, on the training thread, into a slot reserved while the optimizer
 ran (``_claim_next``); otherwise, and whenever that slot is not granted in time, by a background thread overlapping
 the next forward and backward. When the agent says a peer failed (or a collective fails), it leaves
