@@ -15,7 +15,7 @@ import torch
 from deadpool_hpc.agent.desk import SnapshotDesk
 from deadpool_hpc.agent.shm import GEN_MASK, Doorbell, ProgressPage, SharedBuffer, pack_word, slot_pair, unpack_word
 from deadpool_hpc.replica.snapshot import StateLayout, checksum
-from deadpool_hpc.replica.transport import Replicator
+from deadpool_hpc.replica.transport import INLINE_STAMP_BYTES, Replicator
 
 SECRET = b"test-secret-0123456789abcdef-32b"
 NBYTES = 1 << 16
@@ -88,12 +88,14 @@ def test_doorbell_wakes_a_waiter_and_coalesces_rings():
         bell.ring()   # closed: never a write to a reused fd number
 
 
-@pytest.fixture
-def desk_setup():
+@pytest.fixture(params=[NBYTES, 2 * INLINE_STAMP_BYTES + 4], ids=["stamped-by-the-desk", "stamped-by-the-copy-thread"])
+def desk_setup(request):
     """A node of one local rank: its own slots in shared memory, a Replicator pushing to a holder Replicator over
-    TCP, its progress page, and the desk. Everything is closed at the end."""
-    layout = StateLayout([torch.empty(NBYTES // 4)], 0)
-    bufs = [SharedBuffer.create(NBYTES) for _ in range(2)]
+    TCP, its progress page, and the desk. Everything is closed at the end. Two payload sizes: one the desk
+    checksums itself, one it hands to the Replicator's copy thread (``INLINE_STAMP_BYTES``)."""
+    nbytes = request.param
+    layout = StateLayout([torch.empty(nbytes // 4)], 0)
+    bufs = [SharedBuffer.create(nbytes) for _ in range(2)]
     holder = Replicator(SECRET, layout, Log(), host="127.0.0.1")
     me = Replicator(SECRET, layout, Log(), host="127.0.0.1", own=slot_pair(bufs))
     page = ProgressPage.create()
@@ -127,7 +129,7 @@ def test_a_claimed_and_written_snapshot_reaches_its_holder_and_comes_back_commit
         page.put(page.CLAIM, 3, step)
         desk.bell.ring()
         index = _grant(page, 3, step)
-        state = [torch.full((NBYTES // 4,), float(step))]
+        state = [torch.full((layout.nbytes // 4,), float(step))]
         assert layout.write(me.own.slots[index], state, torch.empty(0, dtype=torch.uint8), step, crc=False)
         page.put(page.WRITTEN, 3, step, index)
         desk.bell.ring()
@@ -138,6 +140,15 @@ def test_a_claimed_and_written_snapshot_reaches_its_holder_and_comes_back_commit
     assert committed == [(3, s) for s in range(4)]
     # two slots, alternating: the newest step and the one before are kept, the grant never hands out the newest
     assert me.own.steps() == [2, 3]
+    # a written word whose claim was dropped (a quiesce between them) is not this generation's snapshot
+    page.put(page.CLAIM, 3, 4)
+    desk.bell.ring()
+    index = _grant(page, 3, 4)
+    me.quiesce()
+    page.put(page.WRITTEN, 3, 4, index)
+    desk.bell.ring()
+    time.sleep(0.1)
+    assert agent.written[0] == 3 and me.own.find(4) is None
 
 
 def test_a_claim_of_an_older_generation_is_never_granted(desk_setup):
@@ -164,7 +175,8 @@ def test_a_claim_refused_while_a_slot_is_busy_is_granted_once_it_is_free(desk_se
     desk.bell.ring()
     wait_until(lambda: desk.pending.get(0) == (1, 1), 5, "the busy claim to be pending")
     assert unpack_word(page.raw(page.GRANT))[1] == 0
-    layout.write(me.own.slots[first], [torch.zeros(NBYTES // 4)], torch.empty(0, dtype=torch.uint8), 0, crc=False)
+    layout.write(me.own.slots[first], [torch.zeros(layout.nbytes // 4)], torch.empty(0, dtype=torch.uint8), 0,
+                 crc=False)
     page.put(page.WRITTEN, 1, 0, first)
     desk.bell.ring()   # the written word frees the slot; the pending claim is retried without another ring
     assert _grant(page, 1, 1) == 1 - first

@@ -39,10 +39,16 @@ class SnapshotDesk:
         while not self._closed:
             try:
                 self.bell.wait(0.005 if self.pending else 1.0)
-            except (OSError, ValueError):   # closed under us
+            except (OSError, ValueError, TypeError):   # closed under us
                 return
-            if not self._closed:
+            if self._closed:
+                return
+            try:
                 self.serve()
+            except Exception as exc:  # noqa: BLE001 - one rank's bad word must not end the desk of every rank
+                # the step it concerned is never committed: that rank's wait before its update times out and the
+                # recovery that follows reconfigures the Replicator
+                self.a.log.emit("snapshot_desk_error", error=f"{type(exc).__name__}: {exc}"[:300])
 
     def serve(self) -> None:
         """One pass: every local rank's new claim and written words, in step order (a claim before the written of
@@ -86,9 +92,8 @@ class SnapshotDesk:
             self.pending[local] = (g, step)   # an own slot is busy (a push or a restore reads it): ask again
 
     def _written(self, local: int, rep, g: int, step: int, index: int) -> None:
-        if g != rep.generation & GEN_MASK:
-            return   # written for an older generation: its claim was dropped with it (Replicator.written also checks)
-        rep.written(step, index)
+        if g != rep.generation & GEN_MASK or not rep.written(step, index):
+            return   # of an older generation, or of a claim a quiesce dropped: not this generation's snapshot
         self.a.written[local] = step
         if self.a.swaps.current is not None:
             self.a.channel.wake()   # a planned swap waits for this step: the main loop looks (PlannedSwaps)

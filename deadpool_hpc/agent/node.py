@@ -360,7 +360,7 @@ class NodeAgent:
         g = decision.generation
         self.high_water = max(self.high_water, decision.high_water)
         self.left = {}
-        self.written = {lo: decision.cut_step for lo in self.written}  # training resumes from the cut
+        self.written = {lo: decision.cut_step for lo in list(self.written)}  # training resumes from the cut
         if decision.reason == "rebuild":  # collectives timed out with nobody at fault
             if decision.cut_step == self._rebuilt_at:
                 raise RecoveryTimeout(

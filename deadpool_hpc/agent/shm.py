@@ -170,7 +170,11 @@ class ProgressPage:
     ``[4]`` grant (agent: this slot), ``[5]`` written (training process: the step is in that slot), ``[6]``
     committed (agent: every holder acknowledged this step). A training process rings the agent's ``Doorbell``
     after writing a claim or a written word; the agent's answers are read where they are needed (the snapshot, the
-    wait before the update). The generation in each word tells a stale one from the current generation's.
+    wait before the update). The generation in each word tells a stale one from the current generation's. The desk
+trusts that a written word is seen after the slot's bytes stored before it: true of x86-64's store order (TSO);
+on a weakly ordered CPU (aarch64) the word could be seen first unless the desk reads it after consuming the ring
+that followed it (the eventfd's lock orders them), which a ring from another local rank does not guarantee.
+UNTESTED on aarch64: no such machine here.
 
     Agent side: ``beats()``, ``step``, ``armed``, and ``stalled_for()``: seconds since the beat count last
     changed, as seen by successive calls (the supervisor calls it every iteration).

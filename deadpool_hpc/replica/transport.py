@@ -61,6 +61,8 @@ from .stream import POLL_S, TCP, Link, LinkError, PeerGone, Stalled, Stopped, fm
 
 MAX_CONNECTIONS = 64      # concurrent incoming connections; more are closed at once
 HELLO_S = 10.0            # an incoming connection must send its first message within this
+INLINE_STAMP_BYTES = 1 << 20  # a written payload up to this many bytes on the wire is checksummed by the caller of
+#                               ``written`` (the agent's desk), a larger one by the copy thread (``Replicator.written``)
 KEEP_S = 600.0            # a push connection with no push for this long is closed (the pusher opens a new one)
 
 
@@ -278,10 +280,18 @@ class Replicator:
                     return
                 step, tensors, rng = self._jobs.popleft()
                 epoch = self._epoch
-                slot = self._claim_own("copy", lambda: self._epoch != epoch or self._closed, step)
-                if slot is None:
-                    continue
-                slot.rank = self._my_rank
+                if tensors is None:  # a large payload the training process wrote into its claimed slot (``written``)
+                    slot, claim_epoch = rng
+                    if claim_epoch != epoch:
+                        continue   # quiesced meanwhile: the quiesce released the claim
+                else:
+                    slot = self._claim_own("copy", lambda: self._epoch != epoch or self._closed, step)
+                    if slot is None:
+                        continue
+                    slot.rank = self._my_rank
+            if tensors is None:
+                self._stamp(slot, step, epoch)
+                continue
             try:
                 done = self.layout.write(slot, tensors, rng, step,
                                          should_stop=lambda: self._epoch != epoch or self._closed)
@@ -329,21 +339,35 @@ class Replicator:
             self._claimed = (slot, self._epoch)
             return self.own.slots.index(slot)
 
-    def written(self, step: int, index: int) -> None:
-        """The training process finished writing ``step`` into the claimed slot ``index``: checksum it and stamp it
-        here, in the caller's thread (a node agent's snapshot desk: no hand-off to another thread), and push it to
-        the holders in the background (as ``submit`` does after its own copy). A claim from before a
-        ``quiesce``/``configure`` is dropped (its slot stays invalid)."""
+    def written(self, step: int, index: int) -> bool:
+        """The training process finished writing ``step`` into the claimed slot ``index``: checksum it, stamp it
+        and push it to the holders in the background (as ``submit`` does after its own copy). A payload of at most
+        ``INLINE_STAMP_BYTES`` on the wire is checksummed here, in the caller's thread (a node agent's snapshot
+        desk: no hand-off per step); a larger one by this object's copy thread (the desk serves every rank of the
+        node: one rank's checksum must not hold up the others). A claim from before a ``quiesce``/``configure`` is
+        dropped (its slot stays invalid). Returns False for such a dropped claim."""
         with self._cv:
             claimed, self._claimed = self._claimed, None
             if claimed is None or self.own.slots.index(claimed[0]) != index or claimed[1] != self._epoch:
                 if self._own_busy == "writer":
                     self._own_busy = None
-                return
+                return False
             slot, epoch = claimed
+            if self.layout.wire_nbytes > INLINE_STAMP_BYTES:
+                self._jobs.append((step, None, claimed))
+                self._copy_cv.notify()
+                return True
+        self._stamp(slot, step, epoch)
+        return True
+
+    def _stamp(self, slot: Slot, step: int, epoch: int) -> None:
+        """Checksum and stamp ``slot``, written by the training process, and ship it (unless quiesced meanwhile)."""
         done = False
         try:
             done = self.layout.stamp_written(slot, step, should_stop=lambda: self._epoch != epoch or self._closed)
+        except Exception as exc:  # noqa: BLE001 - (a slot unmapped under us) the step is not committed: say why
+            with self._cv:
+                self._refused[step] = (f"snapshot of step {step} failed: {type(exc).__name__}: {exc}", False)
         finally:
             with self._cv:
                 if self._epoch == epoch:   # else a quiesce released the claim (and a new one may hold the slots)

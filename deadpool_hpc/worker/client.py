@@ -272,7 +272,9 @@ class AgentClient:
                 os.close(fd)
             raise
         if body.get("bell"):
-            self.bell = Doorbell(fds.pop())   # agent/desk.py: rung after each claim and written word
+            fd = fds.pop()
+            os.set_inheritable(fd, False)   # SCM_RIGHTS fds come without close-on-exec: the user's programs never get it
+            self.bell = Doorbell(fd)        # agent/desk.py: rung after each claim and written word
         bufs = []
         try:
             for fd in fds:
