@@ -71,7 +71,8 @@ class SnapshotDesk:
                         self._written(local, rep, g, step, index)
                     else:
                         self._claim(local, rep, page, g, step)
-                if local in self.pending and not any(not w for _, w, _, _ in new):
+                claimed_now = any(not is_written for _, is_written, _, _ in new)
+                if local in self.pending and not claimed_now:   # a new claim replaced it
                     g, step = self.pending.pop(local)
                     self._claim(local, rep, page, g, step)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import select
 import time
 
 from ..errors import ChannelError
@@ -171,10 +172,10 @@ class ProgressPage:
     committed (agent: every holder acknowledged this step). A training process rings the agent's ``Doorbell``
     after writing a claim or a written word; the agent's answers are read where they are needed (the snapshot, the
     wait before the update). The generation in each word tells a stale one from the current generation's. The desk
-trusts that a written word is seen after the slot's bytes stored before it: true of x86-64's store order (TSO);
-on a weakly ordered CPU (aarch64) the word could be seen first unless the desk reads it after consuming the ring
-that followed it (the eventfd's lock orders them), which a ring from another local rank does not guarantee.
-UNTESTED on aarch64: no such machine here.
+    trusts that a written word is seen after the slot's bytes stored before it: true of x86-64's store order (TSO);
+    on a weakly ordered CPU (aarch64) the word could be seen first unless the desk reads it after consuming the ring
+    that followed it (the eventfd's lock orders them), which a ring from another local rank does not guarantee.
+    UNTESTED on aarch64: no such machine here.
 
     Agent side: ``beats()``, ``step``, ``armed``, and ``stalled_for()``: seconds since the beat count last
     changed, as seen by successive calls (the supervisor calls it every iteration).
@@ -273,8 +274,6 @@ class Doorbell:
 
     def wait(self, timeout: float) -> bool:
         """Up to ``timeout`` seconds for a ring (True) or none (False); consumes every ring so far."""
-        import select
-
         r, _, _ = select.select([self.fd], [], [], timeout)
         if not r:
             return False
