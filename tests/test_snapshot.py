@@ -136,3 +136,50 @@ def test_the_slot_written_keeps_what_a_recovery_may_need():
     assert pair(None, 9).target(10).step is None
     assert pair(9, 10).target(11).step == 9
     assert pair(9, 10).target().step == 9            # no step given: the one not holding the newest
+
+
+def test_the_agents_itemsize_table_is_torchs_own():
+    """StateLayout's byte sizes by dtype name (what a node agent lays out without torch) are torch's."""
+    from deadpool_hpc.replica.snapshot import ITEMSIZE
+
+    for name, size in ITEMSIZE.items():
+        if hasattr(torch, name):
+            assert torch.empty(0, dtype=getattr(torch, name)).element_size() == size, name
+    named = StateLayout([("bfloat16", [3, 5]), ("float32", (7,))], 16)
+    real = StateLayout([torch.empty(3, 5, dtype=torch.bfloat16), torch.empty(7)], 16)
+    assert (named.sizes, named.shapes, named.nbytes) == (real.sizes, real.shapes, real.nbytes) == ([30, 28],
+                                                                                                  [(3, 5), (7,)], 74)
+    assert named.dtypes == [torch.bfloat16, torch.float32]
+    with pytest.raises(ReplicaError, match="'float128' is not supported.*accepted: bfloat16"):
+        StateLayout([("float128", [2])], 0)
+
+
+AGENT_SIDE = r"""
+import sys
+import numpy as np
+import deadpool_hpc.agent.__main__, deadpool_hpc.agent.node, deadpool_hpc.agent.desk
+from deadpool_hpc.agent.shm import SharedBuffer, slot_pair
+from deadpool_hpc.replica import persist
+from deadpool_hpc.replica.snapshot import SlotPair, StateLayout, checksum
+layout = StateLayout([("float32", [4, 4]), ("bfloat16", [8])], 5, 64)
+bufs = [SharedBuffer.create(layout.nbytes, name="t") for _ in range(2)]
+own = slot_pair(bufs)
+slot = own.begin(3)
+slot.buf[:] = np.arange(layout.nbytes, dtype=np.uint8)
+assert layout.stamp_written(slot, 3) and slot.crc == checksum(layout.wire(slot))
+held = SlotPair(layout.nbytes)
+held.begin(3).buf[:] = slot.buf
+assert persist.latest("/nonexistent") is None
+print("torch" in sys.modules)
+"""
+
+
+def test_a_node_agents_side_of_a_snapshot_never_imports_torch():
+    """A node agent lays out, holds and stamps snapshots as numpy bytes: importing torch (and
+    torch.distributed.checkpoint) cost each agent 2.5-4 s of CPU at every run's start-up (issue 24)."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", AGENT_SIDE], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip() == "False", "the agent's side of a snapshot imported torch"

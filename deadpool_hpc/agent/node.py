@@ -201,15 +201,13 @@ class NodeAgent:
             pass  # the supervisor reports the exit itself (with its status)
 
     def _layout(self, local: int, body: dict) -> None:
-        import torch
-
         from ..agent.shm import SharedBuffer, slot_pair
         from ..replica.snapshot import StateLayout
         from ..replica.transport import Replicator
 
         nbytes = int(body["nbytes"])
-        tensors = [torch.empty(shape, dtype=getattr(torch, dtype), device="meta") for dtype, shape in body["tensors"]]
-        layout = StateLayout(tensors, int(body["rng_nbytes"]), int(body.get("local_nbytes", 0)))
+        # (dtype name, shape) pairs: the layout is laid out without torch, which the agent never imports
+        layout = StateLayout(body["tensors"], int(body["rng_nbytes"]), int(body.get("local_nbytes", 0)))
         if layout.nbytes != nbytes:
             raise ValueError(f"training process {local} sent a layout of {layout.nbytes} bytes but asked for {nbytes}")
         bufs = [SharedBuffer.create(nbytes, name=f"deadpool-slot{local}") for _ in range(int(body.get("count", 2)))]

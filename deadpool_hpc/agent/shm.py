@@ -297,7 +297,7 @@ def slot_pair(buffers: list[SharedBuffer]):
 
     if len(buffers) != 2 or buffers[0].nbytes != buffers[1].nbytes:
         raise ValueError(f"a slot pair needs two shared buffers of equal size, got sizes {[b.nbytes for b in buffers]}")
-    pair = SlotPair(buffers[0].nbytes, tensors=[b.tensor for b in buffers])
+    pair = SlotPair(buffers[0].nbytes, tensors=[b.array for b in buffers])  # numpy: the agent needs no torch
     for slot, b in zip(pair.slots, buffers):
         slot.shared = b
     return pair

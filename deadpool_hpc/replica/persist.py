@@ -9,18 +9,23 @@ still verified with it). ``LATEST``
 names the newest *complete* checkpoint; it is written (temp file + rename) only after every rank's
 shard is on disk, so a half-written checkpoint is never read back as good, and ``load_shard``
 verifies the checksum again.
+
+torch and torch.distributed.checkpoint are imported by the functions that write or read shards, not by this
+module: a node agent reads ``latest`` at start-up, and importing both cost it 2.5-4 s of CPU it never needs unless
+it saves a checkpoint.
 """
 from __future__ import annotations
 
 import json
 import os
 import socket
-
-import torch
-import torch.distributed.checkpoint as dcp
+from typing import TYPE_CHECKING
 
 from ..errors import ReplicaError
 from .snapshot import CRC_NAME, checksum
+
+if TYPE_CHECKING:
+    import torch
 
 NAMES = ("param_shard", "exp_avg", "exp_avg_sq", "rng")
 
@@ -31,6 +36,8 @@ def _names(n: int) -> tuple:
 
 
 def _payload_crc(tensors) -> int:
+    import torch
+
     crc = 0
     for t in tensors:
         crc = checksum(t.contiguous().reshape(-1).view(torch.uint8).numpy(), crc)
@@ -40,6 +47,8 @@ def _payload_crc(tensors) -> int:
 def _legacy_crc32(tensors) -> int:
     """zlib CRC-32, as recorded (key ``crc``) by versions before CRC-32C: read-only compatibility."""
     import zlib
+
+    import torch
 
     crc = 0
     for t in tensors:
@@ -53,6 +62,8 @@ def save_shard(root: str, step: int, rank: int, tensors: list[torch.Tensor], rng
     exp_avg_sq] for ZeRO-1). ``kept``: for a ``ctx.protect`` payload, which of the shares in its local prefix hold
     this rank's bytes (all when saved from the rank's own snapshot; only its own share when saved from a replica,
     which carries none: worker/protect.py), recorded with it (``shard_record``)."""
+    import torch.distributed.checkpoint as dcp
+
     d = os.path.join(root, f"step{step}")
     os.makedirs(d, exist_ok=True)
     names = _names(len(tensors))
@@ -94,6 +105,9 @@ def load_shard(root: str, meta: dict, rank: int, tensors: list[torch.Tensor]) ->
 
     Raises ReplicaError if the shard's step or checksum does not match its record.
     """
+    import torch
+    import torch.distributed.checkpoint as dcp
+
     d = os.path.join(root, f"step{meta['step']}")
     rec = shard_record(root, meta, rank)
     rng = torch.get_rng_state()

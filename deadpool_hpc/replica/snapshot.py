@@ -17,14 +17,23 @@ buffers go in pieces of ``CRC_PIECE`` (about 0.1 ms each) and a waiting thread g
 two. Measured against the alternatives with a busy Python thread alongside: copying each piece to
 ``bytes`` (GIL released in the CRC) or ``zlib.crc32`` (GIL released) made 1 GB take 1.4-1.6 s instead
 of 0.16 s, each piece waiting up to a switch interval (5 ms) to take the GIL back.
+
+No torch import at module level: a node agent holds, stamps and ships slots as numpy bytes and never imports
+torch (importing torch and torch.distributed.checkpoint cost each agent 2.5-4 s of CPU at start-up, on the path of
+every run); ``Slot.tensor`` and the tensor views import it where a training process (or a checkpoint save) uses them.
 """
 from __future__ import annotations
 
+import sys
+from typing import TYPE_CHECKING
+
 import google_crc32c
 import numpy as np
-import torch
 
 from ..errors import ReplicaError
+
+if TYPE_CHECKING:
+    import torch
 
 if google_crc32c.implementation != "c":  # the pure-Python fallback is ~1000x slower: fail loudly, not slowly
     raise ImportError("google-crc32c was installed without its C extension; reinstall it from a binary wheel "
@@ -56,23 +65,49 @@ class Slot:
     replica fetched from a holder, which carries only the wire part (``StateLayout.wire``): the local prefix (a
     ``ctx.protect`` rank's kept shares) is not this rank's; reset when the slot is invalidated.
 
-    tensor: an existing 1-D uint8 CPU tensor of ``nbytes`` bytes to use as the buffer instead of a new one (a
-    node agent's slot in memory shared with its training process, see agent/shm.py); it is used as is, not pinned.
+    tensor: an existing buffer of ``nbytes`` bytes to use instead of a new one: a 1-D uint8 CPU tensor, or a 1-D
+    uint8 numpy array (a node agent's slot in memory shared with its training process, see agent/shm.py); it is
+    used as is, not pinned. A new buffer is a torch tensor (pinned when CUDA is available) in a process that has
+    imported torch, and a numpy array in one that has not (a node agent: the replicas it holds).
+
+    buf: the numpy uint8 view, shape (nbytes,); tensor: the torch uint8 view of the same memory (made on first use).
     """
 
-    def __init__(self, nbytes: int, tensor: torch.Tensor | None = None):
+    def __init__(self, nbytes: int, tensor=None):
         if tensor is None:
-            tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        elif tensor.dtype != torch.uint8 or tensor.dim() != 1 or tensor.numel() != nbytes or tensor.is_cuda:
-            raise ReplicaError(f"a slot of {nbytes} bytes needs a 1-D uint8 CPU tensor of that size, got "
-                               f"{tensor.dtype} of shape {tuple(tensor.shape)} on {tensor.device}")
-        self.tensor = tensor
-        self.buf = self.tensor.numpy()
+            torch = sys.modules.get("torch")
+            if torch is None:
+                tensor = np.empty(nbytes, dtype=np.uint8)
+            else:
+                tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        if isinstance(tensor, np.ndarray):
+            if tensor.dtype != np.uint8 or tensor.ndim != 1 or tensor.size != nbytes:
+                raise ReplicaError(f"a slot of {nbytes} bytes needs a 1-D uint8 buffer of that size, got a numpy "
+                                   f"{tensor.dtype} array of shape {tensor.shape}")
+            self._tensor = None
+            self.buf = tensor
+        else:
+            import torch
+
+            if tensor.dtype != torch.uint8 or tensor.dim() != 1 or tensor.numel() != nbytes or tensor.is_cuda:
+                raise ReplicaError(f"a slot of {nbytes} bytes needs a 1-D uint8 CPU tensor of that size, got "
+                                   f"{tensor.dtype} of shape {tuple(tensor.shape)} on {tensor.device}")
+            self._tensor = tensor
+            self.buf = tensor.numpy()
         self.step: int | None = None
         self.crc: int | None = None
         self.rank: int | None = None
         self.readers = 0
         self.pulled = False
+
+    @property
+    def tensor(self) -> "torch.Tensor":
+        """The slot's bytes as a torch uint8 tensor, shape (nbytes,), sharing ``buf``'s memory (imports torch)."""
+        if self._tensor is None:
+            import torch
+
+            self._tensor = torch.from_numpy(self.buf)
+        return self._tensor
 
     def invalidate(self) -> None:
         self.step = None
@@ -90,7 +125,7 @@ class SlotPair:
     tensors: two existing buffers for the slots (see ``Slot``), e.g. shared memory; default: two new ones.
     """
 
-    def __init__(self, nbytes: int, tensors: list[torch.Tensor] | None = None):
+    def __init__(self, nbytes: int, tensors: list | None = None):
         self.nbytes = nbytes
         if tensors is not None and len(tensors) != 2:
             raise ReplicaError(f"a slot pair takes 2 buffers, got {len(tensors)}")
@@ -152,12 +187,19 @@ class StateLayout:
     never sent (``ctx.protect``'s data-parallel state, identical on every rank: each rank keeps its share and the
     shares of the ranks whose replica it holds, worker/protect.py). The rest, ``wire(slot)`` (``wire_nbytes``), is
     what a replica holds, what the checksum covers and what a restore verifies. 0 (default): all of it.
+
+    tensors: the state tensors in payload order (meta tensors will do), or their ``(dtype name, shape)`` pairs as
+    a training process sends them to its node agent (``("float32", [128, 64])``; the names of ``torch.float32``
+    etc.): an agent builds its layout from those without importing torch. Raises ReplicaError for a dtype name
+    that is not one of torch's (the accepted names are listed).
     """
 
-    def __init__(self, tensors: list[torch.Tensor], rng_nbytes: int, local_nbytes: int = 0):
-        self.sizes = [t.numel() * t.element_size() for t in tensors]
-        self.dtypes = [t.dtype for t in tensors]
-        self.shapes = [tuple(t.shape) for t in tensors]
+    def __init__(self, tensors: list, rng_nbytes: int, local_nbytes: int = 0):
+        specs = [_spec_of(t) for t in tensors]
+        self.dtype_names = [name for name, _ in specs]
+        self.shapes = [shape for _, shape in specs]
+        self.sizes = [_itemsize(name) * _numel(shape) for name, shape in specs]
+        self._dtypes = None
         self.state_nbytes = sum(self.sizes)
         self.rng_nbytes = rng_nbytes
         self.nbytes = self.state_nbytes + rng_nbytes
@@ -167,6 +209,15 @@ class StateLayout:
                                f"(accepted: one of {bounds[:8]}{' ...' if len(bounds) > 8 else ''})")
         self.local_nbytes = local_nbytes
         self.wire_nbytes = self.nbytes - local_nbytes
+
+    @property
+    def dtypes(self) -> list:
+        """The state tensors' torch dtypes (imports torch on first use)."""
+        if self._dtypes is None:
+            import torch
+
+            self._dtypes = [getattr(torch, name) for name in self.dtype_names]
+        return self._dtypes
 
     def wire(self, slot: Slot):
         """The bytes of ``slot`` a replica carries (numpy view): all but the local prefix."""
@@ -192,6 +243,8 @@ class StateLayout:
         (the slot is stamped with CRC 0) for a writer whose reader checksums the slot itself (a training
         process writing its node agent's shared slot: the agent's ``stamp_written`` is the checksum trusted).
         """
+        import torch
+
         slot.invalidate()
         value, off = 0, 0
         mv = memoryview(slot.buf)
@@ -221,6 +274,8 @@ class StateLayout:
         """``write`` without a checksum: the pieces go in ``torch._foreach_copy_`` batches of about COPY_CHUNK
         bytes (one call into torch per batch, which releases the GIL, instead of a Python loop per piece; the
         micro GPT's snapshot is ~150 pieces), asking ``should_stop()`` before each batch."""
+        import torch
+
         batch_d: list[torch.Tensor] = []
         batch_s: list[torch.Tensor] = []
         pending = off = 0
@@ -260,10 +315,43 @@ class StateLayout:
         bytes)."""
         if slot.step is None or checksum(self.wire(slot)) != slot.crc:
             raise ReplicaError(f"snapshot slot for step {slot.step} fails its checksum")
+        import torch
+
         with torch.no_grad():
             for dst, src in zip(tensors, self.views(slot)):
                 dst.copy_(src)
         return slot.tensor[self.state_nbytes:].clone()
+
+
+# bytes per element of each torch dtype, by its name (torch.float32 -> "float32"): what a node agent needs to lay out
+# a payload without importing torch (tests/test_snapshot.py checks the table against torch's own element sizes)
+ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8,
+            "complex32": 4, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2,
+            "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1,
+            "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1}
+
+
+def _itemsize(name: str) -> int:
+    try:
+        return ITEMSIZE[name]
+    except KeyError:
+        raise ReplicaError(f"state tensor dtype {name!r} is not supported in a snapshot; accepted: "
+                           f"{', '.join(sorted(ITEMSIZE))}") from None
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _spec_of(t) -> tuple[str, tuple]:
+    """(dtype name, shape) of a tensor, or of a ``(dtype name, shape)`` pair as it is."""
+    if isinstance(t, (tuple, list)):
+        name, shape = t
+        return str(name), tuple(int(d) for d in shape)
+    return str(t.dtype).removeprefix("torch."), tuple(t.shape)
 
 
 def _flat_pairs(dsts: list[torch.Tensor], srcs: list):
@@ -272,6 +360,8 @@ def _flat_pairs(dsts: list[torch.Tensor], srcs: list):
         if not isinstance(src, (list, tuple)):
             yield dst, src
             continue
+        import torch
+
         flat, off = dst.reshape(-1).view(torch.uint8), 0
         for piece in src:
             n = piece.numel()
