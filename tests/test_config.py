@@ -78,14 +78,19 @@ def test_demo_config_defaults_and_errors():
     (["--train-fn", "deadpool_hpc.train.demo:nosuch"], "has no function 'nosuch'"),
     (["--nodes", "40", "--ranks-per-node", "2"], "the local launcher (deadpool run) runs at most 64"),
 ])
-def test_cli_rejects_bad_input_with_exit_2_before_starting(tmp_path, args, needle):
+def test_cli_rejects_bad_input_with_exit_2_before_starting(tmp_path, capsys, args, needle):
+    """In process (the CLI's own ``main``; test_cli_hang_timeout_0_exits_2_from_the_command checks the exit status
+    of the command itself): pure argument checking, no process may start."""
+    from deadpool_hpc.launch.cli import main
+
     run_dir = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "deadpool_hpc.launch.cli", "run", "--run-dir", str(run_dir),
-                        "--nodes", "3", "--spares", "1", "--steps", "100", *args],
-                       capture_output=True, text=True, timeout=60)
-    # argparse keeps the last value of a repeated option, so the test's own --nodes wins
-    assert p.returncode == 2, p.stderr
-    assert needle in p.stderr
+    try:   # argparse keeps the last value of a repeated option, so the test's own --nodes wins
+        code = main(["run", "--run-dir", str(run_dir), "--nodes", "3", "--spares", "1", "--steps", "100", *args])
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert needle in err
     assert not run_dir.exists(), "no process may start (and no run dir be made) on bad input"
 
 

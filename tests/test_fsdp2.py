@@ -25,7 +25,7 @@ from deadpool_hpc.train.model import GPT, GPTConfig
 from deadpool_hpc.worker.protect import Protected
 
 from runs import faults, launch_reaped  # tests/runs.py
-from test_your_loop import STEPS, check_recovered, importable_examples, restore, snapshot, train_steps  # noqa: F401
+from test_your_loop import STEPS, check_recovered, restore, snapshot, train_steps  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = dict(n_layer=1, n_head=2, d_model=32, context=32, batch_size=4)   # every dimension divides by 4
@@ -38,42 +38,32 @@ def run(tmp_path, name, *specs, **kw):
     return launch_reaped(cfg, 240)
 
 
+EXAMPLE = dict(train_fn="examples.fsdp2_gpt:train", train_args=SMALL)
+
+
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
-    s = run(tmp_path_factory.mktemp("base"), "base", spares=0)
-    assert s["completed"] and s["failures"] == [] and s["errors"] == [], s
+def baseline(failure_free):
+    s = failure_free(nodes=4, steps=STEPS, **EXAMPLE)   # tests/conftest.py: shared by every module
     assert s["final_loss"] < 0.8 * s["first_loss"], "the example does not train"
     return s["param_digest"]
 
 
 @pytest.fixture(scope="module")
-def baseline_p2(tmp_path_factory):
-    s = run(tmp_path_factory.mktemp("base2"), "base2", nodes=2, ranks_per_node=2, spares=0)
-    assert s["completed"] and s["failures"] == [] and s["errors"] == [], s
-    return s["param_digest"]
+def baseline_p2(failure_free):
+    return failure_free(nodes=2, ranks_per_node=2, steps=STEPS, **EXAMPLE)["param_digest"]
 
 
-def test_fsdp2_example_kill_node1_at_40(tmp_path, baseline):
-    """node4, the spare, built its model as rank 0 and becomes rank 1 at its promotion."""
-    check_recovered(run(tmp_path, "kill", "kill node1@40"), baseline, "node1")
+def test_fsdp2_example_kill_node1_at_30_and_hang_rank2_at_40(tmp_path, baseline):
+    """node1 SIGKILLed at step 30: the spare node4, which built its model as rank 0, becomes rank 1 at its
+    promotion. Rank 2 SIGSTOPped inside its step 40: the others wait in FSDP2's all-gather or reduce-scatter, which
+    run pollably (dataplane/fsdp.py), until its agent finds it after --hang-timeout."""
+    s = run(tmp_path, "faults", "kill node1@30", "hang rank2@40", spares=2)
+    check_recovered(s, baseline, ["node1", "rank2"], [[1], [2]])
 
 
-def test_fsdp2_example_hang_rank2_at_40(tmp_path, baseline):
-    """rank 2 is SIGSTOPped inside its step: the others wait in FSDP2's all-gather or reduce-scatter, which run
-    pollably (dataplane/fsdp.py), until its agent finds it after --hang-timeout."""
-    s = run(tmp_path, "hang", "hang rank2@40")
-    check_recovered(s, baseline, "rank2")
-    assert s["failures"][0]["failed_nodes"] == [2]
-
-
-def test_fsdp2_example_kill_node1_two_ranks_per_node(tmp_path, baseline_p2):
-    check_recovered(run(tmp_path, "kill2", "kill node1@40", nodes=2, ranks_per_node=2), baseline_p2, "node1")
-
-
-def test_fsdp2_example_hang_rank2_two_ranks_per_node(tmp_path, baseline_p2):
-    s = run(tmp_path, "hang2", "hang rank2@40", nodes=2, ranks_per_node=2)
-    check_recovered(s, baseline_p2, "rank2")
-    assert s["failures"][0]["failed_nodes"] == [1]
+def test_fsdp2_example_kill_node1_and_hang_rank2_two_ranks_per_node(tmp_path, baseline_p2):
+    s = run(tmp_path, "faults2", "kill node1@30", "hang rank2@40", nodes=2, ranks_per_node=2, spares=2)
+    check_recovered(s, baseline_p2, ["node1", "rank2"], [[1], [2]])
 
 
 def test_fsdp2_example_no_spare_left_requeues_from_the_checkpoint(tmp_path, baseline):

@@ -23,15 +23,15 @@ def run(tmp_path, name, **kw):
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
-    s = run(tmp_path_factory.mktemp("base"), "base")
-    assert s["completed"] and s["failures"] == [] and s["steps_completed"] == STEPS
+def baseline(failure_free):
+    s = failure_free(nodes=3, steps=STEPS)   # tests/conftest.py: one run per settings, shared by every module
+    assert s["steps_completed"] == STEPS
     return s
 
 
 def test_failure_free_run_trains(baseline):
     assert baseline["final_loss"] < 0.75 * baseline["first_loss"]
-    assert baseline["spares_left"] == 1 and baseline["world_size"] == 3
+    assert baseline["world_size"] == 3
     assert baseline["bytes_replicated_per_rank_per_step"] > 0
     # rank 0 snapshots the start of every step and the end: the first one by the background copier (no slot is
     # reserved before the first update), most of the others inline, with the slot claimed while the optimizer ran
@@ -40,45 +40,36 @@ def test_failure_free_run_trains(baseline):
     assert snaps["inline"] >= STEPS // 2, snaps
 
 
-def check_recovered(s, baseline, target):
+def check_swapped(f, target):
+    """One failure of a recovered run: ``target`` hot-swapped, timed in every phase, at most one step recomputed."""
+    assert f["target"] == target and f["outcome"] == "hot swap", f
+    assert f["recomputed_steps"] <= 1, f
+    assert f["recovery_s"] is not None and all(v is not None and v >= 0 for v in f["phases"].values()), f
+
+
+def check_recovered(s, baseline, targets):
+    """Every fault of the run recovered by a hot swap, in order, and the parameters bitwise the baseline's."""
     assert s["completed"], s
     assert s["steps_completed"] == STEPS
-    assert len(s["failures"]) == 1 and s["swaps"] == 1 and s["spares_left"] == 0
-    f = s["failures"][0]
-    assert f["target"] == target
-    assert f["recomputed_steps"] <= 1
-    assert f["recovery_s"] is not None and all(v is not None and v >= 0 for v in f["phases"].values())
+    assert [f["target"] for f in s["failures"]] == list(targets), s["failures"]
+    for f, target in zip(s["failures"], targets):
+        check_swapped(f, target)
+    assert s["swaps"] == len(targets) and s["spares_left"] == 0
     assert s["param_digest"] == baseline["param_digest"], "recovered run diverged from the failure-free run"
 
 
-def test_kill_node1_swaps_in_spare_bitwise_identical(tmp_path, baseline):
-    check_recovered(run(tmp_path, "kill1", faults=[Fault("kill", "node", 1, 20)]), baseline, "node1")
-
-
-def test_replicas_over_the_unix_transport_plugin_point(tmp_path, baseline):
-    # --replica-transport unix (replica/transports.py, entry point group deadpool_hpc.transports): the same
-    # recovery with every replica pushed and pulled over abstract Unix sockets instead of TCP
-    s = run(tmp_path, "unix", faults=[Fault("kill", "node", 1, 20)], replica_transport="unix")
-    check_recovered(s, baseline, "node1")
+def test_kill_at_the_first_step_and_rank0s_node_over_the_unix_transport(tmp_path, baseline):
+    """Two faults one after the other, each recovered before the next: node2 SIGKILLed at step 0 (before any
+    snapshot of a later step exists), then node0, which hosts rank 0 and the generation-0 TCPStore, at step 15.
+    Every replica is pushed and pulled over abstract Unix sockets (``--replica-transport unix``,
+    replica/transports.py, entry point group deadpool_hpc.transports) instead of TCP."""
+    s = run(tmp_path, "unix", spares=2, replica_transport="unix",
+            faults=[Fault("kill", "node", 2, 0), Fault("kill", "node", 0, 15)])
+    check_recovered(s, baseline, ["node2", "node0"])
+    assert s["failures"][0]["cut_step"] == 0
     hellos = [e for e in read_events(os.path.join(str(tmp_path / "unix"), "events.jsonl"))
               if e["event"] == "hello" and e.get("role") == "agent"]
     assert hellos and all(a[0] == "unix" for e in hellos for a in e["replica"])
-
-
-def test_kill_node_of_rank0_and_store_host(tmp_path, baseline):
-    # node0 hosts rank 0 and the generation-0 TCPStore
-    check_recovered(run(tmp_path, "kill0", faults=[Fault("kill", "node", 0, 15)]), baseline, "node0")
-
-
-def test_hung_rank_is_detected_and_fenced(tmp_path, baseline):
-    # a SIGSTOPped training process is found by its agent from its progress page after --hang-timeout
-    s = run(tmp_path, "hang2", faults=[Fault("hang", "rank", 2, 25)], hang_timeout=3.0)
-    check_recovered(s, baseline, "rank2")
-    events = list(read_events(os.path.join(str(tmp_path / "hang2"), "events.jsonl")))
-    inj = next(e for e in events if e["event"] == "fault_injected")
-    assert inj["signal"] == "SIGSTOP"
-    assert not any(is_alive({"pid": p, "start": _start_ticks(p)}) for p in inj["pids"]), \
-        "the hung process must be fenced (killed)"
 
 
 def test_summary_file_written_by_cli(tmp_path):
@@ -148,28 +139,31 @@ def test_sigusr2_preemption_saves_requeues_and_resumes_identically(tmp_path, bas
     assert s["param_digest"] == baseline["param_digest"]
 
 
-def test_two_ranks_per_node_a_dead_rank_costs_its_whole_node(tmp_path):
-    kw = dict(nodes=2, ranks_per_node=2, spares=1, steps=24)
-    base = run(tmp_path, "p2base", **kw)
-    s = run(tmp_path, "p2kill", faults=[Fault("kill", "rank", 1, 12)], **kw)
+def test_two_ranks_per_node_a_dead_rank_costs_its_whole_node(tmp_path, failure_free):
+    kw = dict(nodes=2, ranks_per_node=2, steps=24)
+    base = failure_free(**kw)
+    s = run(tmp_path, "p2kill", faults=[Fault("kill", "rank", 1, 12)], spares=1, **kw)
     assert s["completed"] and len(s["failures"]) == 1, s
     f = s["failures"][0]
     assert f["failed_nodes"] == [0] and f["promoted"] == {"0": 4, "1": 5}  # spare node 2 = MPI ranks 4, 5
     assert s["param_digest"] == base["param_digest"]
 
 
-def test_several_faults_one_run_two_spares_and_a_fault_on_a_spare(tmp_path, baseline):
+def test_several_faults_one_run_a_spare_a_node_and_a_hung_rank(tmp_path, baseline):
+    """An idle spare (node4) SIGKILLed at step 5: one spare fewer; node1 SIGKILLed at step 10: hot-swapped; rank 2
+    SIGSTOPped at step 25: found by its agent from its progress page after --hang-timeout, fenced (killed) and
+    hot-swapped. Each recovery is complete before the next fault."""
     s = run(tmp_path, "multi", spares=3, hang_timeout=3.0,
             faults=[Fault("kill", "node", 4, 5),    # a spare: it dies, one spare fewer
                     Fault("kill", "node", 1, 10), Fault("hang", "rank", 2, 25)])
     assert s["completed"] and s["steps_completed"] == STEPS, s
     assert [f["target"] for f in s["failures"]] == ["node4", "node1", "rank2"] and s["swaps"] == 2
     assert s["spares_left"] == 0 and s["failures"][0]["outcome"] == "spare lost"
-    assert all(f["recomputed_steps"] <= 1 for f in s["failures"])
+    for f, target in zip(s["failures"][1:], ["node1", "rank2"]):
+        check_swapped(f, target)
     assert s["param_digest"] == baseline["param_digest"]
-
-
-def test_kill_at_the_first_step(tmp_path, baseline):
-    s = run(tmp_path, "first", faults=[Fault("kill", "node", 2, 0)])
-    check_recovered(s, baseline, "node2")
-    assert s["failures"][0]["cut_step"] == 0
+    events = list(read_events(os.path.join(str(tmp_path / "multi"), "events.jsonl")))
+    (inj,) = [e for e in events if e["event"] == "fault_injected" and e["target"] == "rank2"]
+    assert inj["signal"] == "SIGSTOP"
+    assert not any(is_alive({"pid": p, "start": _start_ticks(p)}) for p in inj["pids"]), \
+        "the hung process must be fenced (killed)"

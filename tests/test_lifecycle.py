@@ -363,13 +363,20 @@ def bad_cases(tmp):
     ]
 
 
-def test_bad_paths_exit_2_with_a_message_before_anything_runs(tmp_path):
+def test_bad_paths_exit_2_with_a_message_before_anything_runs(tmp_path, capsys):
+    """In process (the CLI's own ``main``): checking paths starts nothing. The exit status of the command itself is
+    test_second_run_in_the_same_run_dir_is_refused_and_the_first_is_untouched's."""
+    from deadpool_hpc.launch.cli import main
+
     for args, msg in bad_cases(tmp_path):
         t0 = time.monotonic()
-        p = subprocess.run(cli("run", "--nodes", "2", "--spares", "1", "--steps", "10", *args), cwd=ROOT,
-                           capture_output=True, text=True, timeout=120)
+        try:
+            code = main(["run", "--nodes", "2", "--spares", "1", "--steps", "10", *args])
+        except SystemExit as exc:
+            code = exc.code
         took = time.monotonic() - t0
-        assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr, (args, p.stderr[-2000:])
+        err = capsys.readouterr().err
+        assert code == 2 and msg in err and "Traceback" not in err, (args, err[-2000:])
         assert took < 30, (args, took)
     assert not (tmp_path / "new-run").exists(), "a refused run created its run directory"
     assert (tmp_path / "project" / "checkpoint" / "model.pt").read_text() == "precious"

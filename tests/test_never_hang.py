@@ -33,10 +33,8 @@ def events(run_dir):
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
-    s = run(tmp_path_factory.mktemp("base"), "base", spares=0)
-    assert s["completed"] and s["failures"] == [], s
-    return s["param_digest"]
+def baseline(failure_free):
+    return failure_free(nodes=3, steps=STEPS)["param_digest"]   # tests/conftest.py: shared by every module
 
 
 @pytest.fixture()
@@ -71,11 +69,11 @@ def test_the_coordinator_and_store_host_lost_during_a_recovery(tmp_path, baselin
     assert all(f["recovery_s"] < 8.0 for f in s["failures"]), s["failures"]  # never the rendezvous timeout
 
 
-def test_a_hung_rank_of_a_two_rank_node_does_not_make_its_node_mate_coordinator(tmp_path):
+def test_a_hung_rank_of_a_two_rank_node_does_not_make_its_node_mate_coordinator(tmp_path, failure_free):
     """MPI rank 0 shares node 0 with the hung rank 1: it must not coordinate (it would host the store and be
     fenced with its node), or the others wait out the rendezvous timeout (a review found 24 s)."""
     kw = dict(nodes=2, ranks_per_node=2, steps=24, rendezvous_timeout=10.0, hang_timeout=2.0)
-    base = run(tmp_path, "p2base", spares=0, **kw)
+    base = failure_free(**kw)
     s = run(tmp_path, "p2hang", "hang rank1@12", spares=1, **kw)
     assert s["completed"] and s["param_digest"] == base["param_digest"], s
     (f,) = s["failures"]
@@ -211,11 +209,11 @@ def test_kill_a_spare_through_the_cli(tmp_path, baseline):
 
 
 # ---- liveness by progress ----------------------------------------------------------------------------------
-def test_a_frozen_training_thread_is_detected_and_fenced(tmp_path, test_fns):
+def test_a_frozen_training_thread_is_detected_and_fenced(tmp_path, test_fns, failure_free):
     """Rank 2's training thread sleeps for ever at step 25 while its process and heartbeats live on: its
     watchdog declares it failed after --hang-timeout, and a spare takes its place."""
     kw = dict(spares=1, steps=40, hang_timeout=3.0)
-    base = run(tmp_path, "fbase", spares=0, steps=40)
+    base = failure_free(nodes=3, steps=40)   # the demo's arithmetic (trainfns.frozen_rank2 freezes, computes nothing)
     s = run(tmp_path, "frozen", train_fn="trainfns:frozen_rank2", **kw)
     assert s["completed"] and s["param_digest"] == base["param_digest"], s
     (f,) = s["failures"]
@@ -263,7 +261,8 @@ def _wait_for_step(run_dir, th, step, pick, timeout=120):
 
 
 
-def test_an_idle_spare_waits_as_long_as_the_run_lasts_and_is_still_promoted(tmp_path, test_fns, monkeypatch):
+def test_an_idle_spare_waits_as_long_as_the_run_lasts_and_is_still_promoted(tmp_path, test_fns, monkeypatch,
+                                                                            failure_free):
     """A spare's training process waits for its role for as long as the run lasts. It used to give up after the
     recovery + ready timeouts (196 s with the defaults) and abort a failure-free run. Here those add up to 12.5 s
     (hang timeout 1.5 s, rendezvous 2 s); steps are paced to >= 0.25 s, so node1 dies at step 70 well after that,
@@ -271,7 +270,7 @@ def test_an_idle_spare_waits_as_long_as_the_run_lasts_and_is_still_promoted(tmp_
     monkeypatch.setenv("DEADPOOL_TEST_STEP_S", "0.25")
     kw = dict(nodes=2, steps=80, hang_timeout=1.5, rendezvous_timeout=2.0, train_fn="trainfns:paced")
     idle_bound = RunConfig(**kw).recovery_timeout + RunConfig(**kw).ready_timeout
-    base = run(tmp_path, "paced-base", spares=0, **kw)
+    base = failure_free(**kw)   # the demo's arithmetic: trainfns.paced only sleeps before each step
     s = run(tmp_path, "paced-kill", "kill node1@70", spares=1, **kw)
     assert s["completed"] and s["swaps"] == 1 and s["param_digest"] == base["param_digest"], s
     es = events(tmp_path / "paced-kill")

@@ -64,9 +64,8 @@ def check_planned(s, base, node_index):
     assert s["param_digest"] == base["param_digest"], "a planned swap changed the parameters"
 
 
-def test_deadpool_swap_of_a_running_node_recomputes_nothing_and_stays_bitwise_equal(tmp_path):
-    base = launch_reaped(RunConfig(nodes=3, spares=1, steps=40, run_dir=str(tmp_path / "base")).validate(), 300)
-    assert base["completed"] and base["failures"] == []
+def test_deadpool_swap_of_a_running_node_recomputes_nothing_and_stays_bitwise_equal(tmp_path, failure_free):
+    base = failure_free(nodes=3, steps=40)   # tests/conftest.py: shared by every module
     s, out = run_with_swap(tmp_path, "swap1", "node1", 15, refused=("node3", "node7", "nodeX"))
     assert out["swap"].returncode == 0, out["swap"].stderr
     # bad requests while it ran: exit 2 with what is accepted, and the run was not disturbed (one swap only)
@@ -84,22 +83,22 @@ def test_deadpool_swap_of_a_running_node_recomputes_nothing_and_stays_bitwise_eq
     assert done.returncode == 2 and ("no run is in progress" in done.stderr or "finished" in done.stderr), done.stderr
 
 
-def test_planned_swap_of_rank0s_node_with_two_ranks_per_node(tmp_path):
+def test_planned_swap_of_rank0s_node_with_two_ranks_per_node(tmp_path, failure_free):
     """Node 0 holds ranks 0 and 1 (and the coordinator): both processes stop at the same boundary."""
-    kw = dict(nodes=2, ranks_per_node=2, spares=1, steps=30)
-    base = launch_reaped(RunConfig(**kw, run_dir=str(tmp_path / "base")).validate(), 300)
-    s, out = run_with_swap(tmp_path, "swap0", "node0", 12, **kw)
+    kw = dict(nodes=2, ranks_per_node=2, steps=24)
+    base = failure_free(**kw)
+    s, out = run_with_swap(tmp_path, "swap0", "node0", 12, spares=1, **kw)
     assert out["swap"].returncode == 0, out["swap"].stderr
     check_planned(s, base, 0)
     assert s["failures"][0]["promoted"] == {"0": 4, "1": 5}
 
 
-def test_two_nodes_asked_together_leave_one_after_the_other(tmp_path):
+def test_two_nodes_asked_together_leave_one_after_the_other(tmp_path, failure_free):
     """node0 and node1 asked back to back: node1 holds node0's replica, so leaving together would lose rank 0's
     state; the swap lease makes them leave one at a time, each with no step recomputed."""
-    kw = dict(nodes=3, spares=2, steps=40)
-    base = launch_reaped(RunConfig(**kw, run_dir=str(tmp_path / "base")).validate(), 300)
-    s, out = run_with_swap(tmp_path, "two", "node0", 12, also=("node1",), **kw)
+    kw = dict(nodes=3, steps=40)
+    base = failure_free(**kw)
+    s, out = run_with_swap(tmp_path, "two", "node0", 12, also=("node1",), spares=2, **kw)
     assert out["swap"].returncode == 0 and out["also"][0].returncode == 0, (out["swap"].stderr, out["also"][0].stderr)
     assert s["completed"] and s["planned_swaps"] == 2 and s["swaps"] == 2, s["failures"]
     # one after the other, in whichever order the coordinator got the two asks
@@ -109,12 +108,12 @@ def test_two_nodes_asked_together_leave_one_after_the_other(tmp_path):
     assert s["param_digest"] == base["param_digest"]
 
 
-def test_a_swap_asked_during_the_last_steps_never_fails_the_run(tmp_path):
+def test_a_swap_asked_during_the_last_steps_never_fails_the_run(tmp_path, failure_free):
     """Asked when the run is about to end: either the node leaves before the last step or the swap is refused
     ("the run ends ... before the next step boundary"); the run completes either way, with its parameters."""
-    kw = dict(nodes=2, spares=1, steps=16)
-    base = launch_reaped(RunConfig(**kw, run_dir=str(tmp_path / "base")).validate(), 300)
-    s, out = run_with_swap(tmp_path, "last", "node0", 15, **kw)
+    kw = dict(nodes=2, steps=16)
+    base = failure_free(**kw)
+    s, out = run_with_swap(tmp_path, "last", "node0", 15, spares=1, **kw)
     assert s["completed"] and s["param_digest"] == base["param_digest"], s
     refused = [r["why"] for r in s["swaps_refused"]]
     assert s["planned_swaps"] == 1 or any("the run ends at step 16" in w for w in refused) \

@@ -25,17 +25,6 @@ STEPS = 44
 SMALL = dict(n_layer=1, n_head=2, d_model=32, context=32, batch_size=4)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def importable_examples():
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = ROOT + (os.pathsep + old if old else "")
-    yield
-    if old is None:
-        os.environ.pop("PYTHONPATH", None)
-    else:
-        os.environ["PYTHONPATH"] = old
-
-
 def run(tmp_path, name, *specs, **kw):
     cfg = RunConfig(**{**dict(nodes=3, spares=1, steps=STEPS, run_dir=str(tmp_path / name), faults=faults(*specs),
                               train_fn="examples.ddp_gpt:train", train_args=SMALL, rendezvous_timeout=4.0,
@@ -43,53 +32,49 @@ def run(tmp_path, name, *specs, **kw):
     return launch_reaped(cfg, 240)
 
 
+EXAMPLE = dict(train_fn="examples.ddp_gpt:train", train_args=SMALL)
+
+
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
-    s = run(tmp_path_factory.mktemp("base"), "base", spares=0)
-    assert s["completed"] and s["failures"] == [] and s["errors"] == [], s
+def baseline(failure_free):
+    s = failure_free(nodes=3, steps=STEPS, **EXAMPLE)   # tests/conftest.py: shared by every module
     assert s["final_loss"] < 0.8 * s["first_loss"], "the example does not train"
     return s["param_digest"]
 
 
 @pytest.fixture(scope="module")
-def baseline_p2(tmp_path_factory):
-    s = run(tmp_path_factory.mktemp("base2"), "base2", nodes=2, ranks_per_node=2, spares=0)
-    assert s["completed"] and s["failures"] == [] and s["errors"] == [], s
-    return s["param_digest"]
+def baseline_p2(failure_free):
+    return failure_free(nodes=2, ranks_per_node=2, steps=STEPS, **EXAMPLE)["param_digest"]
 
 
-def check_recovered(s, digest, target):
+def check_recovered(s, digest, targets, failed_nodes):
+    """Each fault of ``s`` (in order: ``targets``, whose nodes are ``failed_nodes``) hot-swapped with at most one
+    step recomputed, and the parameters bitwise the failure-free run's."""
     assert s["completed"] and s["errors"] == [], s
     assert s["steps_completed"] == STEPS
-    (f,) = s["failures"]
-    assert f["target"] == target and f["outcome"] == "hot swap", f
-    assert f["recomputed_steps"] <= 1, f
+    assert [f["target"] for f in s["failures"]] == targets, s["failures"]
+    for f, nodes in zip(s["failures"], failed_nodes):
+        assert f["outcome"] == "hot swap" and f["failed_nodes"] == nodes, f
+        assert f["recomputed_steps"] <= 1, f
     assert s["param_digest"] == digest, "recovered run diverged from the failure-free run"
 
 
-def test_ddp_example_kill_node1_at_40(tmp_path, baseline):
-    check_recovered(run(tmp_path, "kill", "kill node1@40"), baseline, "node1")
+def test_ddp_example_kill_node1_at_30_and_hang_rank2_at_40(tmp_path, baseline):
+    """node1 SIGKILLed at step 30; rank 2 SIGSTOPped inside its step 40: the others wait in the pollable gradient
+    all-reduce (beating the progress page, so only rank 2 is fenced) until its agent's progress watch finds it
+    after --hang-timeout. The first recovery is over long before the second fault."""
+    s = run(tmp_path, "faults", "kill node1@30", "hang rank2@40", spares=2)
+    check_recovered(s, baseline, ["node1", "rank2"], [[1], [2]])
 
 
-def test_ddp_example_hang_rank2_at_40(tmp_path, baseline):
-    """rank 2 is SIGSTOPped inside its step: the others wait in the pollable gradient all-reduce (beating the
-    progress page, so only rank 2 is fenced) until its agent's progress watch finds it after --hang-timeout."""
-    s = run(tmp_path, "hang", "hang rank2@40")
-    check_recovered(s, baseline, "rank2")
-    assert s["failures"][0]["failed_nodes"] == [2]
+def test_ddp_example_kill_node1_and_hang_rank2_two_ranks_per_node(tmp_path, baseline_p2):
+    """The same with two ranks per node: rank 2 is node1's first rank in the original layout; after node1's loss
+    it lives on the spare node2, which is fenced whole when rank 2 hangs."""
+    s = run(tmp_path, "faults2", "kill node1@30", "hang rank2@40", nodes=2, ranks_per_node=2, spares=2)
+    check_recovered(s, baseline_p2, ["node1", "rank2"], [[1], [2]])
 
 
-def test_ddp_example_kill_node1_two_ranks_per_node(tmp_path, baseline_p2):
-    check_recovered(run(tmp_path, "kill2", "kill node1@40", nodes=2, ranks_per_node=2), baseline_p2, "node1")
-
-
-def test_ddp_example_hang_rank2_two_ranks_per_node(tmp_path, baseline_p2):
-    s = run(tmp_path, "hang2", "hang rank2@40", nodes=2, ranks_per_node=2)
-    check_recovered(s, baseline_p2, "rank2")
-    assert s["failures"][0]["failed_nodes"] == [1]   # rank 2 is node1's first rank: its node is fenced
-
-
-def test_ddp_example_planned_swap_recomputes_nothing(tmp_path):
+def test_ddp_example_planned_swap_recomputes_nothing(tmp_path, failure_free):
     """``deadpool swap`` of node1 while the DDP example trains: its processes stop once they wrote snapshot B, and
     since a rank joins the gradient all-reduce of B only once its snapshot B is committed, nobody completes step B:
     the spare takes over at B with no step recomputed, bitwise equal."""
@@ -104,8 +89,7 @@ def test_ddp_example_planned_swap_recomputes_nothing(tmp_path):
     # and on a loaded CI machine it once arrived 0.74 s after step 15, when the 44-step run was ending (the swap was
     # refused, rightly: "the run ends at step 44 before the next step boundary")
     steps = 120
-    base = run(tmp_path, "base", spares=0, steps=steps)
-    assert base["completed"], base
+    base = failure_free(nodes=3, steps=steps, **EXAMPLE)
     cfg = RunConfig(nodes=3, spares=1, steps=steps, run_dir=str(tmp_path / "swap"), train_fn="examples.ddp_gpt:train",
                     train_args=SMALL, rendezvous_timeout=4.0, hang_timeout=3.0).validate()
     out = {}

@@ -100,12 +100,7 @@ def fail_node(slurm_cluster):
 
 
 @pytest.fixture(scope="session")
-def reference_digest(tmp_path_factory):
-    """param_digest of the same run (4 + 1, STEPS) without any failure, launched locally (no Slurm)."""
-    from deadpool_hpc.config import RunConfig
-    from deadpool_hpc.launch.local import launch
-
-    s = launch(RunConfig(nodes=4, spares=1, steps=STEPS, run_dir=str(tmp_path_factory.mktemp("ref") / "run")),
-               timeout=240)
-    assert s["completed"], s
-    return s["param_digest"]
+def reference_digest(failure_free):
+    """param_digest of the same run (4 nodes, STEPS) without any failure, launched locally (no Slurm): the session's
+    shared baseline (tests/conftest.py)."""
+    return failure_free(nodes=4, steps=STEPS)["param_digest"]

@@ -1,0 +1,76 @@
+"""Shared by every test module: the failure-free baselines, one run per set of settings for the whole session.
+
+A recovered run is checked against the run that never failed with the same arithmetic: the same layout (nodes x
+ranks per node), steps, training function, its arguments and the seed. Those runs were once launched by each
+module (and some tests) for itself, up to three times for the same settings; ``failure_free(**settings)`` launches
+each set once per session and hands every caller the same summary (issue 24).
+
+The settings that cannot change the parameters are not part of the key, and the baseline runs without them: spares
+(a spare trains nothing until it is promoted), faults, timeouts, the replica count and transport, requeueing and the
+log interval. The examples (``examples.*``) and the test training functions (``trainfns:*``) are importable by the
+runs' processes: this folder and the checkout are put on PYTHONPATH for the session.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from deadpool_hpc.config import RunConfig
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+# RunConfig fields that do not change a run's parameters: a baseline is keyed and launched without them
+NOT_IN_KEY = frozenset({"spares", "faults", "hang_timeout", "rendezvous_timeout", "startup_timeout",
+                        "collective_timeout", "heartbeat_deadline", "replicas", "replica_transport", "requeue",
+                        "log_every", "run_dir", "summary_path", "replicate", "heartbeat_period",
+                        "max_requeues", "interleave_replication"})
+# training functions whose arithmetic is the demo's (trainfns.py: they only sleep or freeze one rank once)
+SAME_AS_DEMO = {"trainfns:paced": "deadpool_hpc.train.demo:train", "trainfns:frozen_rank2": "deadpool_hpc.train.demo:train"}
+
+_old = os.environ.get("PYTHONPATH")
+os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, HERE] + ([_old] if _old else []))
+
+
+def baseline_settings(**settings) -> dict:
+    """The settings of a failure-free run that decide its parameters (a default named or not: the same run)."""
+    bad = set(settings) - set(RunConfig.__dataclass_fields__)
+    if bad:
+        raise TypeError(f"not RunConfig fields: {sorted(bad)}")
+    kw = {k: v for k, v in settings.items() if k not in NOT_IN_KEY}
+    if "train_fn" in kw:
+        kw["train_fn"] = SAME_AS_DEMO.get(kw["train_fn"], kw["train_fn"])
+    defaults = RunConfig()
+    return {k: v for k, v in kw.items() if v != getattr(defaults, k)}
+
+
+def baseline_key(**settings) -> tuple:
+    """``baseline_settings`` as a hashable key."""
+    return tuple(sorted((k, repr(v)) for k, v in baseline_settings(**settings).items()))
+
+
+@pytest.fixture(scope="session")
+def failure_free(tmp_path_factory):
+    """``failure_free(**settings) -> summary`` of the failure-free run with those RunConfig settings (no spare,
+    no fault), launched the first time a key is asked for and shared for the rest of the session. The run must
+    complete with no failure and no error (asserted here, once)."""
+    from runs import launch_reaped  # tests/runs.py
+
+    done: dict[tuple, dict] = {}
+    lock = threading.Lock()
+
+    def get(**settings) -> dict:
+        key = baseline_key(**settings)
+        with lock:
+            if key not in done:
+                kw = baseline_settings(**settings)
+                run_dir = tmp_path_factory.mktemp("baseline") / "run"
+                s = launch_reaped(RunConfig(**kw, spares=0, run_dir=str(run_dir)).validate(), 300)
+                assert s["completed"] and s["failures"] == [] and s["errors"] == [], s
+                s["run_dir"] = str(run_dir)
+                done[key] = s
+            return done[key]
+
+    return get
