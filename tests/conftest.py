@@ -8,7 +8,8 @@ each set once per session and hands every caller the same summary (issue 24).
 The settings that cannot change the parameters are not part of the key, and the baseline runs without them: spares
 (a spare trains nothing until it is promoted), faults, timeouts, the replica count and transport, requeueing and the
 log interval. The examples (``examples.*``) and the test training functions (``trainfns:*``) are importable by the
-runs' processes: this folder and the checkout are put on PYTHONPATH for the session.
+runs' processes: this folder and the checkout are put on PYTHONPATH for every local test and every baseline
+(not for the Slurm tests' jobs, which find the package the way a user's job does).
 """
 from __future__ import annotations
 
@@ -30,8 +31,19 @@ NOT_IN_KEY = frozenset({"spares", "faults", "hang_timeout", "rendezvous_timeout"
 # training functions whose arithmetic is the demo's (trainfns.py: they only sleep or freeze one rank once)
 SAME_AS_DEMO = {"trainfns:paced": "deadpool_hpc.train.demo:train", "trainfns:frozen_rank2": "deadpool_hpc.train.demo:train"}
 
-_old = os.environ.get("PYTHONPATH")
-os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, HERE] + ([_old] if _old else []))
+
+
+def _with_test_code(pythonpath: str | None) -> str:
+    """PYTHONPATH with the checkout (``examples``) and this folder (``trainfns``) in front."""
+    return os.pathsep.join([ROOT, HERE] + ([pythonpath] if pythonpath else []))
+
+
+@pytest.fixture(autouse=True)
+def importable_test_code(request, monkeypatch):
+    """The runs a local test launches import ``examples.*`` and ``trainfns:*``. Not for the Slurm tests: a job
+    inherits the submitter's environment (``--export=ALL``), and they check how a job finds the package itself."""
+    if os.sep + "slurm" + os.sep not in str(request.node.path):
+        monkeypatch.setenv("PYTHONPATH", _with_test_code(os.environ.get("PYTHONPATH")))
 
 
 def baseline_settings(**settings) -> dict:
@@ -67,7 +79,12 @@ def failure_free(tmp_path_factory):
             if key not in done:
                 kw = baseline_settings(**settings)
                 run_dir = tmp_path_factory.mktemp("baseline") / "run"
-                s = launch_reaped(RunConfig(**kw, spares=0, run_dir=str(run_dir)).validate(), 300)
+                mp = pytest.MonkeyPatch()
+                mp.setenv("PYTHONPATH", _with_test_code(os.environ.get("PYTHONPATH")))
+                try:
+                    s = launch_reaped(RunConfig(**kw, spares=0, run_dir=str(run_dir)).validate(), 300)
+                finally:
+                    mp.undo()
                 assert s["completed"] and s["failures"] == [] and s["errors"] == [], s
                 s["run_dir"] = str(run_dir)
                 done[key] = s
