@@ -175,8 +175,8 @@ print("torch" in sys.modules)
 
 
 def test_a_node_agents_side_of_a_snapshot_never_imports_torch():
-    """A node agent lays out, holds and stamps snapshots as numpy bytes: importing torch (and
-    torch.distributed.checkpoint) cost each agent 2.5-4 s of CPU at every run's start-up (issue 24)."""
+    """A node agent lays out, holds and stamps snapshots as numpy bytes: its modules import no torch, so it spawns its
+    training processes before it imports torch for a checkpoint save (agent/__main__.py), not after (issue 24)."""
     import subprocess
     import sys
 

@@ -110,6 +110,11 @@ def main(argv=None) -> None:
     code = 1
     try:
         sup.start()
+        # torch and torch.distributed.checkpoint, for the one thing the agent needs them for: writing a checkpoint
+        # on SIGTERM/SIGUSR2 or with no spare left, which must fit in Slurm's KillWait (5 s on the test cluster;
+        # five agents importing both at that moment took longer). Imported once the training processes are spawned,
+        # so they no longer wait for it (2.5-4 s of CPU per agent); nothing else in the agent uses torch.
+        import torch.distributed.checkpoint  # noqa: F401
         cp.start()
         faulthandler.cancel_dump_traceback_later()  # every wait from here on has its own deadline
         faults = NodeFaults(cfg.faults, node=cp.me, log=log, pids=lambda: {lo: p.pid for lo, p in sup.procs.items()},
