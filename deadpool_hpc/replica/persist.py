@@ -11,8 +11,8 @@ shard is on disk, so a half-written checkpoint is never read back as good, and `
 verifies the checksum again.
 
 torch and torch.distributed.checkpoint are imported by the functions that write or read shards, not by this
-module: a node agent reads ``latest`` at start-up, and importing both cost it 2.5-4 s of CPU it never needs unless
-it saves a checkpoint.
+module: a node agent reads ``latest`` at start-up, before it spawns its training processes, and importing both
+there cost it 2.5-4 s of CPU on every run's critical path (agent/__main__.py imports them after the spawn).
 """
 from __future__ import annotations
 

@@ -18,9 +18,10 @@ two. Measured against the alternatives with a busy Python thread alongside: copy
 ``bytes`` (GIL released in the CRC) or ``zlib.crc32`` (GIL released) made 1 GB take 1.4-1.6 s instead
 of 0.16 s, each piece waiting up to a switch interval (5 ms) to take the GIL back.
 
-No torch import at module level: a node agent holds, stamps and ships slots as numpy bytes and never imports
-torch (importing torch and torch.distributed.checkpoint cost each agent 2.5-4 s of CPU at start-up, on the path of
-every run); ``Slot.tensor`` and the tensor views import it where a training process (or a checkpoint save) uses them.
+No torch import at module level: a node agent holds, stamps and ships slots as numpy bytes, so it can spawn its
+training processes before it imports torch (importing torch and torch.distributed.checkpoint cost each agent 2.5-4
+s of CPU, once on the path of every run's start-up; agent/__main__.py now imports them after the spawn, for a
+checkpoint save); ``Slot.tensor`` and the tensor views import torch where a training process or a save uses them.
 """
 from __future__ import annotations
 
