@@ -206,7 +206,7 @@ class NodeAgent:
         from ..replica.transport import Replicator
 
         nbytes = int(body["nbytes"])
-        # (dtype name, shape) pairs: the layout is laid out without torch, which the agent never imports
+        # (dtype name, shape) pairs: the layout needs no torch (the agent imports it only after spawning its ranks)
         layout = StateLayout(body["tensors"], int(body["rng_nbytes"]), int(body.get("local_nbytes", 0)))
         if layout.nbytes != nbytes:
             raise ValueError(f"training process {local} sent a layout of {layout.nbytes} bytes but asked for {nbytes}")
