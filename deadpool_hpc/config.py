@@ -13,8 +13,11 @@ from dataclasses import dataclass, field
 
 from .errors import ConfigError
 
-# A recovery's phases, in order, as a fault spec names them (``--kill node2@rebuild``); see Fault.
-PHASES = ("detect", "agree", "decided", "rebuild", "restore", "resume")
+# The moments of a job's start, before its first committed snapshot (``--kill node1@startup``), and a recovery's
+# phases, in order, as a fault spec names them (``--kill node2@rebuild``); see Fault.
+START_PHASES = ("startup", "build", "first")
+RECOVERY_PHASES = ("detect", "agree", "decided", "rebuild", "restore", "resume")
+PHASES = START_PHASES + RECOVERY_PHASES
 _FAULT_RE = re.compile(r"^(node|rank)(\d+)@(?:(\d+)|(" + "|".join(PHASES) + r")(?:#(\d+))?)$")
 
 
@@ -24,8 +27,17 @@ class Fault:
 
     ``target_kind`` is "node" (every process of emulated node ``index``, active or spare) or "rank"
     (the process that holds training rank ``index`` at that moment). It fires either at ``step`` (when
-    training first reaches that step) or, when ``phase`` is set, when the target reaches that phase of
-    the ``nth`` recovery it takes part in (1 = the first):
+    training first reaches that step) or, when ``phase`` is set, at a moment of the job's start-up (once:
+    ``nth`` is 1):
+
+    - startup: its node agent's control plane is up and its training processes were just spawned (they are
+               importing torch and the user's module);
+    - build:   inside the user's function, once it has built its model and handed it to ``ctx.protect`` /
+               ``ctx.zero_adamw`` (before ``ctx.run``); spares too;
+    - first:   the first snapshot (step 0) is written and not yet committed at its holders: every rank's state
+               is still only its initial one (a training node only);
+
+    or when the target reaches that phase of the ``nth`` recovery it takes part in (1 = the first):
 
     - detect:  it has left the failed generation and is about to report to the coordinator;
     - agree:   it has sent its report (or, as coordinator, asked for the reports) and waits for the decision;
@@ -71,6 +83,9 @@ def parse_fault(kind: str, spec: str) -> Fault:
     nth = int(m.group(5) or 1)
     if nth < 1:
         raise ConfigError(f"--{kind} {spec!r}: the recovery number after # counts from 1")
+    if m.group(4) in START_PHASES and nth != 1:
+        raise ConfigError(f"--{kind} {spec!r}: the job starts once, so a start-up phase takes no recovery number; "
+                          f"accepted: {m.group(1)}{m.group(2)}@{m.group(4)}")
     return Fault(kind, m.group(1), int(m.group(2)), None, m.group(4), nth)
 
 
@@ -123,7 +138,9 @@ class RunConfig:
     collective_timeout: float = 60.0
     hang_timeout: float = 60.0       # a rank whose training thread makes no progress this long is fenced (0: off)
     rendezvous_timeout: float = 10.0 # joining a generation's process group (store connect + gloo full mesh)
-    startup_timeout: float = 300.0   # MPI start-up and the first collectives (a process lost there ends the run)
+    # MPI start-up, a training process's import and model build, and the first collectives: a training process not up
+    # by then is a failure of its node (cause "startup_timeout"); an agent lost inside MPI_Init ends the run
+    startup_timeout: float = 300.0
     # output
     run_dir: str = "deadpool-run"
     summary_path: str | None = None

@@ -54,3 +54,8 @@ class AgentLost(ChannelError):
 
 class ChannelTimeout(ChannelError, TimeoutError):
     """A wait on the local channel reached its deadline (the other side is frozen, busy, or never answered)."""
+
+
+# A training process's exit code when it failed before reaching ``ctx.run`` (importing the user's module, building
+# the model): its node agent reports the node failed with cause "startup_failed" (worker/entry.py, agent/node.py).
+STARTUP_FAILED_EXIT = 3

@@ -12,13 +12,19 @@ worker/faults.py). The simulation replays the faults in order, as the recovery w
   the next K active nodes, a ring: agreement.holders_of) is on a node not lost in the window and not
   replaced in the previous window (a promoted node's replicas are only re-made by its first step);
 - each lost active node takes the first live spare; with none left the run saves a checkpoint and is
-  requeued (``--requeue``), or cannot go on.
+  requeued (``--requeue``), or cannot go on;
+- the start-up phases (``--kill node1@startup``, ``@build``, ``@first``) are one window before step 0: every rank's
+  state is still its initial one, which each rank rebuilds itself (agreement.decide's fresh start), so no replica
+  is needed there, only a spare for each lost active node. A spare node never reaches ``first`` (it takes no
+  snapshot), and start-up faults are not combined with recovery-phase faults: how many rounds a start-up takes
+  (one or two) depends on when each node gets there.
 
 ``check`` raises ConfigError naming the faults and the reason; ``rounds`` returns the simulated rounds
 for tests and docs.
 """
 from __future__ import annotations
 
+from .config import START_PHASES
 from .errors import ConfigError
 
 PRE_DECISION = ("detect", "agree", "decided")
@@ -53,9 +59,22 @@ class _Sim:
     # ---- the replay --------------------------------------------------------------------------------------
     def run(self) -> None:
         faults = self.cfg.faults
-        phase = [f for f in faults if f.phase is not None]
+        start = [f for f in faults if f.phase in START_PHASES]
+        phase = [f for f in faults if f.phase is not None and f.phase not in START_PHASES]
         round_no = 0
         replaced_before: set[int] = set()
+        if start:
+            if phase:
+                raise ConfigError(f"{start[0]} and {phase[0]}: a start-up fault cannot be combined with a recovery-phase "
+                                  f"fault (the start-up may take one round or two, so recovery {phase[0].nth} is not "
+                                  f"fixed); accepted: start-up faults with step faults")
+            for f in start:
+                if f.phase == "first" and self._resolve(f) not in self.active:
+                    raise ConfigError(f"{f}: node{self._resolve(f)} is a spare, which takes no snapshot, so it never "
+                                      f"reaches the first phase; accepted: a training node (0..{self.N - 1}), or "
+                                      f"startup / build for a spare")
+            round_no = 1
+            self._promote(self._lose(start, "start-up", False), round_no, start)
         for s in sorted({f.step for f in faults if f.phase is None}):
             new, where = [f for f in faults if f.phase is None and f.step == s], f"step {s}"
             window: set[int] = set()     # logical nodes lost in this window

@@ -55,6 +55,8 @@ def build_summary(events: list[dict], config=None) -> dict:  # noqa: C901
         if not d.get("failed_nodes") and not d.get("error"):
             continue  # a preemption alone, or a rebuild with nobody lost
         failures += _failures(d, by, steps, faults, used, t_next_attempt, P)
+    hellos = [e["t"] for e in by["hello"] if e.get("role") == "agent"]
+    first_step = min((e["t"] for e in by["step"]), default=None)
     rates = sorted(e["tokens_per_s"] for e in steps if e.get("tokens_per_s"))
     times = sorted(e["step_s"] for e in steps if e.get("step_s"))
     return {
@@ -63,6 +65,9 @@ def build_summary(events: list[dict], config=None) -> dict:  # noqa: C901
         "median_step_s": times[len(times) // 2] if times else None,
         "median_tokens_per_s": rates[len(rates) // 2] if rates else None,
         "steps_completed": fin.get("steps", steps[-1]["step"] if steps else 0),
+        # seconds from the first node agent's hello to the first training step logged (a start-up's recoveries
+        # included); None when no step was logged
+        "start_up_s": (first_step - min(hellos)) if hellos and first_step is not None else None,
         "first_loss": steps[0].get("loss") if steps else None,
         "final_loss": steps[-1].get("loss") if steps else None,
         "world_size": fin.get("world_size", config.world_size if config else None),
@@ -122,6 +127,8 @@ def _failure(d: dict, by, fault, lost: set, t_next_attempt, P: int) -> dict:
         t0, source = min(max(heard), t_detect), "last heartbeat heard (estimated)"
     else:
         t0, source = t_detect, "first suspicion (no earlier trace)"
+    causes = sorted({e.get("cause") for e in by["node_failed"] if e.get("node") in lost and e.get("generation") == g - 1
+                     and e.get("cause")})
     rec = [e for e in by["recovered"] if e.get("generation") == g]
     # recovered when training resumed: this decision's round, or a later one if this round failed
     later = [e for e in by["resumed"] if e.get("generation", -1) >= g and e["t"] > d["t_decided"]]
@@ -162,6 +169,12 @@ def _failure(d: dict, by, fault, lost: set, t_next_attempt, P: int) -> dict:
         "reason": planned[-1].get("reason") if planned and not fault else None,
         "step": fault.get("step") if fault else d.get("cut_step"),
         "phase": fault.get("phase") if fault else None,
+        # what its agent saw (exit, hang, startup_failed, startup_timeout, planned), when its agent saw it
+        "cause": ",".join(causes) or None,
+        # lost before every rank's first snapshot was committed: the ranks without one started again from their
+        # initial state (agreement.decide's fresh start)
+        "during_start_up": bool(d.get("fresh")),
+        "fresh_ranks": list(d.get("fresh") or []),
         "generation": g,
         "failed_nodes": sorted(lost),
         "promoted": promoted,

@@ -187,3 +187,33 @@ def test_a_decision_for_8192_ranks_fits_a_control_message():
     kind, body = wire.decode(msg, len(msg), b"k" * 32)
     assert decision_from_wire(body) == d and d.assignment[3 * P:4 * P] == tuple(range(W, W + P))
 
+
+
+def test_a_node_lost_before_any_step_starts_its_ranks_fresh():
+    """Issue 28. node1 died during start-up, before rank 1's first snapshot was committed; ranks 0 and 2 hold
+    their own step 0 and nobody trained a step. Rank 1 starts fresh on the spare (no source); the others restore
+    their own step 0."""
+    reps = {0: {"own_rank": 0, "own": [0], "held": {"2": [0]}, "done_step": 0},
+            2: {"own_rank": 2, "own": [0], "held": {}, "done_step": 0}, 3: {}}
+    d = decide(generation=1, ranks_per_node=1, assignment=[0, 1, 2], spare_nodes=[3], failed={1}, reports=reps)
+    assert d.fresh == (1,) and d.sources == {} and d.promoted == {1: 3}
+    assert d.cut_step == 0 and d.recomputed_steps == 0 and d.reason == "hot swap"
+    # no process had attached yet: every rank starts fresh
+    d = decide(generation=1, ranks_per_node=1, assignment=[0, 1, 2], spare_nodes=[3], failed={1},
+               reports={0: {}, 2: {}, 3: {}})
+    assert d.fresh == (0, 1, 2) and d.cut_step == 0 and d.sources == {}
+    # a requeued attempt that resumed from step 40: its fresh start is that checkpoint
+    reps = {0: {"own_rank": 0, "own": [40], "done_step": 40, "start_step": 40},
+            2: {"own_rank": 2, "own": [40], "done_step": 40, "start_step": 40}, 3: {}}
+    d = decide(generation=5, ranks_per_node=1, assignment=[0, 1, 2], spare_nodes=[3], failed={1}, reports=reps)
+    assert d.fresh == (1,) and d.cut_step == 40
+    # the wire form carries it
+    assert decision_from_wire(json.loads(json.dumps(d.to_wire()))).fresh == (1,)
+
+
+def test_once_a_step_was_trained_a_state_found_nowhere_is_still_an_error():
+    """Past step 0 every rank's snapshot 0 was committed at its holders first: a rank whose state is nowhere then
+    lost its node and every holder together, and no fresh start can rebuild it (it would not be bitwise equal)."""
+    reps = {0: {"own_rank": 0, "own": [1], "done_step": 1}, 3: {}}
+    with pytest.raises(ReplicaError, match="rank 1: its node and every holder"):
+        decide(generation=1, ranks_per_node=1, assignment=[0, 1, 2], spare_nodes=[3], failed={1, 2}, reports=reps)

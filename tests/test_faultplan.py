@@ -15,7 +15,7 @@ def test_phase_specs_parse():
     assert parse_fault("kill", "node2@rebuild") == Fault("kill", "node", 2, None, "rebuild", 1)
     assert parse_fault("hang", "rank1@agree#2") == Fault("hang", "rank", 1, None, "agree", 2)
     assert str(parse_fault("kill", "node2@restore#3")) == "--kill node2@restore#3"
-    with pytest.raises(ConfigError, match="PHASE one of detect, agree"):
+    with pytest.raises(ConfigError, match="PHASE one of startup, build, first, detect, agree"):
         parse_fault("kill", "node2@rebuilt")
 
 
@@ -86,3 +86,20 @@ def test_a_promoted_node_holds_replicas_again_after_its_first_step():
     # which re-made it at its first step after the swap (a review found this refused)
     cfg("kill node1@40", "kill node0@120", nodes=2, spares=2, steps=200).validate()
     cfg("kill node1@40", "kill node0@70", nodes=3, spares=2).validate()
+
+
+def test_start_up_phases():
+    """Issue 28: the start-up is one window before step 0 that needs spares, not replicas (nothing to recover yet)."""
+    assert parse_fault("kill", "node1@startup") == Fault("kill", "node", 1, None, "startup", 1)
+    with pytest.raises(ConfigError, match="takes no recovery number"):
+        parse_fault("kill", "node1@build#2")
+    # two adjacent nodes at start-up with one replica: fine (each starts fresh), given a spare for each
+    assert faultplan.rounds(cfg("kill node0@startup", "kill node1@build")) == [
+        {"round": 1, "lost_slots": [0, 1], "promoted": {0: 3, 1: 4}, "requeued": False}]
+    faultplan.check(cfg("kill node1@first", "kill node3@startup", "kill node2@50", spares=3))   # and a later step fault
+    with pytest.raises(ConfigError, match="no spare node is left"):
+        faultplan.check(cfg("kill node0@startup", "kill node1@build", spares=1))
+    with pytest.raises(ConfigError, match="never reaches the first phase"):
+        faultplan.check(cfg("kill node3@first"))
+    with pytest.raises(ConfigError, match="cannot be combined with a recovery-phase fault"):
+        faultplan.check(cfg("kill node1@startup", "kill node2@10", "kill node0@rebuild#2"))

@@ -83,55 +83,6 @@ def test_a_hung_rank_of_a_two_rank_node_does_not_make_its_node_mate_coordinator(
     assert d["node"] == 1, "the coordinator must be on a node that is not being fenced"
 
 
-def test_a_process_lost_during_start_up_ends_the_run_with_the_reason(tmp_path):
-    """Start-up is MPI collectives (nothing can time them out): each process has a start-up deadline. One training
-    process of an active node (found by its command line, which names this test's run directory, and its parent,
-    an agent of node 0-2 by the agents' hello events) is frozen (SIGSTOP) as it appears: its agent gives up at
-    the start-up deadline, the others wait for it at least that long, and the launcher ends the frozen one. (A
-    frozen spare does not hold the run up: 24 steps can end before the deadline.) The deadline, 20 s, leaves room
-    for importing torch in five agents and five training processes at once on two busy cores (with 8 s an agent's
-    own start-up watchdog fired first)."""
-    run_dir = tmp_path / "startup"
-    out = {}
-    th = threading.Thread(target=lambda: out.update(s=run(tmp_path, "startup", startup_timeout=20.0)), daemon=True)
-    t0 = time.monotonic()
-    th.start()
-    victim = None
-    while th.is_alive() and victim is None and time.monotonic() - t0 < 120:
-        victim = next(iter(_workers_of(run_dir, nodes={0, 1, 2})), None)
-        time.sleep(0.005)
-    assert victim is not None, f"no worker of the run appeared; the run ended with {out.get('s')}"
-    os.kill(victim, signal.SIGSTOP)
-    th.join(120)
-    assert not th.is_alive(), "the run hung at start-up"
-    s = out["s"]
-    assert not s["completed"] and any("StartupTimeout" in (e or "") for e in s["errors"]), (s["completed"], s["errors"])
-    assert time.monotonic() - t0 < 60
-
-
-def _workers_of(run_dir, nodes) -> list[int]:
-    """PIDs of the training processes of ``run_dir`` whose parent is the agent of one of ``nodes``."""
-    try:
-        agents = {e["pid"] for e in events(run_dir) if e["event"] == "hello" and e.get("role") == "agent"
-                  and e["node"] in nodes}
-    except (OSError, ValueError):
-        return []
-    pids = []
-    for d in os.listdir("/proc"):
-        try:
-            cmd = open(f"/proc/{d}/cmdline", "rb").read().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        if b"deadpool_hpc.worker.entry" in cmd and str(run_dir).encode() in cmd:
-            try:
-                ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            if ppid in agents:
-                pids.append(int(d))
-    return pids
-
-
 def test_an_idle_spare_killed_during_the_agreement(tmp_path, baseline):
     """The issue's first repro: a spare dies after it reported to the coordinator (it used to hang the
     agent thread in MPI_Comm_create_group for ever)."""

@@ -109,17 +109,21 @@ def main(argv=None) -> None:
     sup = Supervisor(run_dir, cfg.ranks_per_node, env, cfg.hang_timeout, channel.progress)
     code = 1
     try:
+        # the last collective of the start-up (a barrier), then heartbeats: from here on a node lost is seen by the
+        # others and recovered (issue 28). Before, the barrier came after the import below, and a node lost during
+        # those seconds left every other agent in the barrier until the start-up deadline
+        cp.start()
+        faulthandler.cancel_dump_traceback_later()  # every wait from here on has its own deadline
         sup.start()
+        faults = NodeFaults(cfg.faults, node=cp.me, log=log, pids=lambda: {lo: p.pid for lo, p in sup.procs.items()},
+                            rank_local=lambda r: next((lo for lo in range(cfg.ranks_per_node)
+                                                       if cp.train_rank(lo) == r), None))
+        faults.at_phase("startup", 1)  # a fault test's node lost here: its training processes were just spawned
         # torch and torch.distributed.checkpoint, for the one thing the agent needs them for: writing a checkpoint
         # on SIGTERM/SIGUSR2 or with no spare left, which must fit in Slurm's KillWait (5 s on the test cluster;
         # five agents importing both at that moment took longer). Imported once the training processes are spawned,
         # so they no longer wait for it (2.5-4 s of CPU per agent); nothing else in the agent uses torch.
         import torch.distributed.checkpoint  # noqa: F401
-        cp.start()
-        faulthandler.cancel_dump_traceback_later()  # every wait from here on has its own deadline
-        faults = NodeFaults(cfg.faults, node=cp.me, log=log, pids=lambda: {lo: p.pid for lo, p in sup.procs.items()},
-                            rank_local=lambda r: next((lo for lo in range(cfg.ranks_per_node)
-                                                       if cp.train_rank(lo) == r), None))
         # the node's health detectors (plugins): a factory that fails ends the run here, at start-up, by name
         detectors = load_detectors(NodeInfo(node=cp.me, hostname=socket.gethostname(), slurm_node=slurm_node,
                                             slurm_job_id=slurm_job, run_dir=run_dir))

@@ -23,7 +23,7 @@ import time
 
 from ..control.agreement import held_by, holders_of
 from ..control.decision import Decision
-from ..errors import Fenced, PeerFailure, RecoveryTimeout, RunFinished
+from ..errors import STARTUP_FAILED_EXIT, Fenced, PeerFailure, RecoveryTimeout, RunFinished
 from ..replica import persist
 from .desk import SnapshotDesk
 from .planned import PlannedSwaps
@@ -116,8 +116,11 @@ class NodeAgent:
         for local, rc in self.sup.poll():
             if rc == 0 and self.cp._finish is not None:
                 continue  # the run is complete: training processes leave
+            starting = rc == STARTUP_FAILED_EXIT or local not in self.layouts   # before it reached ctx.run
             self._node_failed(f"training process {local} (pid {self.sup.procs[local].pid}) exited with "
-                              f"{'signal ' + signal.Signals(-rc).name if rc < 0 else 'code ' + str(rc)}", cause="exit")
+                              f"{'signal ' + signal.Signals(-rc).name if rc < 0 else 'code ' + str(rc)}"
+                              + (" during its start-up" if starting else ""),
+                              cause="startup_failed" if starting else "exit")
         frozen = self.swaps.frozen()  # stopped on purpose at a planned swap's boundary: not a hang
         armed = [lo for lo in range(self.P) if self.channel.progress(lo) is not None and self.channel.progress(lo).armed
                  and lo not in frozen]
@@ -148,12 +151,10 @@ class NodeAgent:
         deadline = time.monotonic() + self.cfg.startup_timeout
         while len(self.layouts) < self.P:  # every training process built its model and sent its layout
             self._tick(0.01)
-            if time.monotonic() > deadline:
-                from ..errors import StartupTimeout
-
+            if time.monotonic() > deadline:   # a failure of this node like any other: a spare takes its place
                 late = [lo for lo in range(self.P) if lo not in self.layouts]
-                raise StartupTimeout(f"training process(es) {late} of node {self.node} did not start within "
-                                     f"{self.cfg.startup_timeout:.0f} s (--startup-timeout)")
+                self._node_failed(f"training process(es) {late} did not reach ctx.run within "
+                                  f"{self.cfg.startup_timeout:.0f} s (--startup-timeout)", cause="startup_timeout")
         self.watch.retarget(self.cp.agent.alive(), self._watch_addresses())
         g = self.cp.generation
         self._store(g)
@@ -352,7 +353,8 @@ class NodeAgent:
         report = {}
         for local, rep in self.reps.items():
             m = self.node * self.P + local
-            report[str(m)] = dict(rep.report(), done_step=self.left.get(local, -1))
+            report[str(m)] = dict(rep.report(), done_step=self.left.get(local, -1),
+                                  start_step=self.resume["step"] if self.resume else 0)
         self._phase("detect")
         decision = self.cp.recover(report, lambda: None, on_phase=self._phase, wait=self._tick)
         g = decision.generation
@@ -382,7 +384,9 @@ class NodeAgent:
         for local, r in ranks.items():
             src = decision.sources.get(r)
             rep = self.reps[local]
-            if src is not None:
+            if r in decision.fresh:
+                slot = None   # a fresh start: the training process takes its own initial state
+            elif src is not None:
                 slot = rep.fetch(self._replica_address(src), r, decision.cut_step, self.cp.failure,
                                  self.cfg.wait_timeout)
             else:
@@ -398,22 +402,31 @@ class NodeAgent:
             self._configure(local)  # keeps the restore slot (its rank is r); pushes start with the next claim
             self.channel.send(local, "role", {
                 **self._role_common(), "what": "train", "rank": r, "world_size": self.cfg.world_size,
-                "serving": bool(self._serving),
-                "cut_step": decision.cut_step, "slot": rep.own.slots.index(slot), "crc": slot.crc,
+                "serving": bool(self._serving), "fresh": slot is None, "resume": self.resume,
+                "cut_step": decision.cut_step, "slot": -1 if slot is None else rep.own.slots.index(slot),
+                "crc": 0 if slot is None else slot.crc,
                 "recomputed_steps": decision.recomputed_steps, "high_water": self.high_water, "t_fail": t_fail,
                 "t_agreed": time.time(), "failed_nodes": list(decision.failed_nodes), "round": self.rounds,
                 # pulled: fetched (this round for decision.sources, or an earlier round of this recovery): no kept
                 # shares in the slot
-                "promoted": r in decision.promoted, "pulled": slot.pulled})
+                "promoted": r in decision.promoted, "pulled": slot is not None and slot.pulled})
         self.state = "training"
 
     def _save_checkpoint(self, decision: Decision) -> None:
         """No spare left, or preempted: write every shard of the cut step this node holds (its ranks' own, and the
         lost ranks whose source it is), wait for every member agent, commit LATEST (each member does: the
         coordinator may die right here), tell the training processes to leave with 75 (requeue)."""
+        cut, g = decision.cut_step, decision.generation
+        if decision.fresh:
+            # lost before any rank trained a step: some rank's state is only its initial one, rebuilt by a new attempt
+            # (from step 0, or the checkpoint this attempt resumed from): nothing new to save
+            if self.node == decision.coordinator:
+                self.log.emit("checkpoint_skipped", step=cut, generation=g, reason=decision.reason, fresh=list(decision.fresh),
+                              why=f"no rank has trained a step yet: a new attempt starts again from step {cut}"
+                                  + (" (the checkpoint this attempt resumed from)" if self.resume else ""))
+            return self._leave_for_requeue()
         import torch
 
-        cut, g = decision.cut_step, decision.generation
         for local, rep in self.reps.items():
             r = self.cp.train_rank(local)
             mine = []
@@ -446,6 +459,9 @@ class NodeAgent:
         if self.node == decision.coordinator:
             self.log.emit("checkpoint_saved", step=cut, generation=g, path=self.checkpoint_dir,
                           reason=decision.reason)
+        self._leave_for_requeue()
+
+    def _leave_for_requeue(self) -> None:
         for local in self.sup.alive():
             self.channel.send(local, "role", {"what": "exit", "code": 75})
         self.sup.wait_all(10.0)

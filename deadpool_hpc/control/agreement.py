@@ -38,8 +38,9 @@ def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare
 
     assignment[r] = MPI rank holding training rank r; spare_nodes = ids of live spare nodes, in promotion
     order; failed = suspected MPI ranks; reports[m] from each live process m:
-    ``{"own_rank": r or None, "own": [steps], "held": {"r": [steps]}, "done_step": int}`` (a spare that holds
-    nothing reports {}). Only verified snapshots are reported; ``own`` counts for rank r only when the
+    ``{"own_rank": r or None, "own": [steps], "held": {"r": [steps]}, "done_step": int, "start_step": int}`` (a
+    spare that holds nothing reports {}; ``start_step``: the step this attempt started from, 0 or a requeued
+    attempt's checkpoint). Only verified snapshots are reported; ``own`` counts for rank r only when the
     process still holds r (a promoted spare whose restore failed reports no own steps).
 
     Returns the Decision (decision.py; its coordinator, store and times are left for the coordinator to fill
@@ -47,7 +48,9 @@ def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare
     cut from, for every rank whose process (new or old) lacks it locally: promoted spares, and ranks whose
     process lost its state in a failed round. When a lost active node finds no spare, the decision has
     ``exhausted`` True, no promotion, and still the cut and a source for every lost rank (the job saves a
-    persistent checkpoint there and is requeued). ``preempt`` (Slurm's warning) makes it ``exhausted`` too.
+    persistent checkpoint there and is requeued). A rank whose state exists nowhere before any rank has trained a
+    step (a node lost during start-up or step 0) starts fresh: the cut is the attempt's start step and ``fresh``
+    lists the ranks that rebuild their initial state themselves (no source). ``preempt`` (Slurm's warning) makes it ``exhausted`` too.
     ``reason``: "hot swap", "no spare node left", "preempted", or "rebuild" (nobody failed: a collective
     timed out or a round failed; same members, new process group). Raises ReplicaError, naming the rank,
     when some rank's state at a common step exists nowhere.
@@ -93,9 +96,18 @@ def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare
                 held.setdefault(int(r), {}).setdefault(int(s), []).append(m)
     avail = {r: own_steps(assignment[r], r) | set(held[r]) for r in range(W)}
     gone = [r for r in range(W) if not avail[r]]
-    if gone and not any(rep.get("own") or rep.get("held") for rep in reports.values() if rep):
-        raise ReplicaError(f"node(s) {failed_nodes} lost during start-up, before the first snapshot of every rank was "
-                           f"replicated: there is no state to recover from (start the run again)")
+    done = max((rep.get("done_step", -1) for rep in reports.values() if rep), default=-1)
+    start = max((rep.get("start_step", 0) for rep in reports.values() if rep), default=0)
+    fresh: list[int] = []
+    if gone and done <= start and all(s <= start for a in avail.values() for s in a):
+        # a fresh start (issue 28): lost before every rank's first snapshot was committed, so no rank has trained a
+        # step (none can pass step 0's first collective before every rank's snapshot 0 is committed), and every
+        # rank's state is still its initial one, which each rank without a copy of it rebuilds itself: its process
+        # built the model as the user's function builds it (a spare too), and binds to its rank
+        fresh = gone
+        for r in fresh:
+            avail[r] = {start}
+        gone = []
     if gone:
         r = gone[0]
         raise ReplicaError(f"rank {r}: its node and every holder of its replica were lost together (failed nodes "
@@ -106,13 +118,13 @@ def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare
     cut = max(common)
     sources: dict[int, int] = {}
     for r in range(W):
-        if cut in own_steps(new_assign[r], r):
+        if cut in own_steps(new_assign[r], r) or r in fresh:
             continue
         ring = [assignment[h] for h in holders_of(r, P, N, min(replicas, N - 1))] if N > 1 and replicas else []
         have = held[r].get(cut, [])
         pick = next((m for m in ring if m in have), None)  # holder 0 is a valid pick: compare with None
         sources[r] = have[0] if pick is None else pick
-    done = max((rep.get("done_step", -1) for rep in reports.values() if rep), default=cut)
+    done = max(done, cut)
     return Decision(
         generation=generation,
         failed_nodes=tuple(failed_nodes),
@@ -121,6 +133,7 @@ def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare
         promoted=promoted,
         replaced=replaced,
         sources=sources,
+        fresh=tuple(fresh),
         exhausted=exhausted,
         reason=reason,
         spare_nodes=tuple(spares),

@@ -97,6 +97,9 @@ class Decision:
     - replaced: {lost node: spare node that takes its place}.
     - sources: {training rank: virtual process to pull that rank's state at ``cut_step`` from}, for every rank
       whose (new or old) process lacks it locally; the other ranks restore from their own snapshot.
+    - fresh: training ranks (sorted) whose state exists nowhere, at a fresh start (nobody has trained a step yet:
+      a node lost during start-up or step 0): ``cut_step`` is 0, and each of their processes takes its own initial
+      state, the model as the user's function built it, bound to its rank; no source, no snapshot.
     - exhausted: True when the job cannot go on here (no spare left for a lost node, or preempted): the members
       save a persistent checkpoint at ``cut_step`` and leave to be requeued.
     - reason: "hot swap", "spare lost", "rebuild" (nobody failed: a collective timed out or a round failed),
@@ -128,6 +131,7 @@ class Decision:
     cut_step: int
     recomputed_steps: int
     high_water: int
+    fresh: tuple[int, ...] = ()
     store: str | None = None
     coordinator: int | None = None
     t_decided: float | None = None
@@ -136,7 +140,7 @@ class Decision:
     def to_wire(self) -> dict:
         """A JSON-safe dict: runs of ids (``int_runs``) for the tuples, string keys for the int-keyed maps."""
         d = dataclasses.asdict(self)
-        for k in ("failed_nodes", "fenced", "assignment", "spare_nodes", "members"):
+        for k in ("failed_nodes", "fenced", "assignment", "spare_nodes", "members", "fresh"):
             d[k] = int_runs(d[k])
         for k in ("promoted", "replaced", "sources"):
             d[k] = {str(r): v for r, v in d[k].items()}
@@ -165,6 +169,7 @@ class Decision:
             cut_step=_int(d, "cut_step", what),
             recomputed_steps=_int(d, "recomputed_steps", what),
             high_water=_int(d, "high_water", what),
+            fresh=_ints(d, "fresh", what),
             store=_req(d, "store", what, lambda x: x is None or isinstance(x, str), "a string or null"),
             coordinator=_req(d, "coordinator", what, lambda x: x is None or _is_int(x), "an int or null"),
             t_decided=_opt_float(d, "t_decided", what),

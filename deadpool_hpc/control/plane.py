@@ -451,9 +451,10 @@ class ControlPlane:
         wire = decision.to_wire()
         self.agent.disseminate("decision", wire)   # down a tree over the live agents: O(log N) hops
         self._ready.pop(rid, None)
-        self.log.emit("decision", **{k: wire.get(k) if k != "failed_nodes" else list(decision.failed_nodes) for k in (
-            "generation", "failed_nodes", "promoted", "replaced", "sources", "cut_step", "exhausted", "reason", "recomputed_steps",
-            "store", "t_decided", "first_suspicion", "error", "message")})
+        self.log.emit("decision", **{k: wire.get(k) if k not in ("failed_nodes", "fresh") else list(getattr(decision, k, ()))
+                                     for k in ("generation", "failed_nodes", "promoted", "replaced", "sources", "fresh",
+                                               "cut_step", "exhausted", "reason", "recomputed_steps", "store",
+                                               "t_decided", "first_suspicion", "error", "message")})
         return decision
 
     def _apply(self, decision: Decision) -> None:

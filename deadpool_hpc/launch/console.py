@@ -155,6 +155,8 @@ def print_summary(summary: dict, console: Console | None = None) -> None:
     t.add_row("first -> final loss", f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"
               if summary["first_loss"] is not None and summary["final_loss"] is not None else "-")
     t.add_row("world size / spares left", f"{summary['world_size']} / {summary['spares_left']}")
+    if summary.get("start_up_s") is not None:
+        t.add_row("start-up (first agent -> first step)", f"{summary['start_up_s']:.1f} s")
     t.add_row("param digest (sha256)", str(summary["param_digest"])[:24] + "...")
     if summary.get("bytes_replicated_per_rank_per_step"):
         t.add_row("replicated / rank / step", f"{summary['bytes_replicated_per_rank_per_step']:,} bytes")
@@ -169,7 +171,9 @@ def print_summary(summary: dict, console: Console | None = None) -> None:
         rows = [("fault -> first step after recovery", [fmt(x["recovery_s"]) for x in summary["failures"]])]
         rows += [(f"  {p}", [fmt(x["phases"][p]) for x in summary["failures"]]) for p in PHASES]
         rows += [("fault time from", [x.get("t_fault_source", "-") for x in summary["failures"]]),
-                 ("outcome", [x.get("outcome", "-") for x in summary["failures"]]),
+                 ("cause", [x.get("cause") or "-" for x in summary["failures"]]),
+                 ("outcome", [x.get("outcome", "-") + (" (during start-up: fresh start)" if x.get("during_start_up")
+                                                        else "") for x in summary["failures"]]),
                  ("cut step", [str(x["cut_step"]) for x in summary["failures"]]),
                  ("steps recomputed", [str(x["recomputed_steps"]) for x in summary["failures"]]),
                  ("replaced by", [("checkpoint + requeue" if x.get("recovery_s") is not None else "checkpoint, run stopped")

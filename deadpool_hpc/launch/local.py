@@ -153,7 +153,8 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
         if rc is not None and rc < 0 and not summary["completed"] and not signum:
             summary["errors"].append(f"mpiexec (the launcher's process manager) was killed by "
                                      f"{signal.Signals(-rc).name}; the run's processes were ended with it")
-        elif rc and not summary["errors"] and not any(e["event"] == "started" for e in events) and not signum:
+        elif rc and not summary["completed"] and not summary["errors"] and not signum and \
+                not any(e["event"] in ("started", "recovered") for e in events):
             summary["errors"].append(f"the job ended before training started (mpiexec exit status {rc}): a process "
                                      f"died during MPI start-up; see {rd.launcher_log}")
         if signum and not summary["completed"]:

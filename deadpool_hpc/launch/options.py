@@ -37,8 +37,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks-per-node", type=int, default=d.ranks_per_node)
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--kill", action="append", default=[], metavar="TARGET@WHEN",
-                   help="SIGKILL nodeN or rankN when training reaches step WHEN, or when it reaches phase WHEN "
-                        "(detect, agree, decided, rebuild, restore, resume; #K: of the K-th recovery) (repeatable)")
+                   help="SIGKILL nodeN or rankN when training reaches step WHEN, at a moment of the start-up "
+                        "(startup, build, first), or when it reaches phase WHEN of a recovery (detect, agree, "
+                        "decided, rebuild, restore, resume; #K: of the K-th recovery) (repeatable)")
     p.add_argument("--hang", action="append", default=[], metavar="TARGET@WHEN",
                    help="SIGSTOP nodeN or rankN, at a step or phase as for --kill (repeatable)")
     p.add_argument("--replicas", type=int, default=d.replicas,

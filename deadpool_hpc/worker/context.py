@@ -17,6 +17,7 @@ The contract is in docs/worker-contract.md.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
@@ -29,7 +30,7 @@ from ..agent.shm import GEN_MASK, ProgressPage
 from ..dataplane import collectives
 from ..dataplane.collectives import Watch
 from ..dataplane.groups import device_for, release_free_memory
-from ..errors import ChannelTimeout, PeerFailure
+from ..errors import ChannelTimeout, PeerFailure, ReplicaError
 from ..replica import persist
 from ..replica.snapshot import Slot, StateLayout
 from .faults import RankFaults
@@ -83,6 +84,9 @@ class Context:
         self._waiting: dict | None = None   # the "left" body while this process waits for its next role
         self._recovery: dict | None = None
         self._high_water = -1
+        self._trained = False   # a step has run in this process (its state is no longer the initial one)
+        self.attached = False   # ctx.run has attached this process to its agent's slots (start-up is over for it)
+        self.refusal = None     # what ctx.protect / zero_adamw / run refused (a job-wide error, not a node's)
         self._claim = None   # the step whose snapshot's slot was claimed early (_claim_next)
         self.snapshots = {"inline": 0, "background": 0}   # how this process's snapshots were copied
         self._mesh = self._stand_in = None   # ctx.device_mesh
@@ -124,8 +128,10 @@ class Context:
     def zero_adamw(self, model: torch.nn.Module, **kwargs) -> ShardedAdamW:
         """A ZeRO-1 AdamW over ``model`` whose shard is the state this context protects."""
         self._refuse_second("zero_adamw")
-        self.opt = ShardedAdamW(model, self.world_size, **kwargs)
+        with self._refusing():
+            self.opt = ShardedAdamW(model, self.world_size, **kwargs)
         self.opt.before_update = self._before_update
+        self._built()
         return self.opt
 
     def protect(self, model, optimizer, scheduler=None, dataloader=None, extra=None, *, python_rng: bool = False,
@@ -141,15 +147,34 @@ class Context:
 
         self._refuse_second("protect")
         cfg = self.config
-        self.opt = Protected(self.world_size, model, optimizer, scheduler, dataloader, extra,
-                             python_rng=python_rng, numpy_rng=numpy_rng,
-                             ring=(cfg.ranks_per_node, cfg.nodes, cfg.replica_holders))
+        with self._refusing():
+            self.opt = Protected(self.world_size, model, optimizer, scheduler, dataloader, extra,
+                                 python_rng=python_rng, numpy_rng=numpy_rng,
+                                 ring=(cfg.ranks_per_node, cfg.nodes, cfg.replica_holders))
         self.opt.before_update = self._before_update
         self.opt.claim_next = self._claim_next
+        self._built()
+
+    def _built(self) -> None:
+        """The user's function built its model and handed it over: the start-up's ``build`` moment (faults)."""
+        cfg = self.config
+        first_rank = self.node * cfg.ranks_per_node + self.local if self.node < cfg.nodes else None
+        self.faults.at_phase("build", 1, first_rank)
+
+    @contextlib.contextmanager
+    def _refusing(self):
+        """What ctx.protect / ctx.zero_adamw refuse (TypeError, ValueError) is refused on every node alike: the job
+        ends (worker/entry.py), unlike a failure of one node during its start-up."""
+        try:
+            yield
+        except (TypeError, ValueError) as exc:
+            self.refusal = exc
+            raise
 
     def _refuse_second(self, what: str) -> None:
         if self.opt is not None:
             first = "ctx.protect" if type(self.opt).__name__ == "Protected" else "ctx.zero_adamw"
+            self.refusal = True
             raise ValueError(f"ctx.{what}: {first} was already called; a context protects one model and optimizer "
                              "(call ctx.protect once, or ctx.zero_adamw once)")
 
@@ -158,9 +183,10 @@ class Context:
         ``config.steps``, surviving peer failures. Returns when the run is complete everywhere (or this process has
         no further part in it: a spare never promoted, a saved checkpoint)."""
         if self.opt is None:
+            self.refusal = True
             raise RuntimeError("Context.run needs the state to protect: call ctx.protect(model, optimizer, ...) or "
                                "ctx.zero_adamw(model) first")
-        rng = torch.get_rng_state()
+        rng = self._rng0 = torch.get_rng_state()   # the initial state's RNG (a fresh start restores it)
         shapes = self._shard_shapes()
         local_nbytes = getattr(self.opt, "local_nbytes", 0)   # ctx.protect's shares: kept, never sent
         self.layout = StateLayout(shapes, rng.numel(), local_nbytes)
@@ -168,6 +194,7 @@ class Context:
                                         tensors=[[str(t.dtype).replace("torch.", ""), list(t.shape)] for t in shapes],
                                         rng_nbytes=rng.numel(), local_nbytes=local_nbytes)
         self.slots = [Slot(self.layout.nbytes, b.tensor) for b in bufs]
+        self.attached = True
         self._bufs = bufs
         self.copier = _Copier(self)
         role = self._next_role(self.config.startup_timeout)
@@ -207,6 +234,7 @@ class Context:
         if role.get("resume"):
             self._load_checkpoint(role["resume"])
         self._snapshot()
+        self.faults.at_phase("first", 1, self.rank)  # (faults) the first snapshot is written, not yet committed
         if self._replicating(self.step):
             self._wait_committed(self.step)  # a fault at the first step needs it
         self.log.emit("started", rank=self.rank, generation=self.generation, world_size=self.world_size, step=self.step)
@@ -234,6 +262,7 @@ class Context:
             raise
         tokens = metrics.pop("tokens", None)  # this rank's tokens in the step, if the step function says
         dt = time.perf_counter() - t
+        self._trained = True
         self.step = s + 1
         self._snapshot()
         if self._recovery is not None:
@@ -444,16 +473,19 @@ class Context:
         t_rebuilt = time.time()
         if not role.get("serving"):
             self.faults.at_phase("restore", nth, self.rank)
-        self.opt.bind(self.rank, self.watch, pulled=bool(role.get("pulled", promoted)))
-        slot = self.slots[role["slot"]]
-        slot.step, slot.crc = role["cut_step"], role["crc"]
-        rng = self.layout.read(slot, self._restore_targets())  # verifies the checksum the agent took
-        self.opt.gather()
+        if role.get("fresh"):
+            self._restore_initial(role)
+        else:
+            self.opt.bind(self.rank, self.watch, pulled=bool(role.get("pulled", promoted)))
+            slot = self.slots[role["slot"]]
+            slot.step, slot.crc = role["cut_step"], role["crc"]
+            rng = self.layout.read(slot, self._restore_targets())  # verifies the checksum the agent took
+            self.opt.gather()
+            torch.set_rng_state(rng)
         # a restore's transient buffers (ctx.protect: every rank's shares, ~2x the model + optimizer state) are freed
         # now; glibc keeps such blocks in its heap once its mmap threshold has grown, so hand them back (without
         # this a surviving rank grew by 22 MB over 4 recoveries of the micro GPT: test_never_hang.py)
         release_free_memory()
-        torch.set_rng_state(rng)
         self.step = role["cut_step"]
         t_restored = time.time()
         self._snapshot()
@@ -461,6 +493,33 @@ class Context:
         self.log.emit("recovered", generation=self.generation, rank=self.rank, promoted=promoted or was_rank is None,
                       t_fail=t_fail, t_agreed=role.get("t_agreed"), t_rebuilt=t_rebuilt, t_restored=t_restored,
                       cut_step=self.step, failed_nodes=role.get("failed_nodes"), round=nth, rss_bytes=_rss_bytes())
+
+    def _restore_initial(self, role: dict) -> None:
+        """A fresh start (agreement.decide): this rank's state exists nowhere, and nobody has trained a step, so it is
+        the attempt's initial state: the requeued attempt's checkpoint, else the model and optimizer as this process
+        built them (the user's function builds the same model in every process, spares included: docs/worker-
+        contract.md), bound to its rank, with the RNG as ``run`` found it. It goes through a private slot, the path a
+        snapshot takes, so that ``gather`` (a collective every rank joins) finds it as a restored own snapshot.
+        Raises ReplicaError where the process's own state is not the initial one of its rank: it has trained a step,
+        or (FSDP2) a spare's shards are rank 0's, not this rank's."""
+        self.opt.bind(self.rank, self.watch)
+        if role.get("resume"):
+            self._load_checkpoint(role["resume"])
+            return
+        cfg = self.config
+        built_as = self.node * cfg.ranks_per_node + self.local if self.node < cfg.nodes else 0   # (a spare: rank 0)
+        if self._trained or (getattr(self.opt, "sharded", False) and self.rank != built_as):
+            why = ("this process has trained a step since" if self._trained else
+                   "with FSDP2 a spare's model holds rank 0's shards of the initial model, not this rank's")
+            raise ReplicaError(f"rank {self.rank}: lost before its first snapshot was committed, and its initial state "
+                               f"cannot be rebuilt here: {why} (start the job again)")
+        scratch = Slot(self.layout.nbytes)
+        self.layout.write(scratch, self.opt.state_tensors(), self._rng0, 0)
+        rng = self.layout.read(scratch, self._restore_targets())
+        del scratch
+        self.opt.gather()
+        torch.set_rng_state(rng)
+        self.log.emit("fresh_start", rank=self.rank, generation=self.generation, node=self.node)
 
     def _join(self, first: bool = False) -> None:
         from .client import AgentStore

@@ -56,6 +56,7 @@ def main(argv=None) -> None:
     faulthandler.enable()  # a crash in native code leaves its Python stacks in the log
     from ..config import RunConfig
     from ..control.fence import identity
+    from ..errors import STARTUP_FAILED_EXIT
     from ..events import EventLog
     from ..logs import setup as setup_logging
     from .client import AgentClient
@@ -78,18 +79,27 @@ def main(argv=None) -> None:
     from .context import Context
 
     code = 0
+    ctx = None
     try:
         ctx = Context(cfg, client, GenerationGroups("gloo", cfg.wait_timeout, cfg.rendezvous_timeout), log,
                       node, local)
         load_train_fn(cfg.train_fn)(ctx)
         code = ctx.exit_code
-    except BaseException as exc:  # report, ask the agent to end the job, leave
-        code = 1
-        log.emit("error", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-4000:])
-        try:
-            client.send("abort", {"error": f"{type(exc).__name__}: {exc}"[:2000]})
-        except Exception:  # noqa: BLE001 - the agent is gone: nothing to tell
-            pass
+    except BaseException as exc:  # report, ask the agent to end the job (or, at start-up, fail this node), leave
+        error = f"{type(exc).__name__}: {exc}"
+        if ctx is None or (not ctx.attached and ctx.refusal is None):
+            # before this process reached ctx.run (importing the user's module, building the model): a failure of this
+            # node like any other, replaced by a spare (its agent sees the exit: cause startup_failed). What ctx.protect
+            # refuses is the same on every node: that still ends the job at once, below.
+            code = STARTUP_FAILED_EXIT
+            log.emit("startup_failed", error=error[:2000], traceback=traceback.format_exc()[-4000:])
+        else:
+            code = 1
+            log.emit("error", error=error, traceback=traceback.format_exc()[-4000:])
+            try:
+                client.send("abort", {"error": error[:2000]})
+            except Exception:  # noqa: BLE001 - the agent is gone: nothing to tell
+                pass
     log.sync()
     os._exit(code)
 

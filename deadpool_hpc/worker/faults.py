@@ -8,10 +8,11 @@ the phases). A fault fires once: step faults only on the first pass through thei
 above the job's high-water step), phase faults the first time their phase comes.
 
 Two halves. ``RankFaults`` runs in a training process: step faults, and the phases a training process goes
-through (rebuild, restore, resume); a node target there is fired by the node's agent (``send("fault")``), a
-spare node by training rank 0's agent (``send("inject_spare")``, over the control plane). ``NodeFaults`` runs in
-the node agent: the phases it goes through (detect, agree, decided, and restore while it serves a replica), and
-node faults asked for by its training processes or by another agent.
+through (build and first at the start, rebuild, restore, resume); a node target there is fired by the node's agent
+(``send("fault")``), a spare node by training rank 0's agent (``send("inject_spare")``, over the control plane).
+``NodeFaults`` runs in the node agent: the phases it goes through (startup, once its training processes are
+spawned; detect, agree, decided, and restore while it serves a replica), and node faults asked for by its training
+processes or by another agent.
 
 ``fault_injected`` is written (and fsynced) before the signal, so recovery times are measured from it. Signals go
 to this node's own processes only, known by pid (children of the agent, or the agent itself).
@@ -21,8 +22,8 @@ from __future__ import annotations
 import os
 import signal
 
-AGENT_PHASES = ("detect", "agree", "decided")
-RANK_PHASES = ("rebuild", "restore", "resume")
+AGENT_PHASES = ("startup", "detect", "agree", "decided")
+RANK_PHASES = ("build", "first", "rebuild", "restore", "resume")
 
 
 def _signal(kind: str) -> signal.Signals:
@@ -65,7 +66,8 @@ class RankFaults:
             if f.target_kind == "rank" and f.index == train_rank:
                 self.fired.add(f)
                 self._fire_self(f.kind, f.target, phase=f.when)
-            elif f.target_kind == "node" and f.index == self.node and self.local == 0:
+            elif f.target_kind == "node" and f.index == self.node and (self.local == 0 or phase == "build"):
+                # (build: whichever of the node's processes gets there first; the agent fires the node once)
                 self.fired.add(f)
                 self.send("fault", {"kind": f.kind, "target": f.target, "phase": f.when})
 

@@ -1,0 +1,124 @@
+"""Issue 28: a node may die at any moment of the job's start: while its training processes import torch
+(``startup``), inside the user's function once the model is built (``build``), and with the first snapshot written
+but not yet committed (``first``); a training process whose import fails, or that never reaches ``ctx.run`` within
+``--startup-timeout``. Each loss is a failure of its node like any other: a spare takes its place, the ranks whose
+state exists nowhere start again from their initial state (agreement.decide's fresh start), and the run ends
+bitwise equal to the failure-free one. Real MPI processes, real gloo groups, real signals.
+
+The three runs share the failure-free baseline of tests/test_never_hang.py (3 nodes, 24 steps); each carries the
+faults that do not race with each other (a node lost at ``build`` keeps the first process group from forming, so
+a ``first`` fault elsewhere in the same run might never be reached).
+"""
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from deadpool_hpc.config import RunConfig
+from deadpool_hpc.events import read_events
+
+from runs import faults, launch_reaped  # tests/runs.py
+
+STEPS = 24
+
+
+def run(tmp_path, name, *specs, timeout=240, **kw):
+    cfg = RunConfig(**{**dict(nodes=3, spares=2, steps=STEPS, run_dir=str(tmp_path / name), faults=faults(*specs),
+                              rendezvous_timeout=4.0), **kw}).validate()
+    return launch_reaped(cfg, timeout)
+
+
+def events(run_dir):
+    return list(read_events(os.path.join(str(run_dir), "events.jsonl")))
+
+
+@pytest.fixture(scope="module")
+def baseline(failure_free):
+    return failure_free(nodes=3, steps=STEPS)["param_digest"]   # tests/conftest.py: the never_hang module's too
+
+
+def _fresh_ranks(run_dir) -> dict:
+    """{training rank: node} of every process that started again from its initial state."""
+    return {e["rank"]: e["node"] for e in events(run_dir) if e["event"] == "fresh_start"}
+
+
+def test_nodes_lost_while_importing_and_while_a_spare_builds_are_replaced(tmp_path, baseline):
+    """node1 is SIGKILLed as its training process starts importing (its agent's control plane just came up); the
+    spare node4 while its user's function hands the model over. Nothing has trained yet: node3 takes rank 1, which
+    starts from its initial state as the spare built it, and the run ends bitwise equal."""
+    s = run(tmp_path, "startup", "kill node1@startup", "kill node4@build")
+    assert s["completed"] and s["param_digest"] == baseline, s
+    assert s["swaps"] == 1 and s["spares_left"] == 0, s
+    assert sorted((f["target"], f["phase"]) for f in s["failures"]) == [("node1", "startup"), ("node4", "build")]
+    assert all(f["during_start_up"] and f["recomputed_steps"] == 0 for f in s["failures"]), s["failures"]
+    assert _fresh_ranks(tmp_path / "startup").get(1) == 3, "rank 1 must start fresh on the spare node3"
+    assert s["start_up_s"] is not None and s["start_up_s"] > 0
+
+
+def test_rank_0s_node_lost_with_its_first_snapshot_uncommitted(tmp_path, baseline):
+    """node0 (training rank 0, the coordinator-to-be, the first store host) dies once its snapshot of step 0 is
+    written and before it is committed at its holder: a spare takes rank 0 from its initial state (or from the
+    replica, had the commit won the race), cut at step 0."""
+    s = run(tmp_path, "first", "kill node0@first", spares=1)
+    assert s["completed"] and s["param_digest"] == baseline, s
+    (f,) = s["failures"]
+    assert (f["target"], f["phase"], f["cut_step"], f["outcome"]) == ("node0", "first", 0, "hot swap"), f
+    assert s["swaps"] == 1 and s["spares_left"] == 0
+
+
+def test_a_failed_import_and_a_frozen_start_up_are_each_their_nodes_failure(tmp_path, baseline, monkeypatch):
+    """node1's training process fails to import the training module (ImportError); node2's is frozen (SIGSTOP) as
+    it appears, so it never reaches ``ctx.run``: its agent gives up at --startup-timeout (20 s: room for ten
+    processes importing torch on two busy cores). Both nodes are replaced by the two spares, each loss is named
+    by its cause, and the run ends bitwise equal (it used to end with StartupTimeout, or with JobAborted
+    for the import)."""
+    monkeypatch.setenv("DEADPOOL_TEST_BROKEN_NODE", "1")   # tests/trainfns_startup.py
+    run_dir = tmp_path / "import"
+    out = {}
+    th = threading.Thread(target=lambda: out.update(s=run(tmp_path, "import", train_fn="trainfns_startup:train",
+                                                          startup_timeout=20.0)), daemon=True)
+    t0 = time.monotonic()
+    th.start()
+    victim = None
+    while th.is_alive() and victim is None and time.monotonic() - t0 < 120:
+        victim = next(iter(_workers_of(run_dir, nodes={2})), None)
+        time.sleep(0.005)
+    assert victim is not None, f"no training process of node2 appeared; the run ended with {out.get('s')}"
+    os.kill(victim, signal.SIGSTOP)
+    th.join(180)
+    assert not th.is_alive(), "the run hung at start-up"
+    s = out["s"]
+    assert s["completed"] and s["param_digest"] == baseline, s
+    # one recovery or two (node2's agent reports only once it gives up, so usually one decision covers both)
+    assert sorted(n for f in s["failures"] for n in f["failed_nodes"]) == [1, 2], s["failures"]
+    assert sum(len(f["promoted"]) for f in s["failures"]) == 2 and s["spares_left"] == 0, s
+    causes = {c for f in s["failures"] for c in (f["cause"] or "").split(",")}
+    assert causes == {"startup_failed", "startup_timeout"}, s["failures"]
+    assert all(f["during_start_up"] for f in s["failures"]), s["failures"]
+    failed = [e for e in events(run_dir) if e["event"] == "startup_failed"]
+    assert [e["node"] for e in failed] == [1] and "ImportError" in failed[0]["error"], failed
+
+
+def _workers_of(run_dir, nodes) -> list[int]:
+    """PIDs of the training processes of ``run_dir`` whose parent is the agent of one of ``nodes``."""
+    try:
+        agents = {e["pid"] for e in events(run_dir) if e["event"] == "hello" and e.get("role") == "agent"
+                  and e["node"] in nodes}
+    except (OSError, ValueError):
+        return []
+    pids = []
+    for d in os.listdir("/proc"):
+        try:
+            cmd = open(f"/proc/{d}/cmdline", "rb").read().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if b"deadpool_hpc.worker.entry" in cmd and str(run_dir).encode() in cmd:
+            try:
+                ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid in agents:
+                pids.append(int(d))
+    return pids
