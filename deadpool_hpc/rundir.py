@@ -16,7 +16,8 @@ Layout of ``RUN_DIR``::
     summary.json   the run summary, written when the launcher ends, interrupted or not
     checkpoint/    persistent checkpoints: no spare left, or preempted (replica/persist.py)
     Slurm jobs also: slurm_job_id, job.sbatch, task-N.log, batch.alive, finisher.lock, exited/ATTEMPT/,
-    ready/ATTEMPT/ (launch/slurm_job.py), .secret (submitit)
+    ready/ATTEMPT/ (launch/slurm_job.py), launch.json, starting/ATTEMPT.LAUNCH/, relaunch/ (launch/slurm_startup.py),
+    .secret (submitit)
 
 Use::
 
@@ -51,9 +52,11 @@ from .events import read_events
 
 LOCK = "run.lock"
 # what a new attempt of a run removes (a resumed one too): the previous attempt's summary and per-attempt files
-ATTEMPT_FILES = ("summary.json", "finisher.lock")
+ATTEMPT_FILES = ("summary.json", "finisher.lock", "launch.json")
 ATTEMPT_GLOBS = ("task-*.log",)
-ATTEMPT_DIRS = ("exited", "ready", "swap")  # swap: planned-swap requests (deadpool swap)
+# swap: planned-swap requests (deadpool swap); starting, relaunch: a Slurm start-up's beacons and relaunches
+# (launch/slurm_startup.py)
+ATTEMPT_DIRS = ("exited", "ready", "swap", "starting", "relaunch")
 # what a fresh run removes besides: the run's history (slurm_job_id: the job that runs here writes its own)
 FRESH_FILES = ("events.jsonl", "launcher.log", "slurm_job_id")
 FRESH_DIRS = ("checkpoint",)

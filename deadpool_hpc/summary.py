@@ -77,6 +77,13 @@ def build_summary(events: list[dict], config=None) -> dict:  # noqa: C901
         "planned_swaps": sum(1 for f in failures if f["kind"] == "planned swap" and f["recovery_s"] is not None),
         "swaps_refused": [{k: e.get(k) for k in ("node", "detector", "reason", "why")} for e in by["swap_refused"]],
         "requeues": len(by["requeued"]),
+        # Slurm: nodes lost before the agents' MPI world existed; the step was started again without them
+        # (launch/slurm_startup.py)
+        "relaunches": [{"launch": e.get("launch"), "lost_hosts": e.get("lost_hosts"), "spares_left": e.get("spares_left"),
+                        "why": e.get("why"),
+                        "found_after_s": next((x.get("startup_s") for x in by["startup_node_lost"]
+                                               if x.get("launch") == e.get("launch")), None)}
+                       for e in by["relaunched"]],
         "failures": failures,
         "preemptions": preemptions,
         "bytes_replicated_per_rank_per_step": fin.get("bytes_per_rank_per_step"),

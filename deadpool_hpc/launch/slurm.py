@@ -38,7 +38,7 @@ from ..errors import ConfigError
 from ..events import read_events
 from .. import rundir
 from ..rundir import check_free
-from . import slurm_job
+from . import slurm_job, slurm_startup
 from .options import add_run_options, config_from_args
 from .slurm_common import hosts_by_rank as hosts_by_rank
 from .slurm_common import load_config as load_config
@@ -391,6 +391,15 @@ def main(argv=None) -> int:
     en.add_argument("--out", help="also write the summary here")
     en.add_argument("--since", type=float, help="when this attempt started (wall time, s)")
     en.add_argument("--srun-rc", type=int)
+    la = sub.add_parser("launch", help="(batch script, before each srun) record the launch: its id and nodes")
+    la.add_argument("run_dir")
+    la.add_argument("launch_id")
+    la.add_argument("--total", type=int, required=True, help="nodes of the step")
+    la.add_argument("--exclude", default="", help="hosts left out (comma-separated)")
+    rl = sub.add_parser("relaunch", help="(batch script, after a start-up loss) one spare fewer; prints TOTAL SPARES "
+                                         "EXCLUDED")
+    rl.add_argument("run_dir")
+    rl.add_argument("launch_id")
     wt = sub.add_parser("watch", help="(on the batch host) heartbeat file + drain dead nodes")
     wt.add_argument("run_dir")
     wt.add_argument("--drain", default="1")
@@ -435,6 +444,14 @@ def main(argv=None) -> int:
             return 0 if slurm_job.requeue_if_needed(a.run_dir) else 1
         elif a.cmd == "end":
             return end_attempt(a.run_dir, a.out, a.since, a.srun_rc)
+        elif a.cmd == "launch":
+            slurm_startup.write_launch(a.run_dir, a.launch_id, slurm_startup.step_nodes(a.total, a.exclude))
+        elif a.cmd == "relaunch":
+            try:
+                total, spares, excluded = slurm_startup.relaunch(a.run_dir, a.launch_id)
+            except LookupError:
+                return 1   # nothing to relaunch
+            print(total, spares, ",".join(excluded))
         elif a.cmd == "watch":
             slurm_job.watch(a.run_dir, do_drain=a.drain not in ("0", "no", "false", ""))
     except (ConfigError, FileNotFoundError) as exc:

@@ -25,6 +25,7 @@ from ..events import read_events
 from ..rundir import emit_requeued
 from ..rundir import latest_checkpoint as _latest_checkpoint  # without torch: settle runs within KillWait
 from .slurm_common import hosts_by_rank, load_config, summary_out, write_summary
+from .slurm_startup import Beacon, StartupWatch
 
 _log = logging.getLogger(__name__)  # diagnostics; ``log`` below is a run's event log
 
@@ -78,7 +79,10 @@ def _task_id() -> int:
 
 
 def _attempt_dir(run_dir: str, what: str) -> str:
-    return os.path.join(run_dir, what, os.environ.get("SLURM_RESTART_COUNT", "0"))
+    """RUN_DIR/WHAT/ATTEMPT, or WHAT/ATTEMPT.LAUNCH after a start-up relaunch (launch/slurm_startup.py)."""
+    launch = os.environ.get("DEADPOOL_LAUNCH", "0")
+    attempt = os.environ.get("SLURM_RESTART_COUNT", "0")
+    return os.path.join(run_dir, what, attempt if launch == "0" else f"{attempt}.{launch}")
 
 
 def _exited_dir(run_dir: str) -> str:
@@ -214,6 +218,7 @@ def finish_headless(run_dir: str, wait_s: float = 60.0) -> dict | None:
 
 
 def task_main(run_dir: str, finisher: bool = True) -> int:
+    Beacon(run_dir, _task_id()).start()   # the batch host sees this task live until its agent's MPI world exists
     rc = run_worker(run_dir, on_start=lambda proc: mark_ready(run_dir, proc.pid))
     # the job may be ending (scancel, time limit: SIGTERM now, SIGKILL after KillWait): the exit marker and the
     # finisher's work must not be cut short by a second signal
@@ -246,17 +251,28 @@ def watch(run_dir: str, do_drain: bool = True, period: float = 1.0) -> None:
     script (its parent) is gone."""
     alive = os.path.join(run_dir, ALIVE_FILE)
     events_path = os.path.join(run_dir, "events.jsonl")
+    parent = os.getppid()
+    # a node lost before the MPI world exists: the step is ended, and the batch shell (SIGUSR1) stops waiting for srun
+    startup = StartupWatch(run_dir, os.environ.get("SLURM_JOB_ID"), on_lost=lambda: os.kill(parent, signal.SIGUSR1))
     drained: set[str] = set()
     t_start = time.time()  # decisions of earlier attempts (a requeued job) were drained by their own watcher
     for sig in STOP_SIGNALS + (signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    parent = os.getppid()
     while os.getppid() == parent:
         with open(alive, "a"):
             os.utime(alive)
-        if do_drain and os.path.exists(events_path):
+        try:
+            events = list(read_events(events_path)) if os.path.exists(events_path) else []
+            for h in startup.poll(events):
+                _log.info("%s lost during the start-up: the step is ended and relaunched without it", h)
+                if do_drain and h not in drained:
+                    drained.add(h)
+                    drain(h, f"deadpool job {os.environ.get('SLURM_JOB_ID', '?')}: lost during the start-up")
+        except (OSError, ValueError, KeyError) as exc:
+            _log.warning("watch (start-up): %s", exc)
+            events = []
+        if do_drain and events:
             try:
-                events = list(read_events(events_path))
                 for e in events:
                     if e["event"] != "decision" or e["t"] < t_start:
                         continue
