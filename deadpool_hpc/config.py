@@ -137,6 +137,9 @@ class RunConfig:
     heartbeat_deadline: float = 1.0
     collective_timeout: float = 60.0
     hang_timeout: float = 60.0       # a rank whose training thread makes no progress this long is fenced (0: off)
+    # seconds between two background writes of every rank's newest committed snapshot to RUN_DIR/checkpoint by the
+    # node agents (agent/persister.py): what a job killed outright resumes from after a requeue. 0: never
+    persist_every: float = 300.0
     rendezvous_timeout: float = 10.0 # joining a generation's process group (store connect + gloo full mesh)
     # MPI start-up, a training process's import and model build, and the first collectives: a training process not up
     # by then is a failure of its node (cause "startup_timeout"); an agent lost inside MPI_Init ends the run
@@ -220,6 +223,8 @@ class RunConfig:
             v = getattr(self, name)
             need(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 and (v > 0 or name == "hang_timeout"),
                  f"--{name.replace('_', '-')} {v!r}: accepted: seconds > 0" + (" (0 or --hang-timeout off: no hang detection)" if name == "hang_timeout" else ""))
+        need(isinstance(self.persist_every, (int, float)) and math.isfinite(self.persist_every)
+             and self.persist_every >= 0, f"--persist-every {self.persist_every!r}: accepted: seconds >= 0 (0: never)")
         need(not self.hang_timeout or self.hang_timeout >= self.heartbeat_deadline,
              f"--hang-timeout {self.hang_timeout!r}: accepted: off, or at least the heartbeat deadline "
              f"({self.heartbeat_deadline} s) and more than your longest step")

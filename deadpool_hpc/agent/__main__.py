@@ -72,7 +72,7 @@ def main(argv=None) -> None:
     from .channel import ChannelServer
     from ..replica.transports import check_transport
     from .health import HealthWatch, NodeInfo, load_detectors
-    from .node import NodeAgent
+    from .node import STARTUP_HEARTBEAT_DEADLINE_S, NodeAgent
     from .supervisor import Supervisor
     from .watch import RingWatch
 
@@ -112,6 +112,7 @@ def main(argv=None) -> None:
         # the last collective of the start-up (a barrier), then heartbeats: from here on a node lost is seen by the
         # others and recovered (issue 28). Before, the barrier came after the import below, and a node lost during
         # those seconds left every other agent in the barrier until the start-up deadline
+        cp.agent.deadline = max(cfg.heartbeat_deadline, STARTUP_HEARTBEAT_DEADLINE_S)   # (node.py says why)
         cp.start()
         faulthandler.cancel_dump_traceback_later()  # every wait from here on has its own deadline
         sup.start()

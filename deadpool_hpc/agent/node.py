@@ -26,12 +26,17 @@ from ..control.decision import Decision
 from ..errors import STARTUP_FAILED_EXIT, Fenced, PeerFailure, RecoveryTimeout, RunFinished
 from ..replica import persist
 from .desk import SnapshotDesk
+from .persister import Persister
 from .planned import PlannedSwaps
 from .shm import Doorbell
 from .store import GenerationStore
 
 MAX_FAILED_ROUNDS = 8
 STEADY_TICK_S = 0.05  # seconds between passes of the agent's loop when nothing happens (issue 7: idle CPU)
+# the heartbeat deadline until this agent's training processes are up (agent/__main__.py sets it, ``_start`` puts
+# the run's back): each agent imports torch then, and loading its libraries holds the GIL long enough on a busy
+# node (seen: > 1 s on 2 shared cores) that its heartbeat thread fell silent and a live node was declared failed
+STARTUP_HEARTBEAT_DEADLINE_S = 5.0
 
 
 class NodeAgent:
@@ -77,6 +82,7 @@ class NodeAgent:
         cp.on_member_lost = self._fail_stores
         cp.agent.on_inject = self._on_inject
         self.desk = SnapshotDesk(self, Doorbell.create())  # agent/desk.py: claim, written, committed, off this loop
+        self.persister = Persister(self)   # agent/persister.py: every --persist-every s, the snapshots to disk
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -145,6 +151,7 @@ class NodeAgent:
             for name, verdict in self.health.pending():
                 self.swaps.want(name, verdict, time.time())
         self.swaps.tick()
+        self.persister.tick()
 
     # ---- start-up --------------------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -155,6 +162,7 @@ class NodeAgent:
                 late = [lo for lo in range(self.P) if lo not in self.layouts]
                 self._node_failed(f"training process(es) {late} did not reach ctx.run within "
                                   f"{self.cfg.startup_timeout:.0f} s (--startup-timeout)", cause="startup_timeout")
+        self.cp.agent.deadline = self.cfg.heartbeat_deadline   # (STARTUP_HEARTBEAT_DEADLINE_S until now)
         self.watch.retarget(self.cp.agent.alive(), self._watch_addresses())
         g = self.cp.generation
         self._store(g)
@@ -417,6 +425,7 @@ class NodeAgent:
         lost ranks whose source it is), wait for every member agent, commit LATEST (each member does: the
         coordinator may die right here), tell the training processes to leave with 75 (requeue)."""
         cut, g = decision.cut_step, decision.generation
+        self.persister.quiesce()   # a background write of an older step must not race this one
         if decision.fresh:
             # lost before any rank trained a step: some rank's state is only its initial one, rebuilt by a new attempt
             # (from step 0, or the checkpoint this attempt resumed from): nothing new to save

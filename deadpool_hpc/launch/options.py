@@ -56,8 +56,12 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    help="seconds a rank waits for its peers in one collective before the process group is rebuilt "
                         "(at least --hang-timeout + 2 heartbeat deadlines is used)")
     p.add_argument("--startup-timeout", type=float, default=d.startup_timeout,
-                   help="seconds for MPI start-up and the first collectives; a process lost before training "
-                        "starts ends the run with an error after this long")
+                   help="seconds for MPI start-up, a training process's import and model build, and the first "
+                        "collectives; a training process not up by then is its node's failure (a spare takes it)")
+    p.add_argument("--persist-every", type=float, default=d.persist_every, metavar="SECONDS",
+                   help="the node agents write the newest committed snapshot of every rank to RUN_DIR/checkpoint "
+                        "this often, in the background, so that a job killed outright resumes from at most that "
+                        f"far back after a requeue (default {d.persist_every:.0f}; 0: never)")
     p.add_argument("--summary", metavar="PATH", help="write the run summary JSON here")
     p.add_argument("--run-dir", default=d.run_dir, help="event log, config and logs of the run")
     p.add_argument("--train-arg", action="append", default=[], metavar="KEY=VALUE",
@@ -120,5 +124,6 @@ def config_from_args(a) -> RunConfig:
                      replicas=a.replicas, replica_transport=a.replica_transport, hang_timeout=a.hang_timeout,
                      rendezvous_timeout=a.rendezvous_timeout,
                      startup_timeout=a.startup_timeout, collective_timeout=a.collective_timeout,
+                     persist_every=a.persist_every,
                      replicate=not a.no_replicate, requeue=a.requeue, run_dir=a.run_dir, summary_path=a.summary,
                      log_every=a.log_every, train_fn=a.train_fn).validate()

@@ -100,6 +100,18 @@ def prepare(run_dir: str, resume: bool = False) -> dict | None:
     latest = rundir.prepare_run_dir(run_dir, resume=resume)
     if latest is not None:
         print(f"[deadpool] resuming from {json.dumps(latest)} (restart {os.environ.get('SLURM_RESTART_COUNT', '0')})")
+    restart = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    path = os.path.join(run_dir, "events.jsonl")
+    if restart > 0 and os.path.exists(path):
+        # a requeue this run did not ask for (``scontrol requeue``, a job killed outright and requeued, a lost
+        # allocation): counted like the run's own, with what it resumes from (the agents' newest persisted or saved
+        # checkpoint: agent/persister.py)
+        if sum(1 for e in read_events(path) if e["event"] == "requeued") < restart:
+            from ..events import EventLog
+
+            rundir.emit_requeued(EventLog(path), restart, slurm_job_id=os.environ.get("SLURM_JOB_ID"),
+                                 reason="requeued by Slurm, not by this run (scontrol requeue, an outright kill, a "
+                                        "lost node of the batch step)", checkpoint=latest)
     return latest
 
 

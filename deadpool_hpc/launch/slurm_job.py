@@ -324,6 +324,9 @@ def _this_attempt(events: list[dict], since: float | None) -> list[dict]:
     return [e for e in events if e["t"] >= since]
 
 
+ENDING_STATES = ("COMPLETING", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "FAILED", "DEADLINE")
+
+
 def settle(run_dir: str, since: float | None = None, srun_rc: int | None = None) -> dict:
     """Decide how this attempt of the job ends, once its ranks have exited (the batch script after srun, task 0
     under submitit). ``since``: when the attempt started (wall time, s). Returns {"action": ...}:
@@ -335,7 +338,8 @@ def settle(run_dir: str, since: float | None = None, srun_rc: int | None = None)
     - ``stopped``: a checkpoint was saved but the job is not requeued: Slurm is ending it (``scancel``, the end
       of a preemption's grace time; Slurm itself requeues a preempted job if its PreemptMode says so), or
       ``max_requeues`` was reached, or ``scontrol requeue`` was refused. Or the batch shell was signalled and the
-      ranks ended without saving (srun answers a SIGTERM of its own by killing its step). ``stopped`` is logged.
+      ranks ended without saving (srun answers a SIGTERM of its own by killing its step) and the agents had
+      persisted nothing in this attempt (else: ``requeued``, from that checkpoint). ``stopped`` is logged.
     - ``none``: nothing to decide (the run finished, or ended without a checkpoint and without a signal).
     """
     from ..events import EventLog
@@ -359,17 +363,23 @@ def settle(run_dir: str, since: float | None = None, srun_rc: int | None = None)
         if not signals or finished:
             return {"action": "none"}
     log = EventLog(path)
+    state, slurm_reason = job_state(job_id)
     if not saved:
         why = (f"the batch shell got SIG{'/SIG'.join(dict.fromkeys(signals))} and the ranks ended without saving"
                f"{f' (srun exit {srun_rc})' if srun_rc is not None else ''}")
         if "TERM" in signals and srun_rc is not None and srun_rc >= 128:
             why += ": srun answers a SIGTERM of its own by killing its step (SIGKILL), e.g. `scancel --full -s TERM`"
-        log.emit("stopped", reason=why, slurm_job_id=job_id, checkpoint=_latest_checkpoint(run_dir))
-        return {"action": "stopped", "reason": why, "killed": True}
+        persisted = [e for e in mine if e["event"] == "checkpoint_persisted"]
+        if not persisted or state in ENDING_STATES or not job_id:
+            log.emit("stopped", reason=why, slurm_job_id=job_id, checkpoint=_latest_checkpoint(run_dir))
+            return {"action": "stopped", "reason": why, "killed": True}
+        # the job goes on (a signal is not a cancel): resume from the agents' newest persisted checkpoint
+        # (agent/persister.py), at most --persist-every seconds back
+        saved = [dict(persisted[-1], reason=f"{why}; resumed from the checkpoint the agents persisted at step "
+                                            f"{persisted[-1]['step']}")]
     ckpt = saved[-1]
     reason = ckpt.get("reason", "no spare node left")
-    state, slurm_reason = job_state(job_id)
-    ending = state in ("COMPLETING", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "FAILED", "DEADLINE")
+    ending = state in ENDING_STATES
     resumed = [e["step"] for e in mine if e["event"] == "resumed_from_checkpoint"]
     why_not = None
     if ending and slurm_reason != "TimeLimit":

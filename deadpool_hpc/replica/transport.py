@@ -203,6 +203,25 @@ class Replicator:
         """The newest step every holder has acknowledged (-1: none since the last ``configure``)."""
         return self._committed
 
+    def copy_own(self, step: int):
+        """A private copy (a new Slot, same step, CRC, rank and ``pulled``) of this rank's own verified snapshot of
+        ``step``, or None when the own slots no longer hold it. The slot is pinned (``readers``) while it is copied,
+        so the training process's next snapshot cannot rewrite it meanwhile (agent/persister.py)."""
+        with self._cv:
+            slot = self.own.find(step)
+            if slot is None or slot.rank != self._my_rank:
+                return None
+            slot.readers += 1
+        try:
+            out = Slot(self.layout.nbytes)
+            out.buf[:] = slot.buf
+            out.step, out.crc, out.rank, out.pulled = slot.step, slot.crc, slot.rank, slot.pulled
+            return out
+        finally:
+            with self._cv:
+                slot.readers -= 1
+                self._cv.notify_all()
+
     def report(self) -> dict:
         """Verified copies only: {"own_rank": int|None, "own": [steps], "held": {"<rank>": [steps]}}."""
         with self._cv:

@@ -85,6 +85,8 @@ RUN_PARAMETERS: tp.Dict[str, tp.Tuple[tp.Callable[[tp.Any], bool], str]] = {
     "hang_timeout": (lambda v: _is_seconds(v) and v >= 0, "seconds >= 0 (0: no hang detection)"),
     "rendezvous_timeout": (lambda v: _is_seconds(v) and v > 0, "seconds > 0"),
     "startup_timeout": (lambda v: _is_seconds(v) and v > 0, "seconds > 0"),
+    "persist_every": (lambda v: _is_seconds(v) and v >= 0, "seconds >= 0 (0: the agents never persist snapshots in "
+                                                           "the background)"),
     "run_dir": (lambda v: isinstance(v, str) and v != "", "a directory path (str) on a filesystem the nodes share"),
     "summary_path": (lambda v: v is None or (isinstance(v, str) and v != ""), "None or a file path (str)"),
     "log_every": (lambda v: _is_int(v) and v >= 1, "an integer >= 1 (steps between step events)"),

@@ -1,0 +1,150 @@
+"""Background persistence: every ``--persist-every`` seconds the node agents write the newest committed snapshot of
+every rank to RUN_DIR/checkpoint, off the training path (issue 28, scope 5).
+
+Why: a spare covers a node lost while the job runs, and a checkpoint is saved when no spare is left or Slurm warns
+(SIGUSR2, SIGTERM to the steps). An outright kill of every process (``scancel -f -s TERM``: srun SIGKILLs its step at
+once on Slurm 22.05), an admin's ``scontrol requeue`` or a lost allocation leaves nothing to save from; the agents
+already hold every rank's newest committed snapshot in memory, so they write one to disk from time to time, and
+such a requeue resumes from at most that many seconds back.
+
+How, per round (one every ``persist_every`` seconds, none before the first period has passed):
+
+1. the agent of training rank 0 (the *scheduler*) picks ``S`` = its rank 0's committed step + 2, a step every rank
+   commits soon, and sends ``persist`` {step, generation} to every training node (itself included);
+2. each training node's agent, once a local rank's committed step reaches ``S``, copies that rank's own slot of
+   ``S`` (pinned while copied: ``Replicator.copy_own``; about a memcpy of the payload, on the agent's loop) and a
+   background thread writes it with torch.distributed.checkpoint (``persist.save_shard``: the same layout as the
+   no-spare checkpoint, CRC-32C recorded); then it sends ``persisted`` {step, node} to the scheduler;
+3. the scheduler, once every training node said so, commits ``checkpoint/LATEST`` (only if ``S`` is newer than
+   the LATEST there) and removes the older ``step{T}`` directories.
+
+A node that misses ``S`` (its ranks already two steps past it when it looked: a slow loop) or a round cut by a
+recovery leaves that round uncommitted; the next round tries again. LATEST is only written once every shard of
+``S`` is on disk, so a half-written round is never read back as good. The training processes do nothing for it.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+
+from ..replica import persist
+
+
+class Persister:
+    """One node agent's share. ``agent``: its NodeAgent (cfg, cp, reps, layouts, log); ``tick()`` from its loop."""
+
+    def __init__(self, agent):
+        self.a = agent
+        self.every = float(agent.cfg.persist_every or 0.0)
+        self.root = agent.checkpoint_dir
+        self.next_t = time.monotonic() + self.every
+        self.want: tuple[int, int] | None = None      # (generation, step) this node is asked to write
+        self.acks: dict[tuple[int, int], set[int]] = {}  # (generation, step) -> nodes done (the scheduler)
+        self._thread: threading.Thread | None = None
+        self._done: tuple[int, int, float, int] | None = None   # (generation, step, seconds, bytes) written
+        agent.cp.handlers["persist"] = self._on_persist
+        agent.cp.handlers["persisted"] = self._on_persisted
+
+    # ---- the loop ---------------------------------------------------------------------------------------------
+    def tick(self) -> None:
+        if self.every <= 0 or self.a.state != "training":
+            return
+        cp = self.a.cp
+        if self._done is not None:   # the writer thread finished: tell the scheduler (from this loop, not that thread)
+            g, step, secs, nbytes = self._done
+            self._done = None
+            self.a.log.emit("persisted", step=step, generation=g, seconds=round(secs, 3), bytes=nbytes)
+            cp.agent.send(cp.assignment[0] // self.a.P, "persisted", {"g": g, "step": step})
+        if self._scheduler() and time.monotonic() >= self.next_t:
+            self.next_t = time.monotonic() + self.every
+            rep = self.a.reps.get(0)
+            if rep is not None and rep.committed_step >= 0:
+                body = {"g": cp.generation, "step": rep.committed_step + 2}
+                cp.agent.send_many(self._trainers(), "persist", body)
+        if self.want is not None and self._thread is None:
+            self._copy()
+
+    def quiesce(self, timeout: float = 30.0) -> None:
+        """Wait for a write in progress (a checkpoint of the no-spare path must not race it); drop the round."""
+        self.want = None
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- the rounds -------------------------------------------------------------------------------------------
+    def _scheduler(self) -> bool:
+        cp = self.a.cp
+        return cp.assignment[0] // self.a.P == self.a.node
+
+    def _trainers(self) -> list[int]:
+        cp, P = self.a.cp, self.a.P
+        return sorted({m // P for m in cp.assignment})
+
+    def _on_persist(self, src: int, body: dict) -> None:
+        if int(body.get("g", -1)) == self.a.cp.generation and self.a.cp.train_rank(0) is not None:
+            self.want = (int(body["g"]), int(body["step"]))
+
+    def _on_persisted(self, src: int, body: dict) -> None:
+        key = (int(body.get("g", -1)), int(body.get("step", -1)))
+        if key[0] != self.a.cp.generation or not self._scheduler():
+            return
+        done = self.acks.setdefault(key, set())
+        done.add(src)
+        if set(self._trainers()) <= done:
+            self.acks = {}
+            self._commit(*key)
+
+    def _copy(self) -> None:
+        """Copy each local rank's own slot of the wanted step once committed, then write them in the background."""
+        g, step = self.want
+        if g != self.a.cp.generation:
+            self.want = None
+            return
+        reps = self.a.reps
+        if any(rep.committed_step < step for rep in reps.values()):
+            return   # not yet
+        copies = {}
+        for local, rep in reps.items():
+            slot = rep.copy_own(step)
+            if slot is None:
+                self.want = None
+                self.a.log.emit("persist_missed", step=step, generation=g, local=local,
+                                why=f"rank {self.a.cp.train_rank(local)} is already at step {rep.committed_step}")
+                return
+            copies[local] = slot
+        self.want = None
+        ranks = {local: self.a.cp.train_rank(local) for local in copies}
+        self._thread = threading.Thread(target=self._write, args=(g, step, copies, ranks), name="persist", daemon=True)
+        self._thread.start()
+
+    def _write(self, g: int, step: int, copies: dict, ranks: dict) -> None:
+        import torch
+
+        t0, nbytes = time.perf_counter(), 0
+        try:
+            for local, slot in copies.items():
+                layout = self.a.layouts[local]
+                shard = [torch.empty(shape, dtype=dtype) for shape, dtype in zip(layout.shapes, layout.dtypes)]
+                rng = layout.read(slot, shard)   # verifies the CRC the agent took when the snapshot was written
+                kept = None
+                if layout.local_nbytes:   # ctx.protect: the shares this rank kept (none in a fetched replica)
+                    kept = [not slot.pulled] * (layout.local_nbytes // shard[0].numel())
+                persist.save_shard(self.root, step, ranks[local], shard, rng, kept=kept)
+                nbytes += layout.nbytes
+            self._done = (g, step, time.perf_counter() - t0, nbytes)
+        except Exception as exc:  # noqa: BLE001 - a failed background write costs this round only
+            self.a.log.emit("persist_failed", step=step, generation=g, error=f"{type(exc).__name__}: {exc}"[:300])
+        finally:
+            self._thread = None
+            self.a.channel.wake()
+
+    def _commit(self, g: int, step: int) -> None:
+        latest = persist.latest(self.root)
+        if latest is not None and latest["step"] >= step:
+            return
+        persist.commit(self.root, step, self.a.cfg.world_size, g, self.a.high_water)
+        self.a.log.emit("checkpoint_persisted", step=step, generation=g, path=self.root)
+        for name in os.listdir(self.root):
+            if name.startswith("step") and name[4:].isdigit() and int(name[4:]) < step:
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
