@@ -140,6 +140,9 @@ class RunConfig:
     # seconds between two background writes of every rank's newest committed snapshot to RUN_DIR/checkpoint by the
     # node agents (agent/persister.py): what a job killed outright resumes from after a requeue. 0: never
     persist_every: float = 300.0
+    # a site's command each node agent runs at start-up (``sh -c``; exit 0: healthy): a node whose check fails, or
+    # is still running at the start-up deadline, is replaced by a spare before training (agent/preflight.py)
+    health_check: str = ""
     rendezvous_timeout: float = 10.0 # joining a generation's process group (store connect + gloo full mesh)
     # MPI start-up, a training process's import and model build, and the first collectives: a training process not up
     # by then is a failure of its node (cause "startup_timeout"); an agent lost inside MPI_Init ends the run
@@ -223,6 +226,8 @@ class RunConfig:
             v = getattr(self, name)
             need(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 and (v > 0 or name == "hang_timeout"),
                  f"--{name.replace('_', '-')} {v!r}: accepted: seconds > 0" + (" (0 or --hang-timeout off: no hang detection)" if name == "hang_timeout" else ""))
+        need(isinstance(self.health_check, str) and "\0" not in self.health_check,
+             f"--health-check {self.health_check!r}: accepted: a shell command (a string), or empty for none")
         need(isinstance(self.persist_every, (int, float)) and math.isfinite(self.persist_every)
              and self.persist_every >= 0, f"--persist-every {self.persist_every!r}: accepted: seconds >= 0 (0: never)")
         need(not self.hang_timeout or self.hang_timeout >= self.heartbeat_deadline,

@@ -53,7 +53,7 @@ from .events import read_events
 LOCK = "run.lock"
 # what a new attempt of a run removes (a resumed one too): the previous attempt's summary and per-attempt files
 ATTEMPT_FILES = ("summary.json", "finisher.lock", "launch.json")
-ATTEMPT_GLOBS = ("task-*.log",)
+ATTEMPT_GLOBS = ("task-*.log", "health-check-node*.log")
 # swap: planned-swap requests (deadpool swap); starting, relaunch: a Slurm start-up's beacons and relaunches
 # (launch/slurm_startup.py)
 ATTEMPT_DIRS = ("exited", "ready", "swap", "starting", "relaunch")

@@ -122,3 +122,15 @@ def _workers_of(run_dir, nodes) -> list[int]:
             if ppid in agents:
                 pids.append(int(d))
     return pids
+
+
+def test_a_node_that_fails_the_sites_health_check_is_replaced_before_training(tmp_path, baseline):
+    """--health-check CMD runs on every node at start-up (agent/preflight.py); node1's exits 1: node1 is fenced with
+    cause health_check and the spare takes rank 1 before any step, fresh; the run ends bitwise equal."""
+    s = run(tmp_path, "check", spares=1, health_check='echo "node $DEADPOOL_NODE"; test "$DEADPOOL_NODE" != 1')
+    assert s["completed"] and s["param_digest"] == baseline, s
+    (f,) = s["failures"]
+    assert f["failed_nodes"] == [1] and f["cause"] == "health_check" and f["during_start_up"], f
+    checks = {e["node"]: e["rc"] for e in events(tmp_path / "check") if e["event"] == "health_check"}
+    assert checks == {0: 0, 1: 1, 2: 0, 3: 0}, checks
+    assert "node 1" in open(tmp_path / "check" / "health-check-node1.log").read()

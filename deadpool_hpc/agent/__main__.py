@@ -73,6 +73,7 @@ def main(argv=None) -> None:
     from ..replica.transports import check_transport
     from .health import HealthWatch, NodeInfo, load_detectors
     from .node import STARTUP_HEARTBEAT_DEADLINE_S, NodeAgent
+    from .preflight import HealthCheck
     from .supervisor import Supervisor
     from .watch import RingWatch
 
@@ -108,6 +109,7 @@ def main(argv=None) -> None:
     env.pop(lifeline.ENV, None)  # the agent watches the launcher; its training processes die with the agent
     sup = Supervisor(run_dir, cfg.ranks_per_node, env, cfg.hang_timeout, channel.progress)
     code = 1
+    check = None
     try:
         # the last collective of the start-up (a barrier), then heartbeats: from here on a node lost is seen by the
         # others and recovered (issue 28). Before, the barrier came after the import below, and a node lost during
@@ -116,6 +118,8 @@ def main(argv=None) -> None:
         cp.start()
         faulthandler.cancel_dump_traceback_later()  # every wait from here on has its own deadline
         sup.start()
+        check = HealthCheck(cfg.health_check, env, os.path.join(run_dir, f"health-check-node{cp.me}.log")) \
+            if cfg.health_check else None   # the site's check runs while the training processes start
         faults = NodeFaults(cfg.faults, node=cp.me, log=log, pids=lambda: {lo: p.pid for lo, p in sup.procs.items()},
                             rank_local=lambda r: next((lo for lo in range(cfg.ranks_per_node)
                                                        if cp.train_rank(lo) == r), None))
@@ -129,6 +133,7 @@ def main(argv=None) -> None:
         detectors = load_detectors(NodeInfo(node=cp.me, hostname=socket.gethostname(), slurm_node=slurm_node,
                                             slurm_job_id=slurm_job, run_dir=run_dir))
         agent = NodeAgent(cfg, cp, channel, sup, watch, listeners, log, faults, transport=transport)
+        agent.health_check = check
         agent.health = HealthWatch(detectors, log, wake=channel.wake).start()
         code = agent.run()
     except Fenced as exc:  # this node failed, or the others declared it failed: they go on without it
@@ -137,6 +142,8 @@ def main(argv=None) -> None:
         log.emit("error", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-4000:])
         cp.abort(f"{type(exc).__name__}: {exc}")
     finally:
+        if check is not None and check.result is None:
+            check.kill()   # the site's check must not outlive its node's agent
         sup.kill_all(2.0)
         log.sync()
         cp.exit(code)

@@ -65,6 +65,7 @@ class NodeAgent:
         self.round_failed = False
         self._in_round = False             # a recovery round runs (its own failure notices are answered in it)
         self.health = None                 # agent/health.py HealthWatch: detectors asking for a planned swap
+        self.health_check = None           # agent/preflight.py HealthCheck: the site's check at start-up, until done
         self.written: dict = {}            # local -> step of the last snapshot it wrote into its slot
         self.swaps = PlannedSwaps(self)    # agent/planned.py: leaving on a detector's request, one node at a time
         self.stores: dict[int, GenerationStore] = {}
@@ -156,9 +157,14 @@ class NodeAgent:
     # ---- start-up --------------------------------------------------------------------------------------------
     def _start(self) -> None:
         deadline = time.monotonic() + self.cfg.startup_timeout
-        while len(self.layouts) < self.P:  # every training process built its model and sent its layout
+        # every training process built its model and sent its layout, and the site's health check (if any) passed
+        while not self._checked() or len(self.layouts) < self.P:
             self._tick(0.01)
             if time.monotonic() > deadline:   # a failure of this node like any other: a spare takes its place
+                if not self._checked():
+                    self.health_check.kill()
+                    self._node_failed(f"the health check {self.cfg.health_check!r} was still running after "
+                                      f"{self.cfg.startup_timeout:.0f} s (--startup-timeout)", cause="health_check")
                 late = [lo for lo in range(self.P) if lo not in self.layouts]
                 self._node_failed(f"training process(es) {late} did not reach ctx.run within "
                                   f"{self.cfg.startup_timeout:.0f} s (--startup-timeout)", cause="startup_timeout")
@@ -173,6 +179,23 @@ class NodeAgent:
                                               "rank": r, "world_size": self.cfg.world_size,
                                               "high_water": self.high_water, "resume": self.resume})
         self.state = "training" if self.cp.train_rank(0) is not None else "spare"
+
+    def _checked(self) -> bool:
+        """Whether the site's health check (agent/preflight.py) is done and passed; one that failed fails the node."""
+        hc = self.health_check
+        if hc is None:
+            return True
+        res = hc.poll()
+        if res is None:
+            return False
+        rc, secs, tail = res
+        self.health_check = None
+        # seconds: from its start until this agent saw it end (its loop starts after the agent imported torch)
+        self.log.emit("health_check", rc=rc, seconds=round(secs, 3), command=self.cfg.health_check, output=tail[-400:])
+        if rc != 0:
+            self._node_failed(f"the health check {self.cfg.health_check!r} exited with {rc} after {secs:.1f} s"
+                              + (f": {tail[-200:]}" if tail else ""), cause="health_check")
+        return True
 
     def _on_local(self, local: int, kind: str, body: dict) -> None:
         if self.cp.agent.fenced:

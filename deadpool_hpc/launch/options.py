@@ -62,6 +62,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    help="the node agents write the newest committed snapshot of every rank to RUN_DIR/checkpoint "
                         "this often, in the background, so that a job killed outright resumes from at most that "
                         f"far back after a requeue (default {d.persist_every:.0f}; 0: never)")
+    p.add_argument("--health-check", default=d.health_check, metavar="CMD",
+                   help="a command each node runs at start-up (sh -c; exit 0: healthy); a node whose check fails or "
+                        "outlasts --startup-timeout is replaced by a spare before training")
     p.add_argument("--summary", metavar="PATH", help="write the run summary JSON here")
     p.add_argument("--run-dir", default=d.run_dir, help="event log, config and logs of the run")
     p.add_argument("--train-arg", action="append", default=[], metavar="KEY=VALUE",
@@ -124,6 +127,6 @@ def config_from_args(a) -> RunConfig:
                      replicas=a.replicas, replica_transport=a.replica_transport, hang_timeout=a.hang_timeout,
                      rendezvous_timeout=a.rendezvous_timeout,
                      startup_timeout=a.startup_timeout, collective_timeout=a.collective_timeout,
-                     persist_every=a.persist_every,
+                     persist_every=a.persist_every, health_check=a.health_check,
                      replicate=not a.no_replicate, requeue=a.requeue, run_dir=a.run_dir, summary_path=a.summary,
                      log_every=a.log_every, train_fn=a.train_fn).validate()

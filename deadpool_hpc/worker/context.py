@@ -388,6 +388,10 @@ class Context:
         (a spare only answers the agent's ``failure`` notices, ``_on_failure``)."""
         body = {"generation": self.generation, "done_step": done_step, "why": why[:200]}
         self._waiting = body
+        # a failure notice that came before this wait began (between a role and this wait: a spare whose role came
+        # just before a start-up failure's round) has found _waiting unset: answer it now, or the agent waits for
+        # this process's "left" until it gives up on the node (seen: a healthy spare fenced after 62 s)
+        announce = announce or self.failure.is_set()
         self.failure.clear()
         if announce:
             self.client.send("left", body)

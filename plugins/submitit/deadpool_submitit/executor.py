@@ -85,6 +85,8 @@ RUN_PARAMETERS: tp.Dict[str, tp.Tuple[tp.Callable[[tp.Any], bool], str]] = {
     "hang_timeout": (lambda v: _is_seconds(v) and v >= 0, "seconds >= 0 (0: no hang detection)"),
     "rendezvous_timeout": (lambda v: _is_seconds(v) and v > 0, "seconds > 0"),
     "startup_timeout": (lambda v: _is_seconds(v) and v > 0, "seconds > 0"),
+    "health_check": (lambda v: isinstance(v, str), "a shell command (str) each node runs at start-up; exit 0: "
+                                                   "healthy; empty: none"),
     "persist_every": (lambda v: _is_seconds(v) and v >= 0, "seconds >= 0 (0: the agents never persist snapshots in "
                                                            "the background)"),
     "run_dir": (lambda v: isinstance(v, str) and v != "", "a directory path (str) on a filesystem the nodes share"),
