@@ -60,6 +60,11 @@ class Fault:
         return f"{self.target_kind}{self.index}"
 
     @property
+    def at_start(self) -> bool:
+        """A fault at a moment of the job's start-up (START_PHASES), not of a recovery nor at a step."""
+        return self.phase in START_PHASES
+
+    @property
     def when(self) -> str:
         if self.phase is None:
             return str(self.step)

@@ -24,7 +24,6 @@ for tests and docs.
 """
 from __future__ import annotations
 
-from .config import START_PHASES
 from .errors import ConfigError
 
 PRE_DECISION = ("detect", "agree", "decided")
@@ -59,8 +58,8 @@ class _Sim:
     # ---- the replay --------------------------------------------------------------------------------------
     def run(self) -> None:
         faults = self.cfg.faults
-        start = [f for f in faults if f.phase in START_PHASES]
-        phase = [f for f in faults if f.phase is not None and f.phase not in START_PHASES]
+        start = [f for f in faults if f.at_start]
+        phase = [f for f in faults if f.phase is not None and not f.at_start]
         round_no = 0
         replaced_before: set[int] = set()
         if start:
