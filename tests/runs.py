@@ -41,3 +41,18 @@ def launch_reaped(cfg: RunConfig, timeout: float) -> dict:
     left = _mpi_segments() - before - _mapped_anywhere()
     assert not left, f"the run left MPI shared-memory segments in /dev/shm: {sorted(left)}"
     return summary
+
+
+SMALL_RUN_STEPS = 24   # the fault tests' runs (test_never_hang, test_startup) and their shared baseline
+
+
+def run_faults(tmp_path, name, *specs, timeout=240, **kw) -> dict:
+    """A 3 + 2 node demo run of SMALL_RUN_STEPS steps in ``tmp_path/name`` with ``specs`` ("kill node1@10", ...) and
+    ``kw`` (RunConfig fields) on top, launched with ``launch_reaped``."""
+    cfg = RunConfig(**{**dict(nodes=3, spares=2, steps=SMALL_RUN_STEPS, run_dir=str(tmp_path / name),
+                              faults=faults(*specs), rendezvous_timeout=4.0), **kw}).validate()
+    return launch_reaped(cfg, timeout)
+
+
+def run_events(run_dir) -> list[dict]:
+    return list(read_events(os.path.join(str(run_dir), "events.jsonl")))

@@ -16,22 +16,12 @@ import time
 
 import pytest
 
-from deadpool_hpc.config import RunConfig
-from deadpool_hpc.events import read_events
 
-from runs import faults, launch_reaped  # tests/runs.py
-
-STEPS = 24
+from runs import SMALL_RUN_STEPS as STEPS, run_events, run_faults  # tests/runs.py
 
 
-def run(tmp_path, name, *specs, timeout=240, **kw):
-    cfg = RunConfig(**{**dict(nodes=3, spares=2, steps=STEPS, run_dir=str(tmp_path / name), faults=faults(*specs),
-                              rendezvous_timeout=4.0), **kw}).validate()
-    return launch_reaped(cfg, timeout)
 
-
-def events(run_dir):
-    return list(read_events(os.path.join(str(run_dir), "events.jsonl")))
+run, events = run_faults, run_events   # tests/runs.py
 
 
 @pytest.fixture(scope="module")

@@ -73,3 +73,14 @@ def crash_when(run_dir, fail_node, pick_node, at_step, deadline, done, after: fl
 
 def job_output(path) -> str:
     return open(path).read() if os.path.exists(path) else f"({path} missing)"
+
+
+def wait_for(cond, seconds, what, poll=0.1):
+    """``cond()``'s first truthy value within ``seconds``; else AssertionError "``what`` within N s"."""
+    end = time.time() + seconds
+    while time.time() < end:
+        got = cond()
+        if got:
+            return got
+        time.sleep(poll)
+    raise AssertionError(f"{what} within {seconds} s")

@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from slurm_helpers import ROOT, STEPS, events, final_state, wait_gone
+from slurm_helpers import ROOT, STEPS, events, final_state, wait_for, wait_gone
 
 pytestmark = pytest.mark.slurm
 
@@ -46,8 +46,8 @@ def test_killed_outright_and_requeued_by_an_admin_the_job_resumes_from_persisted
     job = out.stdout.strip().splitlines()[-1]
     t1 = _wait_step(run_dir, 30, 0)
     subprocess.run(["scancel", "--full", "-s", "TERM", job], check=True, timeout=30)
-    (req1,) = _wait_for(lambda: events(run_dir, "requeued"), 120, "no requeue after scancel --full -s TERM")
-    resumed = _wait_for(lambda: events(run_dir, "resumed_from_checkpoint"), 180, "the requeued attempt never resumed")
+    (req1,) = wait_for(lambda: events(run_dir, "requeued"), 120, "no requeue after scancel --full -s TERM")
+    resumed = wait_for(lambda: events(run_dir, "resumed_from_checkpoint"), 180, "the requeued attempt never resumed")
     t2 = _wait_step(run_dir, 60, resumed[0]["t"])
     subprocess.run(["scontrol", "requeue", job], check=True, timeout=30)
     assert wait_gone(job, 400), f"job {job} still running"
@@ -61,13 +61,3 @@ def test_killed_outright_and_requeued_by_an_admin_the_job_resumes_from_persisted
     assert len(starts) == 2 and all(0 < a <= k for a, k in zip(starts, killed_at)), (starts, killed_at)
     print(f"\n[measure] killed at steps {killed_at}, resumed from steps {starts} "
           f"({[k - a for a, k in zip(starts, killed_at)]} steps back)")
-
-
-def _wait_for(cond, seconds, what):
-    end = time.time() + seconds
-    while time.time() < end:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"{what} within {seconds} s")

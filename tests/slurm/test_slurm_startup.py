@@ -22,19 +22,9 @@ import time
 
 import pytest
 
-from slurm_helpers import ROOT, STEPS, events, final_state, wait_gone
+from slurm_helpers import ROOT, STEPS, events, final_state, wait_for, wait_gone
 
 pytestmark = pytest.mark.slurm
-
-
-def _wait(cond, seconds, what):
-    end = time.time() + seconds
-    while time.time() < end:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"{what} within {seconds} s")
 
 
 def test_nodes_crashed_before_and_after_the_agents_mpi_world_exists(tmp_path, fail_node, failure_free):
@@ -45,7 +35,7 @@ def test_nodes_crashed_before_and_after_the_agents_mpi_world_exists(tmp_path, fa
                          timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     job = out.stdout.strip().splitlines()[-1]
-    _wait(lambda: subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True,
+    wait_for(lambda: subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True,
                                  timeout=20).stdout.strip() == "RUNNING", 120, f"job {job} RUNNING")
     t_running = time.time()
     nodes = subprocess.run(["scontrol", "show", "hostnames", subprocess.run(
@@ -54,11 +44,11 @@ def test_nodes_crashed_before_and_after_the_agents_mpi_world_exists(tmp_path, fa
     first = nodes[1]   # task 1's node (task 0's is the batch host)
     time.sleep(max(0.0, t_running + 1.0 - time.time()))
     fail_node(first)
-    (rel,) = _wait(lambda: events(run_dir, "relaunched"), 120, "no relaunch")
+    (rel,) = wait_for(lambda: events(run_dir, "relaunched"), 120, "no relaunch")
     assert rel["lost_hosts"] == [first] and rel["spares_left"] == 1, rel
     (lost,) = events(run_dir, "startup_node_lost")
     assert lost["startup_s"] < 15, lost   # found within seconds, not at the 300 s start-up deadline
-    hello = _wait(lambda: {e["mpi_rank"]: e["host"] for e in events(run_dir, "hello")
+    hello = wait_for(lambda: {e["mpi_rank"]: e["host"] for e in events(run_dir, "hello")
                            if e.get("role") == "agent" and e["t"] > rel["t"]}.get(1), 120, "no agents after the relaunch")
     time.sleep(1.0)
     second = hello   # MPI rank 1's node of the relaunched step (an active node, not the batch host)
