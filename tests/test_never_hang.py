@@ -108,9 +108,11 @@ def test_state_lost_with_every_holder_ends_clearly_and_lists_the_failures(tmp_pa
     s = out["s"]
     assert not s["completed"]
     assert any("ReplicaError" in (e or "") for e in s["errors"]), s["errors"]
-    (f,) = s["failures"]
-    assert f["failed_nodes"] == [0, 1] and f["outcome"].startswith("unrecoverable: ReplicaError"), f
-    assert f["kind"] == "not injected"
+    # one round, or two when one loss was seen before the other (a loaded machine: a first round that found only
+    # node0 lost already had no copy of rank 0's state, its holder node1 not reporting): both listed, both fatal
+    fs = s["failures"]
+    assert sorted(n for f in fs for n in f["failed_nodes"]) == [0, 1], fs
+    assert all(f["outcome"].startswith("unrecoverable: ReplicaError") and f["kind"] == "not injected" for f in fs), fs
 
 
 @pytest.mark.parametrize("role", ["trainer", "agent"])
