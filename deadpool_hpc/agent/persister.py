@@ -69,8 +69,9 @@ class Persister:
     def quiesce(self, timeout: float = 30.0) -> None:
         """Wait for a write in progress (a checkpoint of the no-spare path must not race it); drop the round."""
         self.want = None
-        if self._thread is not None:
-            self._thread.join(timeout)
+        writer = self._thread   # read once: the writer clears it when it ends
+        if writer is not None:
+            writer.join(timeout)
 
     # ---- the rounds -------------------------------------------------------------------------------------------
     def _scheduler(self) -> bool:
