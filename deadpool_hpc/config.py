@@ -19,11 +19,17 @@ START_PHASES = ("startup", "build", "first")
 RECOVERY_PHASES = ("detect", "agree", "decided", "rebuild", "restore", "resume")
 PHASES = START_PHASES + RECOVERY_PHASES
 _FAULT_RE = re.compile(r"^(node|rank)(\d+)@(?:(\d+)|(" + "|".join(PHASES) + r")(?:#(\d+))?)$")
+_SLOW_RE = re.compile(r"^node(\d+)@(startup|build)(?::([0-9.]+))?$")
+FAULT_KINDS = ("kill", "hang", "slow")
+SLOW_FACTOR = 8.0   # --slow nodeI@startup without :FACTOR
 
 
 @dataclass(frozen=True)
 class Fault:
-    """One injected failure: ``kind`` ("kill" = SIGKILL, "hang" = SIGSTOP) of ``target``.
+    """One injected failure: ``kind`` ("kill" = SIGKILL, "hang" = SIGSTOP, "slow" = ``factor`` times slower) of
+    ``target``. A slow node's training processes run 1/factor of the time: its agent stops and continues them
+    (SIGSTOP/SIGCONT), a node whose device or CPU share is throttled; from ``startup`` or ``build`` only, what the
+    start-up's pre-flight speed check is for (agent/preflight.py).
 
     ``target_kind`` is "node" (every process of emulated node ``index``, active or spare) or "rank"
     (the process that holds training rank ``index`` at that moment). It fires either at ``step`` (when
@@ -54,6 +60,7 @@ class Fault:
     step: int | None = None
     phase: str | None = None
     nth: int = 1
+    factor: float | None = None
 
     @property
     def target(self) -> str:
@@ -71,14 +78,28 @@ class Fault:
         return self.phase + (f"#{self.nth}" if self.nth != 1 else "")
 
     def __str__(self) -> str:
-        return f"--{self.kind} {self.target}@{self.when}"
+        return f"--{self.kind} {self.target}@{self.when}" + (f":{self.factor:g}" if self.factor is not None else "")
 
 
 def parse_fault(kind: str, spec: str) -> Fault:
     """Parse ``node1@60`` / ``rank2@60`` (a step) or ``node2@rebuild`` / ``node2@agree#2`` (a phase of the
-    first / second recovery) for ``kind`` in {"kill", "hang"}. Raises ConfigError."""
-    if kind not in ("kill", "hang"):
-        raise ConfigError(f"fault kind {kind!r} is unknown; accepted: 'kill', 'hang'")
+    first / second recovery) for ``kind`` in {"kill", "hang"}; ``node1@startup|build[:FACTOR]`` for "slow" (FACTOR > 1,
+    default SLOW_FACTOR). Raises ConfigError."""
+    if kind not in FAULT_KINDS:
+        raise ConfigError(f"fault kind {kind!r} is unknown; accepted: {', '.join(map(repr, FAULT_KINDS))}")
+    if kind == "slow":
+        m = _SLOW_RE.match(spec.strip())
+        if not m:
+            raise ConfigError(f"--slow {spec!r} is not a slow-node spec; accepted: nodeN@startup[:FACTOR] or "
+                              f"nodeN@build[:FACTOR] (e.g. node1@startup:8): node N's training processes run FACTOR "
+                              f"times slower from their start, or from when their model is built")
+        try:
+            factor = float(m.group(3)) if m.group(3) else SLOW_FACTOR
+        except ValueError:
+            factor = float("nan")
+        if not (math.isfinite(factor) and factor > 1):
+            raise ConfigError(f"--slow {spec!r}: factor {m.group(3)!r}: accepted: a number > 1 (how many times slower)")
+        return Fault("slow", "node", int(m.group(1)), None, m.group(2), 1, factor)
     m = _FAULT_RE.match(spec.strip())
     if not m:
         raise ConfigError(f"--{kind} {spec!r} is not a fault spec; accepted: nodeN@STEP or rankN@STEP (e.g. node1@60), "
@@ -148,6 +169,12 @@ class RunConfig:
     # a site's command each node agent runs at start-up (``sh -c``; exit 0: healthy): a node whose check fails, or
     # is still running at the start-up deadline, is replaced by a spare before training (agent/preflight.py)
     health_check: str = ""
+    # the start-up's pre-flight speed check (agent/preflight.py): a node whose timed matmul takes more than this many
+    # times the job's median is replaced by a spare before training (0: no speed check)
+    preflight_factor: float = 3.0
+    # an idle spare's agent checks its node again this often (the site's --health-check and the timed matmul against
+    # the start-up's median), so that a spare that went bad is dropped before a recovery needs it (0: never)
+    spare_check_every: float = 60.0
     rendezvous_timeout: float = 10.0 # joining a generation's process group (store connect + gloo full mesh)
     # MPI start-up, a training process's import and model build, and the first collectives: a training process not up
     # by then is a failure of its node (cause "startup_timeout"); an agent lost inside MPI_Init ends the run
@@ -233,6 +260,12 @@ class RunConfig:
                  f"--{name.replace('_', '-')} {v!r}: accepted: seconds > 0" + (" (0 or --hang-timeout off: no hang detection)" if name == "hang_timeout" else ""))
         need(isinstance(self.health_check, str) and "\0" not in self.health_check,
              f"--health-check {self.health_check!r}: accepted: a shell command (a string), or empty for none")
+        need(isinstance(self.preflight_factor, (int, float)) and math.isfinite(self.preflight_factor)
+             and (self.preflight_factor == 0 or self.preflight_factor > 1),
+             f"--preflight-factor {self.preflight_factor!r}: accepted: a number > 1 (times the job's median), or 0: off")
+        need(isinstance(self.spare_check_every, (int, float)) and math.isfinite(self.spare_check_every)
+             and self.spare_check_every >= 0,
+             f"--spare-check-every {self.spare_check_every!r}: accepted: seconds >= 0 (0: never)")
         need(isinstance(self.persist_every, (int, float)) and math.isfinite(self.persist_every)
              and self.persist_every >= 0, f"--persist-every {self.persist_every!r}: accepted: seconds >= 0 (0: never)")
         need(not self.hang_timeout or self.hang_timeout >= self.heartbeat_deadline,

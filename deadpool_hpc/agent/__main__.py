@@ -109,7 +109,7 @@ def main(argv=None) -> None:
     env.pop(lifeline.ENV, None)  # the agent watches the launcher; its training processes die with the agent
     sup = Supervisor(run_dir, cfg.ranks_per_node, env, cfg.hang_timeout, channel.progress)
     code = 1
-    check = None
+    check = agent = None
     try:
         # the last collective of the start-up (a barrier), then heartbeats: from here on a node lost is seen by the
         # others and recovered (issue 28). Before, the barrier came after the import below, and a node lost during
@@ -142,6 +142,7 @@ def main(argv=None) -> None:
         log.emit("error", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-4000:])
         cp.abort(f"{type(exc).__name__}: {exc}")
     finally:
+        check = agent.health_check if agent is not None else check   # (an idle spare re-runs it)
         if check is not None and check.result is None:
             check.kill()   # the site's check must not outlive its node's agent
         sup.kill_all(2.0)

@@ -28,6 +28,7 @@ from ..replica import persist
 from .desk import SnapshotDesk
 from .persister import Persister
 from .planned import PlannedSwaps
+from .preflight import HealthCheck, SpeedCheck
 from .shm import Doorbell
 from .store import GenerationStore
 
@@ -84,6 +85,8 @@ class NodeAgent:
         cp.agent.on_inject = self._on_inject
         self.desk = SnapshotDesk(self, Doorbell.create())  # agent/desk.py: claim, written, committed, off this loop
         self.persister = Persister(self)   # agent/persister.py: every --persist-every s, the snapshots to disk
+        self.speed = SpeedCheck(cp, channel, self.P, log, cfg.preflight_factor)   # agent/preflight.py
+        self._next_spare_check = float("inf")
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -153,6 +156,8 @@ class NodeAgent:
                 self.swaps.want(name, verdict, time.time())
         self.swaps.tick()
         self.persister.tick()
+        if self.state == "spare" and self.cfg.spare_check_every:
+            self._spare_check()
 
     # ---- start-up --------------------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -168,6 +173,11 @@ class NodeAgent:
                 late = [lo for lo in range(self.P) if lo not in self.layouts]
                 self._node_failed(f"training process(es) {late} did not reach ctx.run within "
                                   f"{self.cfg.startup_timeout:.0f} s (--startup-timeout)", cause="startup_timeout")
+        if self.cfg.preflight_factor:   # the timed matmul against the other nodes' (agent/preflight.py)
+            why = self.speed.at_startup(self._tick, deadline)
+            if why:
+                self._node_failed(f"pre-flight: {why}", cause="preflight_slow")
+        self._next_spare_check = time.monotonic() + self.cfg.spare_check_every
         self.cp.agent.deadline = self.cfg.heartbeat_deadline   # (STARTUP_HEARTBEAT_DEADLINE_S until now)
         self.watch.retarget(self.cp.agent.alive(), self._watch_addresses())
         g = self.cp.generation
@@ -197,6 +207,36 @@ class NodeAgent:
                               + (f": {tail[-200:]}" if tail else ""), cause="health_check")
         return True
 
+    def _spare_check(self) -> None:
+        """An idle spare checks itself again every --spare-check-every seconds (agent/preflight.py): the site's
+        command and the timed matmul against the start-up's median. One that fails leaves the pool (fenced, one
+        spare fewer) now, not when a recovery promotes it. Never while a failure is handled."""
+        if self.cp.failure.is_set() or self._in_round or self.left:
+            return
+        if self.speed.asked_at is None and self.health_check is None:
+            if time.monotonic() < self._next_spare_check:
+                return
+            self._next_spare_check = time.monotonic() + self.cfg.spare_check_every
+            if self.cfg.preflight_factor:
+                self.speed.ask_local()
+            if self.cfg.health_check:
+                self.health_check = HealthCheck(self.cfg.health_check, self.sup.env, os.path.join(
+                    self.sup.run_dir, f"health-check-node{self.node}.log"))
+            return
+        if self.speed.asked_at is not None:
+            why = self.speed.spare_verdict()
+            if why:
+                self._node_failed(f"spare check: {why}", cause="preflight_slow")
+        if self.health_check is not None:
+            self._checked()
+
+    def _end_spare_check(self) -> None:
+        """Promoted: a re-check still under way no longer matters (the node passed the last one)."""
+        self.speed.asked_at = None
+        if self.health_check is not None:
+            self.health_check.kill()
+            self.health_check = None
+
     def _on_local(self, local: int, kind: str, body: dict) -> None:
         if self.cp.agent.fenced:
             return
@@ -206,6 +246,8 @@ class NodeAgent:
             (self.stores.get(gen) or st or self._store(self.cp.generation)).handle(local, kind, body, self.channel.send)
         elif kind == "layout":
             self._layout(local, body)
+        elif kind == "preflight":
+            self.speed.on_local(local, body)
         elif kind == "left":
             # a training process that left an older generation than ours is late: the round that generation's
             # failure started is over, and its "left" must not start another
@@ -410,6 +452,7 @@ class NodeAgent:
                 self.channel.send(local, "role", {**self._role_common(), "what": "spare"})
             self.state = "spare"
             return
+        self._end_spare_check()
         self._serving = {r for r, src in decision.sources.items() if src // self.P == self.node}
         slots = {}
         for local, r in ranks.items():

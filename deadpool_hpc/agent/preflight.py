@@ -1,4 +1,22 @@
-"""The site's health check of a node before it is trusted (``--health-check CMD``; issue 28, scope 6).
+"""Checks of a node before it is trusted (issue 28, scope 6): the site's command and a timed matmul.
+
+Two checks, each run at start-up by every node (spares included) before any role is given, and again every
+``--spare-check-every`` seconds by an idle spare, so that a spare gone bad leaves the pool before a recovery needs it
+(a promotion then waits for nothing):
+
+- ``HealthCheck``: the site's command (``--health-check CMD``), below;
+- ``SpeedCheck``: a small matmul timed by each training process on its device (worker/preflight.py), compared
+  with the other nodes' figures: a node whose figure exceeds ``--preflight-factor`` (default 3) times the median
+  of the others' is far slower (a throttled or degraded GPU, a node whose CPU share shrank) and is replaced by a
+  spare before training, cause ``preflight_slow`` (NVIDIA's resiliency extension and DLRover check nodes the same
+  way before a job trusts them). The nodes time their matmuls at about the same moment: each agent, once its own
+  training processes have built their model, tells every other agent (``preflight`` ``built``) and waits for
+  theirs: the active nodes' until the start-up deadline (the first step waits for every rank anyway), the spares'
+  up to ``SYNC_S`` more, so that on a machine whose cores the nodes share (the local emulation) every node runs
+  under the same load. A spare not built by then is not waited for (a spare frozen at start-up must not hold the
+  job back); it times its matmul later and judges itself against the figures it got.
+
+The site's command:
 
 Each node agent runs ``CMD`` (``sh -c``) once at start-up, while its training processes import torch and build the
 model, in a session of its own, with the agent's environment (``DEADPOOL_NODE`` is the node's index; under Slurm
@@ -15,8 +33,127 @@ from __future__ import annotations
 
 import os
 import signal
+import statistics
 import subprocess
 import time
+
+SYNC_S = 10.0               # seconds an agent waits for the other nodes' "built", and then for their figures
+PREFLIGHT_TIMEOUT_S = 60.0  # seconds a spare's training processes have to answer a re-check's matmul
+
+
+def judge(mine: float, others: list[float], factor: float) -> tuple[bool, float | None]:
+    """Whether a node whose matmul took ``mine`` seconds is far slower than the ``others`` nodes' figures:
+    (slow, median of the others). With no other figure, or ``factor`` 0 (off), nothing is slow."""
+    if not others or not factor:
+        return False, (statistics.median(others) if others else None)
+    med = statistics.median(others)
+    return mine > factor * med, med
+
+
+class SpeedCheck:
+    """The cross-node half of the timed matmul (the module docstring). ``cp``: the ControlPlane (its handlers get
+    ``preflight``); ``channel``: to this node's training processes; ``P``: their number; ``log``: EventLog;
+    ``factor``: --preflight-factor."""
+
+    def __init__(self, cp, channel, P: int, log, factor: float):
+        self.cp, self.channel, self.P, self.log, self.factor = cp, channel, P, log, factor
+        self.built: set[int] = set()
+        self.figures: dict[int, float] = {}   # node -> seconds, this start-up's
+        self.median: float | None = None      # of every node's figure at start-up: what a spare's re-check is held to
+        self._id = 0
+        self._answers: dict[int, dict] = {}
+        self.asked_at: float | None = None
+        cp.handlers["preflight"] = self._on_peer
+
+    # ---- messages --------------------------------------------------------------------------------------------
+    def _on_peer(self, src: int, body: dict) -> None:
+        if body.get("phase") == "built":
+            self.built.add(src)
+        elif body.get("phase") == "figure" and isinstance(body.get("seconds"), (int, float)):
+            self.figures[src] = float(body["seconds"])
+
+    def on_local(self, local: int, body: dict) -> None:
+        """A training process's answer (worker/preflight.py)."""
+        if body.get("id") == self._id:
+            self._answers[local] = body
+
+    def ask_local(self) -> None:
+        self._id += 1
+        self._answers = {}
+        self.asked_at = time.monotonic()
+        for local in range(self.P):
+            self.channel.send(local, "preflight", {"id": self._id})
+
+    def local_figure(self) -> tuple[float | None, str | None] | None:
+        """None while some answer is missing; else (this node's figure: the slowest process's seconds, error)."""
+        if len(self._answers) < self.P:
+            return None
+        errors = [f"training process {lo}: {a['error']}" for lo, a in sorted(self._answers.items()) if a.get("error")]
+        if errors:
+            return None, "; ".join(errors)
+        return max(float(a["seconds"]) for a in self._answers.values()), None
+
+    # ---- start-up --------------------------------------------------------------------------------------------
+    def at_startup(self, tick, deadline: float) -> str | None:
+        """Run the start-up check (blocking, ticking the agent's loop). Returns why this node fails it, or None."""
+        cp, me, t_start = self.cp, self.cp.me, time.monotonic()
+        alive = lambda: set(cp.agent.alive())  # noqa: E731
+        active = {m // self.P for m in cp.assignment}   # their build is waited for anyway: step 0 needs every rank
+        self.built.add(me)
+        cp.agent.send_many(sorted(alive() - {me}), "preflight", {"phase": "built"})
+        spares_by = None   # when the active nodes were built: the spares get SYNC_S more
+        while not alive() <= self.built and time.monotonic() < deadline:
+            if active & alive() <= self.built:
+                spares_by = spares_by or time.monotonic() + SYNC_S
+                if time.monotonic() > spares_by:
+                    break
+            tick(0.005)
+        t0 = time.monotonic()
+        self.ask_local()
+        while (res := self.local_figure()) is None:
+            tick(0.005)
+            if time.monotonic() > deadline:
+                return (f"the pre-flight matmul of training process(es) "
+                        f"{[lo for lo in range(self.P) if lo not in self._answers]} did not end by the start-up deadline")
+        mine, error = res
+        if error:
+            return f"the pre-flight matmul failed: {error}"
+        peers = (self.built & alive()) - {me}   # a node built later gets our figures too and judges itself with them
+        self.figures[me] = mine
+        cp.agent.send_many(sorted(alive() - {me}), "preflight", {"phase": "figure", "seconds": mine})
+        end = min(deadline, time.monotonic() + SYNC_S)
+        while not (peers & alive()) <= set(self.figures) and time.monotonic() < end:
+            tick(0.005)
+        others = [s for n, s in self.figures.items() if n != me]
+        slow, med = judge(mine, others, self.factor)
+        self.median = statistics.median(self.figures.values())
+        self.log.emit("preflight", seconds=round(mine, 6), others_median=None if med is None else round(med, 6),
+                      factor=self.factor, nodes=len(self.figures), slow=slow, waited_s=round(t0 - t_start, 3),
+                      figures={str(n): round(s, 6) for n, s in sorted(self.figures.items())})
+        if slow:
+            return (f"its pre-flight matmul took {mine * 1e3:.1f} ms, {mine / med:.1f} x the other nodes' median "
+                    f"({med * 1e3:.1f} ms; --preflight-factor {self.factor:g})")
+        return None
+
+    # ---- an idle spare's re-check ----------------------------------------------------------------------------
+    def spare_verdict(self) -> str | None:
+        """After ``ask_local``: None while waiting; "" when the figure passes; else why this spare fails."""
+        res = self.local_figure()
+        if res is None:
+            if time.monotonic() - self.asked_at > PREFLIGHT_TIMEOUT_S:
+                return f"its training processes did not answer the matmul check within {PREFLIGHT_TIMEOUT_S:.0f} s"
+            return None
+        mine, error = res
+        self.asked_at = None
+        if error:
+            return f"the matmul check failed: {error}"
+        slow = bool(self.factor and self.median and mine > self.factor * self.median)
+        self.log.emit("spare_checked", seconds=round(mine, 6), startup_median=self.median, factor=self.factor,
+                      slow=slow)
+        if slow:
+            return (f"its matmul took {mine * 1e3:.1f} ms, {mine / self.median:.1f} x the job's start-up median "
+                    f"({self.median * 1e3:.1f} ms; --preflight-factor {self.factor:g})")
+        return ""
 
 
 class HealthCheck:

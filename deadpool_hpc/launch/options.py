@@ -42,6 +42,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                         "decided, rebuild, restore, resume; #K: of the K-th recovery) (repeatable)")
     p.add_argument("--hang", action="append", default=[], metavar="TARGET@WHEN",
                    help="SIGSTOP nodeN or rankN, at a step or phase as for --kill (repeatable)")
+    p.add_argument("--slow", action="append", default=[], metavar="nodeN@startup|build[:FACTOR]",
+                   help="make node N's training processes FACTOR times slower (default 8) from their start, or from "
+                        "when their model is built: what the start-up's pre-flight speed check catches (repeatable)")
     p.add_argument("--replicas", type=int, default=d.replicas,
                    help="K: each rank's snapshot lives on the next K nodes, so any K node losses at once survive")
     p.add_argument("--replica-transport", default=d.replica_transport, metavar="NAME",
@@ -65,6 +68,12 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-check", default=d.health_check, metavar="CMD",
                    help="a command each node runs at start-up (sh -c; exit 0: healthy); a node whose check fails or "
                         "outlasts --startup-timeout is replaced by a spare before training")
+    p.add_argument("--preflight-factor", type=float, default=d.preflight_factor, metavar="FACTOR",
+                   help="at start-up every node times a small matmul on its device; a node slower than FACTOR x the "
+                        f"job's median is replaced by a spare before training (default {d.preflight_factor:g}; 0: off)")
+    p.add_argument("--spare-check-every", type=float, default=d.spare_check_every, metavar="SECONDS",
+                   help="an idle spare checks itself again this often (--health-check and the timed matmul); one that "
+                        f"fails leaves the pool before a recovery needs it (default {d.spare_check_every:g}; 0: never)")
     p.add_argument("--summary", metavar="PATH", help="write the run summary JSON here")
     p.add_argument("--run-dir", default=d.run_dir, help="event log, config and logs of the run")
     p.add_argument("--train-arg", action="append", default=[], metavar="KEY=VALUE",
@@ -120,7 +129,8 @@ def config_from_args(a) -> RunConfig:
         from ..rundir import check_output_file
 
         check_output_file(a.summary, run_dir=a.run_dir)
-    faults = [parse_fault("kill", s) for s in a.kill] + [parse_fault("hang", s) for s in a.hang]
+    faults = [parse_fault("kill", s) for s in a.kill] + [parse_fault("hang", s) for s in a.hang] \
+        + [parse_fault("slow", s) for s in a.slow]
     return RunConfig(nodes=a.nodes, spares=a.spares, ranks_per_node=a.ranks_per_node, steps=a.steps, faults=faults,
                      train_args=train_args,
                      heartbeat_deadline=a.heartbeat_deadline, heartbeat_period=a.heartbeat_period,
@@ -128,5 +138,6 @@ def config_from_args(a) -> RunConfig:
                      rendezvous_timeout=a.rendezvous_timeout,
                      startup_timeout=a.startup_timeout, collective_timeout=a.collective_timeout,
                      persist_every=a.persist_every, health_check=a.health_check,
+                     preflight_factor=a.preflight_factor, spare_check_every=a.spare_check_every,
                      replicate=not a.no_replicate, requeue=a.requeue, run_dir=a.run_dir, summary_path=a.summary,
                      log_every=a.log_every, train_fn=a.train_fn).validate()

@@ -33,6 +33,7 @@ from ..dataplane.groups import device_for, release_free_memory
 from ..errors import ChannelTimeout, PeerFailure, ReplicaError
 from ..replica import persist
 from ..replica.snapshot import Slot, StateLayout
+from . import preflight
 from .faults import RankFaults
 from .zero import ShardedAdamW
 
@@ -92,6 +93,7 @@ class Context:
         self._mesh = self._stand_in = None   # ctx.device_mesh
         self.wait_s = 0.0
         client.on("failure", self._on_failure)
+        client.on("preflight", lambda body: preflight.answer(client, self.device, body))   # worker/preflight.py
         _local_default_group()
 
     # ---- what the training function uses ---------------------------------------------------

@@ -14,6 +14,9 @@ through (build and first at the start, rebuild, restore, resume); a node target 
 spawned; detect, agree, decided, and restore while it serves a replica), and node faults asked for by its training
 processes or by another agent.
 
+``--slow node1@startup:8`` makes node 1's training processes 8 times slower from their start (``@build``: once their
+model is built) (``Slowdown``: its agent stops and continues them), until the node is fenced or the run ends.
+
 ``fault_injected`` is written (and fsynced) before the signal, so recovery times are measured from it. Signals go
 to this node's own processes only, known by pid (children of the agent, or the agent itself).
 """
@@ -21,6 +24,8 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 
 AGENT_PHASES = ("startup", "detect", "agree", "decided")
 RANK_PHASES = ("build", "first", "rebuild", "restore", "resume")
@@ -69,7 +74,7 @@ class RankFaults:
             elif f.target_kind == "node" and f.index == self.node and (self.local == 0 or phase == "build"):
                 # (build: whichever of the node's processes gets there first; the agent fires the node once)
                 self.fired.add(f)
-                self.send("fault", {"kind": f.kind, "target": f.target, "phase": f.when})
+                self.send("fault", {"kind": f.kind, "target": f.target, "phase": f.when, "factor": f.factor})
 
     def _fire_self(self, kind: str, target: str, step=None, phase=None) -> None:
         sig = _signal(kind)
@@ -90,6 +95,7 @@ class NodeFaults:
         self.pids = pids
         self.rank_local = rank_local
         self.fired: set = set()
+        self.slowdown = None   # Slowdown, once --slow fired
 
     def wants_phase(self, phase: str, nth: int) -> bool:
         return any(f.phase == phase and f.nth == nth and f not in self.fired and self._mine(f) for f in self.phases)
@@ -101,7 +107,7 @@ class NodeFaults:
                 continue
             self.fired.add(f)
             if f.target_kind == "node":
-                self.fire_node({"kind": f.kind, "target": f.target, "phase": f.when})
+                self.fire_node({"kind": f.kind, "target": f.target, "phase": f.when, "factor": f.factor})
             else:
                 pid = self.pids()[self.rank_local(f.index)]
                 sig = _signal(f.kind)
@@ -122,8 +128,22 @@ class NodeFaults:
             self.fired.add(key)
             self.fire_node(body)
 
+    def slow_node(self, body: dict) -> None:
+        """``--slow``: this node's training processes run 1/factor of the time from now on (once per node: at
+        ``build`` each of them asks)."""
+        if self.slowdown is not None:
+            return
+        pids = list(self.pids().values())
+        self.log.emit("fault_injected", kind="slow", target=body["target"], step=None, phase=body.get("phase"),
+                      node=self.node, pids=pids, factor=body["factor"], signal="SIGSTOP/SIGCONT")
+        self.log.sync()
+        self.slowdown = Slowdown(pids, float(body["factor"])).start()
+
     def fire_node(self, body: dict) -> None:
-        """The whole node: its training processes, then this agent (a node crash / freeze)."""
+        """The whole node: its training processes, then this agent (a node crash / freeze); or, for ``slow``, its
+        training processes made ``factor`` times slower."""
+        if body["kind"] == "slow":
+            return self.slow_node(body)
         sig = _signal(body["kind"])
         pids = list(self.pids().values())
         self.log.emit("fault_injected", kind=body["kind"], target=body["target"], step=body.get("step"),
@@ -135,3 +155,43 @@ class NodeFaults:
             except ProcessLookupError:
                 pass
         os.kill(os.getpid(), sig)
+
+
+class Slowdown:
+    """Run ``pids`` 1/``factor`` of the time: SIGCONT, ``period``/factor seconds, SIGSTOP, factor - 1 times as long,
+    in a daemon thread, until ``stop()`` or every pid is gone (then left running). A real slowdown of real processes:
+    their wall time per unit of work grows by ``factor``, as on a throttled device or a node whose CPU share shrank."""
+
+    def __init__(self, pids: list[int], factor: float, period: float = 0.05):
+        self.pids, self.factor, self.period = list(pids), float(factor), period
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="deadpool-slowdown", daemon=True)
+
+    def start(self) -> "Slowdown":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(1.0)
+
+    def _signal(self, sig) -> None:
+        for pid in list(self.pids):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                self.pids.remove(pid)
+
+    def _run(self) -> None:
+        on = self.period / self.factor
+        try:
+            while self.pids and not self._stop.is_set():
+                t0 = time.monotonic()
+                self._signal(signal.SIGCONT)
+                time.sleep(on)
+                self._signal(signal.SIGSTOP)
+                # the stop lasts (factor - 1) x how long they really ran: on a busy machine this thread wakes late, and
+                # a fixed pause would let them run more than 1/factor of the time
+                time.sleep((time.monotonic() - t0) * (self.factor - 1))
+        finally:
+            self._signal(signal.SIGCONT)
