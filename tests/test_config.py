@@ -77,6 +77,12 @@ def test_demo_config_defaults_and_errors():
     (["--train-fn", "nosuch.module:train"], "cannot import 'nosuch.module'"),
     (["--train-fn", "deadpool_hpc.train.demo:nosuch"], "has no function 'nosuch'"),
     (["--nodes", "40", "--ranks-per-node", "2"], "the local launcher (deadpool run) runs at most 64"),
+    (["--slow", "node1@10"], "--slow 'node1@10' is not a slow-node spec; accepted: nodeN@startup[:FACTOR]"),
+    (["--slow", "node1@startup:1"], "factor '1': accepted: a number > 1"),
+    (["--slow", "node7@build"], "unknown fault target node7"),
+    (["--slow", "node1@build", "--slow", "node2@startup"], "only 1 spare"),   # a slow node is replaced: a loss
+    (["--preflight-factor", "0.5"], "--preflight-factor 0.5: accepted: a number > 1"),
+    (["--spare-check-every", "-1"], "--spare-check-every -1.0: accepted: seconds >= 0"),
 ])
 def test_cli_rejects_bad_input_with_exit_2_before_starting(tmp_path, capsys, args, needle):
     """In process (the CLI's own ``main``; test_cli_hang_timeout_0_exits_2_from_the_command checks the exit status
@@ -149,3 +155,27 @@ def test_interleaved_replication_alternates_blocks_of_steps():
     assert on(RunConfig(interleave_replication=3), range(8)) == [True] * 3 + [False] * 3 + [True] * 2
     assert on(RunConfig(), range(4)) == [True] * 4
     assert on(RunConfig(replicate=False), range(4)) == [False] * 4
+
+
+def test_slow_node_specs_parse():
+    from deadpool_hpc.config import SLOW_FACTOR
+
+    assert parse_fault("slow", "node2@build:12") == Fault("slow", "node", 2, None, "build", 1, 12.0)
+    f = parse_fault("slow", "node1@startup")
+    assert (f.phase, f.factor, f.at_start, str(f)) == ("startup", SLOW_FACTOR, True, f"--slow node1@startup:{SLOW_FACTOR:g}")
+    assert RunConfig.from_json(RunConfig(faults=[f]).to_json()).faults == [f]
+    for bad in ("rank1@startup", "node1@first", "node1@startup:x", "node1@startup:0.9"):
+        with pytest.raises(ConfigError, match="--slow"):
+            parse_fault("slow", bad)
+
+
+def test_preflight_judges_against_the_other_nodes_median():
+    """agent/preflight.py's verdict: far slower than the median of the other nodes' figures; nothing to compare
+    with, or the check off, is never slow."""
+    from deadpool_hpc.agent.preflight import judge
+
+    assert judge(0.31, [0.047, 0.052, 0.049, 0.047], 3.0) == (True, 0.048)
+    assert judge(0.05, [0.047, 0.31, 0.049, 0.047], 3.0) == (False, 0.048)   # a slow peer does not make us slow
+    assert judge(0.14, [0.05], 3.0) == (False, 0.05)   # 2.8 x: under the factor
+    assert judge(9.0, [], 3.0) == (False, None)
+    assert judge(9.0, [0.05], 0) == (False, 0.05)

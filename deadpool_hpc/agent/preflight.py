@@ -38,7 +38,7 @@ import subprocess
 import time
 
 SYNC_S = 10.0               # seconds an agent waits for the other nodes' "built", and then for their figures
-PREFLIGHT_TIMEOUT_S = 60.0  # seconds a spare's training processes have to answer a re-check's matmul
+PREFLIGHT_TIMEOUT_S = 60.0  # seconds a node's training processes have to answer a matmul check (at least)
 
 
 def judge(mine: float, others: list[float], factor: float) -> tuple[bool, float | None]:
@@ -110,18 +110,21 @@ class SpeedCheck:
             tick(0.005)
         t0 = time.monotonic()
         self.ask_local()
+        # its own bound: the wait for the others may have used the start-up deadline up (an active node frozen)
+        answer_by = max(deadline, t0 + PREFLIGHT_TIMEOUT_S)
         while (res := self.local_figure()) is None:
             tick(0.005)
-            if time.monotonic() > deadline:
+            if time.monotonic() > answer_by:
                 return (f"the pre-flight matmul of training process(es) "
-                        f"{[lo for lo in range(self.P) if lo not in self._answers]} did not end by the start-up deadline")
+                        f"{[lo for lo in range(self.P) if lo not in self._answers]} did not end within "
+                        f"{answer_by - t0:.0f} s")
         mine, error = res
         if error:
             return f"the pre-flight matmul failed: {error}"
         peers = (self.built & alive()) - {me}   # a node built later gets our figures too and judges itself with them
         self.figures[me] = mine
         cp.agent.send_many(sorted(alive() - {me}), "preflight", {"phase": "figure", "seconds": mine})
-        end = min(deadline, time.monotonic() + SYNC_S)
+        end = time.monotonic() + SYNC_S
         while not (peers & alive()) <= set(self.figures) and time.monotonic() < end:
             tick(0.005)
         others = [s for n, s in self.figures.items() if n != me]

@@ -87,6 +87,11 @@ RUN_PARAMETERS: tp.Dict[str, tp.Tuple[tp.Callable[[tp.Any], bool], str]] = {
     "startup_timeout": (lambda v: _is_seconds(v) and v > 0, "seconds > 0"),
     "health_check": (lambda v: isinstance(v, str), "a shell command (str) each node runs at start-up; exit 0: "
                                                    "healthy; empty: none"),
+    "preflight_factor": (lambda v: _is_seconds(v) and (v == 0 or v > 1),
+                         "a number > 1 (a node whose start-up matmul exceeds this x the others' median is replaced) "
+                         "or 0 (no speed check)"),
+    "spare_check_every": (lambda v: _is_seconds(v) and v >= 0, "seconds >= 0 (an idle spare re-checks itself this "
+                                                               "often; 0: never)"),
     "persist_every": (lambda v: _is_seconds(v) and v >= 0, "seconds >= 0 (0: the agents never persist snapshots in "
                                                            "the background)"),
     "run_dir": (lambda v: isinstance(v, str) and v != "", "a directory path (str) on a filesystem the nodes share"),
