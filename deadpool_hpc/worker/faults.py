@@ -159,21 +159,16 @@ class NodeFaults:
 
 class Slowdown:
     """Run ``pids`` 1/``factor`` of the time: SIGCONT, ``period``/factor seconds, SIGSTOP, factor - 1 times as long,
-    in a daemon thread, until ``stop()`` or every pid is gone (then left running). A real slowdown of real processes:
+    in a daemon thread, until every pid is gone (the node is fenced, or the run ends). A real slowdown of real processes:
     their wall time per unit of work grows by ``factor``, as on a throttled device or a node whose CPU share shrank."""
 
     def __init__(self, pids: list[int], factor: float, period: float = 0.05):
         self.pids, self.factor, self.period = list(pids), float(factor), period
-        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="deadpool-slowdown", daemon=True)
 
     def start(self) -> "Slowdown":
         self._thread.start()
         return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(1.0)
 
     def _signal(self, sig) -> None:
         for pid in list(self.pids):
@@ -185,7 +180,7 @@ class Slowdown:
     def _run(self) -> None:
         on = self.period / self.factor
         try:
-            while self.pids and not self._stop.is_set():
+            while self.pids:
                 t0 = time.monotonic()
                 self._signal(signal.SIGCONT)
                 time.sleep(on)

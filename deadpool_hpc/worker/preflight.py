@@ -26,7 +26,7 @@ def matmul_seconds(device) -> float:
     gen = torch.Generator(device="cpu").manual_seed(0)   # leaves the training RNG alone
     a = torch.randn(n, n, generator=gen).to(device)
     b = torch.randn(n, n, generator=gen).to(device)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)   # this process's GPU
     (a @ b)   # warm-up: allocations, kernel selection
     sync()
     times = []
