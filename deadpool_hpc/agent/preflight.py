@@ -119,6 +119,7 @@ class SpeedCheck:
                         f"{[lo for lo in range(self.P) if lo not in self._answers]} did not end within "
                         f"{answer_by - t0:.0f} s")
         mine, error = res
+        self.asked_at = None   # answered (an idle spare's first re-check is the next ask_local)
         if error:
             return f"the pre-flight matmul failed: {error}"
         peers = (self.built & alive()) - {me}   # a node built later gets our figures too and judges itself with them
