@@ -84,3 +84,17 @@ def wait_for(cond, seconds, what, poll=0.1):
             return got
         time.sleep(poll)
     raise AssertionError(f"{what} within {seconds} s")
+
+
+def crash_in_the_start_up(run_dir, task, fail_node, seconds=120):
+    """Crash the node of launch 0.0's ``task`` as soon as its task runs (its beacon, launch/slurm_startup.py, names the
+    host), while the node agents are still in srun's launch or MPI_Init: no agent may have said hello yet (a fixed
+    delay after RUNNING raced with a fast start-up: seen, the world already existed 1 s after RUNNING). Returns
+    the host."""
+    beacon = os.path.join(run_dir, "starting", "0.0", str(task))
+    host = wait_for(lambda: os.path.exists(beacon) and open(beacon).read().strip(), seconds,
+                    f"task {task}'s start-up beacon", poll=0.02)
+    fail_node(host)
+    hello = [e for e in events(run_dir, "hello") if e.get("role") == "agent"]
+    assert not hello, f"the agents' MPI world existed before {host} was crashed: {hello}"
+    return host

@@ -4,7 +4,8 @@ scripts/slurm-local-cluster.sh (``fail NODE crash``: every process of the node S
 One job (``deadpool submit --nodes 3 --spares 2``, the demo) takes two losses, one on each side of the moment the
 node agents' MPI world exists:
 
-- 1 s after the job is RUNNING (srun's launch, MPI_Init: MPICH cannot survive a process lost there). The batch
+- as soon as task 1 runs, before any agent said hello (srun's launch, MPI_Init: MPICH cannot survive a process lost
+  there). The batch
   host's start-up watch finds it within seconds (its task's beacon stands still, or never appears), ends the step,
   and srun starts again on the live nodes with one spare fewer (``relaunched``); it used to wait 300 s in MPI_Init
   and end FAILED;
@@ -22,7 +23,7 @@ import time
 
 import pytest
 
-from slurm_helpers import ROOT, STEPS, events, final_state, wait_for, wait_gone
+from slurm_helpers import ROOT, STEPS, crash_in_the_start_up, events, final_state, wait_for, wait_gone
 
 pytestmark = pytest.mark.slurm
 
@@ -37,13 +38,7 @@ def test_nodes_crashed_before_and_after_the_agents_mpi_world_exists(tmp_path, fa
     job = out.stdout.strip().splitlines()[-1]
     wait_for(lambda: subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True,
                                  timeout=20).stdout.strip() == "RUNNING", 120, f"job {job} RUNNING")
-    t_running = time.time()
-    nodes = subprocess.run(["scontrol", "show", "hostnames", subprocess.run(
-        ["squeue", "-h", "-j", job, "-o", "%N"], capture_output=True, text=True, timeout=20).stdout.strip()],
-        capture_output=True, text=True, timeout=20).stdout.split()
-    first = nodes[1]   # task 1's node (task 0's is the batch host)
-    time.sleep(max(0.0, t_running + 1.0 - time.time()))
-    fail_node(first)
+    first = crash_in_the_start_up(run_dir, 1, fail_node)   # task 1's node (task 0's is the batch host)
     (rel,) = wait_for(lambda: events(run_dir, "relaunched"), 120, "no relaunch")
     assert rel["lost_hosts"] == [first] and rel["spares_left"] == 1, rel
     (lost,) = events(run_dir, "startup_node_lost")
