@@ -42,6 +42,13 @@ without requeueing it (``UncompletedJobError``). SIGTERM (``scancel -s TERM``, a
 and exit 75, and task 0 decides as the batch template does (``slurm_job.settle``): requeue if the job goes on,
 stop (no result) if Slurm is ending it.
 
+A node lost before the agents' MPI world exists (srun's launch, MPI_Init: MPICH cannot survive it; issue 28): each
+task touches a beacon (launch/slurm_startup.py) and task 0 watches them, as the batch host does under sbatch. On a
+loss it records it (RUN_DIR/relaunch/ATTEMPT.0.json), every surviving task ends its own agent (they all wait in
+MPI_Init) and returns, and task 0 starts the agents again as a step of their own on the live nodes of the same
+allocation (``srun --overlap``, the task wrapper of the sbatch path), one spare fewer; it then waits for that step
+and ends the job as below. With no spare left the run ends with the reason (RunIncomplete).
+
 Limits: the batch host (the node of task 0) is special here as everywhere under sbatch. If it dies, the ranks
 train on and finish, but task 0's result is lost: ``job.task(0).result()`` raises, and the summary must be
 rebuilt with ``python -m deadpool_hpc.launch.slurm summary RUN_DIR``. A run that loses a node with no spare
@@ -56,6 +63,9 @@ import logging
 import os
 import secrets
 import signal
+import subprocess
+import sys
+import threading
 import time
 
 from ..agent.health import check_plugins
@@ -63,8 +73,9 @@ from ..config import RunConfig
 from ..replica.transports import check_transport
 from ..events import EventLog, read_events
 from ..logs import setup as setup_logging
+from ..errors import ConfigError
 from ..rundir import RunDir, emit_requeued
-from . import slurm, slurm_job
+from . import slurm, slurm_job, slurm_startup
 
 _log = logging.getLogger(__name__)
 
@@ -166,13 +177,26 @@ class HotSwapJob:
                    MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         t0 = time.time()
         self._saved_before = len(self._events("checkpoint_saved"))
+        # a node lost before the agents' MPI world exists (issue 28): task 0 watches every task's beacon, as the batch
+        # host does under sbatch (launch/slurm_startup.py), and starts the agents again on the live nodes
+        lid = slurm_startup.launch_id()
+        watcher = None
+        if rank == 0:
+            slurm_startup.write_launch(self.run_dir, lid, slurm_startup.step_nodes(self.cfg.total_nodes))
+            watcher = _StartupWatcher(self.run_dir).start()
+        slurm_startup.Beacon(self.run_dir, rank).start()
         # SIGUSR2 stays with submitit (its handler calls checkpoint() on task 0); the worker gets it from Slurm too
         forward = tuple(s for s in slurm_job.FORWARDED if s != signal.SIGUSR2)
         rc = self._unless_finished(lambda: slurm_job.run_worker(
-            self.run_dir, env, forward_signals=forward, on_start=lambda proc: setattr(self, "_worker", proc)))
+            self.run_dir, env, forward_signals=forward, on_start=lambda proc: self._started(proc, lid)))
         slurm_job.mark_exited(self.run_dir, rc)
         if rank != 0:
             return rc
+        try:
+            while os.path.exists(_relaunch_file(self.run_dir, lid)):
+                rc, lid = self._relaunch(env, lid)
+        finally:
+            watcher.stop()
         self._unless_finished(self._wait_survivors)
         # the ranks saved a checkpoint (no spare left, SIGTERM): requeue as the sbatch template does if the job goes
         # on, and leave without a result (SystemExit: submitit records none), so the requeued job's is the one read
@@ -194,6 +218,45 @@ class HotSwapJob:
         raise RunIncomplete(f"the run did not complete: step {s['steps_completed']} of {self.cfg.steps}"
                             f"{'; stopped: ' + s['stopped']['reason'] if s['stopped'] else ''}"
                             f"{'; errors: ' + '; '.join(map(str, s['errors'])) if s['errors'] else ''}; {where}")
+
+    def _started(self, proc, lid: str) -> None:
+        """This task's node agent runs: the one a checkpoint() signals, and one to end if the watcher finds a node
+        lost before the agents' MPI world exists (they all wait in MPI_Init for it)."""
+        self._worker = proc
+        path = _relaunch_file(self.run_dir, lid)
+
+        def end_on_relaunch() -> None:
+            while proc.poll() is None:
+                if os.path.exists(path):
+                    proc.kill()
+                    return
+                time.sleep(0.25)
+
+        threading.Thread(target=end_on_relaunch, name="deadpool-relaunch-watch", daemon=True).start()
+
+    def _relaunch(self, env: dict, lid: str) -> tuple[int, str]:
+        """(task 0) A node was lost before the agents' MPI world existed: one spare fewer (slurm_startup.relaunch),
+        and the agents again, on the live nodes of this allocation, as a step of their own (``srun --overlap``,
+        the task wrapper ``deadpool_hpc.launch.slurm task``; submitit's own step cannot be started again: ending it
+        would end this task). The other submitit tasks have returned by then. Returns (the step's exit code, its
+        launch id). Raises RunIncomplete when no spare is left."""
+        try:
+            total, _spares, excluded = slurm_startup.relaunch(self.run_dir, lid)
+        except ConfigError as exc:
+            raise RunIncomplete(str(exc)) from None
+        attempt, _, n = lid.partition(".")
+        launch = str(int(n) + 1)
+        os.environ["DEADPOOL_LAUNCH"] = env["DEADPOOL_LAUNCH"] = launch   # markers: RUN_DIR/exited/ATTEMPT.LAUNCH
+        new = f"{attempt}.{launch}"
+        slurm_startup.write_launch(self.run_dir, new, slurm_startup.step_nodes(total, ",".join(excluded)))
+        cmd = ["srun", *srun_args(), "--overlap", f"--nodes={total}", f"--ntasks={total}", "--ntasks-per-node=1",
+               f"--cpus-per-task={self.cfg.ranks_per_node}", "--distribution=block", f"--exclude={','.join(excluded)}",
+               f"--output={os.path.join(self.run_dir, 'task-%t.log')}",
+               sys.executable, "-m", "deadpool_hpc.launch.slurm", "task", self.run_dir, "--no-finisher"]
+        _log.warning("%s lost before the agents' MPI world existed: the agents again on %d nodes", excluded, total)
+        proc = subprocess.Popen(cmd, env=env)   # checkpoint() signals it; srun passes SIGUSR2 on to the tasks
+        self._worker = proc
+        return proc.wait(), new
 
     def _wait_survivors(self) -> None:
         end = time.monotonic() + self.wait_survivors_s
@@ -255,3 +318,34 @@ class HotSwapJob:
         state["_worker"] = None  # a Popen is neither picklable nor meaningful in the requeued job
         state["_lock"] = None    # nor is a held lock (the requeued task 0 takes it again)
         return state
+
+
+def _relaunch_file(run_dir: str, lid: str) -> str:
+    return os.path.join(run_dir, "relaunch", lid + ".json")
+
+
+class _StartupWatcher:
+    """(task 0) ``slurm_startup.StartupWatch`` every second, in a thread, until ``stop()``. It ends no step (that
+    would end submitit's, task 0 with it): its record (RUN_DIR/relaunch/LAUNCH.json) makes every task end its own
+    node agent (``HotSwapJob._started``), and task 0 relaunch."""
+
+    def __init__(self, run_dir: str, period: float = 1.0):
+        self.run_dir, self.period = run_dir, period
+        self.watch = slurm_startup.StartupWatch(run_dir, None)
+        self._stop = threading.Event()
+
+    def start(self) -> "_StartupWatcher":
+        threading.Thread(target=self._run, name="deadpool-startup-watch", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        path = os.path.join(self.run_dir, "events.jsonl")
+        while not self._stop.wait(self.period):
+            try:
+                for h in self.watch.poll(list(read_events(path)) if os.path.exists(path) else []):
+                    _log.warning("%s lost during the start-up: the agents are started again without it", h)
+            except (OSError, ValueError, KeyError) as exc:
+                _log.warning("start-up watch: %s", exc)
