@@ -33,6 +33,23 @@ def _on_stop_signal(sig, _frame) -> None:
         _signalled["agent"].request_preempt()
 
 
+def shares_its_host(idents: list[dict], me: int) -> bool:
+    """Whether another node agent of this job runs on this agent's machine, the same kernel (``idents``: every
+    agent's identity record, ``control/fence.py:identity``, indexed by MPI rank).
+
+    Where it does (the local launcher's emulated nodes, the project's emulated Slurm cluster), the nodes' training
+    processes share the host's cores, and an agent that imports torch at start-up (1.5-2 s of CPU) delays every
+    node's first step: measured on 2 cores, 3 + 2 nodes, 1 step, median of 3: 12.4 s and 23 CPU-s with the import,
+    8.0 s and 14 CPU-s without (issue 24). Such an agent imports torch when it first writes a checkpoint instead
+    (``persist.save_shard``). An agent with a host of its own imports it at start-up, on cores its training
+    processes do not use, so that a save on SIGTERM fits in Slurm's KillWait."""
+    def machine(ident: dict) -> tuple:   # the kernel's boot id: emulated nodes have host names of their own
+        return (ident.get("boot"),) if ident.get("boot") else ("host", ident.get("host"))
+
+    mine = machine(idents[me])
+    return any(i != me and machine(ident) == mine for i, ident in enumerate(idents))
+
+
 def main(argv=None) -> None:
     from ..worker.entry import cap_malloc_arenas
 
@@ -124,11 +141,12 @@ def main(argv=None) -> None:
                             rank_local=lambda r: next((lo for lo in range(cfg.ranks_per_node)
                                                        if cp.train_rank(lo) == r), None))
         faults.at_phase("startup", 1)  # a fault test's node lost here: its training processes were just spawned
-        # torch and torch.distributed.checkpoint, for the one thing the agent needs them for: writing a checkpoint
-        # on SIGTERM/SIGUSR2 or with no spare left, which must fit in Slurm's KillWait (5 s on the test cluster;
-        # five agents importing both at that moment took longer). Imported once the training processes are spawned,
-        # so they no longer wait for it (2.5-4 s of CPU per agent); nothing else in the agent uses torch.
-        import torch.distributed.checkpoint  # noqa: F401
+        if cfg.persist_every or not shares_its_host(cp.idents, cp.me):
+            # torch and torch.distributed.checkpoint, for the one thing the agent needs them for: writing a
+            # checkpoint (every --persist-every steps; on SIGTERM/SIGUSR2 or with no spare left, which must fit in
+            # Slurm's KillWait). Imported once the training processes are spawned, so they do not wait for it;
+            # nothing else in the agent uses torch
+            import torch.distributed.checkpoint  # noqa: F401
         # the node's health detectors (plugins): a factory that fails ends the run here, at start-up, by name
         detectors = load_detectors(NodeInfo(node=cp.me, hostname=socket.gethostname(), slurm_node=slurm_node,
                                             slurm_job_id=slurm_job, run_dir=run_dir))
