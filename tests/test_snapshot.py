@@ -186,10 +186,10 @@ def test_a_node_agents_side_of_a_snapshot_never_imports_torch():
 
 
 def test_an_agent_sharing_its_machine_leaves_torch_for_its_first_checkpoint():
-    """Emulated nodes (the local launcher, the emulated Slurm cluster: host names of their own, one kernel) share the
-    machine's cores with each other's training processes: their agents import torch at their first checkpoint
-    write, not at start-up (agent/__main__.py). Nodes on machines of their own (boot ids differ) import it at
-    start-up, so that a save on SIGTERM fits in Slurm's KillWait; with no boot id, the host name decides."""
+    """Emulated nodes (the local launcher's; the emulated Slurm cluster's have host names of their own, one kernel)
+    share the machine's cores with each other's training processes: outside a Slurm job their agents import torch at
+    their first checkpoint write, not at start-up (agent/__main__.py). Nodes on machines of their own (boot ids
+    differ) import it at start-up; with no boot id, the host name decides."""
     from deadpool_hpc.agent.__main__ import shares_its_host
 
     emulated = [{"host": f"node{i}", "boot": "b0"} for i in range(3)]

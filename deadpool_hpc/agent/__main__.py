@@ -40,9 +40,12 @@ def shares_its_host(idents: list[dict], me: int) -> bool:
     Where it does (the local launcher's emulated nodes, the project's emulated Slurm cluster), the nodes' training
     processes share the host's cores, and an agent that imports torch at start-up (1.5-2 s of CPU) delays every
     node's first step: measured on 2 cores, 3 + 2 nodes, 1 step, median of 3: 12.4 s and 23 CPU-s with the import,
-    8.0 s and 14 CPU-s without (issue 24). Such an agent imports torch when it first writes a checkpoint instead
-    (``persist.save_shard``). An agent with a host of its own imports it at start-up, on cores its training
-    processes do not use, so that a save on SIGTERM fits in Slurm's KillWait."""
+    8.0 s and 14 CPU-s without (issue 24). Outside a Slurm job (the local launcher), such an agent imports torch
+    when it first writes a checkpoint instead (``persist.save_shard``, in the persister's writer thread or at a
+    save with no spare left): nothing bounds that write's time there. In a
+    Slurm job a save on SIGTERM must fit in KillWait (5 s on the emulated cluster; five agents importing torch at
+    that moment took 4.1 s of it), and an agent with a machine of its own imports it on cores its training
+    processes do not use: both import it at start-up."""
     def machine(ident: dict) -> tuple:   # the kernel's boot id: emulated nodes have host names of their own
         return (ident.get("boot"),) if ident.get("boot") else ("host", ident.get("host"))
 
@@ -141,9 +144,9 @@ def main(argv=None) -> None:
                             rank_local=lambda r: next((lo for lo in range(cfg.ranks_per_node)
                                                        if cp.train_rank(lo) == r), None))
         faults.at_phase("startup", 1)  # a fault test's node lost here: its training processes were just spawned
-        if cfg.persist_every or not shares_its_host(cp.idents, cp.me):
+        if slurm_job is not None or not shares_its_host(cp.idents, cp.me):
             # torch and torch.distributed.checkpoint, for the one thing the agent needs them for: writing a
-            # checkpoint (every --persist-every steps; on SIGTERM/SIGUSR2 or with no spare left, which must fit in
+            # checkpoint (every --persist-every seconds; on SIGTERM/SIGUSR2 or with no spare left, which must fit in
             # Slurm's KillWait). Imported once the training processes are spawned, so they do not wait for it;
             # nothing else in the agent uses torch
             import torch.distributed.checkpoint  # noqa: F401
