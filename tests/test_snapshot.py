@@ -184,20 +184,3 @@ def test_a_node_agents_side_of_a_snapshot_never_imports_torch():
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.strip() == "False", "the agent's side of a snapshot imported torch"
 
-
-def test_an_agent_sharing_its_machine_leaves_torch_for_its_first_checkpoint():
-    """Emulated nodes (the local launcher's; the emulated Slurm cluster's have host names of their own, one kernel)
-    share the machine's cores with each other's training processes: outside a Slurm job their agents import torch at
-    their first checkpoint write, not at start-up (agent/__main__.py). Nodes on machines of their own (boot ids
-    differ) import it at start-up; with no boot id, the host name decides."""
-    from deadpool_hpc.agent.__main__ import shares_its_host
-
-    emulated = [{"host": f"node{i}", "boot": "b0"} for i in range(3)]
-    assert all(shares_its_host(emulated, i) for i in range(3))
-    cluster = [{"host": f"node{i}", "boot": f"b{i}"} for i in range(3)]
-    assert not any(shares_its_host(cluster, i) for i in range(3))
-    mixed = [{"host": "a", "boot": "b0"}, {"host": "b", "boot": "b1"}, {"host": "c", "boot": "b1"}]
-    assert [shares_its_host(mixed, i) for i in range(3)] == [False, True, True]
-    no_boot = [{"host": "a", "boot": ""}, {"host": "a", "boot": ""}, {"host": "b", "boot": ""}]
-    assert [shares_its_host(no_boot, i) for i in range(3)] == [True, True, False]
-    assert not shares_its_host([{"host": "a", "boot": "b0"}], 0)   # a job of one node

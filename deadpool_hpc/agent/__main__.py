@@ -33,26 +33,6 @@ def _on_stop_signal(sig, _frame) -> None:
         _signalled["agent"].request_preempt()
 
 
-def shares_its_host(idents: list[dict], me: int) -> bool:
-    """Whether another node agent of this job runs on this agent's machine, the same kernel (``idents``: every
-    agent's identity record, ``control/fence.py:identity``, indexed by MPI rank).
-
-    Where it does (the local launcher's emulated nodes, the project's emulated Slurm cluster), the nodes' training
-    processes share the host's cores, and an agent that imports torch at start-up (1.5-2 s of CPU) delays every
-    node's first step: measured on 2 cores, 3 + 2 nodes, 1 step, median of 3: 12.4 s and 23 CPU-s with the import,
-    8.0 s and 14 CPU-s without (issue 24). Outside a Slurm job (the local launcher), such an agent imports torch
-    when it first writes a checkpoint instead (``persist.save_shard``, in the persister's writer thread or at a
-    save with no spare left): nothing bounds that write's time there. In a
-    Slurm job a save on SIGTERM must fit in KillWait (5 s on the emulated cluster; five agents importing torch at
-    that moment took 4.1 s of it), and an agent with a machine of its own imports it on cores its training
-    processes do not use: both import it at start-up."""
-    def machine(ident: dict) -> tuple:   # the kernel's boot id: emulated nodes have host names of their own
-        return (ident.get("boot"),) if ident.get("boot") else ("host", ident.get("host"))
-
-    mine = machine(idents[me])
-    return any(i != me and machine(ident) == mine for i, ident in enumerate(idents))
-
-
 def main(argv=None) -> None:
     from ..worker.entry import cap_malloc_arenas
 
@@ -144,11 +124,15 @@ def main(argv=None) -> None:
                             rank_local=lambda r: next((lo for lo in range(cfg.ranks_per_node)
                                                        if cp.train_rank(lo) == r), None))
         faults.at_phase("startup", 1)  # a fault test's node lost here: its training processes were just spawned
-        if slurm_job is not None or not shares_its_host(cp.idents, cp.me):
-            # torch and torch.distributed.checkpoint, for the one thing the agent needs them for: writing a
-            # checkpoint (every --persist-every seconds; on SIGTERM/SIGUSR2 or with no spare left, which must fit in
-            # Slurm's KillWait). Imported once the training processes are spawned, so they do not wait for it;
-            # nothing else in the agent uses torch
+        # torch and torch.distributed.checkpoint, for the one thing the agent needs them for: writing a checkpoint
+        # (every --persist-every seconds; on SIGTERM/SIGUSR2 or with no spare left). Under srun, a save on SIGTERM
+        # must fit in KillWait (5 s on the emulated cluster; five agents importing torch at that moment took 4.1 s
+        # of it): imported now, once the training processes are spawned, so they do not wait for it. The local
+        # launcher's nodes share one machine's cores, and an agent importing torch there (1.5-2 CPU-s) delays every
+        # node's first step (2 cores, 3 + 2 nodes, 1 step, median of 3: 12.4 s and 23 CPU-s with it, 8.0 s and
+        # 14 CPU-s without; issue 24); nothing bounds a save's time there, so its first write imports it
+        # (persist.save_shard). Nothing else in the agent uses torch.
+        if line is None:
             import torch.distributed.checkpoint  # noqa: F401
         # the node's health detectors (plugins): a factory that fails ends the run here, at start-up, by name
         detectors = load_detectors(NodeInfo(node=cp.me, hostname=socket.gethostname(), slurm_node=slurm_node,
