@@ -179,6 +179,9 @@ class RunConfig:
     # MPI start-up, a training process's import and model build, and the first collectives: a training process not up
     # by then is a failure of its node (cause "startup_timeout"); an agent lost inside MPI_Init ends the run
     startup_timeout: float = 300.0
+    # the local launcher forks the training processes from one process that imported torch once (worker/forkserver.py)
+    # instead of starting a fresh interpreter for each; Slurm launches ignore it
+    fork_server: bool = True
     # output
     run_dir: str = "deadpool-run"
     summary_path: str | None = None

@@ -67,8 +67,10 @@ def test_a_failed_import_and_a_frozen_start_up_are_each_their_nodes_failure(tmp_
     monkeypatch.setenv("DEADPOOL_TEST_BROKEN_NODE", "1")   # tests/trainfns_startup.py
     run_dir = tmp_path / "import"
     out = {}
+    # fresh interpreters (no fork server): node2's process is found by its command line and parent (its agent) as
+    # it appears, before it could say hello; a forked one would be the fork server's child, named like it
     th = threading.Thread(target=lambda: out.update(s=run(tmp_path, "import", train_fn="trainfns_startup:train",
-                                                          startup_timeout=20.0)), daemon=True)
+                                                          startup_timeout=20.0, fork_server=False)), daemon=True)
     t0 = time.monotonic()
     th.start()
     victim = None

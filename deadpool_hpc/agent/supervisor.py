@@ -1,7 +1,9 @@
 """The node agent's supervisor: starts this node's training processes and sees at once when one fails.
 
 Owns: spawning the P training processes (``python -m deadpool_hpc.worker.entry RUN_DIR LOCAL_RANK``, with the
-agent's channel name in the environment and a parent-death signal, so none outlives its agent), watching each
+agent's channel name in the environment and a parent-death signal, so none outlives its agent; under the local
+launcher, forked by its fork server instead, which kills each one when its agent's connection closes:
+worker/forkserver.py), watching each
 one's exit through a pidfd (``poll`` returns it the moment the kernel reaps nothing but knows: no heartbeat
 deadline), reading their progress pages for hangs (``--hang-timeout``), and killing them. Does not own: what a
 failure means for the job (agent/node.py declares the node failed), the channel (agent/channel.py).
@@ -20,6 +22,9 @@ import subprocess
 import sys
 import time
 
+from ..errors import WireError
+from ..worker import forkserver
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -33,7 +38,7 @@ class Supervisor:
         self.env = env
         self.hang_timeout = hang_timeout
         self.progress = progress
-        self.procs: dict[int, subprocess.Popen] = {}
+        self.procs: dict[int, subprocess.Popen | forkserver.ForkedProcess] = {}
         self._pidfds: dict[int, int] = {}
         self._poll = select.poll()
         self._by_fd: dict[int, int] = {}
@@ -48,12 +53,23 @@ class Supervisor:
             if os.getppid() != parent:
                 os._exit(1)
 
+        server = self.env.get(forkserver.ENV)
         for local in range(self.P):
             env = dict(self.env, DEADPOOL_LOCAL_RANK=str(local))
-            # a session of its own: hydra signals the agent's process group (SIGUSR1 when a peer's process dies),
-            # and Slurm's step signals are the agent's to act on
-            p = subprocess.Popen([sys.executable, "-m", "deadpool_hpc.worker.entry", self.run_dir, str(local)], env=env,
-                                 stdin=subprocess.DEVNULL, preexec_fn=preexec, start_new_session=True)
+            env.pop(forkserver.ENV, None)
+            p = None
+            if server:   # the local launcher's fork server: torch already imported (worker/forkserver.py)
+                try:
+                    p = forkserver.spawn(server, [self.run_dir, str(local)], env,
+                                         bytes.fromhex(env["DEADPOOL_JOB_SECRET"]))
+                except (OSError, TimeoutError, WireError) as exc:   # started the usual way below
+                    print(f"node agent: fork server {server!r} unavailable ({exc}); starting a fresh interpreter",
+                          file=sys.stderr, flush=True)
+            if p is None:
+                # a session of its own: hydra signals the agent's process group (SIGUSR1 when a peer's process
+                # dies), and Slurm's step signals are the agent's to act on
+                p = subprocess.Popen([sys.executable, "-m", "deadpool_hpc.worker.entry", self.run_dir, str(local)],
+                                     env=env, stdin=subprocess.DEVNULL, preexec_fn=preexec, start_new_session=True)
             self.procs[local] = p
             fd = os.pidfd_open(p.pid)
             self._pidfds[local] = fd

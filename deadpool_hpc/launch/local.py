@@ -43,6 +43,7 @@ from ..events import EventLog, EventTail, read_events
 from ..replica.transports import check_transport
 from ..rundir import RunDir, check_output_file, check_run_dir, emit_requeued, latest_checkpoint
 from ..summary import build_summary
+from ..worker import forkserver
 from ..worker.lifeline import launcher_env
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
@@ -236,6 +237,10 @@ def _run_once(cfg, rd, env, tail, on_poll, poll_s, timeout, start, stop, run_id)
     new: list[dict] = []
     with open(rd.launcher_log, "ab") as out:
         t_spawn = time.monotonic()
+        server = None
+        if cfg.fork_server:   # torch imported once for every training process of this attempt (worker/forkserver.py)
+            server, name = forkserver.start(env, stdout=out, preexec_fn=_die_with_parent())
+            env = dict(env, **{forkserver.ENV: name})
         proc = subprocess.Popen(command(cfg, rd.path), env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent())
         t_error = None
@@ -268,6 +273,9 @@ def _run_once(cfg, rd, env, tail, on_poll, poll_s, timeout, start, stop, run_id)
                 time.sleep(poll_s)
         finally:
             left = _stop_run(proc, rd.events, run_id)
+            if server is not None:   # after the run's processes: it kills nothing itself
+                server.kill()
+                server.wait()
     return proc.returncode, new, left
 
 

@@ -85,6 +85,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-period", type=float, default=d.heartbeat_period, help="seconds")
     p.add_argument("--requeue", action="store_true",
                    help="when no spare is left: save a checkpoint, then restart the job from it (as Slurm requeues)")
+    p.add_argument("--no-fork-server", action="store_true",
+                   help="local launcher: start each training process as a fresh interpreter (each imports torch) "
+                        "instead of forking it from one that imported torch once for the run")
     p.add_argument("--no-replicate", action="store_true", help="turn the replica plane off (benchmarks only)")
     p.add_argument("--log-every", type=int, default=d.log_every)
     p.add_argument("--train-fn", default=d.train_fn, help="module:function to train (default: the demo)")
@@ -139,5 +142,5 @@ def config_from_args(a) -> RunConfig:
                      startup_timeout=a.startup_timeout, collective_timeout=a.collective_timeout,
                      persist_every=a.persist_every, health_check=a.health_check,
                      preflight_factor=a.preflight_factor, spare_check_every=a.spare_check_every,
-                     replicate=not a.no_replicate, requeue=a.requeue, run_dir=a.run_dir, summary_path=a.summary,
+                     replicate=not a.no_replicate, requeue=a.requeue, fork_server=not a.no_fork_server, run_dir=a.run_dir, summary_path=a.summary,
                      log_every=a.log_every, train_fn=a.train_fn).validate()
