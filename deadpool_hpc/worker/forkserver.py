@@ -145,7 +145,9 @@ def _child(conn: socket.socket, fds: list[int], body: dict, closing: list, serve
             os.dup2(fd, target)
         for fd in [devnull] + fds:
             os.close(fd)
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2, signal.SIGPIPE):
+        # a fresh interpreter's dispositions: SIGINT raises KeyboardInterrupt, SIGPIPE stays ignored (as Python
+        # sets it at start-up: a write to a closed socket raises), the others are the defaults
+        for sig in (signal.SIGTERM, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         env = body["env"]
@@ -156,8 +158,9 @@ def _child(conn: socket.socket, fds: list[int], body: dict, closing: list, serve
             if p not in sys.path:
                 sys.path.insert(0, p)
         random.seed()
-        sys.argv = ["-m", *body["argv"]]
         from . import entry
+
+        sys.argv = [entry.__file__, *body["argv"]]   # as ``python -m deadpool_hpc.worker.entry`` sets it
 
         entry.main(body["argv"])   # ends with os._exit
     except SystemExit as exc:

@@ -17,6 +17,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLUSTER = os.path.join(ROOT, "scripts", "slurm-local-cluster.sh")
 NODES = 5
+from slurm_helpers import ACTIVE  # noqa: E402  (tests/slurm is on sys.path, as for the test modules)
 STEPS = 80          # a run is ~20-40 s on 2 cores; the crash comes at CRASH_STEP
 CRASH_STEP = 25
 
@@ -101,6 +102,6 @@ def fail_node(slurm_cluster):
 
 @pytest.fixture(scope="session")
 def reference_digest(failure_free):
-    """param_digest of the same run (4 nodes, STEPS) without any failure, launched locally (no Slurm): the session's
+    """param_digest of the same run (ACTIVE nodes, STEPS) without any failure, launched locally (no Slurm): the session's
     shared baseline (tests/conftest.py)."""
-    return failure_free(nodes=4, steps=STEPS)["param_digest"]
+    return failure_free(nodes=ACTIVE, steps=STEPS)["param_digest"]

@@ -1,5 +1,5 @@
 """The submitit plugin (plugins/submitit, distribution deadpool-submitit) under a real Slurm: a run submitted
-through ``submitit.AutoExecutor(folder, cluster="deadpool")``, 4 active + 1 spare nodes, survives the crash of a
+through ``submitit.AutoExecutor(folder, cluster="deadpool")``, 2 active + 1 spare nodes, survives the crash of a
 node (scripts/slurm-local-cluster.sh: every process of the node SIGKILLed) at step 25, ends COMPLETED in sacct,
 and its final parameters are bit-identical to a failure-free local run."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from slurm_helpers import CRASH_STEP, STEPS, crash_when, events, final_state, host_of
+from slurm_helpers import ACTIVE, CRASH_STEP, STEPS, crash_when, events, final_state, host_of
 
 pytestmark = pytest.mark.slurm
 
@@ -29,12 +29,12 @@ def test_autoexecutor_deadpool_survives_node_crash(tmp_path, fail_node, referenc
 
     run_dir, folder = tmp_path / "run", tmp_path / "submitit"
     ex = submitit.AutoExecutor(folder=folder, cluster="deadpool")
-    ex.update_parameters(nodes=4, deadpool_spares=1, deadpool_steps=STEPS, deadpool_run_dir=str(run_dir),
+    ex.update_parameters(nodes=ACTIVE, deadpool_spares=1, deadpool_steps=STEPS, deadpool_run_dir=str(run_dir),
                          deadpool_partition="debug", timeout_min=10)
     job = ex.submit(train)  # a module-level function: the workers import deadpool_hpc.train.demo:train
     assert isinstance(job, hot_swap_job_class())
     try:
-        node, _ = crash_when(str(run_dir), fail_node, host_of(2), CRASH_STEP, time.time() + 150, job.done)
+        node, _ = crash_when(str(run_dir), fail_node, host_of(1), CRASH_STEP, time.time() + 150, job.done)
         end = time.time() + 180
         while not job.done() and time.time() < end:  # submitit's result() has no timeout
             time.sleep(1)
@@ -49,4 +49,4 @@ def test_autoexecutor_deadpool_survives_node_crash(tmp_path, fail_node, referenc
     assert s["swaps"] == 1 and len(s["failures"]) == 1 and s["failures"][0]["failed_hosts"] == [node], s["failures"]
     assert s["param_digest"] == reference_digest, "parameters differ from the failure-free run"
     hello = [e for e in events(str(run_dir), "hello") if e.get("role", "agent") == "agent"]
-    assert len({e["host"] for e in hello}) == 5  # nodes + spares: one agent on each of the 5 nodes
+    assert len({e["host"] for e in hello}) == ACTIVE + 1  # nodes + spares: one agent on each node of the job

@@ -1,4 +1,4 @@
-"""Hot swap under a real Slurm: sbatch/train.sbatch and the submitit job, 4 active + 1 spare nodes, one node
+"""Hot swap under a real Slurm: sbatch/train.sbatch and the submitit job, 2 active + 1 spare nodes (slurm_helpers.ACTIVE), one node
 crashed mid-run with scripts/slurm-local-cluster.sh (power-loss emulation: every process of the node SIGKILLed).
 
 Each test checks that the job ends COMPLETED in sacct, that the summary records the swap of the crashed host,
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from slurm_helpers import (CRASH_STEP, MEASURE, ROOT, SCALING, STEPS, TRAIN, VENV, crash_when as _crash_when,
+from slurm_helpers import (ACTIVE, CRASH_STEP, MEASURE, ROOT, SCALING, STEPS, TRAIN, VENV, crash_when as _crash_when,
                            events as _events, final_state as _final_state, host_of as _host_of, job_output,
                            wait_gone)
 
@@ -42,8 +42,8 @@ def _sbatch_with_crash(tmp_path, fail_node, pick_node, label, spares=1, wait_s=1
     --chdir), so each test also checks that the summary lands in the submitter's directory."""
     run_dir = str(tmp_path / "run")
     (tmp_path / "submit").mkdir()
-    job = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", f"--nodes={4 + spares}",
-                          f"--export=ALL,NODES=4,SPARES={spares},STEPS={STEPS},RUN_DIR={run_dir},VENV={VENV},"
+    job = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", f"--nodes={ACTIVE + spares}",
+                          f"--export=ALL,NODES={ACTIVE},SPARES={spares},STEPS={STEPS},RUN_DIR={run_dir},VENV={VENV},"
                           f"SUMMARY=s.json", TRAIN], cwd=tmp_path / "submit",
                          capture_output=True, text=True, timeout=60, check=True).stdout.strip().split(";")[0]
 
@@ -93,8 +93,8 @@ def test_sbatch_survives_crash_of_rank0_and_batch_host(tmp_path, fail_node, refe
 
 
 def test_sbatch_without_spare_checkpoints_requeues_and_resumes(tmp_path, fail_node, reference_digest):
-    """(d) 4 active nodes, no spare: node2 dies; the ranks save a checkpoint of the cut step, the batch script
-    requeues the job, and the requeued job (on the 4 nodes left) resumes from it and completes."""
+    """(d) ACTIVE nodes, no spare: node2 dies; the ranks save a checkpoint of the cut step, the batch script
+    requeues the job, and the requeued job (on nodes left) resumes from it and completes."""
     job, state, s, node, t_kill, run_dir, out = _sbatch_with_crash(tmp_path, fail_node, _host_of(1), "d",
                                                                    spares=0, wait_s=300)
     assert state == "COMPLETED", f"sacct state {state}\n{out}"
@@ -105,7 +105,7 @@ def test_sbatch_without_spare_checkpoints_requeues_and_resumes(tmp_path, fail_no
     ev = _events(run_dir)
     saved = [e for e in ev if e["event"] == "checkpoint_saved"]
     resumed = [e for e in ev if e["event"] == "resumed_from_checkpoint"]
-    assert len(saved) == 1 and len(resumed) == 4 and {e["step"] for e in resumed} == {saved[0]["step"]}
+    assert len(saved) == 1 and len(resumed) == ACTIVE and {e["step"] for e in resumed} == {saved[0]["step"]}
     assert node not in {e["host"] for e in ev if e["event"] == "hello" and e["t"] > saved[0]["t"]}
     assert s["param_digest"] == reference_digest, "parameters differ from the failure-free run"
     t_first = min(e["t"] for e in ev if e["event"] == "step" and e["t"] > saved[0]["t"])
@@ -116,8 +116,8 @@ def test_sbatch_sigusr2_checkpoints_requeues_and_resumes(tmp_path, slurm_cluster
     """(f) the template's --signal=USR2 path: SIGUSR2 to every task (`scancel --signal=USR2`, as Slurm does before
     the time limit); the ranks save at an agreed step and exit, the batch script requeues the job, it resumes."""
     run_dir = str(tmp_path / "run")
-    job = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", "--nodes=5",
-                          f"--export=ALL,NODES=4,SPARES=1,STEPS={STEPS},RUN_DIR={run_dir},VENV={VENV}", TRAIN],
+    job = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", f"--nodes={ACTIVE + 1}",
+                          f"--export=ALL,NODES={ACTIVE},SPARES=1,STEPS={STEPS},RUN_DIR={run_dir},VENV={VENV}", TRAIN],
                          capture_output=True, text=True, timeout=60, check=True).stdout.strip().split(";")[0]
 
     def gone():
@@ -137,8 +137,8 @@ def test_sbatch_sigusr2_checkpoints_requeues_and_resumes(tmp_path, slurm_cluster
     assert p["resumed"] and p["cut_step"] >= CRASH_STEP, p
     assert s["param_digest"] == reference_digest, "parameters differ from the failure-free run"
     # a new job in the same run directory starts from step 0: the old checkpoint is not resumed
-    job2 = subprocess.run(["sbatch", "--parsable", "--wait", f"--chdir={tmp_path}", "--nodes=5",
-                           f"--export=ALL,NODES=4,SPARES=1,STEPS=5,RUN_DIR={run_dir},VENV={VENV}", TRAIN],
+    job2 = subprocess.run(["sbatch", "--parsable", "--wait", f"--chdir={tmp_path}", "--nodes=1",
+                           f"--export=ALL,NODES=1,SPARES=0,STEPS=5,RUN_DIR={run_dir},VENV={VENV}", TRAIN],
                           capture_output=True, text=True, timeout=180)
     s2 = json.load(open(os.path.join(run_dir, "summary.json")))
     assert job2.returncode == 0 and s2["completed"] and s2["steps_completed"] == 5, (job2.stderr, s2)
@@ -188,7 +188,7 @@ def _submitit_job(tmp_path, spares=1):
     from deadpool_hpc.launch.submitit_job import HotSwapJob, executor
 
     run_dir = str(tmp_path / "run")
-    cfg = RunConfig(nodes=4, spares=spares, steps=STEPS, run_dir=run_dir)
+    cfg = RunConfig(nodes=ACTIVE, spares=spares, steps=STEPS, run_dir=run_dir)
     ex = executor(str(tmp_path / "submitit"), cfg, timeout_min=10, slurm_partition="debug")
     return ex.submit(HotSwapJob(cfg)), run_dir
 
@@ -211,7 +211,7 @@ def _wait_done(job, seconds):
 
 
 def test_submitit_without_spare_checkpoints_requeues_and_resumes(tmp_path, fail_node, reference_digest):
-    """(h) submitit, 4 active nodes and no spare: node2 dies; the ranks save a checkpoint, task 0 requeues the job
+    """(h) submitit, ACTIVE nodes and no spare: node2 dies; the ranks save a checkpoint, task 0 requeues the job
     (as the template does), and the requeued job resumes from it; job.result() is the final summary."""
     job, run_dir = _submitit_job(tmp_path, spares=0)
     _submitit_at_step(tmp_path, job, run_dir, fail_node, _host_of(1))
@@ -227,7 +227,7 @@ def test_submitit_survives_a_node_crashed_before_the_agents_mpi_world_exists(tmp
     """(c) the same run through submitit (HotSwapJob + executor()), task 1's node crashed as soon as its task runs,
     while the agents are in srun's launch or MPI_Init (issue 28, scope 0). Task 0 watches the tasks'
     beacons as the batch host does under sbatch, every surviving task ends its agent, and task 0 starts the agents
-    again on the 4 live nodes (a step of their own, srun --overlap) with the spare in the lost node's place. The
+    again on the live nodes (a step of their own, srun --overlap) with the spare in the lost node's place. The
     job ends COMPLETED and bitwise equal. (A crash at step 25 under submitit: test_plugin_submitit, the same
     HotSwapJob through the plugin.)"""
     from slurm_helpers import crash_in_the_start_up
@@ -268,7 +268,7 @@ def test_submitit_preemption_checkpoints_requeues_and_resumes(tmp_path, slurm_cl
     saved = [e for e in ev if e["event"] == "checkpoint_saved"]
     assert len(saved) == 1 and saved[0]["reason"] == "preempted", saved
     resumed = [e for e in ev if e["event"] == "resumed_from_checkpoint"]
-    assert len(resumed) == 4 and {e["step"] for e in resumed} == {p["cut_step"]}, resumed
+    assert len(resumed) == ACTIVE and {e["step"] for e in resumed} == {p["cut_step"]}, resumed
     assert s["param_digest"] == reference_digest, "parameters differ from the failure-free run"
     t_first = min(e["t"] for e in ev if e["event"] == "step" and e["t"] > saved[0]["t"])
     rec = {"test": "submitit-preempt", "signal_to_saved_s": saved[0]["t"] - t_signal,

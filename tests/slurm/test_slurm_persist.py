@@ -2,7 +2,7 @@
 committed snapshot in the background (``--persist-every``, agent/persister.py), so a requeue that nobody saved for
 resumes from it.
 
-One job (``deadpool submit``, 4 active + 1 spare, the demo, ``--persist-every 2``) is hit twice:
+One job (``deadpool submit``, 2 active + 1 spare, the demo, ``--persist-every 2``) is hit twice:
 
 - ``scancel --full -s TERM`` once it passed step 30: every process of the job gets SIGTERM, and srun (Slurm 22.05)
   SIGKILLs its step at once, so nothing is saved at that moment. The batch script finds the agents' persisted
@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from slurm_helpers import ROOT, STEPS, events, final_state, wait_for, wait_gone
+from slurm_helpers import ACTIVE, ROOT, STEPS, events, final_state, wait_for, wait_gone
 
 pytestmark = pytest.mark.slurm
 
@@ -39,7 +39,7 @@ def _wait_step(run_dir, step, after, seconds=240):
 def test_killed_outright_and_requeued_by_an_admin_the_job_resumes_from_persisted_state(tmp_path, slurm_cluster,
                                                                                      reference_digest):
     run_dir = str(tmp_path / "run")
-    out = subprocess.run([sys.executable, "-m", "deadpool_hpc.launch.cli", "submit", "--nodes", "4", "--spares", "1",
+    out = subprocess.run([sys.executable, "-m", "deadpool_hpc.launch.cli", "submit", "--nodes", str(ACTIVE), "--spares", "1",
                           "--steps", str(STEPS), "--persist-every", "2", "--run-dir", run_dir], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -1,4 +1,4 @@
-"""Planned swap under a real Slurm (plugins/slurm-health, deadpool swap): 4 active + 1 spare nodes submitted with
+"""Planned swap under a real Slurm (plugins/slurm-health, deadpool swap): 2 active + 1 spare nodes submitted with
 ``deadpool submit``; at step 25 the node of MPI rank 1 is drained with ``scontrol update state=drain`` (the
 slurm-health plugin's detector sees it) or named to ``deadpool swap JOBID NODE``. The node leaves at a step boundary,
 the spare takes its place with no step recomputed (at most one: agent/planned.py, "Limit"), the job ends COMPLETED
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from slurm_helpers import (CRASH_STEP, MEASURE, STEPS, crash_when, final_state, gone, host_of, job_output,
+from slurm_helpers import (ACTIVE, CRASH_STEP, MEASURE, STEPS, crash_when, final_state, gone, host_of, job_output,
                            wait_gone)
 
 pytestmark = pytest.mark.slurm
@@ -25,7 +25,7 @@ DEADPOOL = [sys.executable, "-m", "deadpool_hpc.launch.cli"]
 def _submit(tmp_path):
     run_dir = str(tmp_path / "run")
     env = dict(os.environ, DEADPOOL_SLURM_HEALTH_INTERVAL="1")  # sbatch exports the submitter's environment
-    out = subprocess.run(DEADPOOL + ["submit", "--nodes", "4", "--spares", "1", "--steps", str(STEPS),
+    out = subprocess.run(DEADPOOL + ["submit", "--nodes", str(ACTIVE), "--spares", "1", "--steps", str(STEPS),
                                      "--run-dir", run_dir], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout.strip().splitlines()[-1], run_dir

@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from slurm_helpers import (MEASURE, ROOT, STEPS, TRAIN, VENV, crash_when, events, final_state, gone, job_output,
+from slurm_helpers import (ACTIVE, MEASURE, ROOT, STEPS, TRAIN, VENV, crash_when, events, final_state, gone, job_output,
                            wait_gone)
 
 pytestmark = pytest.mark.slurm
@@ -68,7 +68,7 @@ def test_usr2_to_the_batch_shell_then_term_to_the_steps_requeue_and_complete(tmp
     ends COMPLETED, bit-identical to a failure-free run; the relative --summary is in the submitter's directory."""
     sub = tmp_path / "sub"
     sub.mkdir()
-    cli = [sys.executable, "-m", "deadpool_hpc.launch.cli", "submit", "--nodes", "4", "--spares", "1", "--steps",
+    cli = [sys.executable, "-m", "deadpool_hpc.launch.cli", "submit", "--nodes", str(ACTIVE), "--spares", "1", "--steps",
            str(STEPS), "--run-dir", "run", "--summary", "s.json", "--sbatch-arg=--signal=B:USR2@120"]
     r = subprocess.run(cli, cwd=sub, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr

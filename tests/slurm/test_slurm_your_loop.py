@@ -1,5 +1,5 @@
 """Your own DDP or FSDP2 loop under a real Slurm (issue 9): ``examples/ddp_gpt.py``'s and ``examples/fsdp2_gpt.py``'s
-``train`` (DDP or fully_shard, torch.optim.AdamW, a cosine schedule, ``ctx.protect``), 4 active + 1 spare nodes,
+``train`` (DDP or fully_shard, torch.optim.AdamW, a cosine schedule, ``ctx.protect``), 2 active + 1 spare nodes,
 submitted with ``deadpool submit --train-fn examples.<example>:train`` from the repository root and through the
 submitit plugin (``AutoExecutor(cluster="deadpool").submit(examples.<example>.train)``); the node of MPI rank 1 is crashed
 (scripts/slurm-local-cluster.sh: every process SIGKILLed) at step 25. Each job ends COMPLETED with parameters
@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from slurm_helpers import CRASH_STEP, ROOT, STEPS, crash_when, final_state, gone, host_of, wait_gone
+from slurm_helpers import ACTIVE, CRASH_STEP, ROOT, STEPS, crash_when, final_state, gone, host_of, wait_gone
 
 pytestmark = pytest.mark.slurm
 SMALL = dict(n_layer=1, n_head=2, d_model=32, context=32, batch_size=4)  # as tests/test_your_loop.py
@@ -27,9 +27,9 @@ SMALL = dict(n_layer=1, n_head=2, d_model=32, context=32, batch_size=4)  # as te
 
 @pytest.fixture()
 def ddp_reference(failure_free, example):
-    """param_digest of the example's failure-free run (4 nodes, STEPS), launched locally: the session's shared
+    """param_digest of the example's failure-free run (ACTIVE nodes, STEPS), launched locally: the session's shared
     baseline (tests/conftest.py, which puts the checkout on PYTHONPATH for ``examples``)."""
-    return failure_free(nodes=4, steps=STEPS, train_fn=f"examples.{example}:train", train_args=SMALL)["param_digest"]
+    return failure_free(nodes=ACTIVE, steps=STEPS, train_fn=f"examples.{example}:train", train_args=SMALL)["param_digest"]
 
 
 def _check(s, node, ref):
@@ -44,7 +44,7 @@ def test_example_through_deadpool_submit_survives_a_node_crash(tmp_path, fail_no
     args = [a for k, v in SMALL.items() for a in ("--train-arg", f"{k}={v}")]
     out = subprocess.run([sys.executable, "-m", "deadpool_hpc.launch.cli", "submit", "--train-fn",
                           f"examples.{example}:train", *args,
-                          "--nodes", "4", "--spares", "1", "--steps", str(STEPS), "--run-dir", run_dir],
+                          "--nodes", str(ACTIVE), "--spares", "1", "--steps", str(STEPS), "--run-dir", run_dir],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     job = out.stdout.strip().splitlines()[-1]
@@ -66,7 +66,7 @@ def test_example_through_the_submitit_plugin_survives_a_node_crash(tmp_path, fai
 
     run_dir = tmp_path / "run"
     ex = submitit.AutoExecutor(folder=tmp_path / "submitit", cluster="deadpool")
-    ex.update_parameters(nodes=4, deadpool_spares=1, deadpool_steps=STEPS, deadpool_run_dir=str(run_dir),
+    ex.update_parameters(nodes=ACTIVE, deadpool_spares=1, deadpool_steps=STEPS, deadpool_run_dir=str(run_dir),
                          timeout_min=10)
     job = ex.submit(train, **SMALL)  # keyword arguments become train_args
     try:
