@@ -71,7 +71,8 @@ class Supervisor:
                 p = subprocess.Popen([sys.executable, "-m", "deadpool_hpc.worker.entry", self.run_dir, str(local)],
                                      env=env, stdin=subprocess.DEVNULL, preexec_fn=preexec, start_new_session=True)
             self.procs[local] = p
-            fd = os.pidfd_open(p.pid)
+            # a forked process comes with its pidfd: it may have exited, and been reaped by the server, already
+            fd = p.pidfd if isinstance(p, forkserver.ForkedProcess) else os.pidfd_open(p.pid)
             self._pidfds[local] = fd
             self._by_fd[fd] = local
             self._poll.register(fd, select.POLLIN)
@@ -89,7 +90,10 @@ class Supervisor:
             self._poll.unregister(fd)
             os.close(fd)
             self._pidfds.pop(local, None)
-            rc = self.procs[local].wait()
+            try:   # a forked process's status comes from the fork server: bounded, should the server be gone or stuck
+                rc = self.procs[local].wait(5.0)
+            except subprocess.TimeoutExpired:
+                rc = -int(signal.SIGKILL)
             self.exited[local] = rc
             out.append((local, rc))
         return out
@@ -115,7 +119,7 @@ class Supervisor:
         for local, p in self.procs.items():
             if local not in self.exited:
                 try:
-                    os.kill(p.pid, sig)
+                    p.send_signal(sig)   # Popen: not once reaped; forked: through its pidfd, never a reused pid
                 except ProcessLookupError:
                     pass
 

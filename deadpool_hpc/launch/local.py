@@ -241,8 +241,12 @@ def _run_once(cfg, rd, env, tail, on_poll, poll_s, timeout, start, stop, run_id)
         if cfg.fork_server:   # torch imported once for every training process of this attempt (worker/forkserver.py)
             server, name = forkserver.start(env, stdout=out, preexec_fn=_die_with_parent())
             env = dict(env, **{forkserver.ENV: name})
-        proc = subprocess.Popen(command(cfg, rd.path), env=env, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent())
+        try:
+            proc = subprocess.Popen(command(cfg, rd.path), env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent())
+        except BaseException:
+            _stop_server(server)
+            raise
         t_error = None
         started = False
         try:
@@ -257,6 +261,14 @@ def _run_once(cfg, rd, env, tail, on_poll, poll_s, timeout, start, stop, run_id)
                                        f"(--startup-timeout): a process died or froze during MPI start-up; the stacks "
                                        f"where each one waited are in {rd.launcher_log}")
                     break
+                if server is not None and server.poll() is not None:   # only this launcher kills it, after the loop
+                    # every training process it forked died with it (parent-death signal): name the cause, or the
+                    # summary would only see the agents' failures and mpiexec's end
+                    EventLog(rd.events, run=run_id).emit(
+                        "error", error=f"ForkServerLost: the fork server (pid {server.pid}) exited with status "
+                                       f"{server.returncode}; every training process of this attempt died with it "
+                                       f"(worker/forkserver.py; --no-fork-server starts them without it)")
+                    server = _stop_server(server)
                 if t_error is None and any(e["event"] == "error" for e in batch):
                     t_error = time.monotonic()  # the job is ending: a process that cannot (frozen) is ended below
                 if on_poll and batch:
@@ -273,10 +285,15 @@ def _run_once(cfg, rd, env, tail, on_poll, poll_s, timeout, start, stop, run_id)
                 time.sleep(poll_s)
         finally:
             left = _stop_run(proc, rd.events, run_id)
-            if server is not None:   # after the run's processes: it kills nothing itself
-                server.kill()
-                server.wait()
+            _stop_server(server)   # after the run's processes: it kills nothing itself
     return proc.returncode, new, left
+
+
+def _stop_server(server: subprocess.Popen | None) -> None:
+    """SIGKILL the attempt's fork server (if any) and reap it; its children die with it (parent-death signal)."""
+    if server is not None:
+        server.kill()
+        server.wait()
 
 
 def _stop_run(proc: subprocess.Popen, events_path: str, run_id: str, wait_s: float = 5.0) -> list[dict]:

@@ -34,6 +34,7 @@ import secrets
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -45,6 +46,7 @@ ENV = "DEADPOOL_FORKSERVER"   # the server's abstract socket name, set by the lo
 PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "deadpool_hpc.worker.context",
            "deadpool_hpc.dataplane.groups", "deadpool_hpc.worker.client")
 PR_SET_PDEATHSIG = 1
+REQUEST_TIMEOUT_S = 5.0   # a connection's spawn request must arrive within this many seconds
 
 
 def listen(name: str | None = None) -> tuple[socket.socket, str]:
@@ -73,11 +75,20 @@ def start(env: dict, stdout=None, preexec_fn=None) -> tuple[subprocess.Popen, st
 
 class ForkedProcess:
     """A training process forked by the server, seen by its agent like a ``subprocess.Popen``: ``pid``,
-    ``returncode``, ``poll()``, ``wait(timeout)`` (raises subprocess.TimeoutExpired)."""
+    ``returncode``, ``poll()``, ``wait(timeout)`` (raises subprocess.TimeoutExpired), ``send_signal(sig)``; and
+    ``pidfd``, a pidfd of it made by the server right after the fork (the caller owns it: it stays valid, and
+    readable once the process exited, even when the server reaped it before the agent looked)."""
 
-    def __init__(self, conn: socket.socket, pid: int, secret: bytes):
-        self._conn, self.pid, self._secret = conn, pid, secret
+    def __init__(self, conn: socket.socket, pid: int, secret: bytes, pidfd: int):
+        self._conn, self.pid, self._secret, self.pidfd = conn, pid, secret, pidfd
         self.returncode: int | None = None
+
+    def send_signal(self, sig: int) -> None:
+        """Signal it through its pidfd (never another process that reused its pid); nothing once it has exited."""
+        try:
+            signal.pidfd_send_signal(self.pidfd, sig)
+        except (ProcessLookupError, OSError):
+            pass
 
     def poll(self) -> int | None:
         if self.returncode is None and select.select([self._conn], [], [], 0)[0]:
@@ -115,13 +126,16 @@ def spawn(name: str, argv: list[str], env: dict, secret: bytes, timeout: float =
         socket.send_fds(conn, [msg], [1, 2])
         if not select.select([conn], [], [], timeout)[0]:
             raise TimeoutError(f"fork server {name!r} did not answer within {timeout:.0f} s")
-        data = conn.recv(MAX_MESSAGE_BYTES)
+        data, fds, _flags, _addr = socket.recv_fds(conn, MAX_MESSAGE_BYTES, 1)
         if not data:
             raise OSError(f"fork server {name!r} closed the connection without forking")
         kind, body = decode(data, len(data), secret)
-        if kind != "spawned":
-            raise WireError(f"fork server answered {kind!r} {body}; expected 'spawned'")
-        return ForkedProcess(conn, int(body["pid"]), secret)
+        if kind != "spawned" or len(fds) != 1:
+            for f in fds:
+                os.close(f)
+            raise WireError(f"fork server answered {kind!r} {body} with {len(fds)} descriptors; expected 'spawned' "
+                            f"with its pidfd")
+        return ForkedProcess(conn, int(body["pid"]), secret, fds[0])
     except BaseException:
         conn.close()
         raise
@@ -157,14 +171,16 @@ def _child(conn: socket.socket, fds: list[int], body: dict, closing: list, serve
         for p in reversed([p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]):
             if p not in sys.path:
                 sys.path.insert(0, p)
-        random.seed()
+        random.seed()   # and numpy's global generator, as a fresh interpreter has (str hashes keep the server's seed)
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
         from . import entry
 
         sys.argv = [entry.__file__, *body["argv"]]   # as ``python -m deadpool_hpc.worker.entry`` sets it
 
         entry.main(body["argv"])   # ends with os._exit
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:  # noqa: BLE001 - a fresh interpreter would print it and exit 1
         import traceback
 
@@ -185,13 +201,22 @@ def serve(listener: socket.socket, secret: bytes) -> None:
         for fd, _ev in poller.poll():
             if fd == listener.fileno():
                 conn, _ = listener.accept()
+                fds: list[int] = []
                 try:
+                    _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                          struct.calcsize("3i")))
+                    if uid != os.getuid():
+                        raise WireError(f"a connection from uid {uid}, not this job's {os.getuid()}")
+                    conn.settimeout(REQUEST_TIMEOUT_S)   # a peer that connects and sends nothing stalls no one
                     msg, fds, _flags, _addr = socket.recv_fds(conn, MAX_MESSAGE_BYTES, 2)
                     kind, body = decode(msg, len(msg), secret)
                     if kind != "spawn" or len(fds) != 2:
                         raise WireError(f"expected 'spawn' with 2 file descriptors, got {kind!r} with {len(fds)}")
+                    conn.settimeout(None)
                 except (OSError, WireError) as exc:
                     print(f"fork server: request refused: {exc}", file=sys.stderr, flush=True)
+                    for f in fds:
+                        os.close(f)
                     conn.close()
                     continue
                 server = os.getpid()
@@ -206,8 +231,8 @@ def serve(listener: socket.socket, secret: bytes) -> None:
                 pidfds[pidfd] = (pid, conn.fileno())
                 poller.register(pidfd, select.POLLIN)
                 poller.register(conn.fileno(), select.POLLIN)
-                try:
-                    conn.send(encode("spawned", {"pid": pid}, secret))
+                try:   # with a pidfd of its own: valid even if the child exits (and is reaped here) before it is read
+                    socket.send_fds(conn, [encode("spawned", {"pid": pid}, secret)], [pidfd])
                 except OSError:
                     pass   # the agent is gone: its connection's hang-up kills the child below
             elif fd in pidfds:   # a child exited: reap it, tell its agent
@@ -246,10 +271,13 @@ def main(argv=None) -> None:
         os._exit(1)
     secret = bytes.fromhex(os.environ["DEADPOOL_JOB_SECRET"])
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")   # torch.cuda.is_available() must not create a context
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the launcher ends it (SIGKILL); a terminal's ^C is the launcher's
     t0 = time.process_time()
     for mod in PRELOAD:
         importlib.import_module(mod)
+    if sys.modules["torch"].cuda.is_initialized():   # a child forked now could never use CUDA
+        sys.exit("fork server: CUDA was initialised by the preload; forked training processes could not use it")
     print(f"fork server: preloaded {len(PRELOAD)} modules in {time.process_time() - t0:.2f} CPU-s", file=sys.stderr,
           flush=True)
     serve(listener, secret)
