@@ -142,5 +142,5 @@ def config_from_args(a) -> RunConfig:
                      startup_timeout=a.startup_timeout, collective_timeout=a.collective_timeout,
                      persist_every=a.persist_every, health_check=a.health_check,
                      preflight_factor=a.preflight_factor, spare_check_every=a.spare_check_every,
-                     replicate=not a.no_replicate, requeue=a.requeue, fork_server=not a.no_fork_server, run_dir=a.run_dir, summary_path=a.summary,
-                     log_every=a.log_every, train_fn=a.train_fn).validate()
+                     replicate=not a.no_replicate, requeue=a.requeue, fork_server=not a.no_fork_server,
+                     run_dir=a.run_dir, summary_path=a.summary, log_every=a.log_every, train_fn=a.train_fn).validate()

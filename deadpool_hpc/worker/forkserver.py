@@ -12,7 +12,7 @@ process tree. Under Slurm there is none: each node has its own cores, and its ag
 What a forked training process keeps of a fresh one, so that nothing in the fault model changes:
 - its own session (``setsid``), the agent's stdout and stderr (passed as file descriptors), the agent's
   environment (replaced whole: ``os.environ``, ``PYTHONPATH`` entries added to ``sys.path``) and working
-  directory, a fresh seed for Python's ``random``;
+  directory, fresh seeds for Python's ``random`` and numpy's global generator;
 - it dies with its agent: the server SIGKILLs it the moment the agent's connection closes (an agent killed by
   SIGKILL closes it too), and with the server (parent-death signal), which dies with the launcher;
 - its agent sees its exit at once (a pidfd works on any process, not only a child) and its exit status, which
@@ -21,7 +21,7 @@ What a forked training process keeps of a fresh one, so that nothing in the faul
 Protocol: one ``AF_UNIX``/``SOCK_SEQPACKET`` connection per training process, in the abstract namespace. Each
 message is ``control.wire`` JSON + HMAC with the job's secret (no pickle). Agent -> server: ``spawn`` {argv:
 [RUN_DIR, LOCAL_RANK], env, cwd} with the agent's fds 1 and 2 attached (SCM_RIGHTS); server -> agent:
-``spawned`` {pid}, later ``exited`` {pid, rc} (rc as ``subprocess.Popen.returncode``: negative for a signal).
+``spawned`` {pid} with a pidfd of the child attached, later ``exited`` {pid, rc} (rc as ``subprocess.Popen.returncode``: negative for a signal).
 The preload must not start threads that a fork would lose: numpy's OpenBLAS pool is kept at one thread
 (``OPENBLAS_NUM_THREADS=1`` unless set); torch's CPU pool is created at the first parallel op, after the fork.
 """
@@ -87,7 +87,7 @@ class ForkedProcess:
         """Signal it through its pidfd (never another process that reused its pid); nothing once it has exited."""
         try:
             signal.pidfd_send_signal(self.pidfd, sig)
-        except (ProcessLookupError, OSError):
+        except OSError:   # ProcessLookupError included: it has exited
             pass
 
     def poll(self) -> int | None:
@@ -141,16 +141,21 @@ def spawn(name: str, argv: list[str], env: dict, secret: bytes, timeout: float =
         raise
 
 
+def _die_with(parent: int) -> None:
+    """Parent-death signal (SIGKILL) for this process; exits at once if ``parent`` is already gone."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:   # it died before prctl took effect
+        os._exit(1)
+
+
 def _child(conn: socket.socket, fds: list[int], body: dict, closing: list, server: int) -> None:
     """In the forked process: become what ``python -m deadpool_hpc.worker.entry RUN_DIR LOCAL`` would be, run it."""
     code = 1
     try:
-        import ctypes
-
         os.setsid()
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != server:   # the server died before prctl took effect
-            os._exit(1)
+        _die_with(server)
         for s in closing:
             s.close() if isinstance(s, socket.socket) else os.close(s)
         conn.close()
@@ -263,12 +268,7 @@ def serve(listener: socket.socket, secret: bytes) -> None:
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     listener = socket.socket(fileno=int(argv[0]))
-    prctl_parent = os.getppid()
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    if os.getppid() != prctl_parent:
-        os._exit(1)
+    _die_with(os.getppid())   # the launcher
     secret = bytes.fromhex(os.environ["DEADPOOL_JOB_SECRET"])
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")   # torch.cuda.is_available() must not create a context
