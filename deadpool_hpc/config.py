@@ -20,7 +20,9 @@ RECOVERY_PHASES = ("detect", "agree", "decided", "rebuild", "restore", "resume")
 PHASES = START_PHASES + RECOVERY_PHASES
 _FAULT_RE = re.compile(r"^(node|rank)(\d+)@(?:(\d+)|(" + "|".join(PHASES) + r")(?:#(\d+))?)$")
 _SLOW_RE = re.compile(r"^node(\d+)@(startup|build)(?::([0-9.]+))?$")
-FAULT_KINDS = ("kill", "hang", "slow")
+_NIC_RE = re.compile(r"^node(\d+)(?:@startup)?$")
+FAULT_KINDS = ("kill", "hang", "slow", "nic_down")
+NIC_DOWN_IFNAME = "dp-nic-down"   # --nic-down: the interface gloo is told to use, which no machine has
 SLOW_FACTOR = 8.0   # --slow nodeI@startup without :FACTOR
 
 
@@ -29,7 +31,10 @@ class Fault:
     """One injected failure: ``kind`` ("kill" = SIGKILL, "hang" = SIGSTOP, "slow" = ``factor`` times slower) of
     ``target``. A slow node's training processes run 1/factor of the time: its agent stops and continues them
     (SIGSTOP/SIGCONT), a node whose device or CPU share is throttled; from ``startup`` or ``build`` only, what the
-    start-up's pre-flight speed check is for (agent/preflight.py).
+    start-up's pre-flight speed check is for (agent/preflight.py). "nic_down": node ``index``'s data-plane interface is
+    down from its start (its training processes' gloo is given an interface that does not exist,
+    ``GLOO_SOCKET_IFNAME`` = NIC_DOWN_IFNAME; its agent's control plane is untouched), what the start-up's link check
+    is for (phase ``startup``).
 
     ``target_kind`` is "node" (every process of emulated node ``index``, active or spare) or "rank"
     (the process that holds training rank ``index`` at that moment). It fires either at ``step`` (when
@@ -78,15 +83,23 @@ class Fault:
         return self.phase + (f"#{self.nth}" if self.nth != 1 else "")
 
     def __str__(self) -> str:
+        if self.kind == "nic_down":
+            return f"--nic-down {self.target}"
         return f"--{self.kind} {self.target}@{self.when}" + (f":{self.factor:g}" if self.factor is not None else "")
 
 
 def parse_fault(kind: str, spec: str) -> Fault:
     """Parse ``node1@60`` / ``rank2@60`` (a step) or ``node2@rebuild`` / ``node2@agree#2`` (a phase of the
     first / second recovery) for ``kind`` in {"kill", "hang"}; ``node1@startup|build[:FACTOR]`` for "slow" (FACTOR > 1,
-    default SLOW_FACTOR). Raises ConfigError."""
+    default SLOW_FACTOR); ``node1`` for "nic_down". Raises ConfigError."""
     if kind not in FAULT_KINDS:
         raise ConfigError(f"fault kind {kind!r} is unknown; accepted: {', '.join(map(repr, FAULT_KINDS))}")
+    if kind == "nic_down":
+        m = _NIC_RE.match(spec.strip())
+        if not m:
+            raise ConfigError(f"--nic-down {spec!r} is not a node; accepted: nodeN (e.g. node1): node N's data-plane "
+                              f"interface is down from its start")
+        return Fault("nic_down", "node", int(m.group(1)), None, "startup")
     if kind == "slow":
         m = _SLOW_RE.match(spec.strip())
         if not m:
@@ -170,7 +183,8 @@ class RunConfig:
     # is still running at the start-up deadline, is replaced by a spare before training (agent/preflight.py)
     health_check: str = ""
     # the start-up's pre-flight speed check (agent/preflight.py): a node whose timed matmul takes more than this many
-    # times the job's median is replaced by a spare before training (0: no speed check)
+    # times the job's median is replaced by a spare before training (0: no speed check, and no link check: the
+    # all-reduce with each neighbour node, in the same step)
     preflight_factor: float = 3.0
     # an idle spare's agent checks its node again this often (the site's --health-check and the timed matmul against
     # the start-up's median), so that a spare that went bad is dropped before a recovery needs it (0: never)
@@ -281,6 +295,9 @@ class RunConfig:
             else:
                 need(f.index < self.world_size,
                      f"{f}: unknown fault target rank{f.index}; this layout has rank0..rank{self.world_size - 1}")
+            if f.kind == "nic_down":
+                need(bool(self.preflight_factor), f"{f} with --preflight-factor 0: the pre-flight's link check is what "
+                     f"finds a node whose data plane is down; accepted: --preflight-factor > 1 (the default, 3)")
             if f.phase is None:
                 need(isinstance(f.step, int) and 0 <= f.step < self.steps,
                      f"{f}: step {f.step} is past --steps {self.steps}; accepted: 0..{self.steps - 1}")

@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -82,6 +83,10 @@ def test_demo_config_defaults_and_errors():
     (["--slow", "node7@build"], "unknown fault target node7"),
     (["--slow", "node1@build", "--slow", "node2@startup"], "only 1 spare"),   # a slow node is replaced: a loss
     (["--preflight-factor", "0.5"], "--preflight-factor 0.5: accepted: a number > 1"),
+    (["--nic-down", "rank1"], "--nic-down 'rank1' is not a node; accepted: nodeN"),
+    (["--nic-down", "node5"], "unknown fault target node5"),
+    (["--nic-down", "node1", "--preflight-factor", "0"], "--nic-down node1 with --preflight-factor 0"),
+    (["--nic-down", "node1", "--kill", "node2@startup"], "only 1 spare"),   # a node whose data plane is down: a loss
     (["--spare-check-every", "-1"], "--spare-check-every -1.0: accepted: seconds >= 0"),
 ])
 def test_cli_rejects_bad_input_with_exit_2_before_starting(tmp_path, capsys, args, needle):
@@ -167,6 +172,46 @@ def test_slow_node_specs_parse():
     for bad in ("rank1@startup", "node1@first", "node1@startup:x", "node1@startup:0.9"):
         with pytest.raises(ConfigError, match="--slow"):
             parse_fault("slow", bad)
+
+
+def test_nic_down_specs_parse():
+    from deadpool_hpc.config import NIC_DOWN_IFNAME
+
+    f = parse_fault("nic_down", "node2")
+    assert f == parse_fault("nic_down", "node2@startup") == Fault("nic_down", "node", 2, None, "startup")
+    assert (f.at_start, str(f)) == (True, "--nic-down node2")
+    assert RunConfig.from_json(RunConfig(spares=1, faults=[f]).to_json()).faults == [f]
+    assert NIC_DOWN_IFNAME not in os.listdir("/sys/class/net")   # an interface no machine has
+    for bad in ("rank1", "node1@build", "node1@10", "node"):
+        with pytest.raises(ConfigError, match="--nic-down"):
+            parse_fault("nic_down", bad)
+
+
+def test_link_check_pairs_a_ring_and_blames_only_a_node_whose_partners_passed_elsewhere():
+    """agent/preflight.py's link check, the pure part: each node pairs with the node before and after it on the
+    ring of the nodes it saw built; a node is blamed when every link it checked failed and one of those partners
+    passed with another node."""
+    from deadpool_hpc.agent.preflight import blame, link_pair_of, ring_pairs
+
+    assert ring_pairs(2, range(5)) == [(1, 1, 2), (3, 2, 3)]
+    assert ring_pairs(0, [0, 1, 2, 3, 4]) == [(1, 0, 1), (4, 0, 4)]   # the ring closes
+    assert ring_pairs(4, [0, 4]) == [(0, 0, 4)]          # two nodes: one pair
+    assert ring_pairs(3, [0, 2, 5, 3]) == [(2, 2, 3), (5, 3, 5)]   # a node not in the view is skipped
+    assert ring_pairs(1, [0, 2]) == [] and ring_pairs(0, [0]) == []
+    assert link_pair_of("link/2-13/0/view1") == (2, 13) and link_pair_of("pg/0/1") is None
+    # node2 of a ring 0..4 with its interface down: its links to 1 and 3 fail; they passed with 0 and 4
+    links = {1: {0: True, 2: False}, 2: {1: False, 3: False}, 3: {2: False, 4: True}}
+    assert blame(links[2], links, me=2) == [1, 3]
+    assert blame(links[1], links, me=1) is None and blame(links[3], links, me=3) is None
+    # two nodes in all: the one link failed, and nothing says whose fault it is
+    assert blame({1: False}, {1: {0: False}}, me=0) is None
+    # a node between two bad ones: each partner failed every link, so it is not blamed (they are: each has a
+    # partner that passed elsewhere, in a ring 0..5 with 1 and 3 bad)
+    links = {0: {5: True, 1: False}, 1: {0: False, 2: False}, 2: {1: False, 3: False}, 3: {2: False, 4: False},
+             4: {3: False, 5: True}}
+    assert blame(links[2], links, me=2) is None
+    assert blame(links[1], links, me=1) == [0, 2] and blame(links[3], links, me=3) == [2, 4]
+    assert blame({}, {}, me=0) is None   # no partner came: nothing judged
 
 
 def test_preflight_judges_against_the_other_nodes_median():

@@ -68,7 +68,7 @@ def main(argv=None) -> None:
     from ..hostaddr import store_host
     from ..errors import Fenced
     from ..events import EventLog
-    from ..worker.faults import NodeFaults
+    from ..worker.faults import NodeFaults, nic_down_env
     from .channel import ChannelServer
     from ..replica.transports import check_transport
     from .health import HealthWatch, NodeInfo, load_detectors
@@ -107,6 +107,7 @@ def main(argv=None) -> None:
         cp.agent.request_preempt()
     env = dict(os.environ, DEADPOOL_AGENT_SOCK=channel.name, DEADPOOL_NODE=str(cp.me))
     env.pop(lifeline.ENV, None)  # the agent watches the launcher; its training processes die with the agent
+    nic_down_env(cfg.faults, cp.me, env, log)   # a test's --nic-down: this node's data plane is down
     sup = Supervisor(run_dir, cfg.ranks_per_node, env, cfg.hang_timeout, channel.progress)
     code = 1
     check = agent = None

@@ -28,9 +28,9 @@ from ..replica import persist
 from .desk import SnapshotDesk
 from .persister import Persister
 from .planned import PlannedSwaps
-from .preflight import HealthCheck, SpeedCheck
+from .preflight import HealthCheck, SpeedCheck, link_pair_of
 from .shm import Doorbell
-from .store import GenerationStore
+from .store import LINK_GENERATION, GenerationStore
 
 MAX_FAILED_ROUNDS = 8
 STEADY_TICK_S = 0.05  # seconds between passes of the agent's loop when nothing happens (issue 7: idle CPU)
@@ -86,6 +86,8 @@ class NodeAgent:
         self.desk = SnapshotDesk(self, Doorbell.create())  # agent/desk.py: claim, written, committed, off this loop
         self.persister = Persister(self)   # agent/persister.py: every --persist-every s, the snapshots to disk
         self.speed = SpeedCheck(cp, channel, self.P, log, cfg.preflight_factor)   # agent/preflight.py
+        # the store the pre-flight's link pairs meet through: every agent's, spares included (agent/preflight.py)
+        self.link_store = GenerationStore(LINK_GENERATION, broadcast=self._broadcast_link_kv)
         self._next_spare_check = float("inf")
 
     # ---- the loop ------------------------------------------------------------------------------------------------
@@ -151,6 +153,7 @@ class NodeAgent:
                 self.swaps.on_written(local)
         for st in self.stores.values():
             st.expire()
+        self.link_store.expire()
         if self.health is not None:
             for name, verdict in self.health.pending():
                 self.swaps.want(name, verdict, time.time())
@@ -173,10 +176,11 @@ class NodeAgent:
                 late = [lo for lo in range(self.P) if lo not in self.layouts]
                 self._node_failed(f"training process(es) {late} did not reach ctx.run within "
                                   f"{self.cfg.startup_timeout:.0f} s (--startup-timeout)", cause="startup_timeout")
-        if self.cfg.preflight_factor:   # the timed matmul against the other nodes' (agent/preflight.py)
-            why = self.speed.at_startup(self._tick, deadline)
-            if why:
-                self._node_failed(f"pre-flight: {why}", cause="preflight_slow")
+        if self.cfg.preflight_factor:   # links with the neighbour nodes, the timed matmul (agent/preflight.py)
+            verdict = self.speed.at_startup(self._tick, deadline)
+            if verdict:
+                cause, why = verdict
+                self._node_failed(f"pre-flight: {why}", cause=cause)
         self._next_spare_check = time.monotonic() + self.cfg.spare_check_every
         self.cp.agent.deadline = self.cfg.heartbeat_deadline   # (STARTUP_HEARTBEAT_DEADLINE_S until now)
         self.watch.retarget(self.cp.agent.alive(), self._watch_addresses())
@@ -241,13 +245,17 @@ class NodeAgent:
         if self.cp.agent.fenced:
             return
         st = self.stores.get(self.cp.generation)
-        if kind.startswith("store_"):
+        if kind.startswith("store_") and body.get("generation") == LINK_GENERATION:
+            self.link_store.handle(local, kind, body, self.channel.send)   # the pre-flight's link pairs meet here
+        elif kind.startswith("store_"):
             gen = body.get("generation")
             (self.stores.get(gen) or st or self._store(self.cp.generation)).handle(local, kind, body, self.channel.send)
         elif kind == "layout":
             self._layout(local, body)
         elif kind == "preflight":
             self.speed.on_local(local, body)
+        elif kind == "link":
+            self.speed.link.on_local(local, body)
         elif kind == "left":
             # a training process that left an older generation than ours is late: the round that generation's
             # failure started is over, and its "left" must not start another
@@ -337,11 +345,21 @@ class NodeAgent:
             if n != self.node:
                 self.cp.agent.send(n, "kv", body)
 
+    def _broadcast_link_kv(self, key: str, value: bytes) -> None:
+        import base64
+
+        body = {"g": LINK_GENERATION, "key": key, "value": base64.b64encode(value).decode()}
+        pair = link_pair_of(key)   # a pair's keys go to its other node only: O(1) messages per node, not O(nodes)
+        dests = set(pair) if pair else set(self.cp.agent.alive())
+        self.cp.agent.send_many(sorted(dests - {self.node}), "kv", body)
+
     def _on_kv(self, src: int, body: dict) -> None:
         import base64
 
         g, key, value = int(body["g"]), body["key"], base64.b64decode(body["value"])
-        if g in self.stores:
+        if g == LINK_GENERATION:
+            self.link_store.apply(key, value)
+        elif g in self.stores:
             self.stores[g].apply(key, value)
         elif g > self.cp.generation - 1:
             self.kv_early.setdefault(g, []).append((key, value))

@@ -1,6 +1,7 @@
-"""Checks of a node before it is trusted (issue 28, scope 6): the site's command and a timed matmul.
+"""Checks of a node before it is trusted (issue 28, scope 6): the site's command, a timed matmul, an all-reduce
+with each neighbour node.
 
-Two checks, each run at start-up by every node (spares included) before any role is given, and again every
+Three checks, run at start-up by every node (spares included) before any role is given; the first two again every
 ``--spare-check-every`` seconds by an idle spare, so that a spare gone bad leaves the pool before a recovery needs it
 (a promotion then waits for nothing):
 
@@ -15,6 +16,17 @@ Two checks, each run at start-up by every node (spares included) before any role
   up to ``SYNC_S`` more, so that on a machine whose cores the nodes share (the local emulation) every node runs
   under the same load. A spare not built by then is not waited for (a spare frozen at start-up must not hold the
   job back); it times its matmul later and judges itself against the figures it got.
+- the link check (``LinkCheck``, part of the same start-up step, before the matmul): the nodes built at the sync
+  (every agent's view of them) form a ring, and each node's training processes all-reduce 1 MiB with the same
+  local rank of the node before and after it (worker/preflight.py ``link_pair``: a two-member gloo group met
+  through the agents' link store). A pair whose partner came and whose all-reduce failed (the group did not come
+  up, a timeout, a wrong sum) is a failed link; each node tells the others its links with its matmul figure. A node
+  is fenced (cause ``preflight_link``) when every link it checked failed and a partner of one of them passed with
+  its other neighbour: the fault is then this node's, not the partner's (the second round of DLRover's pairwise
+  network check, on a ring). A pair with no evidence either way (two nodes in all, or both partners failing every
+  link) is logged (``link_check``, ``blamed: false``) and judged by nothing: the first generation's rendezvous
+  then fails as before. A partner that did not come (frozen, lost, built after the sync, another view of the
+  ring) judges nothing either: its own fault is found by its own checks.
 
 The site's command:
 
@@ -26,12 +38,14 @@ never comes up: the node is fenced and a spare takes its place (``node_failed`` 
 it trains a step. What a site puts there: ``nvidia-smi -q`` checks, a DCGM diagnostic (``dcgmi diag -r 1``), an
 NCCL all-reduce test of the node, a file-system probe.
 
-Not checked here: a spare again at its promotion (it ran the check at start-up, as every node), and a node's speed
-against the job's (issue 26's straggler detection).
+Not checked here: a spare again at its promotion (it ran the check at start-up, as every node), an idle spare's
+links after the start-up (an all-reduce with it needs a training node's time), a node's speed against the job's
+(issue 26's straggler detection), and NCCL's paths on a GPU node (the link check is gloo over TCP).
 """
 from __future__ import annotations
 
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -39,6 +53,9 @@ import time
 
 SYNC_S = 10.0               # seconds an agent waits for the other nodes' "built", and then for their figures
 PREFLIGHT_TIMEOUT_S = 60.0  # seconds a node's training processes have to answer a matmul check (at least)
+LINK_WAIT_S = 5.0           # seconds a training process waits for its link partner to come
+LINK_TIMEOUT_S = 5.0        # the link pair's gloo timeout, seconds (its set-up and each all-reduce)
+LINK_REPS = 3               # all-reduces per pair (worker/preflight.py REPS)
 
 
 def judge(mine: float, others: list[float], factor: float) -> tuple[bool, float | None]:
@@ -50,6 +67,78 @@ def judge(mine: float, others: list[float], factor: float) -> tuple[bool, float 
     return mine > factor * med, med
 
 
+def link_pair_of(key: str) -> tuple[int, int] | None:
+    """The two nodes of a link store key (``link/A-B/...``, worker/preflight.py ``link_pair``), or None."""
+    m = re.match(r"^link/(\d+)-(\d+)/", key)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def ring_pairs(me: int, nodes) -> list[tuple[int, int, int]]:
+    """``me``'s pairs on the ring of the sorted ``nodes``: (peer, a, b) for the node before and the node after it (a
+    < b, the pair's members; one pair when there are two nodes, none with fewer or when ``me`` is not in ``nodes``)."""
+    ring = sorted(set(nodes))
+    if me not in ring or len(ring) < 2:
+        return []
+    i = ring.index(me)
+    return [(q, min(me, q), max(me, q)) for q in sorted({ring[i - 1], ring[(i + 1) % len(ring)]} - {me})]
+
+
+def blame(mine: dict[int, bool], theirs: dict[int, dict[int, bool]], me: int) -> list[int] | None:
+    """Whether the links say the fault is this node's. ``mine``: peer -> ok, for this node's pairs whose partner
+    came; ``theirs``: peer -> that peer's own such map (as it told). Returns the failed peers when every one of this
+    node's links failed and one of those partners passed with another node; else None (no fault, or none that can
+    be pinned on this node)."""
+    if not mine or any(mine.values()):
+        return None
+    if any(ok for q in mine for r, ok in theirs.get(q, {}).items() if r != me):
+        return sorted(mine)
+    return None
+
+
+class LinkCheck:
+    """The agent's half of the link check (the module docstring): ``channel`` to this node's ``P`` training
+    processes."""
+
+    def __init__(self, channel, P: int):
+        self.channel, self.P = channel, P
+        self._id = 0
+        self._answers: dict[int, dict] = {}
+
+    def on_local(self, local: int, body: dict) -> None:
+        """A training process's answer (worker/preflight.py ``link_answer``)."""
+        if body.get("id") == self._id and isinstance(body.get("pairs"), dict):
+            self._answers[local] = body["pairs"]
+
+    def run(self, tick, me: int, nodes) -> dict[int, dict]:
+        """Check ``me``'s links on the ring of ``nodes`` (blocking, ticking the agent's loop). Returns peer ->
+        ``{"seen", "ok", "seconds", "error"}`` over this node's training processes (seen: every one met its partner;
+        ok: every one's all-reduces were right; seconds: the slowest median all-reduce)."""
+        pairs = ring_pairs(me, nodes)
+        if not pairs:
+            return {}
+        self._id += 1
+        self._answers = {}
+        view = ",".join(map(str, sorted(set(nodes))))
+        for local in range(self.P):
+            self.channel.send(local, "link", {
+                "id": self._id, "view": view, "wait_s": LINK_WAIT_S, "timeout_s": LINK_TIMEOUT_S,
+                "pairs": [{"peer": q, "rank": 0 if me == a else 1, "key": f"{a}-{b}/{local}"} for q, a, b in pairs]})
+        bound = LINK_WAIT_S + (1 + LINK_REPS) * LINK_TIMEOUT_S + 5.0
+        end = time.monotonic() + bound
+        while len(self._answers) < self.P and time.monotonic() < end:
+            tick(0.005)
+        out = {}
+        for q, _, _ in pairs:
+            per = [self._answers.get(lo, {}).get(str(q)) or {"seen": True, "ok": False, "seconds": None, "error":
+                   f"training process {lo} did not answer within {bound:.0f} s"} for lo in range(self.P)]
+            seen = all(r.get("seen") for r in per)
+            ok = seen and all(r.get("ok") for r in per)
+            secs = [r["seconds"] for r in per if isinstance(r.get("seconds"), (int, float))]
+            out[q] = {"seen": seen, "ok": ok, "seconds": round(max(secs), 6) if ok and secs else None,
+                      "error": next((r.get("error") for r in per if r.get("seen") and not r.get("ok")), None)}
+        return out
+
+
 class SpeedCheck:
     """The cross-node half of the timed matmul (the module docstring). ``cp``: the ControlPlane (its handlers get
     ``preflight``); ``channel``: to this node's training processes; ``P``: their number; ``log``: EventLog;
@@ -57,8 +146,10 @@ class SpeedCheck:
 
     def __init__(self, cp, channel, P: int, log, factor: float):
         self.cp, self.channel, self.P, self.log, self.factor = cp, channel, P, log, factor
+        self.link = LinkCheck(channel, P)
         self.built: set[int] = set()
         self.figures: dict[int, float] = {}   # node -> seconds, this start-up's
+        self.links: dict[int, dict[int, bool]] = {}   # node -> its links (peer -> ok) whose partner came
         self.median: float | None = None      # of every node's figure at start-up: what a spare's re-check is held to
         self._id = 0
         self._answers: dict[int, dict] = {}
@@ -71,6 +162,9 @@ class SpeedCheck:
             self.built.add(src)
         elif body.get("phase") == "figure" and isinstance(body.get("seconds"), (int, float)):
             self.figures[src] = float(body["seconds"])
+            links = body.get("links")
+            if isinstance(links, dict):
+                self.links[src] = {int(q): bool(ok) for q, ok in links.items() if str(q).isdigit()}
 
     def on_local(self, local: int, body: dict) -> None:
         """A training process's answer (worker/preflight.py)."""
@@ -94,8 +188,9 @@ class SpeedCheck:
         return max(float(a["seconds"]) for a in self._answers.values()), None
 
     # ---- start-up --------------------------------------------------------------------------------------------
-    def at_startup(self, tick, deadline: float) -> str | None:
-        """Run the start-up check (blocking, ticking the agent's loop). Returns why this node fails it, or None."""
+    def at_startup(self, tick, deadline: float) -> tuple[str, str] | None:
+        """Run the start-up checks, links then matmul (blocking, ticking the agent's loop). Returns (cause, why) when
+        this node fails one (cause ``preflight_link`` or ``preflight_slow``), or None."""
         cp, me, t_start = self.cp, self.cp.me, time.monotonic()
         alive = lambda: set(cp.agent.alive())  # noqa: E731
         active = {m // self.P for m in cp.assignment}   # their build is waited for anyway: step 0 needs every rank
@@ -108,6 +203,9 @@ class SpeedCheck:
                 if time.monotonic() > spares_by:
                     break
             tick(0.005)
+        t_link = time.monotonic()
+        links = self.link.run(tick, me, self.built & alive())
+        mine_links = {q: r["ok"] for q, r in links.items() if r["seen"]}
         t0 = time.monotonic()
         self.ask_local()
         # its own bound: the wait for the others may have used the start-up deadline up (an active node frozen)
@@ -115,16 +213,17 @@ class SpeedCheck:
         while (res := self.local_figure()) is None:
             tick(0.005)
             if time.monotonic() > answer_by:
-                return (f"the pre-flight matmul of training process(es) "
-                        f"{[lo for lo in range(self.P) if lo not in self._answers]} did not end within "
-                        f"{answer_by - t0:.0f} s")
+                return "preflight_slow", (f"the pre-flight matmul of training process(es) "
+                                          f"{[lo for lo in range(self.P) if lo not in self._answers]} did not end "
+                                          f"within {answer_by - t0:.0f} s")
         mine, error = res
         self.asked_at = None   # answered (an idle spare's first re-check is the next ask_local)
         if error:
-            return f"the pre-flight matmul failed: {error}"
+            return "preflight_slow", f"the pre-flight matmul failed: {error}"
         peers = (self.built & alive()) - {me}   # a node built later gets our figures too and judges itself with them
         self.figures[me] = mine
-        cp.agent.send_many(sorted(alive() - {me}), "preflight", {"phase": "figure", "seconds": mine})
+        cp.agent.send_many(sorted(alive() - {me}), "preflight", {"phase": "figure", "seconds": mine,
+                                                                 "links": {str(q): ok for q, ok in mine_links.items()}})
         end = time.monotonic() + SYNC_S
         while not (peers & alive()) <= set(self.figures) and time.monotonic() < end:
             tick(0.005)
@@ -134,9 +233,18 @@ class SpeedCheck:
         self.log.emit("preflight", seconds=round(mine, 6), others_median=None if med is None else round(med, 6),
                       factor=self.factor, nodes=len(self.figures), slow=slow, waited_s=round(t0 - t_start, 3),
                       figures={str(n): round(s, 6) for n, s in sorted(self.figures.items())})
+        failed = blame(mine_links, self.links, me)
+        if links:
+            self.log.emit("link_check", blamed=failed is not None, seconds=round(t0 - t_link, 3),
+                          pairs={str(q): r for q, r in sorted(links.items())},
+                          partners={str(q): {str(r): ok for r, ok in self.links.get(q, {}).items()} for q in links})
+        if failed is not None:
+            errors = "; ".join(f"node{q}: {links[q]['error']}" for q in failed)
+            return "preflight_link", (f"its all-reduce with neighbour node(s) {failed} failed while they passed with "
+                                      f"another node ({errors[:300]})")
         if slow:
-            return (f"its pre-flight matmul took {mine * 1e3:.1f} ms, {mine / med:.1f} x the other nodes' median "
-                    f"({med * 1e3:.1f} ms; --preflight-factor {self.factor:g})")
+            return "preflight_slow", (f"its pre-flight matmul took {mine * 1e3:.1f} ms, {mine / med:.1f} x the other "
+                                      f"nodes' median ({med * 1e3:.1f} ms; --preflight-factor {self.factor:g})")
         return None
 
     # ---- an idle spare's re-check ----------------------------------------------------------------------------

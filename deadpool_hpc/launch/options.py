@@ -45,6 +45,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slow", action="append", default=[], metavar="nodeN@startup|build[:FACTOR]",
                    help="make node N's training processes FACTOR times slower (default 8) from their start, or from "
                         "when their model is built: what the start-up's pre-flight speed check catches (repeatable)")
+    p.add_argument("--nic-down", action="append", default=[], metavar="nodeN",
+                   help="node N's data-plane interface is down from its start (its gloo is given an interface that "
+                        "does not exist): what the start-up's link check catches (repeatable)")
     p.add_argument("--replicas", type=int, default=d.replicas,
                    help="K: each rank's snapshot lives on the next K nodes, so any K node losses at once survive")
     p.add_argument("--replica-transport", default=d.replica_transport, metavar="NAME",
@@ -69,8 +72,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    help="a command each node runs at start-up (sh -c; exit 0: healthy); a node whose check fails or "
                         "outlasts --startup-timeout is replaced by a spare before training")
     p.add_argument("--preflight-factor", type=float, default=d.preflight_factor, metavar="FACTOR",
-                   help="at start-up every node times a small matmul on its device; a node slower than FACTOR x the "
-                        f"job's median is replaced by a spare before training (default {d.preflight_factor:g}; 0: off)")
+                   help="at start-up every node all-reduces with its neighbour nodes and times a small matmul on its "
+                        "device; a node whose links all fail, or slower than FACTOR x the job's median, is replaced by "
+                        f"a spare before training (default {d.preflight_factor:g}; 0: both checks off)")
     p.add_argument("--spare-check-every", type=float, default=d.spare_check_every, metavar="SECONDS",
                    help="an idle spare checks itself again this often (--health-check and the timed matmul); one that "
                         f"fails leaves the pool before a recovery needs it (default {d.spare_check_every:g}; 0: never)")
@@ -133,7 +137,7 @@ def config_from_args(a) -> RunConfig:
 
         check_output_file(a.summary, run_dir=a.run_dir)
     faults = [parse_fault("kill", s) for s in a.kill] + [parse_fault("hang", s) for s in a.hang] \
-        + [parse_fault("slow", s) for s in a.slow]
+        + [parse_fault("slow", s) for s in a.slow] + [parse_fault("nic_down", s) for s in a.nic_down]
     return RunConfig(nodes=a.nodes, spares=a.spares, ranks_per_node=a.ranks_per_node, steps=a.steps, faults=faults,
                      train_args=train_args,
                      heartbeat_deadline=a.heartbeat_deadline, heartbeat_period=a.heartbeat_period,

@@ -50,11 +50,20 @@ def _rss_bytes() -> int:
 def _local_default_group() -> None:
     """A default process group of this process alone, until the first generation's replaces it: a
     DistributedDataParallel built by the training function before ``ctx.run`` (a spare's too) needs one to exist.
-    ``ctx.protect`` keeps DDP's reducer idle, so DDP never communicates on it (docs/your-loop.md)."""
+    ``ctx.protect`` keeps DDP's reducer idle, so DDP never communicates on it (docs/your-loop.md).
+
+    Built on gloo's default device, not the site's ``GLOO_SOCKET_IFNAME``: a group that never talks does not depend
+    on the data-plane interface, so a node whose interface is down comes up and is found by the pre-flight's link
+    check (agent/preflight.py), which names the fault, rather than by a start-up crash."""
     import torch.distributed as dist
 
     if dist.is_available() and not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        ifname = os.environ.pop("GLOO_SOCKET_IFNAME", None)   # read by gloo's C++ (getenv) when the group is built
+        try:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        finally:
+            if ifname is not None:
+                os.environ["GLOO_SOCKET_IFNAME"] = ifname
 
 
 class Context:
@@ -94,6 +103,7 @@ class Context:
         self.wait_s = 0.0
         client.on("failure", self._on_failure)
         client.on("preflight", lambda body: preflight.answer(client, self.device, body))   # worker/preflight.py
+        client.on("link", lambda body: preflight.link_answer(client, body))
         _local_default_group()
 
     # ---- what the training function uses ---------------------------------------------------

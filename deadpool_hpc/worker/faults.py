@@ -14,6 +14,9 @@ through (build and first at the start, rebuild, restore, resume); a node target 
 spawned; detect, agree, decided, and restore while it serves a replica), and node faults asked for by its training
 processes or by another agent.
 
+``--nic-down node1`` gives node 1's training processes a gloo interface that does not exist, from their start
+(``nic_down_env``): a data-plane interface that is down.
+
 ``--slow node1@startup:8`` makes node 1's training processes 8 times slower from their start (``@build``: once their
 model is built) (``Slowdown``: its agent stops and continues them), until the node is fenced or the run ends.
 
@@ -89,7 +92,7 @@ class NodeFaults:
     rank_local(rank) -> local rank on this node holding training ``rank`` now, or None; log: EventLog."""
 
     def __init__(self, faults, *, node: int, log, pids, rank_local):
-        self.phases = [f for f in faults if f.phase in AGENT_PHASES + ("restore",)]
+        self.phases = [f for f in faults if f.phase in AGENT_PHASES + ("restore",) and f.kind != "nic_down"]
         self.node = node
         self.log = log
         self.pids = pids
@@ -155,6 +158,20 @@ class NodeFaults:
             except ProcessLookupError:
                 pass
         os.kill(os.getpid(), sig)
+
+
+def nic_down_env(faults, node: int, env: dict, log) -> None:
+    """``--nic-down nodeN``: before node N's agent spawns its training processes, their gloo is given an interface
+    that no machine has (``GLOO_SOCKET_IFNAME``, read by every gloo process group they build): a data-plane interface
+    that is down, while the agent's control plane works."""
+    from ..config import NIC_DOWN_IFNAME
+
+    for f in faults:
+        if f.kind == "nic_down" and f.index == node:
+            env["GLOO_SOCKET_IFNAME"] = NIC_DOWN_IFNAME
+            log.emit("fault_injected", kind="nic_down", target=f.target, step=None, phase="startup", node=node,
+                     pids=[], signal=None, ifname=NIC_DOWN_IFNAME)
+            log.sync()
 
 
 class Slowdown:

@@ -1,4 +1,5 @@
-"""A training process's share of the pre-flight speed check: a small matmul on its device, timed.
+"""A training process's share of the pre-flight checks: a small matmul on its device, timed; an all-reduce with
+the same local rank of its neighbour nodes.
 
 The node agent asks (``preflight`` message) once every node's training processes have built their model, so that
 every node times the same work at about the same moment (agent/preflight.py compares the figures with the job's
@@ -6,15 +7,30 @@ median), and again now and then while the node is an idle spare. The work: ``REP
 products of two ``n`` x ``n`` float32 matrices (n = 512 on a CPU: about 2-3 ms each on one core here; 4096 on a
 GPU), on a thread of its own so that the process's channel stays responsive. The figure is the median repetition's
 wall time in seconds: a device that is throttled, or a node whose CPU share shrank, takes longer for the same work.
+
+The link check (``link`` message, agent/preflight.py ``LinkCheck`` pairs the nodes): for each pair it is given,
+the process meets its partner (the process of the same local rank on the neighbour node) through the agents' link
+store (``LINK_GENERATION``: served by every agent, spares included), builds a two-member gloo process group with it
+and all-reduces ``LINK_NUMEL`` float32 (1 MiB) ``REPS`` times, checking the sum. The answer per pair: whether the
+partner came (``seen``: it set its key with the same view of the pairing within ``wait_s``; a partner that did not
+come says nothing about this node), and if so whether the group came up and every sum was right (``ok``), the
+median all-reduce's seconds, or the error (a node whose data-plane interface is down fails here: gloo's "Unable
+to find address", or a timeout for its partner). Gloo over TCP on every device: on a GPU node this checks the
+node's host network, not NVLink or InfiniBand (the site's ``--health-check`` runs nccl-tests for those).
 """
 from __future__ import annotations
 
+import datetime
+import os
 import statistics
 import threading
 import time
 
+from ..agent.store import LINK_GENERATION
+
 REPS = 3
 MATMULS = 8
+LINK_NUMEL = 1 << 18    # float32 elements all-reduced with a neighbour: 1 MiB
 
 
 def matmul_seconds(device) -> float:
@@ -53,3 +69,112 @@ def answer(client, device, body: dict) -> None:
             pass
 
     threading.Thread(target=run, name="deadpool-preflight", daemon=True).start()
+
+
+def _device_error() -> str | None:
+    """Whether gloo can make this process's device (on ``GLOO_SOCKET_IFNAME``'s first interface, as a process group
+    would, or its default one): None, or gloo's error (an interface that is down or missing)."""
+    import torch.distributed as dist
+
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+    try:
+        dist.ProcessGroupGloo.create_device(interface=ifname) if ifname else \
+            dist.ProcessGroupGloo.create_default_device()
+        return None
+    except Exception as exc:  # noqa: BLE001 - reported as the link's failure
+        return _short(exc)
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc)
+    if "] " in text and text.startswith("[enforce fail"):   # gloo's C++ prefix: file and line
+        text = text.split("] ", 1)[1]
+    return f"{type(exc).__name__}: {text}"[:300]
+
+
+def link_pair(store, key: str, rank: int, view: str, wait_s: float, timeout_s: float) -> dict:
+    """One pair of the link check: ``store`` (a torch Store every agent serves), ``key`` (the pair's, e.g.
+    ``"0-1/0"``), ``rank`` (0 or 1 in the pair), ``view`` (this node's ring, which the partner's must match),
+    ``wait_s`` (seconds to wait for the partner), ``timeout_s`` (the group's timeout, seconds).
+    Returns ``{"seen": False}`` or ``{"seen": True, "ok": bool, "seconds": float | None, "error": str | None}``."""
+    import torch
+    import torch.distributed as dist
+
+    pair = dist.PrefixStore(f"link/{key}", store)
+    pair.set(f"view{rank}", view.encode())
+    try:
+        pair.wait([f"view{1 - rank}"], datetime.timedelta(seconds=wait_s))
+        if pair.get(f"view{1 - rank}").decode() != view:
+            return {"seen": False}   # it paired the nodes otherwise (a node built late): neither is judged by it
+    except Exception:  # noqa: BLE001 - the partner did not come: its own failure is found elsewhere
+        return {"seen": False}
+    # each side says whether it could make its gloo device, so a partner whose interface is down costs this side
+    # no group timeout
+    error = _device_error()
+    pair.set(f"device{rank}", (error or "").encode())
+    if error:
+        return {"seen": True, "ok": False, "seconds": None, "error": error}
+    end = time.monotonic() + timeout_s
+    while not pair.check([f"device{1 - rank}"]):
+        if time.monotonic() > end:
+            return {"seen": True, "ok": False, "seconds": None,
+                    "error": f"the partner did not make its gloo device within {timeout_s:g} s"}
+        time.sleep(0.005)
+    theirs = pair.get(f"device{1 - rank}").decode()
+    if theirs:
+        return {"seen": True, "ok": False, "seconds": None, "error": f"the partner's device: {theirs}"}
+    try:
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("pg", pair), rank, 2, datetime.timedelta(seconds=timeout_s))
+        x = torch.empty(LINK_NUMEL)
+        times = []
+        for _ in range(REPS):
+            x.fill_(float(rank + 1))
+            t0 = time.perf_counter()
+            pg.allreduce([x]).wait()
+            times.append(time.perf_counter() - t0)
+            if not bool((x == 3.0).all()):
+                bad = int((x != 3.0).sum())
+                return {"seen": True, "ok": False, "seconds": None,
+                        "error": f"the all-reduce's sum is wrong in {bad} of {LINK_NUMEL} elements"}
+        del pg
+        return {"seen": True, "ok": True, "seconds": statistics.median(times), "error": None}
+    except Exception as exc:  # noqa: BLE001 - a link that cannot carry an all-reduce is what the check is for
+        return {"seen": True, "ok": False, "seconds": None, "error": _short(exc)}
+
+
+def link_answer(client, body: dict) -> None:
+    """(channel reader thread) Run every pair of ``body["pairs"]`` (``{"key", "rank", "peer"}``), each on a thread
+    of its own, and send the results (by peer node) back to the agent."""
+    from .client import AgentStore
+
+    pairs = body.get("pairs") or []
+    wait_s, timeout_s = float(body.get("wait_s", 5.0)), float(body.get("timeout_s", 5.0))
+
+    def run() -> None:
+        results: dict[str, dict] = {}
+        t_start = time.monotonic()
+        try:
+            store = AgentStore(client, LINK_GENERATION, timeout=wait_s + timeout_s)
+
+            def one(p: dict) -> None:
+                results[str(p["peer"])] = link_pair(store, p["key"], int(p["rank"]), str(body.get("view")),
+                                                    wait_s, timeout_s)
+
+            threads = [threading.Thread(target=one, args=(p,), name="deadpool-link", daemon=True) for p in pairs]
+            for t in threads:
+                t.start()
+            end = time.monotonic() + wait_s + (1 + REPS) * timeout_s + 2.0
+            for t in threads:
+                t.join(max(0.0, end - time.monotonic()))
+            for p in pairs:   # a pair still running met its partner and then stalled
+                results.setdefault(str(p["peer"]), {"seen": True, "ok": False, "seconds": None,
+                                                    "error": f"did not end within {end - t_start:.0f} s"})
+        except Exception as exc:  # noqa: BLE001 - reported, not raised: the agent judges
+            results = {str(p["peer"]): {"seen": True, "ok": False, "seconds": None,
+                                        "error": f"{type(exc).__name__}: {exc}"[:300]} for p in pairs}
+        try:
+            client.send("link", {"id": body.get("id"), "pairs": dict(results)})
+        except Exception:  # noqa: BLE001 - the agent is gone: the process ends with it
+            pass
+
+    threading.Thread(target=run, name="deadpool-link-check", daemon=True).start()
