@@ -20,7 +20,7 @@ RECOVERY_PHASES = ("detect", "agree", "decided", "rebuild", "restore", "resume")
 PHASES = START_PHASES + RECOVERY_PHASES
 _FAULT_RE = re.compile(r"^(node|rank)(\d+)@(?:(\d+)|(" + "|".join(PHASES) + r")(?:#(\d+))?)$")
 _SLOW_RE = re.compile(r"^node(\d+)@(startup|build)(?::([0-9.]+))?$")
-_NIC_RE = re.compile(r"^node(\d+)(?:@startup)?$")
+_NIC_RE = re.compile(r"^node(\d+)(?:@(startup|\d+))?$")
 FAULT_KINDS = ("kill", "hang", "slow", "nic_down")
 NIC_DOWN_IFNAME = "dp-nic-down"   # --nic-down: the interface gloo is told to use, which no machine has
 SLOW_FACTOR = 8.0   # --slow nodeI@startup without :FACTOR
@@ -34,7 +34,7 @@ class Fault:
     start-up's pre-flight speed check is for (agent/preflight.py). "nic_down": node ``index``'s data-plane interface is
     down from its start (its training processes' gloo is given an interface that does not exist,
     ``GLOO_SOCKET_IFNAME`` = NIC_DOWN_IFNAME; its agent's control plane is untouched), what the start-up's link check
-    is for (phase ``startup``).
+    is for (phase ``startup``); or, for an idle spare, from ``step`` on (its next re-check's link check finds it).
 
     ``target_kind`` is "node" (every process of emulated node ``index``, active or spare) or "rank"
     (the process that holds training rank ``index`` at that moment). It fires either at ``step`` (when
@@ -84,7 +84,7 @@ class Fault:
 
     def __str__(self) -> str:
         if self.kind == "nic_down":
-            return f"--nic-down {self.target}"
+            return f"--nic-down {self.target}" + ("" if self.step is None else f"@{self.step}")
         return f"--{self.kind} {self.target}@{self.when}" + (f":{self.factor:g}" if self.factor is not None else "")
 
 
@@ -98,7 +98,9 @@ def parse_fault(kind: str, spec: str) -> Fault:
         m = _NIC_RE.match(spec.strip())
         if not m:
             raise ConfigError(f"--nic-down {spec!r} is not a node; accepted: nodeN (e.g. node1): node N's data-plane "
-                              f"interface is down from its start")
+                              f"interface is down from its start, or nodeN@STEP for a spare: from step STEP on")
+        if m.group(2) and m.group(2) != "startup":
+            return Fault("nic_down", "node", int(m.group(1)), int(m.group(2)))
         return Fault("nic_down", "node", int(m.group(1)), None, "startup")
     if kind == "slow":
         m = _SLOW_RE.match(spec.strip())
@@ -298,6 +300,12 @@ class RunConfig:
             if f.kind == "nic_down":
                 need(bool(self.preflight_factor), f"{f} with --preflight-factor 0: the pre-flight's link check is what "
                      f"finds a node whose data plane is down; accepted: --preflight-factor > 1 (the default, 3)")
+                # a training node's interface going down while it trains would be found by its next rebuild, which
+                # the fault plan cannot place: a step is for an idle spare, whose re-check finds it
+                need(f.step is None or (f.index >= self.nodes and self.spare_check_every > 0),
+                     f"{f}: from a step on, only an idle spare's interface goes down (its re-check every "
+                     f"--spare-check-every seconds finds it); accepted: node{self.nodes}..node{self.total_nodes - 1} "
+                     f"with --spare-check-every > 0, or node{f.index} (down from its start)")
             if f.phase is None:
                 need(isinstance(f.step, int) and 0 <= f.step < self.steps,
                      f"{f}: step {f.step} is past --steps {self.steps}; accepted: 0..{self.steps - 1}")

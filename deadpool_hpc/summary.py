@@ -176,7 +176,8 @@ def _failure(d: dict, by, fault, lost: set, t_next_attempt, P: int) -> dict:
         "reason": planned[-1].get("reason") if planned and not fault else None,
         "step": fault.get("step") if fault else d.get("cut_step"),
         "phase": fault.get("phase") if fault else None,
-        # what its agent saw (exit, hang, startup_failed, startup_timeout, planned), when its agent saw it
+        # what its agent saw (exit, hang, startup_failed, startup_timeout, health_check, preflight_slow,
+        # preflight_link, planned), when its agent saw it
         "cause": ",".join(causes) or None,
         # lost before every rank's first snapshot was committed: the ranks without one started again from their
         # initial state (agreement.decide's fresh start)

@@ -87,6 +87,8 @@ def test_demo_config_defaults_and_errors():
     (["--nic-down", "node5"], "unknown fault target node5"),
     (["--nic-down", "node1", "--preflight-factor", "0"], "--nic-down node1 with --preflight-factor 0"),
     (["--nic-down", "node1", "--kill", "node2@startup"], "only 1 spare"),   # a node whose data plane is down: a loss
+    (["--nic-down", "node1@10"], "--nic-down node1@10: from a step on, only an idle spare's interface goes down"),
+    (["--nic-down", "node3@10", "--spare-check-every", "0"], "accepted: node3..node3 with --spare-check-every > 0"),
     (["--spare-check-every", "-1"], "--spare-check-every -1.0: accepted: seconds >= 0"),
 ])
 def test_cli_rejects_bad_input_with_exit_2_before_starting(tmp_path, capsys, args, needle):
@@ -182,7 +184,9 @@ def test_nic_down_specs_parse():
     assert (f.at_start, str(f)) == (True, "--nic-down node2")
     assert RunConfig.from_json(RunConfig(spares=1, faults=[f]).to_json()).faults == [f]
     assert NIC_DOWN_IFNAME not in os.listdir("/sys/class/net")   # an interface no machine has
-    for bad in ("rank1", "node1@build", "node1@10", "node"):
+    later = parse_fault("nic_down", "node4@10")
+    assert later == Fault("nic_down", "node", 4, 10) and str(later) == "--nic-down node4@10"
+    for bad in ("rank1", "node1@build", "node1@x", "node"):
         with pytest.raises(ConfigError, match="--nic-down"):
             parse_fault("nic_down", bad)
 

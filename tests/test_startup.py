@@ -58,31 +58,43 @@ def test_rank_0s_node_lost_with_its_first_snapshot_uncommitted(tmp_path, baselin
     assert s["swaps"] == 1 and s["spares_left"] == 0
 
 
-def test_a_node_whose_data_plane_is_down_is_found_by_the_link_check_and_replaced(tmp_path, baseline):
-    """Scope 6, the pre-flight's link check (agent/preflight.py), in a 3 + 1 run: node2's data-plane interface is
-    down (``--nic-down``: its gloo is given an interface that does not exist; its agent's control plane works, so it
-    comes up like the others). Its all-reduces with both neighbours on the ring of nodes 0..3 (node1, node3) fail
-    while those pass with their other neighbour, so node2 is fenced (cause preflight_link) and the spare node3
-    takes rank 2 before any step, fresh; the nodes beside it are not blamed. (A fault alone in its run: a node
-    fenced by the pre-flight makes the first generation a recovery, so a ``first`` fault would never be reached.)
+def test_a_data_plane_down_at_start_up_and_on_an_idle_spare_are_found_by_the_link_checks(tmp_path, baseline):
+    """Scope 6, the pre-flight's link check (agent/preflight.py), two faults in one 3 + 2 run (paced steps):
+
+    - node2's data-plane interface is down from its start (``--nic-down node2``: its gloo is given an interface
+      that does not exist; its agent's control plane works, so it comes up like the others). Its all-reduces with
+      both neighbours on the ring of nodes 0..4 (node1, node3) fail while those pass with their other neighbour, so
+      node2 is fenced (cause preflight_link) and the spare node3 takes rank 2 before any step, fresh; the nodes
+      beside it are not blamed;
+    - the idle spare node4 passes its re-checks (every second: an all-reduce with a training node, a different one
+      each time) until its interface goes down at step 10 (``--nic-down node4@10``); its next re-check fails and it
+      leaves the pool (cause preflight_link, not during the start-up); the run goes on.
+
     These machines have no packet filter (no iptables, no nft), so the fault is the interface, not a lossy link."""
-    s = run(tmp_path, "link", "nic_down node2", spares=1)
+    s = run(tmp_path, "link", "nic_down node2", "nic_down node4@10", spare_check_every=1.0,
+            train_fn="trainfns:paced")
     assert s["completed"] and s["param_digest"] == baseline, s
-    (f,) = s["failures"]
-    assert (f["target"], f["cause"], f["during_start_up"], f["recomputed_steps"]) == \
-        ("node2", "preflight_link", True, 0), f
-    assert s["swaps"] == 1 and s["spares_left"] == 0
+    by_node = {n: f for f in s["failures"] for n in f["failed_nodes"]}
+    assert sorted(by_node) == [2, 4], s["failures"]
+    assert by_node[2]["cause"] == "preflight_link" and by_node[2]["during_start_up"], by_node[2]
+    assert by_node[4]["cause"] == "preflight_link" and not by_node[4]["during_start_up"], by_node[4]
+    assert s["swaps"] == 1 and s["spares_left"] == 0 and all(f["recomputed_steps"] == 0 for f in s["failures"]), s
     es = events(tmp_path / "link")
     checks = {e["node"]: e for e in es if e["event"] == "link_check"}
-    assert sorted(checks) == [0, 1, 2, 3], checks
+    assert sorted(checks) == [0, 1, 2, 3, 4], checks
     assert checks[2]["blamed"] and set(checks[2]["pairs"]) == {"1", "3"}, checks[2]
     assert all(not r["ok"] and "dp-nic-down" in r["error"] for r in checks[2]["pairs"].values()), checks[2]
     assert not any(c["blamed"] for n, c in checks.items() if n != 2), checks
-    assert checks[1]["pairs"]["0"]["ok"] and checks[3]["pairs"]["0"]["ok"], checks   # their other links passed
+    assert checks[1]["pairs"]["0"]["ok"] and checks[3]["pairs"]["4"]["ok"], checks   # their other links passed
     assert checks[0]["pairs"]["1"]["seconds"] > 0, checks[0]   # a link that passed has its all-reduce's time
     assert _fresh_ranks(tmp_path / "link").get(2) == 3, "rank 2 must start fresh on the spare node3"
-    (failed,) = [e for e in es if e["event"] == "node_failed"]
-    assert "all-reduce with neighbour node(s) [1, 3] failed" in failed["reason"], failed
+    failed = {e["node"]: e for e in es if e["event"] == "node_failed"}
+    assert "all-reduce with neighbour node(s) [1, 3] failed" in failed[2]["reason"], failed[2]
+    rechecks = [e for e in es if e["event"] == "spare_link_checked" and e["node"] == 4]
+    assert rechecks and rechecks[0]["ok"] and not rechecks[-1]["ok"] and "dp-nic-down" in rechecks[-1]["error"], \
+        rechecks
+    assert {e["partner"] for e in rechecks} <= {0, 1, 3}, rechecks   # training nodes only
+    assert f"training node {rechecks[-1]['partner']} failed" in failed[4]["reason"], failed[4]
 
 
 def test_a_failed_import_and_a_frozen_start_up_are_each_their_nodes_failure(tmp_path, baseline, monkeypatch):

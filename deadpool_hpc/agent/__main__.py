@@ -123,7 +123,9 @@ def main(argv=None) -> None:
             if cfg.health_check else None   # the site's check runs while the training processes start
         faults = NodeFaults(cfg.faults, node=cp.me, log=log, pids=lambda: {lo: p.pid for lo, p in sup.procs.items()},
                             rank_local=lambda r: next((lo for lo in range(cfg.ranks_per_node)
-                                                       if cp.train_rank(lo) == r), None))
+                                                       if cp.train_rank(lo) == r), None),
+                            tell_local=lambda kind, body: [channel.send(lo, kind, body)
+                                                           for lo in range(cfg.ranks_per_node)])
         faults.at_phase("startup", 1)  # a fault test's node lost here: its training processes were just spawned
         # torch and torch.distributed.checkpoint, for the one thing the agent needs them for: writing a checkpoint
         # (every --persist-every seconds; on SIGTERM/SIGUSR2 or with no spare left). Under srun, a save on SIGTERM

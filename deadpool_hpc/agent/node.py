@@ -28,7 +28,7 @@ from ..replica import persist
 from .desk import SnapshotDesk
 from .persister import Persister
 from .planned import PlannedSwaps
-from .preflight import HealthCheck, SpeedCheck, link_pair_of
+from .preflight import HealthCheck, SpeedCheck, link_pair_of, link_request
 from .shm import Doorbell
 from .store import LINK_GENERATION, GenerationStore
 
@@ -81,6 +81,7 @@ class NodeAgent:
         self.checkpoint_dir = os.path.join(cfg.run_dir, "checkpoint")
         self.resume = persist.latest(self.checkpoint_dir)  # a requeued attempt (the launchers clear a new run's)
         cp.handlers["kv"] = self._on_kv
+        cp.handlers["link_ask"] = self._on_link_ask
         cp.on_member_lost = self._fail_stores
         cp.agent.on_inject = self._on_inject
         self.desk = SnapshotDesk(self, Doorbell.create())  # agent/desk.py: claim, written, committed, off this loop
@@ -89,6 +90,7 @@ class NodeAgent:
         # the store the pre-flight's link pairs meet through: every agent's, spares included (agent/preflight.py)
         self.link_store = GenerationStore(LINK_GENERATION, broadcast=self._broadcast_link_kv)
         self._next_spare_check = float("inf")
+        self._link_rechecks, self._link_partner = 0, None   # an idle spare's link re-checks (_ask_spare_link)
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -217,12 +219,13 @@ class NodeAgent:
         spare fewer) now, not when a recovery promotes it. Never while a failure is handled."""
         if self.cp.failure.is_set() or self._in_round or self.left:
             return
-        if self.speed.asked_at is None and self.health_check is None:
+        if self.speed.asked_at is None and self.health_check is None and self.speed.link.asked_at is None:
             if time.monotonic() < self._next_spare_check:
                 return
             self._next_spare_check = time.monotonic() + self.cfg.spare_check_every
             if self.cfg.preflight_factor:
                 self.speed.ask_local()
+                self._ask_spare_link()
             if self.cfg.health_check:
                 self.health_check = HealthCheck(self.cfg.health_check, self.sup.env, os.path.join(
                     self.sup.run_dir, f"health-check-node{self.node}.log"))
@@ -231,12 +234,48 @@ class NodeAgent:
             why = self.speed.spare_verdict()
             if why:
                 self._node_failed(f"spare check: {why}", cause="preflight_slow")
+        if self.speed.link.asked_at is not None and (res := self.speed.link.collect()) is not None:
+            q = self._link_partner
+            r = res.get(q, {})
+            self.log.emit("spare_link_checked", partner=q, **r)
+            if r.get("seen") and not r.get("ok"):
+                self._node_failed(f"spare check: its all-reduce with training node {q} failed ({r.get('error')}); "
+                                  f"node {q} trains, so its own links work", cause="preflight_link")
         if self.health_check is not None:
             self._checked()
+
+    def _ask_spare_link(self) -> None:
+        """An idle spare's link re-check (agent/preflight.py): an all-reduce with one training node, a different
+        one each time, whose links work (it trains), so a failed one is this spare's. The training node's agent
+        hands the request to its training processes (``link_ask``); their answer is for this spare only."""
+        trainers = sorted(({m // self.P for m in self.cp.assignment} & set(self.cp.agent.alive())) - {self.node})
+        if not trainers:
+            return
+        self._link_rechecks += 1
+        n = self._link_rechecks
+        q = self._link_partner = trainers[n % len(trainers)]
+        a, b = min(q, self.node), max(q, self.node)
+        tag = f"r{n}/"
+        self.cp.agent.send(q, "link_ask", {"tag": tag, "a": a, "b": b})
+        self.speed.link.ask(self.node, [(q, a, b)], tag)
+
+    def _on_link_ask(self, src: int, body: dict) -> None:
+        """(control-plane thread) An idle spare asks this training node's processes for an all-reduce with it."""
+        if self.cp.agent.fenced or self.state != "training":
+            return   # the spare's wait for its partner ends unseen: nothing is judged
+        try:
+            a, b, tag = int(body["a"]), int(body["b"]), str(body["tag"])
+        except (KeyError, TypeError, ValueError):
+            return
+        if {a, b} != {src, self.node}:
+            return
+        for local in range(self.P):
+            self.channel.send(local, "link", link_request(f"for{src}", self.node, [(src, a, b)], tag, local))
 
     def _end_spare_check(self) -> None:
         """Promoted: a re-check still under way no longer matters (the node passed the last one)."""
         self.speed.asked_at = None
+        self.speed.link.asked_at = None
         if self.health_check is not None:
             self.health_check.kill()
             self.health_check = None

@@ -1,7 +1,7 @@
 """Checks of a node before it is trusted (issue 28, scope 6): the site's command, a timed matmul, an all-reduce
 with each neighbour node.
 
-Three checks, run at start-up by every node (spares included) before any role is given; the first two again every
+Three checks, run at start-up by every node (spares included) before any role is given, and again every
 ``--spare-check-every`` seconds by an idle spare, so that a spare gone bad leaves the pool before a recovery needs it
 (a promotion then waits for nothing):
 
@@ -19,14 +19,18 @@ Three checks, run at start-up by every node (spares included) before any role is
 - the link check (``LinkCheck``, part of the same start-up step, before the matmul): the nodes built at the sync
   (every agent's view of them) form a ring, and each node's training processes all-reduce 1 MiB with the same
   local rank of the node before and after it (worker/preflight.py ``link_pair``: a two-member gloo group met
-  through the agents' link store). A pair whose partner came and whose all-reduce failed (the group did not come
-  up, a timeout, a wrong sum) is a failed link; each node tells the others its links with its matmul figure. A node
-  is fenced (cause ``preflight_link``) when every link it checked failed and a partner of one of them passed with
-  its other neighbour: the fault is then this node's, not the partner's (the second round of DLRover's pairwise
-  network check, on a ring). A pair with no evidence either way (two nodes in all, or both partners failing every
-  link) is logged (``link_check``, ``blamed: false``) and judged by nothing: the first generation's rendezvous
-  then fails as before. A partner that did not come (frozen, lost, built after the sync, another view of the
-  ring) judges nothing either: its own fault is found by its own checks.
+  through the agents' link store), once its matmul is timed (the matmuls keep their common start). A pair whose
+  partner came and whose all-reduce failed (a device or group that did not come up, a timeout, a wrong sum) is a
+  failed link; each node tells the others its links with its matmul figure. A node is fenced (cause
+  ``preflight_link``) when both links it checked failed and a partner of one of them passed with its other
+  neighbour: the fault is then this node's, not the partner's (the second round of DLRover's pairwise network
+  check, on a ring). A pair with no evidence either way (two nodes in all, a node between two bad ones, a node
+  with one link checked) is logged (``link_check``, ``blamed: false``) and judged by nothing: the first
+  generation's rendezvous then fails as before. A partner that did not come (frozen, lost, built after the sync,
+  another view of the ring) judges nothing either: its own fault is found by its own checks. A partner lost
+  during the check costs at most ``LINK_WAIT_S`` + ``LINK_TIMEOUT_S`` (10 s) of the start-up. An idle spare's re-check all-reduces with
+  one training node (a different one each time; ``link_ask`` to its agent, which hands it to its training
+  processes): a training node's links work (it trains), so a failed link is the spare's (cause ``preflight_link``).
 
 The site's command:
 
@@ -38,9 +42,9 @@ never comes up: the node is fenced and a spare takes its place (``node_failed`` 
 it trains a step. What a site puts there: ``nvidia-smi -q`` checks, a DCGM diagnostic (``dcgmi diag -r 1``), an
 NCCL all-reduce test of the node, a file-system probe.
 
-Not checked here: a spare again at its promotion (it ran the check at start-up, as every node), an idle spare's
-links after the start-up (an all-reduce with it needs a training node's time), a node's speed against the job's
-(issue 26's straggler detection), and NCCL's paths on a GPU node (the link check is gloo over TCP).
+Not checked here: a spare again at its promotion (it passed its last re-check, at most ``--spare-check-every``
+seconds before), a node's speed against the job's (issue 26's straggler detection), and NCCL's paths on a GPU node
+(the link check is gloo over TCP).
 """
 from __future__ import annotations
 
@@ -56,6 +60,7 @@ PREFLIGHT_TIMEOUT_S = 60.0  # seconds a node's training processes have to answer
 LINK_WAIT_S = 5.0           # seconds a training process waits for its link partner to come
 LINK_TIMEOUT_S = 5.0        # the link pair's gloo timeout, seconds (its set-up and each all-reduce)
 LINK_REPS = 3               # all-reduces per pair (worker/preflight.py REPS)
+LINK_BOUND_S = LINK_WAIT_S + (2 + LINK_REPS) * LINK_TIMEOUT_S + 5.0   # the most a link check's answer takes
 
 
 def judge(mine: float, others: list[float], factor: float) -> tuple[bool, float | None]:
@@ -85,10 +90,10 @@ def ring_pairs(me: int, nodes) -> list[tuple[int, int, int]]:
 
 def blame(mine: dict[int, bool], theirs: dict[int, dict[int, bool]], me: int) -> list[int] | None:
     """Whether the links say the fault is this node's. ``mine``: peer -> ok, for this node's pairs whose partner
-    came; ``theirs``: peer -> that peer's own such map (as it told). Returns the failed peers when every one of this
-    node's links failed and one of those partners passed with another node; else None (no fault, or none that can
-    be pinned on this node)."""
-    if not mine or any(mine.values()):
+    came; ``theirs``: peer -> that peer's own such map (as it told). Returns the failed peers when two or more of
+    this node's links were checked, every one failed, and one of those partners passed with another node; else None
+    (no fault, or none that can be pinned on this node: one failed link alone may be its partner's fault)."""
+    if len(mine) < 2 or any(mine.values()):
         return None
     if any(ok for q in mine for r, ok in theirs.get(q, {}).items() if r != me):
         return sorted(mine)
@@ -97,46 +102,64 @@ def blame(mine: dict[int, bool], theirs: dict[int, dict[int, bool]], me: int) ->
 
 class LinkCheck:
     """The agent's half of the link check (the module docstring): ``channel`` to this node's ``P`` training
-    processes."""
+    processes. ``run`` at start-up (blocking); ``ask`` then ``collect`` for an idle spare's re-check."""
 
     def __init__(self, channel, P: int):
         self.channel, self.P = channel, P
         self._id = 0
         self._answers: dict[int, dict] = {}
+        self._pairs: list[tuple[int, int, int]] = []
+        self.asked_at: float | None = None   # while a check is under way
 
     def on_local(self, local: int, body: dict) -> None:
         """A training process's answer (worker/preflight.py ``link_answer``)."""
         if body.get("id") == self._id and isinstance(body.get("pairs"), dict):
             self._answers[local] = body["pairs"]
 
-    def run(self, tick, me: int, nodes) -> dict[int, dict]:
-        """Check ``me``'s links on the ring of ``nodes`` (blocking, ticking the agent's loop). Returns peer ->
-        ``{"seen", "ok", "seconds", "error"}`` over this node's training processes (seen: every one met its partner;
-        ok: every one's all-reduces were right; seconds: the slowest median all-reduce)."""
-        pairs = ring_pairs(me, nodes)
-        if not pairs:
-            return {}
+    def ask(self, me: int, pairs: list[tuple[int, int, int]], tag: str = "") -> None:
+        """Ask this node's training processes to check ``pairs`` (``ring_pairs``' form); ``tag`` makes the keys of
+        a later check new (``r3/``)."""
         self._id += 1
         self._answers = {}
-        view = ",".join(map(str, sorted(set(nodes))))
+        self._pairs = pairs
+        self.asked_at = time.monotonic()
         for local in range(self.P):
-            self.channel.send(local, "link", {
-                "id": self._id, "view": view, "wait_s": LINK_WAIT_S, "timeout_s": LINK_TIMEOUT_S,
-                "pairs": [{"peer": q, "rank": 0 if me == a else 1, "key": f"{a}-{b}/{local}"} for q, a, b in pairs]})
-        bound = LINK_WAIT_S + (1 + LINK_REPS) * LINK_TIMEOUT_S + 5.0
-        end = time.monotonic() + bound
-        while len(self._answers) < self.P and time.monotonic() < end:
-            tick(0.005)
+            self.channel.send(local, "link", link_request(self._id, me, pairs, tag, local))
+
+    def collect(self) -> dict[int, dict] | None:
+        """None while an answer is missing (up to ``LINK_BOUND_S`` after ``ask``); else peer -> ``{"seen", "ok",
+        "seconds", "error"}`` over this node's training processes (seen: every one met its partner; ok: every one's
+        all-reduces were right; seconds: the slowest median all-reduce)."""
+        if len(self._answers) < self.P and time.monotonic() - self.asked_at < LINK_BOUND_S:
+            return None
+        self.asked_at = None
         out = {}
-        for q, _, _ in pairs:
+        for q, _, _ in self._pairs:
             per = [self._answers.get(lo, {}).get(str(q)) or {"seen": True, "ok": False, "seconds": None, "error":
-                   f"training process {lo} did not answer within {bound:.0f} s"} for lo in range(self.P)]
+                   f"training process {lo} did not answer within {LINK_BOUND_S:.0f} s"} for lo in range(self.P)]
             seen = all(r.get("seen") for r in per)
             ok = seen and all(r.get("ok") for r in per)
             secs = [r["seconds"] for r in per if isinstance(r.get("seconds"), (int, float))]
             out[q] = {"seen": seen, "ok": ok, "seconds": round(max(secs), 6) if ok and secs else None,
                       "error": next((r.get("error") for r in per if r.get("seen") and not r.get("ok")), None)}
         return out
+
+    def run(self, tick, me: int, nodes) -> dict[int, dict]:
+        """Check ``me``'s links on the ring of ``nodes`` (blocking, ticking the agent's loop): ``collect``'s
+        answer, {} with no pair."""
+        pairs = ring_pairs(me, nodes)
+        if not pairs:
+            return {}
+        self.ask(me, pairs)
+        while (res := self.collect()) is None:
+            tick(0.005)
+        return res
+
+
+def link_request(rid, me: int, pairs, tag: str, local: int) -> dict:
+    """The ``link`` message to local process ``local`` of node ``me`` for ``pairs`` (peer, a, b)."""
+    return {"id": rid, "wait_s": LINK_WAIT_S, "timeout_s": LINK_TIMEOUT_S,
+            "pairs": [{"peer": q, "rank": 0 if me == a else 1, "key": f"{a}-{b}/{tag}{local}"} for q, a, b in pairs]}
 
 
 class SpeedCheck:
@@ -189,8 +212,9 @@ class SpeedCheck:
 
     # ---- start-up --------------------------------------------------------------------------------------------
     def at_startup(self, tick, deadline: float) -> tuple[str, str] | None:
-        """Run the start-up checks, links then matmul (blocking, ticking the agent's loop). Returns (cause, why) when
-        this node fails one (cause ``preflight_link`` or ``preflight_slow``), or None."""
+        """Run the start-up checks, the matmul then the links (blocking, ticking the agent's loop). Returns (cause,
+        why) when this node fails one (cause ``preflight_slow`` or ``preflight_link``; a slow node's links may time
+        out too: slow is said first), or None."""
         cp, me, t_start = self.cp, self.cp.me, time.monotonic()
         alive = lambda: set(cp.agent.alive())  # noqa: E731
         active = {m // self.P for m in cp.assignment}   # their build is waited for anyway: step 0 needs every rank
@@ -203,9 +227,7 @@ class SpeedCheck:
                 if time.monotonic() > spares_by:
                     break
             tick(0.005)
-        t_link = time.monotonic()
-        links = self.link.run(tick, me, self.built & alive())
-        mine_links = {q: r["ok"] for q, r in links.items() if r["seen"]}
+        ring = self.built & alive()   # the link check's, as seen at the sync
         t0 = time.monotonic()
         self.ask_local()
         # its own bound: the wait for the others may have used the start-up deadline up (an active node frozen)
@@ -220,10 +242,14 @@ class SpeedCheck:
         self.asked_at = None   # answered (an idle spare's first re-check is the next ask_local)
         if error:
             return "preflight_slow", f"the pre-flight matmul failed: {error}"
+        t_link = time.monotonic()
+        links = self.link.run(tick, me, ring)
+        mine_links = {q: r["ok"] for q, r in links.items() if r["seen"]}
         peers = (self.built & alive()) - {me}   # a node built later gets our figures too and judges itself with them
         self.figures[me] = mine
         cp.agent.send_many(sorted(alive() - {me}), "preflight", {"phase": "figure", "seconds": mine,
                                                                  "links": {str(q): ok for q, ok in mine_links.items()}})
+        t_sent = time.monotonic()
         end = time.monotonic() + SYNC_S
         while not (peers & alive()) <= set(self.figures) and time.monotonic() < end:
             tick(0.005)
@@ -235,16 +261,16 @@ class SpeedCheck:
                       figures={str(n): round(s, 6) for n, s in sorted(self.figures.items())})
         failed = blame(mine_links, self.links, me)
         if links:
-            self.log.emit("link_check", blamed=failed is not None, seconds=round(t0 - t_link, 3),
+            self.log.emit("link_check", blamed=failed is not None, seconds=round(t_sent - t_link, 3),
                           pairs={str(q): r for q, r in sorted(links.items())},
                           partners={str(q): {str(r): ok for r, ok in self.links.get(q, {}).items()} for q in links})
+        if slow:
+            return "preflight_slow", (f"its pre-flight matmul took {mine * 1e3:.1f} ms, {mine / med:.1f} x the other "
+                                      f"nodes' median ({med * 1e3:.1f} ms; --preflight-factor {self.factor:g})")
         if failed is not None:
             errors = "; ".join(f"node{q}: {links[q]['error']}" for q in failed)
             return "preflight_link", (f"its all-reduce with neighbour node(s) {failed} failed while they passed with "
                                       f"another node ({errors[:300]})")
-        if slow:
-            return "preflight_slow", (f"its pre-flight matmul took {mine * 1e3:.1f} ms, {mine / med:.1f} x the other "
-                                      f"nodes' median ({med * 1e3:.1f} ms; --preflight-factor {self.factor:g})")
         return None
 
     # ---- an idle spare's re-check ----------------------------------------------------------------------------

@@ -48,9 +48,13 @@ class LiveView:
             elif kind == "fault_injected":
                 self.t_fault = e["t"]
                 self._detected = False
-                self.roles[e["node"]] = "dead" if e["kind"] == "kill" else "hung"
                 where = "" if e["target"] == f"node{e['node']}" else f" on node{e['node']}"
                 when = f"step {e['step']}" if e.get("phase") is None else f"recovery phase {e['phase']}"
+                if e["kind"] == "nic_down":   # the node still runs: its data plane is down (a test's --nic-down)
+                    self._note(f"{when}: data-plane interface down -> {e['target']} (gloo's interface "
+                               f"{e.get('ifname')!r})", "bold red")
+                    continue
+                self.roles[e["node"]] = "dead" if e["kind"] == "kill" else "hung"
                 self._note(f"{when}: {e['signal']} -> {e['target']}{where} (pids {e['pids']})", "bold red")
             elif kind == "hang_detected":
                 self._note(f"  node{e.get('node')}: training thread stuck for {e['stuck_s']:.1f} s at {e['where']}: "

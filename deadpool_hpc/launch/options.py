@@ -45,9 +45,10 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slow", action="append", default=[], metavar="nodeN@startup|build[:FACTOR]",
                    help="make node N's training processes FACTOR times slower (default 8) from their start, or from "
                         "when their model is built: what the start-up's pre-flight speed check catches (repeatable)")
-    p.add_argument("--nic-down", action="append", default=[], metavar="nodeN",
+    p.add_argument("--nic-down", action="append", default=[], metavar="nodeN[@STEP]",
                    help="node N's data-plane interface is down from its start (its gloo is given an interface that "
-                        "does not exist): what the start-up's link check catches (repeatable)")
+                        "does not exist): what the start-up's link check catches; an idle spare's from step STEP on: "
+                        "what its re-check catches (repeatable)")
     p.add_argument("--replicas", type=int, default=d.replicas,
                    help="K: each rank's snapshot lives on the next K nodes, so any K node losses at once survive")
     p.add_argument("--replica-transport", default=d.replica_transport, metavar="NAME",
@@ -76,8 +77,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                         "device; a node whose links all fail, or slower than FACTOR x the job's median, is replaced by "
                         f"a spare before training (default {d.preflight_factor:g}; 0: both checks off)")
     p.add_argument("--spare-check-every", type=float, default=d.spare_check_every, metavar="SECONDS",
-                   help="an idle spare checks itself again this often (--health-check and the timed matmul); one that "
-                        f"fails leaves the pool before a recovery needs it (default {d.spare_check_every:g}; 0: never)")
+                   help="an idle spare checks itself again this often (--health-check, the timed matmul, an "
+                        "all-reduce with a training node); one that fails leaves the pool before a recovery needs it "
+                        f"(default {d.spare_check_every:g}; 0: never)")
     p.add_argument("--summary", metavar="PATH", help="write the run summary JSON here")
     p.add_argument("--run-dir", default=d.run_dir, help="event log, config and logs of the run")
     p.add_argument("--train-arg", action="append", default=[], metavar="KEY=VALUE",

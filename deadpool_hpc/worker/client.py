@@ -74,6 +74,7 @@ class AgentClient:
         self._ids = itertools.count(1)
         self._closing = False
         self.stores: deque = deque(maxlen=8)   # AgentStores of the newest generations, kept alive (see AgentStore)
+        self.link_store = None   # the pre-flight link check's AgentStore, once made (worker/preflight.py)
         self._thread = threading.Thread(target=self._run, name="deadpool-agent-channel", daemon=True)
         self._thread.start()
 

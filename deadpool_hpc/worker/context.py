@@ -104,6 +104,8 @@ class Context:
         client.on("failure", self._on_failure)
         client.on("preflight", lambda body: preflight.answer(client, self.device, body))   # worker/preflight.py
         client.on("link", lambda body: preflight.link_answer(client, body))
+        # a test's --nic-down nodeI@STEP (worker/faults.py): from now on, every gloo group this process builds
+        client.on("nic_down", lambda body: os.environ.__setitem__("GLOO_SOCKET_IFNAME", str(body.get("ifname"))))
         _local_default_group()
 
     # ---- what the training function uses ---------------------------------------------------

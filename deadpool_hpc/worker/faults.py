@@ -89,9 +89,10 @@ class RankFaults:
 
 class NodeFaults:
     """A node agent's share. node: this node; pids(): this node's training processes' pids by local rank;
-    rank_local(rank) -> local rank on this node holding training ``rank`` now, or None; log: EventLog."""
+    rank_local(rank) -> local rank on this node holding training ``rank`` now, or None; log: EventLog;
+    tell_local(kind, body): send every training process of this node a message (``nic_down``)."""
 
-    def __init__(self, faults, *, node: int, log, pids, rank_local):
+    def __init__(self, faults, *, node: int, log, pids, rank_local, tell_local=None):
         self.phases = [f for f in faults if f.phase in AGENT_PHASES + ("restore",) and f.kind != "nic_down"]
         self.node = node
         self.log = log
@@ -99,6 +100,7 @@ class NodeFaults:
         self.rank_local = rank_local
         self.fired: set = set()
         self.slowdown = None   # Slowdown, once --slow fired
+        self.tell_local = tell_local   # tell_local(kind, body): a message to every training process of this node
 
     def wants_phase(self, phase: str, nth: int) -> bool:
         return any(f.phase == phase and f.nth == nth and f not in self.fired and self._mine(f) for f in self.phases)
@@ -144,9 +146,18 @@ class NodeFaults:
 
     def fire_node(self, body: dict) -> None:
         """The whole node: its training processes, then this agent (a node crash / freeze); or, for ``slow``, its
-        training processes made ``factor`` times slower."""
+        training processes made ``factor`` times slower; for ``nic_down`` (a spare's, at a step), its training
+        processes' gloo given an interface that does not exist (``tell_local``)."""
         if body["kind"] == "slow":
             return self.slow_node(body)
+        if body["kind"] == "nic_down":
+            from ..config import NIC_DOWN_IFNAME
+
+            self.log.emit("fault_injected", kind="nic_down", target=body["target"], step=body.get("step"),
+                          phase=None, node=self.node, pids=list(self.pids().values()), signal=None,
+                          ifname=NIC_DOWN_IFNAME)
+            self.log.sync()
+            return self.tell_local("nic_down", {"ifname": NIC_DOWN_IFNAME})
         sig = _signal(body["kind"])
         pids = list(self.pids().values())
         self.log.emit("fault_injected", kind=body["kind"], target=body["target"], step=body.get("step"),
@@ -167,7 +178,7 @@ def nic_down_env(faults, node: int, env: dict, log) -> None:
     from ..config import NIC_DOWN_IFNAME
 
     for f in faults:
-        if f.kind == "nic_down" and f.index == node:
+        if f.kind == "nic_down" and f.index == node and f.step is None:   # (at a step: fire_node)
             env["GLOO_SOCKET_IFNAME"] = NIC_DOWN_IFNAME
             log.emit("fault_injected", kind="nic_down", target=f.target, step=None, phase="startup", node=node,
                      pids=[], signal=None, ifname=NIC_DOWN_IFNAME)

@@ -12,8 +12,8 @@ The link check (``link`` message, agent/preflight.py ``LinkCheck`` pairs the nod
 the process meets its partner (the process of the same local rank on the neighbour node) through the agents' link
 store (``LINK_GENERATION``: served by every agent, spares included), builds a two-member gloo process group with it
 and all-reduces ``LINK_NUMEL`` float32 (1 MiB) ``REPS`` times, checking the sum. The answer per pair: whether the
-partner came (``seen``: it set its key with the same view of the pairing within ``wait_s``; a partner that did not
-come says nothing about this node), and if so whether the group came up and every sum was right (``ok``), the
+partner came (``seen``: it set the pair's key within ``wait_s`` and stayed; a partner that did not come says nothing
+about this node), and if so whether the group came up and every sum was right (``ok``), the
 median all-reduce's seconds, or the error (a node whose data-plane interface is down fails here: gloo's "Unable
 to find address", or a timeout for its partner). Gloo over TCP on every device: on a GPU node this checks the
 node's host network, not NVLink or InfiniBand (the site's ``--health-check`` runs nccl-tests for those).
@@ -72,13 +72,15 @@ def answer(client, device, body: dict) -> None:
 
 
 def _device_error() -> str | None:
-    """Whether gloo can make this process's device (on ``GLOO_SOCKET_IFNAME``'s first interface, as a process group
-    would, or its default one): None, or gloo's error (an interface that is down or missing)."""
+    """Whether gloo can make this process's devices (on every interface ``GLOO_SOCKET_IFNAME`` names, as a process
+    group would, or its default one): None, or gloo's error (an interface that is down or missing)."""
     import torch.distributed as dist
 
-    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
     try:
-        dist.ProcessGroupGloo.create_device(interface=ifname) if ifname else \
+        names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
+        for name in names:
+            dist.ProcessGroupGloo.create_device(interface=name)
+        if not names:
             dist.ProcessGroupGloo.create_default_device()
         return None
     except Exception as exc:  # noqa: BLE001 - reported as the link's failure
@@ -92,39 +94,41 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"[:300]
 
 
-def link_pair(store, key: str, rank: int, view: str, wait_s: float, timeout_s: float) -> dict:
+def link_pair(store, key: str, rank: int, wait_s: float, timeout_s: float) -> dict:
     """One pair of the link check: ``store`` (a torch Store every agent serves), ``key`` (the pair's, e.g.
-    ``"0-1/0"``), ``rank`` (0 or 1 in the pair), ``view`` (this node's ring, which the partner's must match),
-    ``wait_s`` (seconds to wait for the partner), ``timeout_s`` (the group's timeout, seconds).
-    Returns ``{"seen": False}`` or ``{"seen": True, "ok": bool, "seconds": float | None, "error": str | None}``."""
+    ``"0-1/0"``: the same on both sides only when both take the other for a neighbour), ``rank`` (0 or 1 in the
+    pair), ``wait_s`` (seconds to wait for the partner), ``timeout_s`` (each later step's timeout, seconds: the
+    partner's device, the group, each all-reduce).
+    Returns ``{"seen": False}`` (the partner did not come, or left before this side came: nothing is judged by
+    it) or ``{"seen": True, "ok": bool, "seconds": float | None, "error": str | None}``."""
     import torch
     import torch.distributed as dist
 
-    pair = dist.PrefixStore(f"link/{key}", store)
-    pair.set(f"view{rank}", view.encode())
-    try:
-        pair.wait([f"view{1 - rank}"], datetime.timedelta(seconds=wait_s))
-        if pair.get(f"view{1 - rank}").decode() != view:
-            return {"seen": False}   # it paired the nodes otherwise (a node built late): neither is judged by it
-    except Exception:  # noqa: BLE001 - the partner did not come: its own failure is found elsewhere
-        return {"seen": False}
-    # each side says whether it could make its gloo device, so a partner whose interface is down costs this side
-    # no group timeout
-    error = _device_error()
-    pair.set(f"device{rank}", (error or "").encode())
-    if error:
+    def failed(error: str) -> dict:
         return {"seen": True, "ok": False, "seconds": None, "error": error}
-    end = time.monotonic() + timeout_s
-    while not pair.check([f"device{1 - rank}"]):
-        if time.monotonic() > end:
-            return {"seen": True, "ok": False, "seconds": None,
-                    "error": f"the partner did not make its gloo device within {timeout_s:g} s"}
-        time.sleep(0.005)
-    theirs = pair.get(f"device{1 - rank}").decode()
-    if theirs:
-        return {"seen": True, "ok": False, "seconds": None, "error": f"the partner's device: {theirs}"}
+
+    td = datetime.timedelta(seconds=timeout_s)
     try:
-        pg = dist.ProcessGroupGloo(dist.PrefixStore("pg", pair), rank, 2, datetime.timedelta(seconds=timeout_s))
+        pair = dist.PrefixStore(f"link/{key}", store)
+        pair.set(f"here{rank}", b"1")
+        try:
+            pair.wait([f"here{1 - rank}"], datetime.timedelta(seconds=wait_s))
+        except Exception:  # noqa: BLE001 - the partner did not come: its own failure is found elsewhere
+            return {"seen": False}
+        # each side says whether it could make its gloo device, so a partner whose interface is down costs this
+        # side no group timeout; this key is also the partner's answer that it stayed for the check
+        error = _device_error()
+        pair.set(f"device{rank}", (error or "").encode())
+        if error:
+            return failed(error)
+        try:
+            pair.wait([f"device{1 - rank}"], td)
+        except Exception:  # noqa: BLE001 - it gave up its wait for this side as this side came: no evidence
+            return {"seen": False}
+        theirs = pair.get(f"device{1 - rank}").decode()
+        if theirs:
+            return failed(f"the partner's device: {theirs}")
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("pg", pair), rank, 2, td)
         x = torch.empty(LINK_NUMEL)
         times = []
         for _ in range(REPS):
@@ -133,13 +137,11 @@ def link_pair(store, key: str, rank: int, view: str, wait_s: float, timeout_s: f
             pg.allreduce([x]).wait()
             times.append(time.perf_counter() - t0)
             if not bool((x == 3.0).all()):
-                bad = int((x != 3.0).sum())
-                return {"seen": True, "ok": False, "seconds": None,
-                        "error": f"the all-reduce's sum is wrong in {bad} of {LINK_NUMEL} elements"}
+                return failed(f"the all-reduce's sum is wrong in {int((x != 3.0).sum())} of {LINK_NUMEL} elements")
         del pg
         return {"seen": True, "ok": True, "seconds": statistics.median(times), "error": None}
     except Exception as exc:  # noqa: BLE001 - a link that cannot carry an all-reduce is what the check is for
-        return {"seen": True, "ok": False, "seconds": None, "error": _short(exc)}
+        return failed(_short(exc))
 
 
 def link_answer(client, body: dict) -> None:
@@ -154,16 +156,19 @@ def link_answer(client, body: dict) -> None:
         results: dict[str, dict] = {}
         t_start = time.monotonic()
         try:
-            store = AgentStore(client, LINK_GENERATION, timeout=wait_s + timeout_s)
+            # one per process, kept on the client: an AgentStore must outlive torch's use of it, and each new one
+            # takes a place among the generations' stores the client keeps alive (worker/client.py AgentStore)
+            store = getattr(client, "link_store", None)
+            if store is None:
+                store = client.link_store = AgentStore(client, LINK_GENERATION, timeout=30.0)
 
             def one(p: dict) -> None:
-                results[str(p["peer"])] = link_pair(store, p["key"], int(p["rank"]), str(body.get("view")),
-                                                    wait_s, timeout_s)
+                results[str(p["peer"])] = link_pair(store, p["key"], int(p["rank"]), wait_s, timeout_s)
 
             threads = [threading.Thread(target=one, args=(p,), name="deadpool-link", daemon=True) for p in pairs]
             for t in threads:
                 t.start()
-            end = time.monotonic() + wait_s + (1 + REPS) * timeout_s + 2.0
+            end = time.monotonic() + wait_s + (2 + REPS) * timeout_s + 2.0   # link_pair's longest
             for t in threads:
                 t.join(max(0.0, end - time.monotonic()))
             for p in pairs:   # a pair still running met its partner and then stalled
