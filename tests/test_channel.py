@@ -620,6 +620,17 @@ def _nodes(agents, n):
     return nodes
 
 
+def test_link_store_drops_a_judged_re_checks_keys_only():
+    """agent/node.py: an idle spare's link re-check uses fresh keys each time; once judged they are dropped, so a
+    multi-week job's link store does not grow (GenerationStore.drop)."""
+    st = GenerationStore(-1)
+    for key in ("link/0-1/0/here0", "link/1-4/r1/0/here0", "link/1-4/r1/0/device0", "link/1-4/r2/0/here0"):
+        st.set(key, b"1")
+    assert st.drop("link/1-4/r1/") == 2
+    assert "link/1-4/r1/0/here0" not in st and "link/1-4/r2/0/here0" in st and "link/0-1/0/here0" in st
+    assert st.drop("link/9-9/") == 0
+
+
 def test_gloo_rendezvous_through_agent_stores(agents, children):
     nodes = _nodes(agents, 3)
     kids = [children("gloo", node.agent.srv.name, rank=r, world=3, store_timeout=30, pg_timeout=30)

@@ -90,7 +90,10 @@ class NodeAgent:
         # the store the pre-flight's link pairs meet through: every agent's, spares included (agent/preflight.py)
         self.link_store = GenerationStore(LINK_GENERATION, broadcast=self._broadcast_link_kv)
         self._next_spare_check = float("inf")
-        self._link_rechecks, self._link_partner = 0, None   # an idle spare's link re-checks (_ask_spare_link)
+        # an idle spare's link re-checks (_ask_spare_link): how many, the one under way, the training nodes whose
+        # all-reduce with it failed since the last that passed; a training node's: each spare's last re-check's keys
+        self._link_rechecks, self._link_asked, self._link_failed_with = 0, None, {}
+        self._link_asks_from: dict[int, str] = {}
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -215,8 +218,9 @@ class NodeAgent:
 
     def _spare_check(self) -> None:
         """An idle spare checks itself again every --spare-check-every seconds (agent/preflight.py): the site's
-        command and the timed matmul against the start-up's median. One that fails leaves the pool (fenced, one
-        spare fewer) now, not when a recovery promotes it. Never while a failure is handled."""
+        command, the timed matmul against the start-up's median and, once that passed, an all-reduce with a
+        training node. One that fails leaves the pool (fenced, one spare fewer) now, not when a recovery promotes
+        it. Never while a failure is handled."""
         if self.cp.failure.is_set() or self._in_round or self.left:
             return
         if self.speed.asked_at is None and self.health_check is None and self.speed.link.asked_at is None:
@@ -224,8 +228,7 @@ class NodeAgent:
                 return
             self._next_spare_check = time.monotonic() + self.cfg.spare_check_every
             if self.cfg.preflight_factor:
-                self.speed.ask_local()
-                self._ask_spare_link()
+                self.speed.ask_local()   # then, once it passed, the link (not at once: the matmul is timed alone)
             if self.cfg.health_check:
                 self.health_check = HealthCheck(self.cfg.health_check, self.sup.env, os.path.join(
                     self.sup.run_dir, f"health-check-node{self.node}.log"))
@@ -234,13 +237,10 @@ class NodeAgent:
             why = self.speed.spare_verdict()
             if why:
                 self._node_failed(f"spare check: {why}", cause="preflight_slow")
+            elif why == "":
+                self._ask_spare_link()
         if self.speed.link.asked_at is not None and (res := self.speed.link.collect()) is not None:
-            q = self._link_partner
-            r = res.get(q, {})
-            self.log.emit("spare_link_checked", partner=q, **r)
-            if r.get("seen") and not r.get("ok"):
-                self._node_failed(f"spare check: its all-reduce with training node {q} failed ({r.get('error')}); "
-                                  f"node {q} trains, so its own links work", cause="preflight_link")
+            self._spare_link_verdict(res)
         if self.health_check is not None:
             self._checked()
 
@@ -253,22 +253,55 @@ class NodeAgent:
             return
         self._link_rechecks += 1
         n = self._link_rechecks
-        q = self._link_partner = trainers[n % len(trainers)]
+        q = trainers[n % len(trainers)]
         a, b = min(q, self.node), max(q, self.node)
         tag = f"r{n}/"
+        # what the answer is judged against: a round or a new generation since makes it stale (the partner may be
+        # the node that failed)
+        self._link_asked = (q, f"link/{a}-{b}/{tag}", self.cp.generation, self.rounds)
         self.cp.agent.send(q, "link_ask", {"tag": tag, "a": a, "b": b})
         self.speed.link.ask(self.node, [(q, a, b)], tag)
 
+    def _spare_link_verdict(self, res: dict) -> None:
+        """Judge an idle spare's link re-check. Fenced (cause preflight_link) once its all-reduces with two
+        different training nodes in a row failed, neither by the partner's own device: one failed link may still
+        be that training node's (its gloo path broken while it trains over another); two are this spare's."""
+        q, prefix, generation, rounds = self._link_asked
+        self.link_store.drop(prefix)   # judged: its keys are not needed again (a week of re-checks would pile up)
+        r = res.get(q, {})
+        stale = (generation, rounds) != (self.cp.generation, self.rounds) or self.cp.agent.is_suspected(q) \
+            or q not in {m // self.P for m in self.cp.assignment}
+        self.log.emit("spare_link_checked", partner=q, stale=stale, **r)
+        if stale or not r.get("seen"):
+            return
+        if r.get("ok"):
+            self._link_failed_with.clear()
+            return
+        if r.get("partner_fault"):
+            return
+        self._link_failed_with[q] = r.get("error")
+        if len(self._link_failed_with) >= 2:
+            failed = "; ".join(f"node{n}: {e}" for n, e in self._link_failed_with.items())
+            self._node_failed(f"spare check: its all-reduces with training nodes {sorted(self._link_failed_with)} "
+                              f"failed in turn ({failed[:300]}); they train, so their own links work",
+                              cause="preflight_link")
+
     def _on_link_ask(self, src: int, body: dict) -> None:
-        """(control-plane thread) An idle spare asks this training node's processes for an all-reduce with it."""
-        if self.cp.agent.fenced or self.state != "training":
-            return   # the spare's wait for its partner ends unseen: nothing is judged
+        """(the agent's loop, ``cp.pump``) An idle spare asks this training node's processes for an all-reduce with
+        it. Not while a failure or a planned swap is handled: the spare's wait then ends unseen, nothing judged."""
+        if self.cp.agent.fenced or self.state != "training" or self.cp.failure.is_set() or self._in_round \
+                or self.swaps.current is not None:
+            return
         try:
             a, b, tag = int(body["a"]), int(body["b"]), str(body["tag"])
         except (KeyError, TypeError, ValueError):
             return
         if {a, b} != {src, self.node}:
             return
+        done = self._link_asks_from.get(src)
+        if done is not None:
+            self.link_store.drop(done)   # the spare's previous re-check is over: its keys go
+        self._link_asks_from[src] = f"link/{a}-{b}/{tag}"
         for local in range(self.P):
             self.channel.send(local, "link", link_request(f"for{src}", self.node, [(src, a, b)], tag, local))
 

@@ -30,7 +30,11 @@ Three checks, run at start-up by every node (spares included) before any role is
   another view of the ring) judges nothing either: its own fault is found by its own checks. A partner lost
   during the check costs at most ``LINK_WAIT_S`` + ``LINK_TIMEOUT_S`` (10 s) of the start-up. An idle spare's re-check all-reduces with
   one training node (a different one each time; ``link_ask`` to its agent, which hands it to its training
-  processes): a training node's links work (it trains), so a failed link is the spare's (cause ``preflight_link``).
+  processes), once its matmul passed: a training node's links work (it trains), so the spare is fenced (cause
+  ``preflight_link``) once its all-reduces with two different training nodes in a row failed, neither by the
+  partner's own device (one may be that training node's gloo path, broken while it trains over another). A result
+  from before a recovery round or a new generation is stale and judges nothing; a judged re-check's keys are
+  dropped from both agents' link stores (a week of re-checks would pile up).
 
 The site's command:
 
@@ -128,8 +132,9 @@ class LinkCheck:
 
     def collect(self) -> dict[int, dict] | None:
         """None while an answer is missing (up to ``LINK_BOUND_S`` after ``ask``); else peer -> ``{"seen", "ok",
-        "seconds", "error"}`` over this node's training processes (seen: every one met its partner; ok: every one's
-        all-reduces were right; seconds: the slowest median all-reduce)."""
+        "seconds", "error", "partner_fault"}`` over this node's training processes (seen: every one met its partner;
+        ok: every one's all-reduces were right; seconds: the slowest median all-reduce; partner_fault: every failure
+        was the partner's device)."""
         if len(self._answers) < self.P and time.monotonic() - self.asked_at < LINK_BOUND_S:
             return None
         self.asked_at = None
@@ -140,8 +145,10 @@ class LinkCheck:
             seen = all(r.get("seen") for r in per)
             ok = seen and all(r.get("ok") for r in per)
             secs = [r["seconds"] for r in per if isinstance(r.get("seconds"), (int, float))]
+            bad = [r for r in per if r.get("seen") and not r.get("ok")]
             out[q] = {"seen": seen, "ok": ok, "seconds": round(max(secs), 6) if ok and secs else None,
-                      "error": next((r.get("error") for r in per if r.get("seen") and not r.get("ok")), None)}
+                      "error": bad[0].get("error") if bad else None,
+                      "partner_fault": bool(bad) and all(r.get("partner") for r in bad)}
         return out
 
     def run(self, tick, me: int, nodes) -> dict[int, dict]:

@@ -74,6 +74,15 @@ class GenerationStore:
             for p, body in replies:
                 p.done(body)
 
+    def drop(self, prefix: str) -> int:
+        """Forget every key that starts with ``prefix`` (a link re-check's, once judged: agent/node.py). Returns
+        how many. A parked wait keeps waiting (for a key set again, or its deadline)."""
+        with self._lock:
+            gone = [k for k in self._data if k.startswith(prefix)]
+            for k in gone:
+                del self._data[k]
+        return len(gone)
+
     def __contains__(self, key: str) -> bool:
         with self._lock:
             return key in self._data

@@ -100,12 +100,13 @@ def link_pair(store, key: str, rank: int, wait_s: float, timeout_s: float) -> di
     pair), ``wait_s`` (seconds to wait for the partner), ``timeout_s`` (each later step's timeout, seconds: the
     partner's device, the group, each all-reduce).
     Returns ``{"seen": False}`` (the partner did not come, or left before this side came: nothing is judged by
-    it) or ``{"seen": True, "ok": bool, "seconds": float | None, "error": str | None}``."""
+    it) or ``{"seen": True, "ok": bool, "seconds": float | None, "error": str | None, "partner": bool}`` (partner:
+    the failure is the partner's own, its device could not be made)."""
     import torch
     import torch.distributed as dist
 
-    def failed(error: str) -> dict:
-        return {"seen": True, "ok": False, "seconds": None, "error": error}
+    def failed(error: str, partner: bool = False) -> dict:
+        return {"seen": True, "ok": False, "seconds": None, "error": error, "partner": partner}
 
     td = datetime.timedelta(seconds=timeout_s)
     try:
@@ -127,7 +128,7 @@ def link_pair(store, key: str, rank: int, wait_s: float, timeout_s: float) -> di
             return {"seen": False}
         theirs = pair.get(f"device{1 - rank}").decode()
         if theirs:
-            return failed(f"the partner's device: {theirs}")
+            return failed(f"the partner's device: {theirs}", partner=True)   # its fault, as it says itself
         pg = dist.ProcessGroupGloo(dist.PrefixStore("pg", pair), rank, 2, td)
         x = torch.empty(LINK_NUMEL)
         times = []
