@@ -2,6 +2,8 @@
 and that it left no MPI shared-memory segment in /dev/shm (which is memory)."""
 import glob
 import os
+import shutil
+import warnings
 
 from deadpool_hpc.config import RunConfig, parse_fault
 from deadpool_hpc.control.fence import is_alive
@@ -46,12 +48,27 @@ def launch_reaped(cfg: RunConfig, timeout: float) -> dict:
 SMALL_RUN_STEPS = 24   # the fault tests' runs (test_never_hang, test_startup) and their shared baseline
 
 
+# Hydra (MPICH's mpiexec: the local launcher's process manager, not Slurm's) ends the whole job when one of its
+# proxies cannot write a PMI answer to a process that was just SIGKILLed (../shared/notes/ft-probes.md: mpiexec is a
+# single point of failure of the one-machine emulation; srun has no such proxy). Seen in 2 of about 8 clean-clone CI
+# runs, both in test_second_failure_at_each_recovery_phase[agree]: a node killed while its MPI library asked PMI
+# for the failed processes. Such a run, and only such a run, is started once more, with a warning.
+HYDRA_COLLAPSE = "unable to forward PMI response to MPI process"
+
+
 def run_faults(tmp_path, name, *specs, timeout=240, **kw) -> dict:
     """A 3 + 2 node demo run of SMALL_RUN_STEPS steps in ``tmp_path/name`` with ``specs`` ("kill node1@10", ...) and
-    ``kw`` (RunConfig fields) on top, launched with ``launch_reaped``."""
+    ``kw`` (RunConfig fields) on top, launched with ``launch_reaped`` (again once if hydra ended it: HYDRA_COLLAPSE)."""
     cfg = RunConfig(**{**dict(nodes=3, spares=2, steps=SMALL_RUN_STEPS, run_dir=str(tmp_path / name),
                               faults=faults(*specs), rendezvous_timeout=4.0), **kw}).validate()
-    return launch_reaped(cfg, timeout)
+    s = launch_reaped(cfg, timeout)
+    log = os.path.join(cfg.run_dir, "launcher.log")
+    if not s.get("completed") and os.path.exists(log) and HYDRA_COLLAPSE in open(log, errors="replace").read():
+        warnings.warn(f"run {name!r}: a hydra proxy could not write a PMI answer to a killed process and mpiexec "
+                      f"ended the job (the local emulation's process manager); started once more")
+        shutil.rmtree(cfg.run_dir)
+        s = launch_reaped(cfg, timeout)
+    return s
 
 
 def run_events(run_dir) -> list[dict]:
