@@ -88,7 +88,8 @@ class NodeAgent:
         self.persister = Persister(self)   # agent/persister.py: every --persist-every s, the snapshots to disk
         self.speed = SpeedCheck(cp, channel, self.P, log, cfg.preflight_factor)   # agent/preflight.py
         # the store the pre-flight's link pairs meet through: every agent's, spares included (agent/preflight.py)
-        self.link_store = GenerationStore(LINK_GENERATION, broadcast=self._broadcast_link_kv)
+        self.link_store = GenerationStore(LINK_GENERATION,
+                                          broadcast=lambda key, value: self._broadcast_kv(LINK_GENERATION, key, value))
         self._next_spare_check = float("inf")
         # an idle spare's link re-checks (_ask_spare_link): how many, the one under way, the training nodes whose
         # all-reduce with it failed since the last that passed; a training node's: each spare's last re-check's keys
@@ -410,20 +411,16 @@ class NodeAgent:
         return self.stores[g]
 
     def _broadcast_kv(self, g: int, key: str, value: bytes) -> None:
+        """Carry a local ``set`` of generation ``g``'s store to the other agents that serve it: the generation's
+        members; for the link store, the key's pair only (O(1) messages per node, not O(nodes))."""
         import base64
 
         body = {"g": g, "key": key, "value": base64.b64encode(value).decode()}
-        for n in self.cp.member_nodes:
-            if n != self.node:
-                self.cp.agent.send(n, "kv", body)
-
-    def _broadcast_link_kv(self, key: str, value: bytes) -> None:
-        import base64
-
-        body = {"g": LINK_GENERATION, "key": key, "value": base64.b64encode(value).decode()}
-        pair = link_pair_of(key)   # a pair's keys go to its other node only: O(1) messages per node, not O(nodes)
-        dests = set(pair) if pair else set(self.cp.agent.alive())
-        self.cp.agent.send_many(sorted(dests - {self.node}), "kv", body)
+        if g == LINK_GENERATION:
+            dests = set(link_pair_of(key) or self.cp.agent.alive())
+        else:
+            dests = set(self.cp.member_nodes)
+        self.cp.agent.send_many(sorted(dests - {self.node}), "kv", body)   # encoded once; a suspected node skipped
 
     def _on_kv(self, src: int, body: dict) -> None:
         import base64

@@ -151,13 +151,9 @@ class NodeFaults:
         if body["kind"] == "slow":
             return self.slow_node(body)
         if body["kind"] == "nic_down":
-            from ..config import NIC_DOWN_IFNAME
-
-            self.log.emit("fault_injected", kind="nic_down", target=body["target"], step=body.get("step"),
-                          phase=None, node=self.node, pids=list(self.pids().values()), signal=None,
-                          ifname=NIC_DOWN_IFNAME)
-            self.log.sync()
-            return self.tell_local("nic_down", {"ifname": NIC_DOWN_IFNAME})
+            ifname = _nic_down_injected(self.log, body["target"], self.node, body.get("step"),
+                                        list(self.pids().values()))
+            return self.tell_local("nic_down", {"ifname": ifname})
         sig = _signal(body["kind"])
         pids = list(self.pids().values())
         self.log.emit("fault_injected", kind=body["kind"], target=body["target"], step=body.get("step"),
@@ -175,14 +171,19 @@ def nic_down_env(faults, node: int, env: dict, log) -> None:
     """``--nic-down nodeN``: before node N's agent spawns its training processes, their gloo is given an interface
     that no machine has (``GLOO_SOCKET_IFNAME``, read by every gloo process group they build): a data-plane interface
     that is down, while the agent's control plane works."""
-    from ..config import NIC_DOWN_IFNAME
-
     for f in faults:
         if f.kind == "nic_down" and f.index == node and f.step is None:   # (at a step: fire_node)
-            env["GLOO_SOCKET_IFNAME"] = NIC_DOWN_IFNAME
-            log.emit("fault_injected", kind="nic_down", target=f.target, step=None, phase="startup", node=node,
-                     pids=[], signal=None, ifname=NIC_DOWN_IFNAME)
-            log.sync()
+            env["GLOO_SOCKET_IFNAME"] = _nic_down_injected(log, f.target, node, None, [])
+
+
+def _nic_down_injected(log, target: str, node: int, step, pids: list) -> str:
+    """Log (and fsync) a ``--nic-down`` fault; returns the interface gloo is to be given."""
+    from ..config import NIC_DOWN_IFNAME
+
+    log.emit("fault_injected", kind="nic_down", target=target, step=step, phase="startup" if step is None else None,
+             node=node, pids=pids, signal=None, ifname=NIC_DOWN_IFNAME)
+    log.sync()
+    return NIC_DOWN_IFNAME
 
 
 class Slowdown:
