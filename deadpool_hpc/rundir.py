@@ -248,7 +248,7 @@ class RunDir:
             os.close(fd)
             raise ConfigError(f"--run-dir {self.path}: cannot lock {LOCK} ({exc.strerror or exc}); accepted: a "
                               f"directory on a file system with flock (a local disk)") from None
-        from .control.fence import identity
+        from .process.fence import identity
 
         me = identity()
         info = {"pid": me["pid"], "start": me["start"], "host": me["host"], "run_id": run_id,

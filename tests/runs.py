@@ -6,7 +6,7 @@ import shutil
 import warnings
 
 from deadpool_hpc.config import RunConfig, parse_fault
-from deadpool_hpc.control.fence import is_alive
+from deadpool_hpc.process.fence import is_alive
 from deadpool_hpc.events import read_events
 from deadpool_hpc.launch.local import launch
 

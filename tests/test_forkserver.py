@@ -1,8 +1,8 @@
-"""The local launcher's fork server (worker/forkserver.py), with a real server process, real forked training
-processes (``worker.entry``, up to their ``hello`` on a real node-agent channel) and real signals: what a forked
-process keeps of a fresh one (its own session, the agent's environment, working directory and output, its exit
-status seen by its agent) and that it dies with its agent's connection and with the server. Every process it
-starts is killed and reaped at the end. Run: DEADPOOL_SLURM_TESTS=0 .venv/bin/python -m pytest -q tests/test_forkserver.py
+"""The local launcher's fork server (process/forkserver.py, its program worker/forkserver.py), with a real server
+process, real forked training processes (``worker.entry``, up to their ``hello`` on a real node-agent channel) and
+real signals: what a forked process keeps of a fresh one (its own session, the agent's environment, working
+directory and output, its exit status seen by its agent) and that it dies with its agent's connection and with the
+server. Every process it starts is killed and reaped at the end. Run: DEADPOOL_SLURM_TESTS=0 .venv/bin/python -m pytest -q tests/test_forkserver.py
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 
 from deadpool_hpc.agent.channel import ChannelServer
 from deadpool_hpc.config import RunConfig
-from deadpool_hpc.worker import forkserver
+from deadpool_hpc.process import forkserver
 
 SECRET = bytes(range(32))
 

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from deadpool_hpc.config import Fault, RunConfig
-from deadpool_hpc.control.fence import _start_ticks, is_alive
+from deadpool_hpc.process.fence import _start_ticks, is_alive
 from deadpool_hpc.events import read_events
 
 from runs import launch_reaped  # tests/runs.py

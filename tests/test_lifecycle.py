@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import pytest
 
 from deadpool_hpc.config import RunConfig
-from deadpool_hpc.control.fence import descendants, fence, identity_of, is_alive
+from deadpool_hpc.process.fence import descendants, fence, identity_of, is_alive
 from deadpool_hpc.events import EventLog, read_events
 from deadpool_hpc.rundir import RunDir, RunDirBusy
 
@@ -169,9 +169,9 @@ def test_sighup_under_nohup_leaves_the_run_alone(tmp_path):
 # ---- the lifeline on its own (no hydra in between) ---------------------------------------------------------------
 WORKER = """
 import json, os, sys, time
-from deadpool_hpc.worker import lifeline
+from deadpool_hpc.process import lifeline
 from deadpool_hpc.events import EventLog
-from deadpool_hpc.control.fence import identity
+from deadpool_hpc.process.fence import identity
 path, peers, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 line = lifeline.start(path)
 line.know(peers, EventLog(path, run=os.environ["DEADPOOL_RUN_ID"], mpi_rank=0))
@@ -189,7 +189,7 @@ time.sleep(600)
 
 LAUNCHER = """
 import os, subprocess, sys, time
-from deadpool_hpc.worker.lifeline import launcher_env
+from deadpool_hpc.process.lifeline import launcher_env
 subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.executable, "-c", *sys.argv[2:]],
                  env=dict(os.environ, **launcher_env("r1")))
 time.sleep(600)
@@ -251,7 +251,7 @@ def test_lifeline_of_a_worker_whose_launcher_is_already_gone_ends_it_at_once(tmp
 
 
 def test_lifeline_only_under_the_local_launcher(tmp_path):
-    from deadpool_hpc.worker import lifeline
+    from deadpool_hpc.process import lifeline
 
     assert lifeline.start(str(tmp_path / "e.jsonl"), environ={}) is None  # Slurm: nothing starts
     with pytest.raises(ValueError, match="DEADPOOL_LAUNCHER='12x'"):

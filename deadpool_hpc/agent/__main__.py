@@ -34,7 +34,7 @@ def _on_stop_signal(sig, _frame) -> None:
 
 
 def main(argv=None) -> None:
-    from ..worker.entry import cap_malloc_arenas
+    from ..process.malloc import cap_malloc_arenas
 
     cap_malloc_arenas()
     stop = {getattr(signal, name) for name in STOP_SIGNALS}
@@ -48,7 +48,7 @@ def main(argv=None) -> None:
     setup_logging("agent")
     run_dir = os.path.abspath(argv[0])
     events = os.path.join(run_dir, "events.jsonl")
-    from ..worker import lifeline
+    from ..process import lifeline
 
     line = lifeline.start(events)  # local launcher only: its death ends the run
     faulthandler.enable()  # a crash in native code leaves its Python stacks in the log

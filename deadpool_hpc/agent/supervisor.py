@@ -3,7 +3,7 @@
 Owns: spawning the P training processes (``python -m deadpool_hpc.worker.entry RUN_DIR LOCAL_RANK``, with the
 agent's channel name in the environment and a parent-death signal, so none outlives its agent; under the local
 launcher, forked by its fork server instead, which kills each one when its agent's connection closes:
-worker/forkserver.py), watching each
+process/forkserver.py), watching each
 one's exit through a pidfd (``poll`` returns it the moment the kernel reaps nothing but knows: no heartbeat
 deadline), reading their progress pages for hangs (``--hang-timeout``), and killing them. Does not own: what a
 failure means for the job (agent/node.py declares the node failed), the channel (agent/channel.py).
@@ -23,7 +23,7 @@ import sys
 import time
 
 from ..errors import WireError
-from ..worker import forkserver
+from ..process import forkserver
 
 PR_SET_PDEATHSIG = 1
 

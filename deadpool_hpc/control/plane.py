@@ -40,7 +40,7 @@ import time
 import numpy as np
 
 from ..errors import Fenced, JobAborted, PeerFailure, RecoveryTimeout, RunFinished
-from . import fence as fencing
+from ..process import fence as fencing
 from . import pmi_relay
 from .agent import Agent
 from .agreement import decide

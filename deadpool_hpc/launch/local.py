@@ -17,7 +17,7 @@ The run's own lifecycle:
 - SIGTERM, SIGHUP and SIGINT stop the run: every process is killed, an ``interrupted`` event is
   logged, and the summary (``interrupted``: the signal's name) is written as at a normal end.
 - The launcher's death by any signal, SIGKILL included, ends the run within seconds: mpiexec gets a
-  parent-death signal (SIGKILL), and every worker runs a lifeline (worker/lifeline.py) that watches
+  parent-death signal (SIGKILL), and every node agent runs a lifeline (process/lifeline.py) that watches
   the launcher's pid and, when it is gone, kills the run's processes and itself.
 
 ``launch`` returns the run summary (summary.build_summary) after every process has exited.
@@ -37,14 +37,14 @@ from contextlib import contextmanager
 
 from ..agent.health import check_plugins
 from ..config import RunConfig
-from ..control.fence import descendants, fence, is_alive
+from ..process.fence import descendants, fence, is_alive
 from ..errors import ConfigError
 from ..events import EventLog, EventTail, read_events
 from ..replica.transports import check_transport
 from ..rundir import RunDir, check_output_file, check_run_dir, emit_requeued, latest_checkpoint
 from ..summary import build_summary
-from ..worker import forkserver
-from ..worker.lifeline import launcher_env
+from ..process import forkserver
+from ..process.lifeline import launcher_env
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 

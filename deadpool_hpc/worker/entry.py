@@ -13,6 +13,8 @@ import signal
 import sys
 import traceback
 
+from ..process.malloc import cap_malloc_arenas
+
 
 def load_train_fn(spec: str):
     """Import "package.module:function". Raises ValueError naming the spec if it cannot. The current directory
@@ -24,22 +26,6 @@ def load_train_fn(spec: str):
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.append(os.getcwd())
     return getattr(importlib.import_module(mod), fn)
-
-
-def cap_malloc_arenas(n: int = 2) -> None:
-    """Cap glibc's malloc arenas (``mallopt(M_ARENA_MAX)``) unless MALLOC_ARENA_MAX is set. Each thread that
-    allocates may get an arena of its own, and recoveries start short-lived threads (replica transfers, the
-    process-group reaper). Measured on a rank surviving 4 recoveries: resident memory grew 3-10 MB per
-    generation with glibc's defaults; with 2 arenas and a ``malloc_trim`` after each generation's old groups
-    are dropped (dataplane/groups.py) it stayed within 1-3 MB over 3 generations. Must run before other threads."""
-    if os.environ.get("MALLOC_ARENA_MAX"):
-        return
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").mallopt(-8, n)  # M_ARENA_MAX
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to cap
 
 
 def main(argv=None) -> None:
@@ -55,12 +41,12 @@ def main(argv=None) -> None:
 
     faulthandler.enable()  # a crash in native code leaves its Python stacks in the log
     from ..config import RunConfig
-    from ..control.fence import identity
+    from ..process.fence import identity
     from ..errors import STARTUP_FAILED_EXIT
     from ..events import EventLog
     from ..logs import setup as setup_logging
     from .client import AgentClient
-    from .lifeline import RUN_ENV
+    from ..process.lifeline import RUN_ENV
 
     with open(os.path.join(run_dir, "config.json")) as fh:
         cfg = RunConfig.from_json(fh.read())

@@ -1,18 +1,18 @@
-"""Worker-side lifeline: when the local launcher dies, by any signal, the whole run ends.
+"""The lifeline: when the local launcher dies, by any signal, the whole run ends.
 
-Owns one daemon thread per worker process, started first thing in ``worker.entry`` (before MPI_Init,
+Owns one daemon thread per node agent, started first thing in ``agent/__main__.py`` (before MPI_Init,
 so a process still stuck there goes too). It uses no MPI and no timer: it blocks in ``poll`` on a
 pidfd of the launcher, whose identity the local launcher puts in the environment
 (``DEADPOOL_LAUNCHER=PID:START``, START = the launcher's start time in clock ticks, as in
-``control.fence.identity``). When the launcher is gone (SIGKILL included, or already gone when the
+``fence.identity``). When the launcher is gone (SIGKILL included, or already gone when the
 thread starts, or its pid now names another process) the thread:
 
 1. appends ``launcher_lost`` to the event log (``launcher``: its pid; ``targets``: the pids it fences);
 2. SIGKILLs every other process of the run it knows, each checked by pid + start time
-   (``control.fence.fence``, so a recycled pid is never hit): the peers exchanged by the control plane
-   (``Lifeline.know(cp.idents)``) and the hydra processes between this worker and the launcher (its
+   (``fence.fence``, so a recycled pid is never hit): the peers exchanged by the control plane
+   (``Lifeline.know(cp.idents)``) and the hydra processes between this agent and the launcher (its
    proxy and mpiexec), recorded when the thread starts. A SIGSTOPped peer cannot notice anything, so
-   every live worker kills all the others;
+   every live agent kills all the others;
 3. SIGKILLs itself.
 
 Under Slurm (no ``DEADPOOL_LAUNCHER``) nothing starts: Slurm owns the job's lifetime. The launcher
@@ -26,7 +26,7 @@ import signal
 import threading
 import time
 
-from ..control.fence import fence, identity, identity_of, is_alive, parent_of
+from .fence import fence, identity, identity_of, is_alive, parent_of
 
 ENV = "DEADPOOL_LAUNCHER"
 RUN_ENV = "DEADPOOL_RUN_ID"
@@ -119,7 +119,7 @@ def wait_gone(ident: dict) -> None:
 
 
 def _between(pid: int, top: dict) -> list[dict]:
-    """Identities of the ancestors of ``pid`` strictly below ``top`` (for a worker of the local launcher:
+    """Identities of the ancestors of ``pid`` strictly below ``top`` (for a node agent of the local launcher:
     its hydra proxy and mpiexec). Empty if ``top`` is not an ancestor: then nothing is presumed ours."""
     chain = []
     p = parent_of(pid)
@@ -136,7 +136,7 @@ def _between(pid: int, top: dict) -> list[dict]:
 
 def start(events_path: str, environ=None) -> Lifeline | None:
     """Start the lifeline if the local launcher asked for one (``DEADPOOL_LAUNCHER`` set); else None.
-    A malformed value raises ValueError (the launcher always sets it well: a worker must not run on
+    A malformed value raises ValueError (the launcher always sets it well: an agent must not run on
     without the guarantee it asks for)."""
     environ = os.environ if environ is None else environ
     value = environ.get(ENV)
