@@ -3,7 +3,7 @@
 1. **Side-stream snapshot**: a model of about ``--params`` parameters (default 1e9, fp32, AdamW) trains for
    ``--steps`` steps twice, interleaved in ``--rounds`` rounds: without snapshots, and with the unique state
    (parameters + both AdamW moments) copied device-to-host after each step into a *pinned shared-memory* buffer
-   (``agent/shm.py``: memfd + ``cudaHostRegister``), on a side CUDA stream that waits on an event recorded after
+   (``ipc/shm.py``: memfd + ``cudaHostRegister``), on a side CUDA stream that waits on an event recorded after
    the optimizer step, overlapped with the next forward/backward; the next optimizer step waits for the copy
    (the update may not overwrite what is being copied). Prints the on/off step-time ratio (median of per-round
    ratios) and the copy's bandwidth. The copy is checked: the host bytes equal the device state of that step.
@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from deadpool_hpc.agent.shm import SharedBuffer  # noqa: E402
+from deadpool_hpc.ipc.shm import SharedBuffer  # noqa: E402
 
 
 def model_of(params: float, device) -> torch.nn.Module:

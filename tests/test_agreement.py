@@ -173,7 +173,7 @@ def test_a_decision_for_8192_ranks_fits_a_control_message():
     """1,024 nodes x 8 ranks, one node lost and swapped for a spare: written out id by id its assignment and members
     made the decision 80 KB, over the 64 KiB a control message may carry (wire.MAX_MESSAGE_BYTES); as runs, a few
     hundred bytes."""
-    from deadpool_hpc.control import wire
+    from deadpool_hpc.ipc import wire
 
     P, nodes = 8, 1024
     W = nodes * P

@@ -1,4 +1,4 @@
-"""The local channel between a node agent and its training processes (agent/channel.py, agent/shm.py,
+"""The local channel between a node agent and its training processes (agent/channel.py, ipc/shm.py,
 agent/store.py, worker/client.py), with real processes on real sockets: training processes SIGKILLed and
 SIGSTOPped mid-conversation, an agent SIGKILLed under its client. Every child is killed and reaped at the end.
 Run: DEADPOOL_SLURM_TESTS=0 .venv/bin/python -m pytest -q tests/test_channel.py
@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from deadpool_hpc.agent.channel import ChannelServer
-from deadpool_hpc.agent.shm import ProgressPage, SharedBuffer, slot_pair
 from deadpool_hpc.agent.store import GenerationStore
 from deadpool_hpc.errors import AgentLost, ChannelError, ChannelTimeout, PeerFailure
-from deadpool_hpc.replica.snapshot import StateLayout, checksum
+from deadpool_hpc.ipc.shm import ProgressPage, SharedBuffer
+from deadpool_hpc.replica.snapshot import StateLayout, checksum, slot_pair
 from deadpool_hpc.worker.client import AgentClient, AgentStore
 
 SECRET = b"test-secret-0123456789abcdef-32b"
@@ -137,7 +137,7 @@ def say(**kw):
 secret = a["secret"].encode()
 mode = a["mode"]
 if mode == "raw":   # speak the protocol by hand: frames, raw bytes, silence; report what comes back
-    from deadpool_hpc.agent.channel import FrameReader, address_of, encode_frame
+    from deadpool_hpc.ipc.frames import FrameReader, address_of, encode_frame
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(20)
     s.connect(address_of(a["name"]))

@@ -1,4 +1,4 @@
-"""The per-step snapshot protocol over the progress page (agent/desk.py, agent/shm.py): a claim word answered with a
+"""The per-step snapshot protocol over the progress page (agent/desk.py, ipc/shm.py): a claim word answered with a
 grant, a written word shipped to a real holder over TCP, the committed word stored by the Replicator, all woken by
 a real eventfd doorbell; stale and busy claims. The training process's side is played here by storing the words
 (what worker/context.py does); the end-to-end runs (test_your_loop.py, test_hotswap.py) use the real one.
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from deadpool_hpc.agent.desk import SnapshotDesk
-from deadpool_hpc.agent.shm import GEN_MASK, Doorbell, ProgressPage, SharedBuffer, pack_word, slot_pair, unpack_word
-from deadpool_hpc.replica.snapshot import StateLayout, checksum
+from deadpool_hpc.ipc.shm import GEN_MASK, Doorbell, ProgressPage, SharedBuffer, pack_word, unpack_word
+from deadpool_hpc.replica.snapshot import StateLayout, checksum, slot_pair
 from deadpool_hpc.replica.transport import INLINE_STAMP_BYTES, Replicator
 
 SECRET = b"test-secret-0123456789abcdef-32b"

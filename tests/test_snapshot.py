@@ -158,9 +158,9 @@ AGENT_SIDE = r"""
 import sys
 import numpy as np
 import deadpool_hpc.agent.__main__, deadpool_hpc.agent.node, deadpool_hpc.agent.desk
-from deadpool_hpc.agent.shm import SharedBuffer, slot_pair
+from deadpool_hpc.ipc.shm import SharedBuffer
 from deadpool_hpc.replica import persist
-from deadpool_hpc.replica.snapshot import SlotPair, StateLayout, checksum
+from deadpool_hpc.replica.snapshot import SlotPair, StateLayout, checksum, slot_pair
 layout = StateLayout([("float32", [4, 4]), ("bfloat16", [8])], 5, 64)
 bufs = [SharedBuffer.create(layout.nbytes, name="t") for _ in range(2)]
 own = slot_pair(bufs)

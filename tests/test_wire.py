@@ -1,6 +1,6 @@
 import pytest
 
-from deadpool_hpc.control import wire
+from deadpool_hpc.ipc import wire
 from deadpool_hpc.errors import WireError
 
 

@@ -2,7 +2,7 @@
 
 Each step a training process claims a slot for its next snapshot, writes the snapshot into it, says it is written,
 and waits, before its next update, until every holder acknowledged it (worker/context.py). These four moves go
-through the snapshot words of its progress page (agent/shm.py ``ProgressPage``: claim, grant, written,
+through the snapshot words of its progress page (ipc/shm.py ``ProgressPage``: claim, grant, written,
 committed), not through channel messages: the training process stores a word and rings the agent's ``Doorbell``;
 this thread wakes, reads the claim and written words of every local rank, and calls the rank's Replicator
 (``claim``, ``written``: replica/transport.py), which pushes the snapshot to the holders and, once they all
@@ -11,14 +11,14 @@ path: on 2 shared cores each pass of that loop cost ~0.23 ms of CPU and the per-
 (the closing note of this change).
 
 Owns: answering claim and written words, and retrying a claim refused while an own slot was busy (every 5 ms).
-Does not own: what a claim or a written snapshot does (the Replicator), the slots (agent/shm.py), planned swaps
+Does not own: what a claim or a written snapshot does (the Replicator), the slots (ipc/shm.py), planned swaps
 (agent/planned.py: the main loop looks at ``NodeAgent.written`` when one is armed; this thread wakes it).
 """
 from __future__ import annotations
 
 import threading
 
-from .shm import GEN_MASK, Doorbell, unpack_word
+from ..ipc.shm import GEN_MASK, Doorbell, unpack_word
 
 
 class SnapshotDesk:

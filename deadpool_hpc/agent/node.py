@@ -1,7 +1,7 @@
 """The node agent: one per node, the only MPI process of its node, supervising the node's training processes.
 
 Owns, for its node (DESIGN.md "Process tree"): the control plane among agents (heartbeats, agreement, fencing:
-control/), the node's own snapshot slots (shared with its training processes, agent/shm.py) and the replicas it
+control/), the node's own snapshot slots (shared with its training processes, ipc/shm.py) and the replicas it
 holds for other nodes (replica/transport.py: one Replicator per local rank), each generation's rendezvous (the
 replicated key/value store its training processes use instead of a TCPStore, agent/store.py), and the
 supervision of its P training processes (agent/supervisor.py: an exit is seen at once, a hang by its progress
@@ -24,13 +24,14 @@ import time
 from ..control.agreement import held_by, holders_of
 from ..control.decision import Decision
 from ..errors import STARTUP_FAILED_EXIT, Fenced, PeerFailure, RecoveryTimeout, RunFinished
+from ..ipc.messages import LINK_GENERATION
+from ..ipc.shm import Doorbell
 from ..replica import persist
 from .desk import SnapshotDesk
 from .persister import Persister
 from .planned import PlannedSwaps
 from .preflight import HealthCheck, SpeedCheck, link_pair_of, link_request
-from .shm import Doorbell
-from .store import LINK_GENERATION, GenerationStore
+from .store import GenerationStore
 
 MAX_FAILED_ROUNDS = 8
 STEADY_TICK_S = 0.05  # seconds between passes of the agent's loop when nothing happens (issue 7: idle CPU)
@@ -356,8 +357,8 @@ class NodeAgent:
             pass  # the supervisor reports the exit itself (with its status)
 
     def _layout(self, local: int, body: dict) -> None:
-        from ..agent.shm import SharedBuffer, slot_pair
-        from ..replica.snapshot import StateLayout
+        from ..ipc.shm import SharedBuffer
+        from ..replica.snapshot import StateLayout, slot_pair
         from ..replica.transport import Replicator
 
         nbytes = int(body["nbytes"])

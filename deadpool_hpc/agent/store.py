@@ -20,10 +20,7 @@ import math
 import threading
 import time
 
-STORE_KINDS = frozenset({"store_set", "store_get", "store_wait", "store_check"})
-# the store the start-up's link check meets through (agent/preflight.py): served by every agent, spares included,
-# under this generation number, which no generation of the job has (they count from 0)
-LINK_GENERATION = -1
+from ..ipc.messages import STORE_KINDS
 
 
 class _Parked:

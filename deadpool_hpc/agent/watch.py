@@ -6,7 +6,7 @@ milliseconds, long before a heartbeat deadline. That covers a crashed or killed 
 included: they die with it). It cannot cover a frozen agent or a node that lost power (nothing closes): the
 heartbeats (control/agent.py) do. Each agent watches two peers (successor, predecessor), so the cost per agent
 does not grow with the job. A connection's first message is a ``watch`` hello signed with the job secret
-(control/wire.py); anything else is dropped.
+(ipc/wire.py); anything else is dropped.
 
 Owns: the listening socket, the two connections, and reporting EOF as a lost node. Does not own: what a lost
 node means (the node agent suspects it through the control plane).
@@ -17,7 +17,7 @@ import select
 import socket
 import struct
 
-from ..control import wire
+from ..ipc import wire
 
 
 class RingWatch:

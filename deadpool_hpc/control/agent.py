@@ -32,7 +32,7 @@ from collections import deque
 
 import numpy as np
 
-from . import wire
+from ..ipc import wire
 from .topology import ring_neighbours, tree_children
 
 TAG_CONTROL = 7

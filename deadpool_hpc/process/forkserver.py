@@ -38,8 +38,8 @@ import struct
 import subprocess
 import sys
 
-from ..ipc.wire import MAX_MESSAGE_BYTES, decode, encode
 from ..errors import WireError
+from ..ipc.wire import MAX_MESSAGE_BYTES, decode, encode
 
 ENV = "DEADPOOL_FORKSERVER"   # the server's abstract socket name, set by the local launcher for its agents
 PR_SET_PDEATHSIG = 1

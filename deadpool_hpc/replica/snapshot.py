@@ -67,7 +67,7 @@ class Slot:
     ``ctx.protect`` rank's kept shares) is not this rank's; reset when the slot is invalidated.
 
     tensor: an existing buffer of ``nbytes`` bytes to use instead of a new one: a 1-D uint8 CPU tensor, or a 1-D
-    uint8 numpy array (a node agent's slot in memory shared with its training process, see agent/shm.py); it is
+    uint8 numpy array (a node agent's slot in memory shared with its training process, see ipc/shm.py); it is
     used as is, not pinned. A new buffer is a torch tensor (pinned when CUDA is available) in a process that has
     imported torch, and a numpy array in one that has not (a node agent: the replicas it holds).
 
@@ -179,6 +179,19 @@ class SlotPair:
     def clear(self) -> None:
         for s in self.slots:
             s.invalidate()
+
+
+def slot_pair(buffers: list):
+    """A SlotPair whose two slots live in ``buffers`` (two ``ipc.shm.SharedBuffer`` of equal size, or anything with
+    ``nbytes`` and a uint8 ``array``): the agent's own snapshot slots, written by its training process, stamped and
+    shipped by the agent. Each slot keeps a reference to its buffer (``slot.shared``) so the memory outlives nothing
+    it backs."""
+    if len(buffers) != 2 or buffers[0].nbytes != buffers[1].nbytes:
+        raise ValueError(f"a slot pair needs two shared buffers of equal size, got sizes {[b.nbytes for b in buffers]}")
+    pair = SlotPair(buffers[0].nbytes, tensors=[b.array for b in buffers])  # numpy: the agent needs no torch
+    for slot, b in zip(pair.slots, buffers):
+        slot.shared = b
+    return pair
 
 
 class StateLayout:

@@ -1,7 +1,7 @@
 """Bounded TCP I/O for the replica plane: one connection (``Link``) whose every call returns or raises
 within ``POLL_S`` of a stop request, of its deadline, or of its peer going quiet for ``idle`` seconds.
 
-Owns: connecting, framed signed messages (4-byte big-endian length + ``control/wire.py`` encoding:
+Owns: connecting, framed signed messages (4-byte big-endian length + ``ipc/wire.py`` encoding:
 JSON + HMAC-SHA256 with the job secret, verified before the body is parsed), and raw payload bytes
 moved in pieces of at most ``CHUNK`` bytes. Does not own: what the messages mean, slots, threads
 (``transport.py``).
@@ -29,8 +29,8 @@ import socket
 import struct
 import time
 
-from ..control import wire
 from ..errors import WireError
+from ..ipc import wire
 from .transports import TcpTransport
 
 TCP = TcpTransport()

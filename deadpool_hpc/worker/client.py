@@ -5,8 +5,8 @@ a reader thread that dispatches the agent's messages to handlers or per-kind que
 (EOF: ``lost`` is set and ``on_lost`` called at once), mapping the shared buffers the agent passes
 (``attach_slots``), and ``AgentStore``, a ``torch.distributed.Store`` whose ``set``/``get``/``wait``/``check``
 are answered by the agent (``agent/store.py``), so a generation's rendezvous needs no store host. Does not own:
-the frame format and admission (``agent/channel.py``), what the messages mean (the worker loop), or the
-snapshot layout (``replica/snapshot.py``).
+the frame format (``ipc/frames.py``) and admission (``agent/channel.py``), what the messages mean (the worker
+loop), or the snapshot layout (``replica/snapshot.py``).
 
 Every wait has a deadline: ``connect`` (``timeout``), ``get`` (``timeout``, required), ``send`` (the kernel
 buffer is full for ``send_timeout`` seconds: the agent is frozen), the store's ops (their timeout). A wait ends
@@ -29,9 +29,9 @@ from collections import defaultdict, deque
 
 import torch.distributed as dist
 
-from ..agent.channel import ENV, FD_KEY, MAX_FDS, RESERVED, FrameReader, address_of, encode_frame
-from ..agent.shm import Doorbell, ProgressPage, SharedBuffer
 from ..errors import AgentLost, ChannelError, ChannelTimeout, PeerFailure
+from ..ipc.frames import ENV, FD_KEY, MAX_FDS, RESERVED, FrameReader, address_of, encode_frame
+from ..ipc.shm import Doorbell, ProgressPage, SharedBuffer
 
 logger = logging.getLogger(__name__)
 

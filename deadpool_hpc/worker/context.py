@@ -26,11 +26,11 @@ from collections import deque
 
 import torch
 
-from ..agent.shm import GEN_MASK, ProgressPage
 from ..dataplane import collectives
 from ..dataplane.collectives import Watch
 from ..dataplane.groups import device_for, release_free_memory
 from ..errors import ChannelTimeout, PeerFailure, ReplicaError
+from ..ipc.shm import GEN_MASK, ProgressPage
 from ..replica import persist
 from ..replica.snapshot import Slot, StateLayout
 from . import preflight

@@ -26,7 +26,7 @@ import statistics
 import threading
 import time
 
-from ..agent.store import LINK_GENERATION
+from ..ipc.messages import LINK_GENERATION
 
 REPS = 3
 MATMULS = 8

@@ -1,10 +1,10 @@
 """Shared memory between a node agent and its training processes: anonymous ``memfd`` buffers passed as fds.
 
 Owns: creating byte buffers (agent side, ``SharedBuffer.create``), mapping a received fd (training side,
-``SharedBuffer.attach``), the *progress page* layout (``ProgressPage``), snapshot slots over shared buffers
-(``slot_pair``) and pinning a mapping for CUDA copies. Does not own: passing the fds (``agent/channel.py`` and
-``worker/client.py`` do, with SCM_RIGHTS), what is written in a buffer (``replica/snapshot.py``), nor deciding
-that a process hangs (the agent's supervisor reads the page and decides).
+``SharedBuffer.attach``), the *progress page* layout (``ProgressPage``), the doorbell (``Doorbell``) and pinning a
+mapping for CUDA copies. Does not own: passing the fds (``agent/channel.py`` and ``worker/client.py`` do, with
+SCM_RIGHTS), what is written in a buffer (``replica/snapshot.py``, whose ``slot_pair`` lays snapshot slots over two
+buffers), nor deciding that a process hangs (the agent's supervisor reads the page and decides).
 
 Why ``os.memfd_create``: the memory has no name (nothing in /dev/shm), it lives as long as one process maps it
 or holds its fd, so nothing leaks when either side is SIGKILLed, and a snapshot written into the agent's buffer
@@ -14,7 +14,7 @@ the new end would otherwise die of SIGBUS. Every fd is close-on-exec (training p
 spawn never inherit one by accident).
 
 No torch import at module level: the agent's channel code and its tests use this without torch;
-``SharedBuffer.tensor`` and ``slot_pair`` import it when called.
+``SharedBuffer.tensor`` imports it when called.
 """
 from __future__ import annotations
 
@@ -287,17 +287,3 @@ class Doorbell:
         fd, self.fd = self.fd, None   # first: a ring racing the close fails (TypeError), never hits a reused fd
         if fd is not None:
             os.close(fd)
-
-
-def slot_pair(buffers: list[SharedBuffer]):
-    """A ``replica.snapshot.SlotPair`` whose two slots live in ``buffers`` (two SharedBuffers of equal size):
-    the agent's own snapshot slots, written by its training process, stamped and shipped by the agent. Each slot
-    keeps a reference to its buffer (``slot.shared``) so the memory outlives nothing it backs."""
-    from ..replica.snapshot import SlotPair
-
-    if len(buffers) != 2 or buffers[0].nbytes != buffers[1].nbytes:
-        raise ValueError(f"a slot pair needs two shared buffers of equal size, got sizes {[b.nbytes for b in buffers]}")
-    pair = SlotPair(buffers[0].nbytes, tensors=[b.array for b in buffers])  # numpy: the agent needs no torch
-    for slot, b in zip(pair.slots, buffers):
-        slot.shared = b
-    return pair
