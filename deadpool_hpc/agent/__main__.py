@@ -68,7 +68,7 @@ def main(argv=None) -> None:
     from ..hostaddr import store_host
     from ..errors import Fenced
     from ..events import EventLog
-    from ..worker.faults import NodeFaults, nic_down_env
+    from ..faults import NodeFaults, nic_down_env
     from .channel import ChannelServer
     from ..replica.transports import check_transport
     from .health import HealthWatch, NodeInfo, load_detectors

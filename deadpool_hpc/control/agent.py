@@ -77,7 +77,7 @@ class Agent(threading.Thread):
         self.preempted = threading.Event()  # the job must save and leave (Slurm's SIGUSR2), see request_preempt
         self.preempt_signal = False         # set by a signal handler (a plain store: safe there); read by this thread
         self.on_preempt = None              # on_preempt(source_rank): called from this thread, once
-        self.on_inject = None               # on_inject(body): a fault to fire on this process (worker/faults.py)
+        self.on_inject = None               # on_inject(body): a fault to fire on this process (faults.py)
         self.watchdog = None                # a Watchdog (watchdog.py) credited for this thread's own stalls
         self.fenced: str | None = None      # why the others declared this process failed (it must stop)
         self.inbox: queue.Queue = queue.Queue()

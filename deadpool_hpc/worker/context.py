@@ -30,11 +30,11 @@ from ..dataplane import collectives
 from ..dataplane.collectives import Watch
 from ..dataplane.groups import device_for, release_free_memory
 from ..errors import ChannelTimeout, PeerFailure, ReplicaError
+from ..faults import RankFaults
 from ..ipc.shm import GEN_MASK, ProgressPage
 from ..replica import persist
 from ..replica.snapshot import Slot, StateLayout
 from . import preflight
-from .faults import RankFaults
 from .zero import ShardedAdamW
 
 # seconds a process leaving a failed generation waits for the snapshot of the step it completed (a copy into shared
@@ -104,7 +104,7 @@ class Context:
         client.on("failure", self._on_failure)
         client.on("preflight", lambda body: preflight.answer(client, self.device, body))   # worker/preflight.py
         client.on("link", lambda body: preflight.link_answer(client, body))
-        # a test's --nic-down nodeI@STEP (worker/faults.py): from now on, every gloo group this process builds
+        # a test's --nic-down nodeI@STEP (faults.py): from now on, every gloo group this process builds
         client.on("nic_down", lambda body: os.environ.__setitem__("GLOO_SOCKET_IFNAME", str(body.get("ifname"))))
         _local_default_group()
 

@@ -178,7 +178,7 @@ def nic_down_env(faults, node: int, env: dict, log) -> None:
 
 def _nic_down_injected(log, target: str, node: int, step, pids: list) -> str:
     """Log (and fsync) a ``--nic-down`` fault; returns the interface gloo is to be given."""
-    from ..config import NIC_DOWN_IFNAME
+    from .config import NIC_DOWN_IFNAME
 
     log.emit("fault_injected", kind="nic_down", target=target, step=step, phase="startup" if step is None else None,
              node=node, pids=pids, signal=None, ifname=NIC_DOWN_IFNAME)
