@@ -9,7 +9,7 @@ faults.py). The simulation replays the faults in order, as the recovery would ha
   and at the first step after it (a new loss) for resume;
 - a *window* is the run of rounds between two stretches of training: every node lost in a window is lost
   "together". A rank survives a window when at least one of its K replica holders (the same local index on
-  the next K active nodes, a ring: agreement.holders_of) is on a node not lost in the window and not
+  the next K active nodes, a ring: placement.py) is on a node not lost in the window and not
   replaced in the previous window (a promoted node's replicas are only re-made by its first step);
 - each lost active node takes the first live spare; with none left the run saves a checkpoint and is
   requeued (``--requeue``), or cannot go on;
@@ -25,6 +25,7 @@ for tests and docs.
 from __future__ import annotations
 
 from .errors import ConfigError
+from .placement import holder_nodes
 
 PRE_DECISION = ("detect", "agree", "decided")
 POST_DECISION = ("rebuild", "restore")
@@ -144,7 +145,7 @@ class _Sim:
             raise ConfigError(f"{named}: without replicas (--no-replicate or --replicas 0) a lost node's state exists "
                               f"nowhere; accepted: --replicas 1 or more")
         for slot in sorted(window):
-            holders = [(slot + j) % self.N for j in range(1, self.K + 1)]
+            holders = holder_nodes(slot, self.N, self.K)
             if all(h in window or h in replaced_before for h in holders):
                 raise ConfigError(
                     f"{named}: logical node {slot} and every holder of its replica (logical node(s) "

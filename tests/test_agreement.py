@@ -1,12 +1,14 @@
-"""The recovery decision as a pure function (control/agreement.py), and its wire form (control/decision.py)."""
+"""The recovery decision as a pure function (control/agreement.py), its wire form (control/decision.py), and the
+replica placement it uses (placement.py)."""
 import dataclasses
 import json
 
 import pytest
 
-from deadpool_hpc.control.agreement import decide, held_by, holders_of
+from deadpool_hpc.control.agreement import decide
 from deadpool_hpc.control.decision import Decision, RoundFailure, decision_from_wire, from_int_runs, int_runs
 from deadpool_hpc.errors import ReplicaError
+from deadpool_hpc.placement import held_by, holder_nodes, holders_of
 
 
 def reports(own_steps, held, assignment=None):
@@ -27,6 +29,8 @@ def test_ring_over_nodes():
     assert holders_of(1, 1, 4, k=2) == [2, 3] and held_by(1, 1, 4, k=2) == [0, 3]
     with pytest.raises(ValueError, match="2 replica"):
         holders_of(0, 1, 2, k=2)
+    # the pre-start check's node-level ring (faultplan.py) is the same ring
+    assert all(holder_nodes(n, 4, 2) == [h // 3 for h in holders_of(3 * n + 1, 3, 4, k=2)] for n in range(4))
 
 
 def test_node_loss_maps_to_spare_and_cuts_at_common_step():

@@ -21,11 +21,11 @@ import os
 import signal
 import time
 
-from ..control.agreement import held_by, holders_of
 from ..control.decision import Decision
 from ..errors import STARTUP_FAILED_EXIT, Fenced, PeerFailure, RecoveryTimeout, RunFinished
 from ..ipc.messages import LINK_GENERATION
 from ..ipc.shm import Doorbell
+from ..placement import held_by, holders_of
 from ..replica import persist
 from .desk import SnapshotDesk
 from .persister import Persister

@@ -4,32 +4,13 @@ The coordinator of a recovery round (the lowest-ranked live process, plane.py) r
 live process has reported; every member applies the result it receives. Being pure, it is unit-tested
 directly. Steps follow DESIGN.md "Recovery, in order": agree on the failed set, map every failed node to a
 spare node rank for rank, and cut at the newest step ``T`` whose state exists for every rank, then say
-where each rank's state at ``T`` comes from.
-
-Replica placement (``holders_of``): rank r's snapshot is held by the same local index on the next K
-active (logical) nodes, a ring, so any K simultaneous node losses leave a copy of every rank.
+where each rank's state at ``T`` comes from. Where replicas are is placement.py's rule (``holders_of``).
 """
 from __future__ import annotations
 
 from ..errors import ReplicaError
+from ..placement import holders_of
 from .decision import Decision
-
-
-def holders_of(train_rank: int, ranks_per_node: int, active_nodes: int, k: int = 1) -> list[int]:
-    """Training ranks that hold ``train_rank``'s replica: same local index on the next ``k`` nodes (a ring).
-
-    Raises ValueError when the ring is too small (fewer than k + 1 active nodes).
-    """
-    if k >= active_nodes:
-        raise ValueError(f"{k} replica(s) need at least {k + 1} active nodes (a ring over nodes); have {active_nodes}")
-    node, local = divmod(train_rank, ranks_per_node)
-    return [((node + j) % active_nodes) * ranks_per_node + local for j in range(1, k + 1)]
-
-
-def held_by(train_rank: int, ranks_per_node: int, active_nodes: int, k: int = 1) -> list[int]:
-    """Training ranks whose replica ``train_rank`` holds (its ``k`` predecessors on the ring)."""
-    node, local = divmod(train_rank, ranks_per_node)
-    return [((node - j) % active_nodes) * ranks_per_node + local for j in range(1, k + 1)]
 
 
 def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare_nodes: list[int],

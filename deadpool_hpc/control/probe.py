@@ -86,7 +86,7 @@ def _thread_cpu(tid: int) -> float:
 
 
 def _report(cp) -> dict:
-    from .agreement import held_by
+    from ..placement import held_by
 
     m = cp.me  # one virtual process per node (P = 1)
     if m not in cp.assignment:

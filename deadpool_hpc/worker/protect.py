@@ -66,9 +66,9 @@ import struct
 import torch
 from torch import nn
 
-from ..control.agreement import held_by, holders_of
 from ..dataplane import collectives
 from ..errors import ReplicaError
+from ..placement import held_by, holders_of
 from ..replica.snapshot import checksum
 
 BLOB_MIN = 64 << 10          # bytes reserved for the JSON document, at least
