@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/control_plane_scale.py [--sizes 8,16,32,64,128,256] [--window 10] [--out DIR]
 
-For each size N it starts N control-plane probes (deadpool_hpc/control/probe.py: a node agent's control plane and
+For each size N it starts N control-plane probes (study/probe.py: a node agent's control plane and
 ring watch, no training processes) under MPICH's hydra, one proxy per agent as the local launcher does, N - 2
 active and 2 spares, and measures:
 
@@ -15,7 +15,7 @@ active and 2 spares, and measures:
   agent applied), and each agent's CPU in the recovery.
 
 The old all-to-all heartbeats (every agent watches every other) run for comparison at the sizes in
-``--all-sizes``. The analysis (deadpool_hpc/control/scale_study.py) writes ``scale.csv`` and one PNG per measure
+``--all-sizes``. The analysis (study/scale_study.py) writes ``scale.csv`` and one PNG per measure
 under ``--out`` (default benchmarks/out/scale), fits each phase, models a recovery with one agent per node,
 projects 512, 4,096 and 16,384 nodes, and the last line printed is one JSON object with everything
 (docs/scaling.md explains the model and its sources).
@@ -52,8 +52,8 @@ def _wait(out: str, pattern: str, count: int, timeout: float, proc) -> int:
 
 def run_size(n: int, topology: str, window: float, out_root: str) -> dict:
     """Start n probes, let them run their window, their crash (agent n/2) and their freeze (agent 0, the
-    coordinator), which they inject themselves (control/probe.py), then end the run and return its row."""
-    from deadpool_hpc.control.scale_study import row
+    coordinator), which they inject themselves (study/probe.py), then end the run and return its row."""
+    from study.scale_study import row
     from deadpool_hpc.launch.local import mpiexec_path
 
     out = os.path.join(out_root, f"{topology}-{n}")
@@ -63,7 +63,7 @@ def run_size(n: int, topology: str, window: float, out_root: str) -> dict:
     env = dict(os.environ, DEADPOOL_JOB_SECRET=secrets.token_hex(16), PYTHONPATH=ROOT,
                MPIR_CVAR_NUM_CLIQUES=str(n), MPIR_CVAR_CLIQUES_BY_BLOCK="1", OMP_NUM_THREADS="1")
     cmd = [mpiexec_path(), "-disable-auto-cleanup", "-launcher", "fork", "-hosts", _hosts(n), "-ppn", "1",
-           "-n", str(n), sys.executable, "-m", "deadpool_hpc.control.probe", out, "--active", str(n - 2),
+           "-n", str(n), sys.executable, "-m", "study.probe", out, "--active", str(n - 2),
            "--watch-k", "0" if topology == "all" else "2", "--window", str(window), "--warmup", "3",
            "--crash", str(n // 2), "--freeze", "0", "--freeze-for", "5", "--exit-after", "0"]
     t0 = time.monotonic()
@@ -93,7 +93,7 @@ def run_size(n: int, topology: str, window: float, out_root: str) -> dict:
 
 
 def _reap_killer(out: str) -> None:
-    """Wait (at most 15 s) for the frozen probe's killer (control/probe.py) to have done its job and left."""
+    """Wait (at most 15 s) for the frozen probe's killer (study/probe.py) to have done its job and left."""
     try:
         with open(os.path.join(out, "fault-freeze.json")) as fh:
             pid = json.load(fh).get("killer_pid")
@@ -105,7 +105,7 @@ def _reap_killer(out: str) -> None:
 
 
 def main() -> None:
-    from deadpool_hpc.control.scale_study import report
+    from study.scale_study import report
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="8,16,32,64,128,256")

@@ -1,10 +1,17 @@
-"""The scale study's analysis (control/scale_study.py) on files written as the probes write them: pure logic."""
+"""The scale study (study/, beside the package): its analysis (study/scale_study.py) on files written as the probes
+write them, pure logic; and what its probe (study/probe.py) imports."""
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 
-from deadpool_hpc.control import scale_study
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # study/ is not installed with the package: it runs from the checkout
+
+from study import scale_study  # noqa: E402
 
 
 def _write(path, obj):
@@ -61,3 +68,23 @@ def test_fits_model_and_projection(tmp_path):
     assert (tmp_path / "out" / "scale.csv").read_text().count("\n") == 5
     assert [r["n"] for r in rows] == [int(d.rsplit("-", 1)[1]) for d in scale_study.sweep_dirs(str(tmp_path))]
     assert scale_study.fit([1, 2, 4, 8], [3, 4, 5, 6])["model"] == "a + b*log2(N)"
+
+
+def test_the_slurm_sweeps_study_reads_the_probe_directories(tmp_path, capsys):
+    """``python -m study.scale_study OUT_DIR`` (sbatch/scaling.sbatch, MODE=control-plane): the cp-n<N> directories
+    of the sweep; exit 0 when every size recovered from both faults, 1 when there is nothing to study."""
+    assert scale_study.main([str(tmp_path)]) == 1
+    _run(tmp_path / "cp-n8", 8)
+    capsys.readouterr()
+    assert scale_study.main([str(tmp_path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["n"] for r in out["sizes"]] == [8] and (tmp_path / "scale.csv").exists()
+
+
+def test_the_control_plane_probe_does_not_import_torch():
+    """256 probes share one machine in the scale study: torch in each (~150 MB) does not fit its memory (the
+    kernel's OOM killer ended a 128-agent run when the probe imported torch through dataplane.groups)."""
+    code = ("import sys, study.probe, study.scale_study, deadpool_hpc.control.plane; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr

@@ -332,7 +332,8 @@ def scaling_table(out_dir: str) -> list[dict]:
                      "median_tokens_per_s": s.get("median_tokens_per_s"), "swaps": s["swaps"],
                      "param_digest": s["param_digest"]})
     if not rows:
-        raise FileNotFoundError(f"no summary-n<size>.json in {out_dir!r} (sbatch/scaling.sbatch writes them)")
+        raise FileNotFoundError(f"no summary-n<size>.json in {out_dir!r} (sbatch/scaling.sbatch writes them; a "
+                                f"MODE=control-plane sweep's study is python -m study.scale_study {out_dir})")
     rows.sort(key=lambda r: r["nodes"])
     base = rows[0]
     for r in rows:
@@ -390,8 +391,8 @@ def main(argv=None) -> int:
     su = sub.add_parser("summary", help="write RUN_DIR/summary.json")
     su.add_argument("run_dir")
     su.add_argument("--out")
-    sc = sub.add_parser("scaling", help="table of a scaling sweep's summaries (sbatch/scaling.sbatch OUT_DIR); with "
-                                        "MODE=control-plane, the control plane's scale study: table, fits, plots")
+    sc = sub.add_parser("scaling", help="table of a scaling sweep's summaries (sbatch/scaling.sbatch OUT_DIR); a "
+                                        "MODE=control-plane sweep is the scale study's: python -m study.scale_study")
     sc.add_argument("out_dir")
     tk = sub.add_parser("task", help="(inside srun) run one worker, finish the job if the batch host died")
     tk.add_argument("run_dir")
@@ -440,13 +441,6 @@ def main(argv=None) -> int:
                   f"digest={s['param_digest']}")
             return 0 if s["completed"] else 1
         elif a.cmd == "scaling":
-            from ..control import scale_study
-
-            probes = [d for d in scale_study.sweep_dirs(a.out_dir) if os.path.basename(d).startswith("cp-n")]
-            if probes:  # MODE=control-plane: the control plane's scale study (docs/scaling.md)
-                rows = [scale_study.row(d) for d in probes]
-                print(json.dumps(scale_study.report(rows, a.out_dir)))
-                return 0 if all("crash_total_s" in r and "freeze_total_s" in r for r in rows) else 1
             rows = scaling_table(a.out_dir)
             print(json.dumps(rows, indent=1))
             return 0 if rows and all(r["completed"] for r in rows) else 1

@@ -1,11 +1,12 @@
 """Control-plane probe: a node agent's control plane with no training processes, for the scale study (issue 8).
 
-``python -m deadpool_hpc.control.probe OUT_DIR --active N [--watch-k K] [--window S] ...``, one per MPI rank
-under mpiexec (benchmarks/control_plane_scale.py starts it). Each probe is what a node agent is to the rest of
-the job, minus its training processes: the same ControlPlane (heartbeats on the ring, tree dissemination,
-agreement rounds through the lowest live agent, fencing of the decision's failed nodes) and the same ring watch
-(agent/watch.py: a crashed agent is seen at once through its closed socket). Its recovery report says it holds
-step 0 of its own rank and of the ranks it is a replica holder for, so ``decide`` plans a real hot swap.
+``python -m study.probe OUT_DIR --active N [--watch-k K] [--window S] ...``, one per MPI rank under mpiexec
+(benchmarks/control_plane_scale.py starts it) or srun (sbatch/scaling.sbatch), with the checkout on PYTHONPATH.
+Each probe is what a node agent is to the rest of the job, minus its training processes: the same ControlPlane
+(heartbeats on the ring, tree dissemination, agreement rounds through the lowest live agent, fencing of the
+decision's failed nodes) and the same ring watch (agent/watch.py: a crashed agent is seen at once through its
+closed socket). Its recovery report says it holds step 0 of its own rank and of the ranks it is a replica holder
+for, so ``decide`` plans a real hot swap.
 
 It writes, under OUT_DIR (JSON, one file per MPI rank and phase):
 
@@ -86,7 +87,7 @@ def _thread_cpu(tid: int) -> float:
 
 
 def _report(cp) -> dict:
-    from ..placement import held_by
+    from deadpool_hpc.placement import held_by
 
     m = cp.me  # one virtual process per node (P = 1)
     if m not in cp.assignment:
@@ -97,9 +98,9 @@ def _report(cp) -> dict:
 
 
 def main(argv=None) -> None:
-    from ..config import RunConfig
+    from deadpool_hpc.config import RunConfig
 
-    ap = argparse.ArgumentParser(prog="python -m deadpool_hpc.control.probe")
+    ap = argparse.ArgumentParser(prog="python -m study.probe")
     ap.add_argument("out_dir")
     ap.add_argument("--active", type=int, required=True, help="active nodes; the other MPI ranks are spares")
     ap.add_argument("--watch-k", type=int, default=2, help="agents watching each agent (0: all-to-all)")
@@ -117,11 +118,11 @@ def main(argv=None) -> None:
                     help="seconds after the last fault's recovery that a probe leaves (0: wait for OUT_DIR/stop)")
     a = ap.parse_args(argv)
     secret = bytes.fromhex(os.environ["DEADPOOL_JOB_SECRET"])
-    from ..agent.watch import RingWatch
-    from ..errors import RunFinished
-    from ..hostaddr import store_host
-    from ..events import EventLog
-    from .plane import ControlPlane
+    from deadpool_hpc.agent.watch import RingWatch
+    from deadpool_hpc.control.plane import ControlPlane
+    from deadpool_hpc.errors import RunFinished
+    from deadpool_hpc.events import EventLog
+    from deadpool_hpc.hostaddr import store_host
 
     log = EventLog(os.path.join(a.out_dir, "events.jsonl"))
     host = store_host()  # the address other nodes reach this one at (a node agent's too)

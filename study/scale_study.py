@@ -1,15 +1,16 @@
 """The control plane's scale study (issue 8): from the files the probes write to a table, fits, a model and plots.
 
-The probes (control/probe.py) write, per run of N agents, ``steady-R.json``, ``fault-<crash|freeze>.json`` and
+The probes (study/probe.py) write, per run of N agents, ``steady-R.json``, ``fault-<crash|freeze>.json`` and
 ``recovery-R-G.json`` into one directory. ``row(out_dir)`` turns such a directory into one row of measures;
 ``report(rows, out)`` fits them, models a recovery with one agent per node, projects it to 512, 4,096 and 16,384
 nodes (8 GPUs each), and writes ``scale.csv`` and one PNG per measure (matplotlib, the ``bench`` extra).
 Used by benchmarks/control_plane_scale.py (probes started by mpiexec on one machine) and by
-``python -m deadpool_hpc.launch.slurm scaling OUT_DIR`` (probes started by srun: sbatch/scaling.sbatch with
-MODE=control-plane). docs/scaling.md explains every measure and the model's sources.
+``python -m study.scale_study OUT_DIR`` (probes started by srun: sbatch/scaling.sbatch with MODE=control-plane).
+docs/scaling.md explains every measure and the model's sources.
 """
 from __future__ import annotations
 
+import argparse
 import csv
 import glob
 import json
@@ -17,6 +18,7 @@ import math
 import os
 import re
 import statistics
+import sys
 
 
 def _load(pattern: str) -> list[dict]:
@@ -193,8 +195,6 @@ def plot(rows: list[dict], out: str) -> list[str]:
 def report(rows: list[dict], out: str) -> dict:
     """Fits, model and projection of ``rows`` (``row`` of each run); writes ``out``/scale.csv and the PNGs (none,
     with a note on stderr, when matplotlib is missing). Returns everything as one JSON-ready dict."""
-    import sys
-
     ring = [r for r in rows if r.get("topology") == "ring" and "crash_total_s" in r]
     fits, model = {}, None
     if len(ring) >= 2:
@@ -223,3 +223,24 @@ def sweep_dirs(root: str) -> list[str]:
     """The run directories under ``root`` (``ring-N``, ``all-N``, or the Slurm sweep's ``cp-nN``), by size."""
     found = [d for d in glob.glob(os.path.join(root, "*-*")) if os.path.isdir(d) and re.search(r"-n?\d+$", d)]
     return sorted(found, key=lambda d: (os.path.basename(d).startswith("all"), int(re.search(r"(\d+)$", d).group(1))))
+
+
+def main(argv=None) -> int:
+    """``python -m study.scale_study OUT_DIR``: the study of a Slurm sweep's probes (OUT_DIR/cp-n<N>, written by
+    sbatch/scaling.sbatch with MODE=control-plane). Prints the report's JSON (``report``: scale.csv and the plots go
+    to OUT_DIR); exits 0 when every size recovered from both faults, else 1."""
+    ap = argparse.ArgumentParser(prog="python -m study.scale_study",
+                                 description="the control plane scale study of a Slurm sweep's probes")
+    ap.add_argument("out_dir")
+    a = ap.parse_args(argv)
+    probes = [d for d in sweep_dirs(a.out_dir) if os.path.basename(d).startswith("cp-n")]
+    if not probes:
+        print(f"no probe directories (cp-n<N>) under {a.out_dir}", file=sys.stderr)
+        return 1
+    rows = [row(d) for d in probes]
+    print(json.dumps(report(rows, a.out_dir)))
+    return 0 if all("crash_total_s" in r and "freeze_total_s" in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
