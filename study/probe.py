@@ -193,7 +193,7 @@ def main(argv=None) -> None:
                 cpu0, a0 = time.process_time(), _thread_cpu(cp.agent.native_id)
                 n0 = (cp.agent.passes, cp.agent.mpi_polls, cp.agent.sent, cp.agent.received)
                 try:
-                    decision = cp.recover(_report(cp), lambda: None, wait=wait)
+                    decision = cp.recover(_report(cp), wait=wait)
                 except RunFinished:
                     break
                 cpu, agent_cpu = time.process_time() - cpu0, _thread_cpu(cp.agent.native_id) - a0

@@ -517,7 +517,7 @@ class NodeAgent:
             report[str(m)] = dict(rep.report(), done_step=self.left.get(local, -1),
                                   start_step=self.resume["step"] if self.resume else 0)
         self._phase("detect")
-        decision = self.cp.recover(report, lambda: None, on_phase=self._phase, wait=self._tick)
+        decision = self.cp.recover(report, on_phase=self._phase, wait=self._tick)
         g = decision.generation
         self.high_water = max(self.high_water, decision.high_water)
         self.left = {}

@@ -11,12 +11,11 @@ its messages are dropped (it is fenced by the recovery).
 Control messages (suspicions, teardowns, agreement, the rendezvous store's keys) travel over MPI point-to-point
 (``Isend`` + ``Improbe`` on its own duplicate of COMM_WORLD), never a collective, so a dead or frozen peer can
 never block it: MPICH without ULFM neither errors nor completes a collective that includes a dead rank
-(notes/ft-probes.md, notes/mpi-under-slurm.md). They are verified (HMAC, see wire.py) and handed to the main
+(notes/ft-probes.md, notes/mpi-under-slurm.md). They are verified (HMAC, see ipc/wire.py) and handed to the main
 thread through ``inbox``. The sender rings the receiver's bell (waker.py), so a quiet agent sleeps between
 heartbeats and still reads a message at once.
 
-It is also the only thread that calls MPI once it runs: other threads queue messages (``send``) and
-register pollers (``add_poller(obj)``: ``obj.poll()`` each iteration, e.g. the progress watchdog). It
+It is also the only thread that calls MPI once it runs: other threads queue messages (``send``). It
 never blocks: every MPI call it makes is non-blocking (Isend, Improbe + a matched receive of a message
 that has arrived, Test). Measured with the MPICH wheel's UCX netmod: a collective on one thread while another
 thread runs point-to-point traffic stalls delivery for good in about 1 run of 4, while the same
@@ -78,7 +77,6 @@ class Agent(threading.Thread):
         self.preempt_signal = False         # set by a signal handler (a plain store: safe there); read by this thread
         self.on_preempt = None              # on_preempt(source_rank): called from this thread, once
         self.on_inject = None               # on_inject(body): a fault to fire on this process (faults.py)
-        self.watchdog = None                # a Watchdog (watchdog.py) credited for this thread's own stalls
         self.fenced: str | None = None      # why the others declared this process failed (it must stop)
         self.inbox: queue.Queue = queue.Queue()
         self.last_suspicion = 0.0
@@ -105,7 +103,6 @@ class Agent(threading.Thread):
         self._rejected = 0
         self.stalls = 0
         self._outbox: deque = deque()   # (dest, bytes) queued by any thread, sent by this one
-        self._pollers: list = []
         self._ctl_seen = 0.0            # monotonic time of the last message other than a heartbeat
         self.on_notice = None           # called (from this thread) after anything the main thread must act on
 
@@ -155,10 +152,6 @@ class Agent(threading.Thread):
                 self._wake.ring(self._bells[dest])
                 with self.lock:
                     self._pending.append((req, msg, dest))
-
-    def add_poller(self, poller) -> None:
-        """Call ``poller.poll()`` on every iteration of this thread (it may use MPI; it must not block)."""
-        self._pollers.append(poller)
 
     def broadcast(self, kind: str, body: dict, include_self: bool = False) -> None:
         """Send to every live peer (point-to-point; a dead peer cannot block it)."""
@@ -285,8 +278,6 @@ class Agent(threading.Thread):
                 # now see is its own, so peers get the time back instead of being suspected
                 for p in self._last_seen:
                     self._last_seen[p] += stalled
-                if self.watchdog is not None:
-                    self.watchdog.credit(stalled)
                 self.stalls += 1
             rung, beats = self._wake.drain(bell)
             for src in beats:
@@ -339,9 +330,6 @@ class Agent(threading.Thread):
             if self.preempt_signal and not self.preempted.is_set():
                 self._preempt(self.me)
             self._flush_outbox()
-            busy = False
-            for p in self._pollers:
-                busy = p.poll() or busy
             if self._watch:
                 for p in [p for p in self.watched if now - self._last_seen[p] > self.deadline]:
                     if not self.is_suspected(p):
@@ -349,7 +337,7 @@ class Agent(threading.Thread):
             # sleep until the next heartbeat or MPI poll is due, or a bell: a control message for this agent, or a
             # send queued by another thread (issue 7: < 2 % of a core; issue 8: 256 idle agents under half a core)
             idle = max(0.0, min(next_hb, next_mpi) - time.monotonic())
-            bell = self._wake.wait(0.0005 if busy else (FAST_POLL_S if fast or self._outbox else idle))
+            bell = self._wake.wait(FAST_POLL_S if fast or self._outbox else idle)
 
     def _retopology(self, now: float) -> None:
         """Recompute the watched and heartbeat peers from the live ring (topology.ring_neighbours); a newly

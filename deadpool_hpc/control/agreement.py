@@ -24,7 +24,7 @@ def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare
     attempt's checkpoint). Only verified snapshots are reported; ``own`` counts for rank r only when the
     process still holds r (a promoted spare whose restore failed reports no own steps).
 
-    Returns the Decision (decision.py; its coordinator, store and times are left for the coordinator to fill
+    Returns the Decision (decision.py; its coordinator and times are left for the coordinator to fill
     in). ``sources[r]`` names the MPI rank to pull rank r's state at the
     cut from, for every rank whose process (new or old) lacks it locally: promoted spares, and ranks whose
     process lost its state in a failed round. When a lost active node finds no spare, the decision has

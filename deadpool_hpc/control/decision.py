@@ -10,7 +10,7 @@ Ids, as in agreement.py: a *training rank* r in 0..world_size-1; a *virtual proc
 only string object keys, so the maps keyed by an int are keyed by ``str(int)`` on the wire; ``from_wire``
 turns them back, so nothing past this module sees a string key. The lists of ids travel as runs of consecutive
 ids (``int_runs``): an assignment or a member list is O(N) ids but a few runs, and a decision for 8,192 ranks
-written out id by id (80 KB) exceeded the control plane's 64 KiB message limit (wire.py).
+written out id by id (80 KB) exceeded the control plane's 64 KiB message limit (ipc/wire.py).
 """
 from __future__ import annotations
 
@@ -109,8 +109,6 @@ class Decision:
     - cut_step: the step every rank restores (the newest step whose state exists for every rank).
     - recomputed_steps: steps already done by some rank that will be trained again (high_water - cut_step, >= 0).
     - high_water: the highest step any reporting process had completed.
-    - store: the rendezvous address the coordinator hosts for the new generation, or None (the node agents
-      serve each generation's store themselves).
     - coordinator: MPI rank (= node) of the agent that made the decision; None until it is sent.
     - t_decided: wall-clock time (Unix seconds) the coordinator sent it; None until then.
     - first_suspicion: wall-clock time (Unix seconds) of the coordinator's first suspicion that started this
@@ -132,7 +130,6 @@ class Decision:
     recomputed_steps: int
     high_water: int
     fresh: tuple[int, ...] = ()
-    store: str | None = None
     coordinator: int | None = None
     t_decided: float | None = None
     first_suspicion: float | None = None
@@ -170,7 +167,6 @@ class Decision:
             recomputed_steps=_int(d, "recomputed_steps", what),
             high_water=_int(d, "high_water", what),
             fresh=_ints(d, "fresh", what),
-            store=_req(d, "store", what, lambda x: x is None or isinstance(x, str), "a string or null"),
             coordinator=_req(d, "coordinator", what, lambda x: x is None or _is_int(x), "an int or null"),
             t_decided=_opt_float(d, "t_decided", what),
             first_suspicion=_opt_float(d, "first_suspicion", what),

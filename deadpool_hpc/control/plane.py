@@ -304,20 +304,18 @@ class ControlPlane:
             time.sleep(0.01)
 
     # ---- recovery ---------------------------------------------------------------------------------------------
-    def recover(self, report: dict, host_store, on_phase=None, tick=None, wait=None) -> Decision:
+    def recover(self, report: dict, on_phase=None, wait=None) -> Decision:
         """Agree on the next generation. Called by every live process after leaving the current one.
 
         report: {str(virtual process): {"own_rank", "own", "held", "done_step"}} for this node's processes (see
-        agreement.decide). host_store(): () -> the new generation's rendezvous address (or None); called only on
-        the coordinator. tick(): called every iteration (the agent's other event sources). wait(seconds): block
-        until then or until something happens (default: a control message; the node agent's also ends on a local
-        event), so that the hundreds of agents of a large job do not all poll at once. on_phase(name): called at "agree" (report sent, or reports asked for) and "decided" (fault
-        injection for tests). Returns the Decision (with its coordinator, store and times filled in). Raises ReplicaError from ``decide`` (after telling the members), Fenced if the decision
-        declares this process failed, JobAborted if another process aborted, RecoveryTimeout if no decision
+        agreement.decide). wait(seconds): block until then or until something happens (default: a control message;
+        the node agent's also ends on a local event), so that the hundreds of agents of a large job do not all poll at
+        once. on_phase(name): called at "agree" (report sent, or reports asked for) and "decided" (fault injection
+        for tests). Returns the Decision (with its coordinator and times filled in). Raises ReplicaError from
+        ``decide`` (after telling the members), Fenced if the decision declares this process failed, JobAborted if another process aborted, RecoveryTimeout if no decision
         comes within ``recovery_timeout`` seconds, RunFinished if the run ended meanwhile.
         """
         on_phase = on_phase or (lambda _name: None)
-        tick = tick or (lambda: None)
         wait = wait or self.pump
         self.agent.failure.set()
         if self.agent.notice_g < self.generation:  # nobody told us: we are the first to leave this generation
@@ -329,7 +327,6 @@ class ControlPlane:
         auto_to = None
         while True:
             self.pump(0)
-            tick()
             if self._finish is not None:
                 raise RunFinished("the run finished while this process was recovering")
             decision = self._take_decision()
@@ -342,7 +339,7 @@ class ControlPlane:
                     if not told:
                         told = True
                         on_phase("agree")
-                decision = self._coordinate(my_round, alive, report, host_store)
+                decision = self._coordinate(my_round, alive, report)
                 if decision is not None:
                     break
             else:
@@ -403,7 +400,7 @@ class ControlPlane:
                     best = d
         return best
 
-    def _coordinate(self, rid: tuple, alive: list[int], report: dict, host_store) -> Decision | RoundFailure | None:
+    def _coordinate(self, rid: tuple, alive: list[int], report: dict) -> Decision | RoundFailure | None:
         ready = self._ready.setdefault(rid, {})
         if self.me not in ready:
             ready[self.me] = self._ready_body(list(rid), report)
@@ -444,8 +441,6 @@ class ControlPlane:
             decision = RoundFailure(generation=g, error=type(exc).__name__, message=str(exc),
                                     members=tuple(sorted(m for n in alive for m in self.procs(n))),
                                     failed_nodes=tuple(sorted({m // P for m in failed})))
-        else:
-            decision = dataclasses.replace(decision, store=host_store())
         decision = dataclasses.replace(decision, coordinator=self.me, t_decided=time.time(),
                                        first_suspicion=self.first_suspicion)
         wire = decision.to_wire()
@@ -453,7 +448,7 @@ class ControlPlane:
         self._ready.pop(rid, None)
         self.log.emit("decision", **{k: wire.get(k) if k not in ("failed_nodes", "fresh") else list(getattr(decision, k, ()))
                                      for k in ("generation", "failed_nodes", "promoted", "replaced", "sources", "fresh",
-                                               "cut_step", "exhausted", "reason", "recomputed_steps", "store",
+                                               "cut_step", "exhausted", "reason", "recomputed_steps",
                                                "t_decided", "first_suspicion", "error", "message")})
         return decision
 

@@ -12,7 +12,7 @@ control message, once per hop of a dissemination tree. So:
   agent is dropped by the kernel and never blocks the sender (MPI's eager cells can, notes/ft-probes.md).
 - **The bell**: whoever sends this agent an MPI control message also rings it, one datagram (other agents:
   ``ring(address)`` after the MPI send; threads of the same process: ``set()``). A bell carries nothing trusted:
-  it only ends the agent's sleep, and the agent then reads its MPI messages, which are authenticated (wire.py).
+  it only ends the agent's sleep, and the agent then reads its MPI messages, which are authenticated (ipc/wire.py).
 
 A quiet agent thus sleeps until its next heartbeat is due, runs MPI's progress engine only when rung (or every
 ``MPI_IDLE_POLL_S``, so a lost bell costs that much latency, never a message), and still reads a control

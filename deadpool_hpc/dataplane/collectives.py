@@ -5,8 +5,8 @@ A blocked gloo collective cannot be interrupted, so the training thread never bl
 soon as either reports a problem (notes/ft-probes.md 1c'), or when the collective has not completed
 within the ``Watch``'s timeout (a collective wedged with nobody at fault: the recovery then rebuilds the
 process group with the same members). The abandoned work finishes or times out on its own, in the
-graveyard of dataplane.groups. While it waits it tells the progress watchdog that the training thread
-is alive (waiting on peers is not a hang; control/watchdog.py).
+graveyard of dataplane.groups. While it waits it beats the training process's progress page (ipc/shm.py), which
+its agent's supervisor watches for hangs: waiting on peers is not a hang.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from ..errors import PeerFailure
 @dataclass
 class Watch:
     """What a wait of the training thread watches. failure: the control plane's failure flag; timeout:
-    seconds before a wait gives up (the collective timeout); beat(): the progress watchdog's beat."""
+    seconds before a wait gives up (the collective timeout); beat(): the progress page's beat."""
 
     failure: threading.Event
     timeout: float = 60.0
@@ -34,7 +34,7 @@ def wait(work, watch: Watch, poll: float = 0.005) -> None:
     the collective itself errors (e.g. gloo: "Connection closed by peer"), or ``watch.timeout`` passes.
 
     The work's future (``Work.get_future``) wakes this wait the moment the collective completes; the failure flag,
-    the deadline and the watchdog's beat are looked at every ``poll`` seconds in between (a failure is noticed
+    the deadline and the progress beat are looked at every ``poll`` seconds in between (a failure is noticed
     within ``poll``). A work without a future is polled with ``is_completed`` at the same interval."""
     end = time.monotonic() + watch.timeout
     failure = watch.failure

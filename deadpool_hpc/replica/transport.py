@@ -241,7 +241,7 @@ class Replicator:
         is done). Raises PeerFailure when ``failure`` is set, after ``timeout`` seconds, or when a holder kept
         answering "retry" (busy, not yet configured) past the transfer timeout; ReplicaError when a holder refused
         the step for good (wrong size, bad checksum). ``beat()``, if given, is called
-        while it waits (the progress watchdog, control/watchdog.py: waiting on peers is not a hang)."""
+        while it waits (the progress page's beat, ipc/shm.py: waiting on peers is not a hang)."""
         t0 = time.monotonic()
         end = t0 + timeout
         try:
