@@ -312,7 +312,8 @@ def prepare_run_dir(path: str, resume: bool = False) -> dict | None:
 
 
 def latest_checkpoint(path: str) -> dict | None:
-    """checkpoint/LATEST of run directory ``path`` (as replica.persist.latest, without importing torch)."""
+    """The newest complete checkpoint of run directory ``path``: its checkpoint/LATEST ({step, world_size, generation,
+    high_water}, written by replica/persist.py's ``commit``), or None. The one reader of LATEST; imports no torch."""
     try:
         with open(os.path.join(path, "checkpoint", "LATEST")) as fh:
             return json.load(fh)

@@ -7,6 +7,7 @@ import torch
 from deadpool_hpc.errors import ReplicaError
 from deadpool_hpc.replica import persist
 from deadpool_hpc.replica.snapshot import COPY_CHUNK, CRC_PIECE, Slot, SlotPair, StateLayout, checksum
+from deadpool_hpc.rundir import latest_checkpoint
 
 
 def test_two_slots_never_overwrite_the_newest():
@@ -97,16 +98,16 @@ def test_a_slot_being_read_is_never_handed_out_for_writing():
 
 
 def test_checkpoint_shard_roundtrip_checks_its_crc32c(tmp_path):
-    root = str(tmp_path)
+    root = str(tmp_path / "checkpoint")   # RUN_DIR/checkpoint; LATEST is read by rundir.latest_checkpoint(RUN_DIR)
     tensors = [torch.randn(10), torch.randn(10), torch.randn(10)]
     rng = torch.get_rng_state()
     persist.save_shard(root, 5, 0, tensors, rng)
     persist.commit(root, 5, 1, generation=2)
-    meta = persist.latest(root)
+    meta = latest_checkpoint(str(tmp_path))
     out = [torch.empty(10) for _ in range(3)]
     assert torch.equal(persist.load_shard(root, meta, 0, out), rng)
     assert all(torch.equal(x, y) for x, y in zip(out, tensors))
-    rec_path = tmp_path / "step5" / "rank0.json"
+    rec_path = tmp_path / "checkpoint" / "step5" / "rank0.json"
     rec = json.loads(rec_path.read_text())
     rec_path.write_text(json.dumps(dict(rec, crc32c=rec["crc32c"] ^ 1)))
     with pytest.raises(ReplicaError, match="rank 0 at step 5 fails its step/checksum check"):
@@ -161,6 +162,7 @@ import deadpool_hpc.agent.__main__, deadpool_hpc.agent.node, deadpool_hpc.agent.
 from deadpool_hpc.ipc.shm import SharedBuffer
 from deadpool_hpc.replica import persist
 from deadpool_hpc.replica.snapshot import SlotPair, StateLayout, checksum, slot_pair
+from deadpool_hpc.rundir import latest_checkpoint
 layout = StateLayout([("float32", [4, 4]), ("bfloat16", [8])], 5, 64)
 bufs = [SharedBuffer.create(layout.nbytes, name="t") for _ in range(2)]
 own = slot_pair(bufs)
@@ -169,7 +171,7 @@ slot.buf[:] = np.arange(layout.nbytes, dtype=np.uint8)
 assert layout.stamp_written(slot, 3) and slot.crc == checksum(layout.wire(slot))
 held = SlotPair(layout.nbytes)
 held.begin(3).buf[:] = slot.buf
-assert persist.latest("/nonexistent") is None
+assert latest_checkpoint("/nonexistent") is None
 print("torch" in sys.modules)
 """
 

@@ -27,6 +27,7 @@ from ..ipc.messages import LINK_GENERATION
 from ..ipc.shm import Doorbell
 from ..placement import held_by, holders_of
 from ..replica import persist
+from ..rundir import latest_checkpoint
 from .desk import SnapshotDesk
 from .persister import Persister
 from .planned import PlannedSwaps
@@ -80,7 +81,7 @@ class NodeAgent:
         self._rebuilt_at = -1
         self.exit_code = 0
         self.checkpoint_dir = os.path.join(cfg.run_dir, "checkpoint")
-        self.resume = persist.latest(self.checkpoint_dir)  # a requeued attempt (the launchers clear a new run's)
+        self.resume = latest_checkpoint(cfg.run_dir)  # a requeued attempt (the launchers clear a new run's)
         cp.handlers["kv"] = self._on_kv
         cp.handlers["link_ask"] = self._on_link_ask
         cp.on_member_lost = self._fail_stores

@@ -30,6 +30,7 @@ import threading
 import time
 
 from ..replica import persist
+from ..rundir import latest_checkpoint
 
 
 class Persister:
@@ -141,7 +142,7 @@ class Persister:
             self.a.channel.wake()
 
     def _commit(self, g: int, step: int) -> None:
-        latest = persist.latest(self.root)
+        latest = latest_checkpoint(self.a.cfg.run_dir)
         if latest is not None and latest["step"] >= step:
             return
         persist.commit(self.root, step, self.a.cfg.world_size, g, self.a.high_water)

@@ -7,12 +7,11 @@ module, so both of those can import it.
 """
 from __future__ import annotations
 
-import json
 import os
 
 from ..config import RunConfig
 from ..events import read_events
-from ..rundir import write_json
+from ..rundir import latest_checkpoint, write_json
 from ..summary import build_summary
 
 
@@ -51,11 +50,7 @@ def make_summary(run_dir: str) -> dict:
     stops = [e for e in events if e["event"] == "stopped" and (t_fin is None or e["t"] > t_fin)]
     s["stopped"] = ({k: stops[-1].get(k) for k in ("t", "reason", "job_state", "checkpoint_step")}
                     if stops else None)
-    try:
-        with open(os.path.join(run_dir, "checkpoint", "LATEST")) as fh:
-            s["checkpoint"] = json.load(fh)  # what a requeue, or a new job with RESUME=1, resumes from
-    except (OSError, ValueError):
-        s["checkpoint"] = None
+    s["checkpoint"] = latest_checkpoint(run_dir)  # what a requeue, or a new job with RESUME=1, resumes from
     return s
 
 

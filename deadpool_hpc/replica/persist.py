@@ -11,8 +11,9 @@ shard is on disk, so a half-written checkpoint is never read back as good, and `
 verifies the checksum again.
 
 torch and torch.distributed.checkpoint are imported by the functions that write or read shards, not by this
-module: a node agent reads ``latest`` at start-up, before it spawns its training processes, and importing both
-there cost it 2.5-4 s of CPU on every run's critical path (agent/__main__.py imports them after the spawn).
+module: a node agent reads LATEST (``rundir.latest_checkpoint``, the one reader) at start-up, before it spawns its
+training processes, and importing both there cost it 2.5-4 s of CPU on every run's critical path
+(agent/__main__.py imports them after the spawn).
 """
 from __future__ import annotations
 
@@ -89,15 +90,6 @@ def commit(root: str, step: int, world_size: int, generation: int, high_water: i
         raise ReplicaError(f"checkpoint step {step} lacks the shards of ranks {missing}; not committed")
     _write_json(os.path.join(root, "LATEST"), {"step": step, "world_size": world_size, "generation": generation,
                                                "high_water": high_water})
-
-
-def latest(root: str) -> dict | None:
-    """The newest complete checkpoint's metadata ({step, world_size, generation}), or None."""
-    try:
-        with open(os.path.join(root, "LATEST")) as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
-        return None
 
 
 def load_shard(root: str, meta: dict, rank: int, tensors: list[torch.Tensor]) -> torch.Tensor:
