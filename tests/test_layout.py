@@ -1,6 +1,8 @@
-"""The package's import graph has no cycle: dependencies point one way (launch -> worker -> planes -> small
-shared types). Every import counts, the ones inside functions too (a lazy import hides a cycle, it does not
-remove it). Pure logic: the sources are parsed (ast), nothing is imported."""
+"""The package's import graph has no cycle, between files nor between rooms: dependencies point one way (launch ->
+agent, worker -> planes -> shared rooms -> small shared types). A room is a first-level folder of the package
+(``agent/``, ``ipc/``, ...) or a module at its top (``config.py``); a piece that two rooms share lives in a room
+below both, not in one of them. Every import counts, the ones inside functions too (a lazy import hides a cycle, it
+does not remove it). Pure logic: the sources are parsed (ast), nothing is imported."""
 from __future__ import annotations
 
 import ast
@@ -90,6 +92,21 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def room(mod: str) -> str:
+    """The room of a module: every module under ``pkg/agent/`` is ``pkg.agent``, ``pkg/config.py`` is ``pkg.config``,
+    the package's ``__init__`` is ``pkg``."""
+    return ".".join(mod.split(".")[:2])
+
+
+def rooms(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The graph contracted to the package's rooms: room -> the other rooms it imports."""
+    out: dict[str, set[str]] = {}
+    for mod, deps in graph.items():
+        here = room(mod)
+        out.setdefault(here, set()).update(room(d) for d in deps if room(d) != here)
+    return out
+
+
 def test_find_cycle_sees_a_lazy_cycle(tmp_path):
     """The checker itself: a cycle made only of imports inside functions is found, a one-way graph passes."""
     pkg = tmp_path / "pk"
@@ -115,3 +132,33 @@ def test_no_import_cycle(scope):
            if m == scope or m.startswith(scope + ".")}
     cycle = find_cycle(sub)
     assert cycle is None, f"import cycle among {scope} modules: {' -> '.join(cycle)}"
+
+
+def test_rooms_see_a_circle_that_no_file_cycle_shows(tmp_path):
+    """The checker itself: two folders that import each other through different files are a circle of rooms."""
+    pkg = tmp_path / "pk"
+    for sub in ("a", "b"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a" / "x.py").write_text("from ..b import y\n")
+    (pkg / "b" / "y.py").write_text("")
+    (pkg / "b" / "z.py").write_text("def f():\n    from ..a import w\n")
+    (pkg / "a" / "w.py").write_text("")
+    g = import_graph(_modules(str(pkg), "pk"), "pk")
+    assert find_cycle(g) is None
+    assert rooms(g) == {"pk": set(), "pk.a": {"pk.b"}, "pk.b": {"pk.a"}}
+    assert find_cycle(rooms(g)) == ["pk.a", "pk.b", "pk.a"]
+
+
+def test_no_circle_of_rooms():
+    """Issue 29: agent/ and worker/ imported each other (frames, shared memory, lifeline, faults), and control/ and
+    agent/ (the scale study's probe); the shared pieces now live in rooms below both (ipc/, process/, ...)."""
+    graph = import_graph(_modules())
+    cycle = find_cycle(rooms(graph))
+    if cycle:
+        why = [f"{a} -> {b}: " + ", ".join(sorted(f"{m} imports {d}" for m, deps in graph.items() if room(m) == a
+                                                  for d in deps if room(d) == b))
+               for a, b in zip(cycle, cycle[1:])]
+        pytest.fail("the package's rooms import each other in a circle (a shared piece belongs in a room below "
+                    "both):\n" + "\n".join(why))
