@@ -13,6 +13,9 @@ runs' processes: this folder and the checkout are put on PYTHONPATH for every lo
 """
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
 import os
 import threading
 
@@ -64,31 +67,65 @@ def baseline_key(**settings) -> tuple:
     return tuple(sorted((k, repr(v)) for k, v in baseline_settings(**settings).items()))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Two halves that run side by side under ``-n 2 --dist loadgroup`` (pyproject's addopts, issue 24): the Slurm
+    tests, one after the other in one worker (they share one cluster, and each test cleans its queue), and every
+    other test, in order, in the other worker. Each half spends about 40 % of its time waiting (Slurm's requeue
+    and node timers, heartbeat deadlines), which the other half's work fills."""
+    for item in items:
+        group = "slurm" if os.sep + "slurm" + os.sep in str(item.path) else "local"
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+def _shared_dir(tmp_path_factory) -> str:
+    """A folder every xdist worker of this session sees (the workers' base temp folders share a parent); the
+    session's own base temp without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    d = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "baselines"
+    d.mkdir(exist_ok=True)
+    return str(d)
+
+
 @pytest.fixture(scope="session")
 def failure_free(tmp_path_factory):
     """``failure_free(**settings) -> summary`` of the failure-free run with those RunConfig settings (no spare,
-    no fault), launched the first time a key is asked for and shared for the rest of the session. The run must
-    complete with no failure and no error (asserted here, once)."""
+    no fault), launched the first time a key is asked for and shared for the rest of the session, by every xdist
+    worker too: the first worker that asks launches it under a file lock (fcntl) and writes its summary beside the
+    run; a worker that asks later waits on the lock and reads it. The run must complete with no failure and no
+    error (asserted here, once)."""
     from runs import launch_reaped  # tests/runs.py
 
     done: dict[tuple, dict] = {}
     lock = threading.Lock()
+    shared = _shared_dir(tmp_path_factory)
 
     def get(**settings) -> dict:
         key = baseline_key(**settings)
         with lock:
             if key not in done:
-                kw = baseline_settings(**settings)
-                run_dir = tmp_path_factory.mktemp("baseline") / "run"
-                mp = pytest.MonkeyPatch()
-                mp.setenv("PYTHONPATH", _with_test_code(os.environ.get("PYTHONPATH")))
-                try:
-                    s = launch_reaped(RunConfig(**kw, spares=0, run_dir=str(run_dir)).validate(), 300)
-                finally:
-                    mp.undo()
-                assert s["completed"] and s["failures"] == [] and s["errors"] == [], s
-                s["run_dir"] = str(run_dir)
-                done[key] = s
+                name = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+                run_dir = os.path.join(shared, name, "run")
+                summary = os.path.join(shared, name, "summary.json")
+                os.makedirs(os.path.dirname(run_dir), exist_ok=True)
+                with open(os.path.join(shared, name + ".lock"), "w") as lk:
+                    fcntl.flock(lk, fcntl.LOCK_EX)
+                    if os.path.exists(summary):
+                        with open(summary) as fh:
+                            done[key] = json.load(fh)
+                    else:
+                        kw = baseline_settings(**settings)
+                        mp = pytest.MonkeyPatch()
+                        mp.setenv("PYTHONPATH", _with_test_code(os.environ.get("PYTHONPATH")))
+                        try:
+                            s = launch_reaped(RunConfig(**kw, spares=0, run_dir=run_dir).validate(), 300)
+                        finally:
+                            mp.undo()
+                        assert s["completed"] and s["failures"] == [] and s["errors"] == [], s
+                        s["run_dir"] = run_dir
+                        with open(summary + ".tmp", "w") as fh:
+                            json.dump(s, fh)
+                        os.replace(summary + ".tmp", summary)  # never read half-written
+                        done[key] = s
             return done[key]
 
     return get
