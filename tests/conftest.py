@@ -67,14 +67,28 @@ def baseline_key(**settings) -> tuple:
     return tuple(sorted((k, repr(v)) for k, v in baseline_settings(**settings).items()))
 
 
-def pytest_collection_modifyitems(config, items):
+def _half(nodeid: str) -> str:
+    """The half a test runs in: ``slurm`` for tests/slurm, ``local`` for every other test."""
+    return "slurm" if "/slurm/" in "/" + nodeid.split("::")[0] else "local"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
     """Two halves that run side by side under ``-n 2 --dist loadgroup`` (pyproject's addopts, issue 24): the Slurm
     tests, one after the other in one worker (they share one cluster, and each test cleans its queue), and every
     other test, in order, in the other worker. Each half spends about 40 % of its time waiting (Slurm's requeue
-    and node timers, heartbeat deadlines), which the other half's work fills."""
-    for item in items:
-        group = "slurm" if os.sep + "slurm" + os.sep in str(item.path) else "local"
-        item.add_marker(pytest.mark.xdist_group(group))
+    and node timers, heartbeat deadlines), which the other half's work fills. xdist's own ``loadgroup`` reads an
+    ``xdist_group`` marker by renaming the test's nodeid, which pytest 9 no longer allows; its scope scheduler
+    with the two halves as the scopes does the same."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Halves(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _half(nodeid)
+
+    return Halves(config, log)
 
 
 def _shared_dir(tmp_path_factory) -> str:
