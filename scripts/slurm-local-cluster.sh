@@ -12,7 +12,8 @@
 #   slurm-local-cluster.sh pids NODE                PIDs of every process of that emulated node
 #
 # Each node is an ordinary `slurmd -N nodeX` with its own Port, its own loopback address
-# (127.0.0.1X), its own UTS namespace (hostname nodeX) and its own cgroup (so a whole node can be
+# (127.0.0.1X), its own UTS namespace (hostname nodeX), its own /dev/shm (a mount namespace with a
+# private tmpfs) and its own cgroup (so a whole node can be
 # killed or frozen). See docs/slurm-local-cluster.md.
 #
 # Environment knobs: SLURM_LOCAL_DIR (/tmp/deadpool-slurm), SLURM_LOCAL_CPUS (2),
@@ -674,7 +675,11 @@ start_slurmd() {
         [[ -n $cg ]] && echo "$BASHPID" >"$cg/cgroup.procs"
         cd /
         # shellcheck disable=SC2016
-        exec unshare --uts sh -c '
+        # its own /dev/shm too (a mount namespace with a private tmpfs): MPICH's segments of the node's tasks
+        # stay on the node and go with it when it crashes, as on real hardware, instead of piling up in this
+        # machine's /dev/shm and showing up in the local tests that run beside the Slurm tests
+        exec unshare --uts --mount --propagation private sh -c '
+            mount -t tmpfs -o mode=1777,size=2g tmpfs /dev/shm || exit 1
             hostname "$1" 2>/dev/null || echo "$1" >/proc/sys/kernel/hostname || exit 1
             exec setsid -f slurmd -f "$2" -N "$1"' sh "$n" "$CONF"
     ) </dev/null >>"$DIR/log/slurmd-$n.out" 2>&1 9<&-
