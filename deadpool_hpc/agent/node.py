@@ -23,7 +23,7 @@ import time
 
 from ..control.decision import Decision
 from ..errors import STARTUP_FAILED_EXIT, Fenced, PeerFailure, RecoveryTimeout, RunFinished
-from ..ipc.messages import LINK_GENERATION
+from ..ipc.messages import LINK_GENERATION, Exit, Failure, Finish, Left, Restore, RoundFailed, Spare, Train, View
 from ..ipc.shm import Doorbell
 from ..placement import held_by, holders_of
 from ..replica import persist
@@ -197,9 +197,9 @@ class NodeAgent:
         for local in range(self.P):
             self._configure(local)
             r = self.cp.train_rank(local)
-            self.channel.send(local, "role", {**self._role_common(), "what": "train" if r is not None else "spare",
-                                              "rank": r, "world_size": self.cfg.world_size,
-                                              "high_water": self.high_water, "resume": self.resume})
+            role = Spare(self._view()) if r is None else \
+                Train(self._view(), r, self.cfg.world_size, self.high_water, self.resume)
+            self._send_role(local, role)
         self.state = "training" if self.cp.train_rank(0) is not None else "spare"
 
     def _checked(self) -> bool:
@@ -331,18 +331,20 @@ class NodeAgent:
             self.speed.on_local(local, body)
         elif kind == "link":
             self.speed.link.on_local(local, body)
-        elif kind == "left":
+        elif kind == Left.KIND:
+            left = Left.from_wire(body)
             # a training process that left an older generation than ours is late: the round that generation's
             # failure started is over, and its "left" must not start another
-            if self._in_round or int(body.get("generation", -1)) >= self.cp.generation:
-                self.left[local] = int(body.get("done_step", -1))
-        elif kind == "round_failed":
+            if self._in_round or left.generation >= self.cp.generation:
+                self.left[local] = left.done_step
+        elif kind == RoundFailed.KIND:
+            failed = RoundFailed.from_wire(body)
             # only the newest generation's rebuild failing starts a round; one for a generation a round already
             # replaced (its failure is what that round handles) would start a round with nobody at fault
-            if not self._in_round and int(body.get("generation", -1)) >= self.cp.generation:
+            if not self._in_round and failed.generation >= self.cp.generation:
                 self.round_failed = True
             self.log.emit("recovery_round_failed", generation=self.cp.generation, local=local,
-                          error=str(body.get("error"))[:300])
+                          error=failed.error[:300])
         elif kind == "fault":
             self.faults.fire_node(body)
         elif kind == "inject_spare":
@@ -394,10 +396,13 @@ class NodeAgent:
     def _replica_address(self, proc: int) -> list:
         return self.cp.idents[proc // self.P]["replica"][proc % self.P]
 
-    def _role_common(self) -> dict:
-        """What every role message carries: the layout of the generation (for fault targets and the summary)."""
-        return {"active_nodes": sorted({m // self.P for m in self.cp.assignment}), "spare_nodes": self.cp.spare_nodes,
-                "spares_left": len(self.cp.spare_nodes), "generation": self.cp.generation}
+    def _view(self) -> View:
+        """The generation's layout, which a Train or Spare role carries (fault targets, the summary)."""
+        return View(self.cp.generation, tuple(sorted({m // self.P for m in self.cp.assignment})),
+                    tuple(self.cp.spare_nodes))
+
+    def _send_role(self, local: int, role) -> None:
+        self.channel.send(local, role.KIND, role.to_wire())
 
     def _watch_addresses(self) -> dict:
         return {n: ident["watch"] for n, ident in enumerate(self.cp.idents)}
@@ -498,7 +503,7 @@ class NodeAgent:
         self.round_failed = False
         self._fail_stores()
         for local in self.sup.alive():
-            self.channel.send(local, "failure", {"generation": g0})
+            self.channel.send(local, Failure.KIND, Failure(g0).to_wire())
         # every live training process leaves the generation and says how far it got (bounded: a stuck one is
         # found by its progress page, the wait by the ready timeout)
         end = time.monotonic() + self.cfg.ready_timeout
@@ -538,7 +543,7 @@ class NodeAgent:
         if ranks[0] is None:  # still a spare
             for local in range(self.P):
                 self._configure(local)
-                self.channel.send(local, "role", {**self._role_common(), "what": "spare"})
+                self._send_role(local, Spare(self._view()))
             self.state = "spare"
             return
         self._end_spare_check()
@@ -563,16 +568,15 @@ class NodeAgent:
         for local, r in ranks.items():
             rep, slot = self.reps[local], slots[local]
             self._configure(local)  # keeps the restore slot (its rank is r); pushes start with the next claim
-            self.channel.send(local, "role", {
-                **self._role_common(), "what": "train", "rank": r, "world_size": self.cfg.world_size,
-                "serving": bool(self._serving), "fresh": slot is None, "resume": self.resume,
-                "cut_step": decision.cut_step, "slot": -1 if slot is None else rep.own.slots.index(slot),
-                "crc": 0 if slot is None else slot.crc,
-                "recomputed_steps": decision.recomputed_steps, "high_water": self.high_water, "t_fail": t_fail,
-                "t_agreed": time.time(), "failed_nodes": list(decision.failed_nodes), "round": self.rounds,
+            plan = Restore(
+                cut_step=decision.cut_step, slot=-1 if slot is None else rep.own.slots.index(slot),
+                crc=0 if slot is None else slot.crc, fresh=slot is None,
                 # pulled: fetched (this round for decision.sources, or an earlier round of this recovery): no kept
                 # shares in the slot
-                "promoted": r in decision.promoted, "pulled": slot is not None and slot.pulled})
+                pulled=slot is not None and slot.pulled, promoted=r in decision.promoted,
+                serving=bool(self._serving), recomputed_steps=decision.recomputed_steps,
+                failed_nodes=tuple(decision.failed_nodes), round=self.rounds, t_fail=t_fail, t_agreed=time.time())
+            self._send_role(local, Train(self._view(), r, self.cfg.world_size, self.high_water, self.resume, plan))
         self.state = "training"
 
     def _save_checkpoint(self, decision: Decision) -> None:
@@ -627,7 +631,7 @@ class NodeAgent:
 
     def _leave_for_requeue(self) -> None:
         for local in self.sup.alive():
-            self.channel.send(local, "role", {"what": "exit", "code": 75})
+            self._send_role(local, Exit(75))
         self.sup.wait_all(10.0)
         self.exit_code = 75
         self.state = "saved"
@@ -637,7 +641,7 @@ class NodeAgent:
         self.cp.agent.stop_watching()
         self.watch.enabled = False
         for local in self.sup.alive():
-            self.channel.send(local, "role", {"what": "finish"})
+            self._send_role(local, Finish())
         end = time.monotonic() + self.cfg.collective_timeout
         while self.sup.alive() and time.monotonic() < end:
             self._tick_quiet(0.02)

@@ -31,6 +31,7 @@ from ..dataplane.collectives import Watch
 from ..dataplane.groups import device_for, release_free_memory
 from ..errors import ChannelTimeout, PeerFailure, ReplicaError
 from ..faults import RankFaults
+from ..ipc.messages import Exit, Finish, Left, Role, RoundFailed, Spare, Train
 from ..ipc.shm import GEN_MASK, ProgressPage
 from ..replica import persist
 from ..replica.snapshot import Slot, StateLayout
@@ -90,8 +91,8 @@ class Context:
         self.watch = Watch(self.failure, cfg.wait_timeout, client.progress.beat)
         self.faults = RankFaults(cfg.faults, node=node, local=local, ranks_per_node=cfg.ranks_per_node, log=log,
                                  send=client.send)
-        self._role: dict = {}
-        self._waiting: dict | None = None   # the "left" body while this process waits for its next role
+        self._role: Train | Spare | None = None   # the current generation's role (ipc/messages.py)
+        self._waiting: Left | None = None   # what this process said when it left, while it waits for its next role
         self._recovery: dict | None = None
         self._high_water = -1
         self._trained = False   # a step has run in this process (its state is no longer the initial one)
@@ -111,11 +112,11 @@ class Context:
     # ---- what the training function uses ---------------------------------------------------
     @property
     def rank(self) -> int | None:
-        return self._role.get("rank") if self._role.get("what") == "train" else None
+        return self._role.rank if isinstance(self._role, Train) else None
 
     @property
     def generation(self) -> int:
-        return self._role.get("generation", 0)
+        return self._role.view.generation if self._role is not None else 0
 
     @property
     def device_mesh(self):
@@ -212,7 +213,7 @@ class Context:
         self._bufs = bufs
         self.copier = _Copier(self)
         role = self._next_role(self.config.startup_timeout)
-        if role["what"] == "train":
+        if isinstance(role, Train):
             try:
                 self._start(role)
             except PeerFailure as exc:  # a peer lost before the first step: e.g. the holder of this rank's step 0
@@ -239,14 +240,14 @@ class Context:
                     return
         self._finish()
 
-    def _start(self, role: dict) -> None:
+    def _start(self, role: Train) -> None:
         """Generation 0 (or the first of a requeued attempt): join, load a checkpoint, first snapshot."""
         self._role = role
-        self._high_water = role.get("high_water", -1)
+        self._high_water = role.high_water
         self._join(first=True)
         self.opt.bind(self.rank, self.watch)
-        if role.get("resume"):
-            self._load_checkpoint(role["resume"])
+        if role.resume:
+            self._load_checkpoint(role.resume)
         self._snapshot()
         self.faults.at_phase("first", 1, self.rank)  # (faults) the first snapshot is written, not yet committed
         if self._replicating(self.step):
@@ -262,9 +263,10 @@ class Context:
         if self.failure.is_set():
             raise PeerFailure("a peer failed")
         if self._recovery is not None:
-            self.faults.at_phase("resume", self._role.get("round", 0), self.rank)
+            self.faults.at_phase("resume", self._role.restore.round, self.rank)
         if s > self._high_water:  # faults fire on the first pass through their step, never on a recomputation
-            self.faults.at_step(s, self.rank, set(self._role.get("active_nodes", [])), self._role.get("spare_nodes", []))
+            view = self._role.view
+            self.faults.at_step(s, self.rank, set(view.active_nodes), list(view.spare_nodes))
         t = time.perf_counter()
         try:
             metrics = dict(step_fn(s) or {})
@@ -379,7 +381,7 @@ class Context:
         once; a training one leaves at its next wait (the failure flag)."""
         waiting = self._waiting
         if waiting is not None:
-            self.client.send("left", waiting)
+            self.client.send(Left.KIND, waiting.to_wire())
         else:
             self.failure.set()
         self.client.wake()
@@ -394,27 +396,27 @@ class Context:
         return self.opt.restore_targets() if hasattr(self.opt, "restore_targets") else self.opt.state_tensors()
 
     # ---- recovery ----------------------------------------------------------------------------
-    def _next_role(self, timeout: float) -> dict:
-        return self.client.get("role", timeout)
+    def _next_role(self, timeout: float) -> Role:
+        return Role.from_wire(self.client.get(Role.KIND, timeout))
 
-    def _wait_role(self, done_step: int, why: str, announce: bool = True) -> dict:
+    def _wait_role(self, done_step: int, why: str, announce: bool = True) -> Role:
         """Wait for the next role; ``announce``: first tell the agent we left the generation and how far we got
         (a spare only answers the agent's ``failure`` notices, ``_on_failure``)."""
-        body = {"generation": self.generation, "done_step": done_step, "why": why[:200]}
-        self._waiting = body
+        left = Left(self.generation, done_step, why[:200])
+        self._waiting = left
         # a failure notice that came before this wait began (between a role and this wait: a spare whose role came
         # just before a start-up failure's round) has found _waiting unset: answer it now, or the agent waits for
         # this process's "left" until it gives up on the node (seen: a healthy spare fenced after 62 s)
         announce = announce or self.failure.is_set()
         self.failure.clear()
         if announce:
-            self.client.send("left", body)
+            self.client.send(Left.KIND, left.to_wire())
         try:
             return self._next_role(self.config.recovery_timeout + self.config.ready_timeout)
         finally:
             self._waiting = None
 
-    def _idle_spare_wait(self) -> dict:
+    def _idle_spare_wait(self) -> Role:
         """An idle spare's wait for its next role. A failure-free run keeps a spare idle for as long as it lasts
         (hours, weeks), so no deadline of its own ends this wait: it ends with a role from the agent (promotion,
         finish, exit), or with AgentLost as soon as the agent is gone (its socket closes; its death also ends this
@@ -439,7 +441,7 @@ class Context:
         self.copier.quiesce()
         while True:
             role = self._wait_role(done, why)
-            if role["what"] != "train":
+            if not isinstance(role, Train):
                 if not self._follow(role):
                     return False
                 continue  # still a spare: the next role comes with the next recovery
@@ -450,23 +452,22 @@ class Context:
                 self._round_failed(role, exc)
                 why = f"the recovery round failed: {exc}"
 
-    def _round_failed(self, role: dict, exc: Exception) -> None:
+    def _round_failed(self, role: Train, exc: Exception) -> None:
         self._claim = None
         self.client.progress.disarm()
         self.groups.abandon()
         self.copier.quiesce()
-        self.client.send("round_failed", {"generation": role["generation"], "error": str(exc)[:300]})
+        self.client.send(RoundFailed.KIND, RoundFailed(role.view.generation, str(exc)[:300]).to_wire())
 
-    def _follow(self, role: dict) -> bool:
+    def _follow(self, role: Role) -> bool:
         """A role other than train: True while this process stays (a spare waiting for promotion), else False."""
-        what = role["what"]
-        if what == "spare":
+        if isinstance(role, Spare):
             self._role = role
-            self.log.emit("spare_ready", node=self.node, generation=role.get("generation"))
+            self.log.emit("spare_ready", node=self.node, generation=role.view.generation)
             announce = False
             while True:
                 role = self._wait_role(-1, "spare", announce=True) if announce else self._idle_spare_wait()
-                if role["what"] == "train":
+                if isinstance(role, Train):
                     try:
                         self._rejoin(role, time.time(), promoted=True)
                         return True
@@ -474,29 +475,30 @@ class Context:
                         self._round_failed(role, exc)
                         announce = True
                         continue
-                if role["what"] != "spare":
+                if not isinstance(role, Spare):
                     return self._follow(role)
                 announce = False
-        if what == "exit":
-            self.exit_code = int(role.get("code", 0))
+        if isinstance(role, Exit):
+            self.exit_code = role.code
         return False
 
-    def _rejoin(self, role: dict, t_fail: float, promoted: bool = False) -> None:
+    def _rejoin(self, role: Train, t_fail: float, promoted: bool = False) -> None:
         was_rank = self.rank
         self._role = role
-        self._high_water = max(self._high_water, role.get("high_water", -1))
-        nth = role.get("round", 0)
+        plan = role.restore   # (ipc/messages.py Restore: the agent's recovery round filled it)
+        self._high_water = max(self._high_water, role.high_water)
+        nth = plan.round
         self.faults.at_phase("rebuild", nth, self.rank)
         self._join()
         t_rebuilt = time.time()
-        if not role.get("serving"):
+        if not plan.serving:
             self.faults.at_phase("restore", nth, self.rank)
-        if role.get("fresh"):
+        if plan.fresh:
             self._restore_initial(role)
         else:
-            self.opt.bind(self.rank, self.watch, pulled=bool(role.get("pulled", promoted)))
-            slot = self.slots[role["slot"]]
-            slot.step, slot.crc = role["cut_step"], role["crc"]
+            self.opt.bind(self.rank, self.watch, pulled=plan.pulled)
+            slot = self.slots[plan.slot]
+            slot.step, slot.crc = plan.cut_step, plan.crc
             rng = self.layout.read(slot, self._restore_targets())  # verifies the checksum the agent took
             self.opt.gather()
             torch.set_rng_state(rng)
@@ -504,15 +506,15 @@ class Context:
         # now; glibc keeps such blocks in its heap once its mmap threshold has grown, so hand them back (without
         # this a surviving rank grew by 22 MB over 4 recoveries of the micro GPT: test_never_hang.py)
         release_free_memory()
-        self.step = role["cut_step"]
+        self.step = plan.cut_step
         t_restored = time.time()
         self._snapshot()
-        self._recovery = {"t_fail": t_fail, "recomputed_steps": role.get("recomputed_steps", 0)}
+        self._recovery = {"t_fail": t_fail, "recomputed_steps": plan.recomputed_steps}
         self.log.emit("recovered", generation=self.generation, rank=self.rank, promoted=promoted or was_rank is None,
-                      t_fail=t_fail, t_agreed=role.get("t_agreed"), t_rebuilt=t_rebuilt, t_restored=t_restored,
-                      cut_step=self.step, failed_nodes=role.get("failed_nodes"), round=nth, rss_bytes=_rss_bytes())
+                      t_fail=t_fail, t_agreed=plan.t_agreed, t_rebuilt=t_rebuilt, t_restored=t_restored,
+                      cut_step=self.step, failed_nodes=list(plan.failed_nodes), round=nth, rss_bytes=_rss_bytes())
 
-    def _restore_initial(self, role: dict) -> None:
+    def _restore_initial(self, role: Train) -> None:
         """A fresh start (agreement.decide): this rank's state exists nowhere, and nobody has trained a step, so it is
         the attempt's initial state: the requeued attempt's checkpoint, else the model and optimizer as this process
         built them (the user's function builds the same model in every process, spares included: docs/worker-
@@ -521,8 +523,8 @@ class Context:
         Raises ReplicaError where the process's own state is not the initial one of its rank: it has trained a step,
         or (FSDP2) a spare's shards are rank 0's, not this rank's."""
         self.opt.bind(self.rank, self.watch)
-        if role.get("resume"):
-            self._load_checkpoint(role["resume"])
+        if role.resume:
+            self._load_checkpoint(role.resume)
             return
         cfg = self.config
         built_as = self.node * cfg.ranks_per_node + self.local if self.node < cfg.nodes else 0   # (a spare: rank 0)
@@ -573,14 +575,14 @@ class Context:
         if self.rank == 0:
             self.client.send("finished", {"steps": self.step})  # first: hashing a large model takes a while
             self.log.emit("finished", generation=self.generation, steps=self.step, param_digest=self.param_digest(),
-                          world_size=self.world_size, spares_left=self._role.get("spares_left"),
+                          world_size=self.world_size, spares_left=self._role.view.spares_left,
                           bytes_per_rank_per_step=self.layout.wire_nbytes if self.config.replicate else 0,
                           local_bytes_per_rank_per_step=self.layout.local_nbytes if self.config.replicate else 0,
                           replica_wait_s=self.wait_s, snapshots=self.snapshots)
             self.log.sync()
             return
         try:
-            while self._next_role(self.config.collective_timeout)["what"] != "finish":
+            while not isinstance(self._next_role(self.config.collective_timeout), Finish):
                 pass
         except Exception:  # noqa: BLE001 - the run is over either way; the agent ends us if it must
             pass
