@@ -51,7 +51,7 @@ class NodeAgent:
         self.cfg = cfg
         self.cp = cp
         self.channel = channel
-        cp.agent.on_notice = channel.wake  # a control message or a suspicion ends the main loop's wait at once
+        cp.peers.on_notice = channel.wake  # a control message or a suspicion ends the main loop's wait at once
         self.sup = supervisor
         self.watch = watch
         self.listeners = listeners
@@ -85,7 +85,7 @@ class NodeAgent:
         cp.handlers["kv"] = self._on_kv
         cp.handlers["link_ask"] = self._on_link_ask
         cp.on_member_lost = self._fail_stores
-        cp.agent.on_inject = self._on_inject
+        cp.peers.on_inject = self._on_inject
         self.desk = SnapshotDesk(self, Doorbell.create())  # agent/desk.py: claim, written, committed, off this loop
         self.persister = Persister(self)   # agent/persister.py: every --persist-every s, the snapshots to disk
         self.speed = SpeedCheck(cp, channel, self.P, log, cfg.preflight_factor)   # agent/preflight.py
@@ -102,7 +102,7 @@ class NodeAgent:
     def run(self) -> int:
         """Serve until the run ends for this node. Returns the exit code (0 done, 75 checkpoint saved: requeue)."""
         if self.resume is not None:
-            self.cp.generation = self.cp.agent.generation = self.resume["generation"] + 1
+            self.cp.generation = self.cp.peers.generation = self.resume["generation"] + 1
             self.high_water = self.resume.get("high_water", -1)
         self._start()
         while self.state not in ("done", "saved"):
@@ -116,13 +116,13 @@ class NodeAgent:
             if self.cp.finished() is not None:
                 self._finish()
                 break
-            if self.cp.agent.fenced:
-                raise Fenced(self.cp.agent.fenced)
-            if self.cp.agent.preempted.is_set() and self.state == "training" and not self.cfg.replicate:
+            if self.cp.peers.fenced:
+                raise Fenced(self.cp.peers.fenced)
+            if self.cp.peers.preempted.is_set() and self.state == "training" and not self.cfg.replicate:
                 if not self._preempt_ignored:
                     self._preempt_ignored = True
                     self.log.emit("preempt_ignored", reason="--no-replicate: no snapshot to save")
-            elif self.cp.agent.preempted.is_set() and self.state == "training":
+            elif self.cp.peers.preempted.is_set() and self.state == "training":
                 self.cp.failure.set()  # Slurm's warning (SIGUSR2/SIGTERM): agree on a cut, save it, requeue
             if self.cp.failure.is_set() or self.left or self.round_failed:
                 self._recover()
@@ -150,7 +150,7 @@ class NodeAgent:
                           timeout_s=self.cfg.hang_timeout)
             self._node_failed(f"training process {local} made no progress for {stuck:.1f} s", cause="hang")
         for lost in self.watch.poll():
-            self.cp.agent.suspect(lost, "its agent's watch connection closed (the process is gone)")
+            self.cp.peers.suspect(lost, "its agent's watch connection closed (the process is gone)")
         for local, rep in self.reps.items():
             c = rep.committed_step
             if c > self.committed_seen.get(local, -1):
@@ -190,8 +190,8 @@ class NodeAgent:
                 cause, why = verdict
                 self._node_failed(f"pre-flight: {why}", cause=cause)
         self._next_spare_check = time.monotonic() + self.cfg.spare_check_every
-        self.cp.agent.deadline = self.cfg.heartbeat_deadline   # (STARTUP_HEARTBEAT_DEADLINE_S until now)
-        self.watch.retarget(self.cp.agent.alive(), self._watch_addresses())
+        self.cp.peers.deadline = self.cfg.heartbeat_deadline   # (STARTUP_HEARTBEAT_DEADLINE_S until now)
+        self.watch.retarget(self.cp.peers.alive(), self._watch_addresses())
         g = self.cp.generation
         self._store(g)
         for local in range(self.P):
@@ -251,7 +251,7 @@ class NodeAgent:
         """An idle spare's link re-check (agent/preflight.py): an all-reduce with one training node, a different
         one each time, whose links work (it trains), so a failed one is this spare's. The training node's agent
         hands the request to its training processes (``link_ask``); their answer is for this spare only."""
-        trainers = sorted(({m // self.P for m in self.cp.assignment} & set(self.cp.agent.alive())) - {self.node})
+        trainers = sorted(({m // self.P for m in self.cp.assignment} & set(self.cp.peers.alive())) - {self.node})
         if not trainers:
             return
         self._link_rechecks += 1
@@ -262,7 +262,7 @@ class NodeAgent:
         # what the answer is judged against: a round or a new generation since makes it stale (the partner may be
         # the node that failed)
         self._link_asked = (q, f"link/{a}-{b}/{tag}", self.cp.generation, self.rounds)
-        self.cp.agent.send(q, "link_ask", {"tag": tag, "a": a, "b": b})
+        self.cp.peers.send(q, "link_ask", {"tag": tag, "a": a, "b": b})
         self.speed.link.ask(self.node, [(q, a, b)], tag)
 
     def _spare_link_verdict(self, res: dict) -> None:
@@ -272,7 +272,7 @@ class NodeAgent:
         q, prefix, generation, rounds = self._link_asked
         self.link_store.drop(prefix)   # judged: its keys are not needed again (a week of re-checks would pile up)
         r = res.get(q, {})
-        stale = (generation, rounds) != (self.cp.generation, self.rounds) or self.cp.agent.is_suspected(q) \
+        stale = (generation, rounds) != (self.cp.generation, self.rounds) or self.cp.peers.is_suspected(q) \
             or q not in {m // self.P for m in self.cp.assignment}
         self.log.emit("spare_link_checked", partner=q, stale=stale, **r)
         if stale or not r.get("seen"):
@@ -292,7 +292,7 @@ class NodeAgent:
     def _on_link_ask(self, src: int, body: dict) -> None:
         """(the agent's loop, ``cp.pump``) An idle spare asks this training node's processes for an all-reduce with
         it. Not while a failure or a planned swap is handled: the spare's wait then ends unseen, nothing judged."""
-        if self.cp.agent.fenced or self.state != "training" or self.cp.failure.is_set() or self._in_round \
+        if self.cp.peers.fenced or self.state != "training" or self.cp.failure.is_set() or self._in_round \
                 or self.swaps.current is not None:
             return
         try:
@@ -317,7 +317,7 @@ class NodeAgent:
             self.health_check = None
 
     def _on_local(self, local: int, kind: str, body: dict) -> None:
-        if self.cp.agent.fenced:
+        if self.cp.peers.fenced:
             return
         st = self.stores.get(self.cp.generation)
         if kind.startswith("store_") and body.get("generation") == LINK_GENERATION:
@@ -348,7 +348,7 @@ class NodeAgent:
         elif kind == "fault":
             self.faults.fire_node(body)
         elif kind == "inject_spare":
-            self.cp.agent.send(int(body["node"]), "inject", body)
+            self.cp.peers.send(int(body["node"]), "inject", body)
         elif kind == "finished":
             self.cp.finish({"steps": body.get("steps")})
         elif kind == "abort":  # an error in the user's code: the whole job stops (every agent is told)
@@ -424,10 +424,10 @@ class NodeAgent:
 
         body = {"g": g, "key": key, "value": base64.b64encode(value).decode()}
         if g == LINK_GENERATION:
-            dests = set(link_pair_of(key) or self.cp.agent.alive())
+            dests = set(link_pair_of(key) or self.cp.peers.alive())
         else:
             dests = set(self.cp.member_nodes)
-        self.cp.agent.send_many(sorted(dests - {self.node}), "kv", body)   # encoded once; a suspected node skipped
+        self.cp.peers.send_many(sorted(dests - {self.node}), "kv", body)   # encoded once; a suspected node skipped
 
     def _on_kv(self, src: int, body: dict) -> None:
         import base64
@@ -457,7 +457,7 @@ class NodeAgent:
         raise Fenced(f"this node failed: {reason}")
 
     def _on_inject(self, body: dict) -> None:
-        """(agent thread) Training rank 0 asks this (spare) node to fire a fault on itself."""
+        """(control thread) Training rank 0 asks this (spare) node to fire a fault on itself."""
         self.faults.on_message(body)
 
     def _serve_hook(self, rank: int, step: int, sent: int, total: int) -> None:
@@ -539,7 +539,7 @@ class NodeAgent:
             self._save_checkpoint(decision)
             return
         ranks = {local: self.cp.train_rank(local) for local in range(self.P)}
-        self.watch.retarget(self.cp.agent.alive(), self._watch_addresses())
+        self.watch.retarget(self.cp.peers.alive(), self._watch_addresses())
         if ranks[0] is None:  # still a spare
             for local in range(self.P):
                 self._configure(local)
@@ -638,7 +638,7 @@ class NodeAgent:
 
     def _finish(self) -> None:
         """The run is complete: tell the training processes, let them leave, leave."""
-        self.cp.agent.stop_watching()
+        self.cp.peers.stop_watching()
         self.watch.enabled = False
         for local in self.sup.alive():
             self._send_role(local, Finish())

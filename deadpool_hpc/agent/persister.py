@@ -57,13 +57,13 @@ class Persister:
             g, step, secs, nbytes = self._done
             self._done = None
             self.a.log.emit("persisted", step=step, generation=g, seconds=round(secs, 3), bytes=nbytes)
-            cp.agent.send(cp.assignment[0] // self.a.P, "persisted", {"g": g, "step": step})
+            cp.peers.send(cp.assignment[0] // self.a.P, "persisted", {"g": g, "step": step})
         if self._scheduler() and time.monotonic() >= self.next_t:
             self.next_t = time.monotonic() + self.every
             rep = self.a.reps.get(0)
             if rep is not None and rep.committed_step >= 0:
                 body = {"g": cp.generation, "step": rep.committed_step + 2}
-                cp.agent.send_many(self._trainers(), "persist", body)
+                cp.peers.send_many(self._trainers(), "persist", body)
         if self.want is not None and self._thread is None:
             self._copy()
 

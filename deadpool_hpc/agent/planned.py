@@ -98,7 +98,7 @@ class PlannedSwaps:
     def _send_ask(self) -> None:
         cur, cp = self.current, self.a.cp
         cur["asked"] = time.monotonic()
-        cp.agent.send(min(cp.agent.alive()), "swap_ask", {"node": cp.me, "generation": cp.generation})
+        cp.peers.send(min(cp.peers.alive()), "swap_ask", {"node": cp.me, "generation": cp.generation})
 
     def on_answer(self, src: int, body: dict) -> None:
         cur = self.current
@@ -167,9 +167,9 @@ class PlannedSwaps:
         cp = self.a.cp
         node = int(body.get("node", src))
         holder = self.lease[0] if self.lease else None
-        expired = holder is None or holder == node or cp.agent.is_suspected(holder) \
+        expired = holder is None or holder == node or cp.peers.is_suspected(holder) \
             or time.monotonic() - self.lease[1] > 2 * self.a.cfg.collective_timeout
-        spares = [n for n in cp.spare_nodes if not cp.agent.is_suspected(n)]
+        spares = [n for n in cp.spare_nodes if not cp.peers.is_suspected(n)]
         if not expired:
             answer = {"ok": False, "busy": holder}
         elif not spares:
@@ -177,4 +177,4 @@ class PlannedSwaps:
         else:
             self.lease = (node, time.monotonic())
             answer = {"ok": True}
-        cp.agent.send(src, "swap_answer", answer)
+        cp.peers.send(src, "swap_answer", answer)
