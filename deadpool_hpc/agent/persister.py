@@ -145,7 +145,7 @@ class Persister:
         latest = latest_checkpoint(self.a.cfg.run_dir)
         if latest is not None and latest["step"] >= step:
             return
-        persist.commit(self.root, step, self.a.cfg.world_size, g, self.a.high_water)
+        persist.commit(self.root, step, self.a.cfg.world_size, g, self.a.recovery.high_water)
         self.a.log.emit("checkpoint_persisted", step=step, generation=g, path=self.root)
         for name in os.listdir(self.root):
             if name.startswith("step") and name[4:].isdigit() and int(name[4:]) < step:
