@@ -51,8 +51,9 @@ class NodeAgent:
     def __init__(self, cfg, cp, channel, supervisor, watch, listeners, log, injector, transport=None):
         self.cfg = cfg
         self.cp = cp
+        self.peers = cp.peers              # its control thread (control/peers.py): heartbeats, suspicion, messages
         self.channel = channel
-        cp.peers.on_notice = channel.wake  # a control message or a suspicion ends the main loop's wait at once
+        self.peers.on_notice = channel.wake  # a control message or a suspicion ends the main loop's wait at once
         self.sup = supervisor
         self.watch = watch
         self.listeners = listeners
@@ -77,7 +78,7 @@ class NodeAgent:
         self.recovery = Recovery(self)     # agent/recovery.py: the rounds after a failure
         self.rendezvous = Rendezvous(cp)   # agent/rendezvous.py: each generation's store, kept equal across agents
         cp.handlers["link_ask"] = self._on_link_ask
-        cp.peers.on_inject = self._on_inject
+        self.peers.on_inject = self._on_inject
         # agent/desk.py: claim, written, committed, off this loop
         self.desk = SnapshotDesk(self.reps, channel.progress, self._on_written, log, Doorbell.create())
         self.persister = Persister(self)   # agent/persister.py: every --persist-every s, the snapshots to disk
@@ -92,7 +93,7 @@ class NodeAgent:
     def run(self) -> int:
         """Serve until the run ends for this node. Returns the exit code (0 done, 75 checkpoint saved: requeue)."""
         if self.resume is not None:
-            self.cp.generation = self.cp.peers.generation = self.resume["generation"] + 1
+            self.cp.generation = self.peers.generation = self.resume["generation"] + 1
         self._start()
         while self.state not in ("done", "saved"):
             # a local message, a training process's exit (its socket closes), a control message or a suspicion
@@ -105,13 +106,13 @@ class NodeAgent:
             if self.cp.finished() is not None:
                 self.finish()
                 break
-            if self.cp.peers.fenced:
-                raise Fenced(self.cp.peers.fenced)
-            if self.cp.peers.preempted.is_set() and self.state == "training" and not self.cfg.replicate:
+            if self.peers.fenced:
+                raise Fenced(self.peers.fenced)
+            if self.peers.preempted.is_set() and self.state == "training" and not self.cfg.replicate:
                 if not self._preempt_ignored:
                     self._preempt_ignored = True
                     self.log.emit("preempt_ignored", reason="--no-replicate: no snapshot to save")
-            elif self.cp.peers.preempted.is_set() and self.state == "training":
+            elif self.peers.preempted.is_set() and self.state == "training":
                 self.cp.failure.set()  # Slurm's warning (SIGUSR2/SIGTERM): agree on a cut, save it, requeue
             if self.cp.failure.is_set() or self.recovery.wanted():
                 self.recovery.run()
@@ -139,7 +140,7 @@ class NodeAgent:
                           timeout_s=self.cfg.hang_timeout)
             self.node_failed(f"training process {local} made no progress for {stuck:.1f} s", cause="hang")
         for lost in self.watch.poll():
-            self.cp.peers.suspect(lost, "its agent's watch connection closed (the process is gone)")
+            self.peers.suspect(lost, "its agent's watch connection closed (the process is gone)")
         for local, rep in self.reps.items():
             c = rep.committed_step
             if c > self.committed_seen.get(local, -1):
@@ -177,7 +178,7 @@ class NodeAgent:
                 cause, why = verdict
                 self.node_failed(f"pre-flight: {why}", cause=cause)
         self._next_spare_check = time.monotonic() + self.cfg.spare_check_every
-        self.cp.peers.deadline = self.cfg.heartbeat_deadline   # (STARTUP_HEARTBEAT_DEADLINE_S until now)
+        self.peers.deadline = self.cfg.heartbeat_deadline   # (STARTUP_HEARTBEAT_DEADLINE_S until now)
         self.retarget_watch()
         self.rendezvous.open(self.cp.generation)
         for local in range(self.P):
@@ -237,7 +238,7 @@ class NodeAgent:
         """An idle spare's link re-check (agent/preflight.py): an all-reduce with one training node, a different
         one each time, whose links work (it trains), so a failed one is this spare's. The training node's agent
         hands the request to its training processes (``link_ask``); their answer is for this spare only."""
-        trainers = sorted(({m // self.P for m in self.cp.assignment} & set(self.cp.peers.alive())) - {self.node})
+        trainers = sorted(({m // self.P for m in self.cp.assignment} & set(self.peers.alive())) - {self.node})
         if not trainers:
             return
         self._link_rechecks += 1
@@ -248,7 +249,7 @@ class NodeAgent:
         # what the answer is judged against: a round or a new generation since makes it stale (the partner may be
         # the node that failed)
         self._link_asked = (q, f"link/{a}-{b}/{tag}", self.cp.generation, self.recovery.rounds)
-        self.cp.peers.send(q, "link_ask", {"tag": tag, "a": a, "b": b})
+        self.peers.send(q, "link_ask", {"tag": tag, "a": a, "b": b})
         self.speed.link.ask(self.node, [(q, a, b)], tag)
 
     def _spare_link_verdict(self, res: dict) -> None:
@@ -258,7 +259,7 @@ class NodeAgent:
         q, prefix, generation, rounds = self._link_asked
         self.rendezvous.link.drop(prefix)   # judged: its keys are not needed again (a week of re-checks would pile up)
         r = res.get(q, {})
-        stale = (generation, rounds) != (self.cp.generation, self.recovery.rounds) or self.cp.peers.is_suspected(q) \
+        stale = (generation, rounds) != (self.cp.generation, self.recovery.rounds) or self.peers.is_suspected(q) \
             or q not in {m // self.P for m in self.cp.assignment}
         self.log.emit("spare_link_checked", partner=q, stale=stale, **r)
         if stale or not r.get("seen"):
@@ -278,7 +279,7 @@ class NodeAgent:
     def _on_link_ask(self, src: int, body: dict) -> None:
         """(the agent's loop, ``cp.pump``) An idle spare asks this training node's processes for an all-reduce with
         it. Not while a failure or a planned swap is handled: the spare's wait then ends unseen, nothing judged."""
-        if self.cp.peers.fenced or self.state != "training" or self.cp.failure.is_set() or self.recovery.in_round \
+        if self.peers.fenced or self.state != "training" or self.cp.failure.is_set() or self.recovery.in_round \
                 or self.swaps.current is not None:
             return
         try:
@@ -303,7 +304,7 @@ class NodeAgent:
             self.health_check = None
 
     def _on_local(self, local: int, kind: str, body: dict) -> None:
-        if self.cp.peers.fenced:
+        if self.peers.fenced:
             return
         if kind.startswith("store_"):
             self.rendezvous.handle(local, kind, body, self.channel.send)
@@ -320,7 +321,7 @@ class NodeAgent:
         elif kind == "fault":
             self.faults.fire_node(body)
         elif kind == "inject_spare":
-            self.cp.peers.send(int(body["node"]), "inject", body)
+            self.peers.send(int(body["node"]), "inject", body)
         elif kind == "finished":
             self.cp.finish({"steps": body.get("steps")})
         elif kind == "abort":  # an error in the user's code: the whole job stops (every agent is told)
@@ -363,7 +364,8 @@ class NodeAgent:
             rep.configure(self.cp.generation, r, [], [])
             return
         addr = lambda t: self.replica_address(self.cp.assignment[t])  # noqa: E731
-        rep.configure(self.cp.generation, r, [addr(h) for h in holders_of(r, P, cfg.nodes, k)], held_by(r, P, cfg.nodes, k))
+        rep.configure(self.cp.generation, r, [addr(h) for h in holders_of(r, P, cfg.nodes, k)],
+                      held_by(r, P, cfg.nodes, k))
         self.committed_seen[local] = -1
 
     def replica_address(self, proc: int) -> list:
@@ -381,7 +383,7 @@ class NodeAgent:
 
     def retarget_watch(self) -> None:
         """Point the ring watch at this agent's ring neighbours among the live agents."""
-        self.watch.retarget(self.cp.peers.alive(), {n: ident["watch"] for n, ident in enumerate(self.cp.idents)})
+        self.watch.retarget(self.peers.alive(), {n: ident["watch"] for n, ident in enumerate(self.cp.idents)})
 
     def _on_written(self, local: int, step: int) -> None:
         """(desk thread) Training process ``local`` wrote its snapshot of ``step`` in the current generation."""
@@ -425,7 +427,7 @@ class NodeAgent:
 
     def finish(self) -> None:
         """The run is complete: tell the training processes, let them leave, leave."""
-        self.cp.peers.stop_watching()
+        self.peers.stop_watching()
         self.watch.enabled = False
         for local in self.sup.alive():
             self.send_role(local, Finish())

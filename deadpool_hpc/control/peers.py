@@ -249,8 +249,8 @@ class Peers(threading.Thread):
             import logging
             import os
 
-            logging.getLogger(__name__).critical("deadpool control thread (peers) died: %s: %s", type(exc).__name__, exc,
-                                                 exc_info=True)
+            logging.getLogger(__name__).critical("deadpool control thread (peers) died: %s: %s", type(exc).__name__,
+                                                 exc, exc_info=True)
             logging.shutdown()
             os._exit(70)
 

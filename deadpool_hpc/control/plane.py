@@ -4,8 +4,8 @@ One MPI process per node: the node agent (deadpool_hpc/agent). MPI rank n *is* n
 processes of a node are "virtual processes" m = n * P + local, the ids the recovery decision works in
 (agreement.decide: assignment, members, fenced). Owns: MPI initialisation (MPI_THREAD_MULTIPLE), the identity
 exchange used for fencing and to reach each agent's servers, the control thread (peers.py: heartbeats, suspicion,
-MPI messages), the recovery agreement, and barriers among the member agents of a generation. It does not own process groups, replicas or
-training state: the worker passes it a report and a callback that hosts the next generation's store, and
+MPI messages), the recovery agreement, and barriers among the member agents of a generation. It does not own
+process groups, replicas or training state: the node agent's recovery (agent/recovery.py) passes it a report and
 applies the decision it returns.
 
 After start-up nothing here is an MPI collective: a collective that includes a dead or frozen process never
