@@ -22,8 +22,8 @@ seconds into its round (``collect``, with a fresh round id: the failure notice m
 waits for every ``ready`` (a live process that does not answer within ``ready_timeout`` seconds has a stuck
 training thread: it is suspected). Once all live processes have reported and no suspicion arrived for
 ``settle`` seconds, it takes the newest view among the reports (the assignment of the highest applied
-generation: some members may have applied a decision others never received), runs ``agreement.decide``, hosts
-the new generation's store, and disseminates ``decision`` down a binomial tree over the live agents (each agent
+generation: some members may have applied a decision others never received), runs ``agreement.decide``, and
+disseminates ``decision`` down a binomial tree over the live agents (each agent
 passes it on before reading it: O(log N) hops, no agent sends more than log2 N copies). If the coordinator is
 suspected meanwhile, the next lowest takes over with a new round. A forwarder that dies unnoticed cuts its
 subtree off this decision; its death is a failure, and the next round's decision reaches them. A process
@@ -41,52 +41,13 @@ import numpy as np
 
 from ..errors import Fenced, JobAborted, PeerFailure, RecoveryTimeout, RunFinished
 from ..process import fence as fencing
-from . import pmi_relay
-from .peers import Peers
 from .agreement import decide
 from .decision import Decision, RoundFailure, decision_from_wire, from_int_runs, int_runs
+from .mpi import import_mpi, unlink_mpi_shm
+from .peers import Peers
 from .waker import Waker
 
 _HELLO_BYTES = 512
-
-
-def _mpi():
-    import mpi4py
-
-    # Measured with the MPICH wheel's UCX netmod: a rendezvous transfer whose sender dies kills the
-    # receiver (cross-memory attach: "process_vm_readv ... No such process", then SIGTERM). Control
-    # messages are small; send every message eagerly.
-    os.environ.setdefault("UCX_RNDV_THRESH", "inf")
-    pmi_relay.install()  # under srun: keeps every PMI-1 request within Slurm's 1024-byte read (pmi_relay.py)
-    mpi4py.rc.thread_level = "multiple"
-    mpi4py.rc.finalize = False  # survivors exit with os._exit; MPI_Finalize with dead peers may hang
-    from mpi4py import MPI
-
-    return MPI
-
-
-def unlink_mpi_shm(maps: str = "/proc/self/maps") -> list[str]:
-    """Remove the names of the MPICH shared-memory segments this process maps (``/dev/shm/mpich_shm_*``); the
-    mappings stay valid. Returns the paths removed.
-
-    Call it once every local process has finished ``MPI_Init`` (after a collective over ``COMM_WORLD``): MPICH
-    attaches these segments by name only during init, and unlinks them only in ``MPI_Finalize``, which an agent never
-    calls (it leaves with ``os._exit``: peers may be dead). Measured here (MPICH 5.0.2 wheel): each agent left one
-    1 MB segment (16 MB in larger runs) in ``/dev/shm`` per run, killed or not; a day of tests had left 12,516 of them,
-    14 GB of the machine's 24 GB of memory, since ``/dev/shm`` is memory."""
-    removed = []
-    try:
-        with open(maps) as f:
-            paths = {line.split()[-1] for line in f if "/dev/shm/mpich_shm_" in line and not line.rstrip().endswith("(deleted)")}
-    except OSError:
-        return removed
-    for path in sorted(paths):
-        try:
-            os.unlink(path)
-            removed.append(path)
-        except OSError:  # another local process of the job removed it first
-            pass
-    return removed
 
 
 class ControlPlane:
@@ -106,7 +67,7 @@ class ControlPlane:
                  log, settle: float = 0.02, ready_timeout: float = 60.0, recovery_timeout: float = 120.0,
                  replicas: int = 1, extra_identity: dict | None = None, handlers: dict | None = None,
                  watch_k: int = 2, host: str = "127.0.0.1"):
-        MPI = _mpi()
+        MPI = import_mpi()
         self.MPI = MPI
         world = MPI.COMM_WORLD
         self.world = world
