@@ -13,7 +13,7 @@ persistent checkpoint at the cut step instead and tells the processes to leave w
 
 Owns: the rounds' state (the processes' ``Left`` and ``RoundFailed``, the round count, the highest step any
 process completed), the fault phases of a recovery (``phase``), the checkpoint of the no-spare path. Does not own:
-the agreement (control/), the replicas (replica/transport.py), the worker's half (worker/context.py ``_recover``).
+the agreement (control/), the replicas (replica/transport.py), the worker's half (worker/recovery.py).
 Runs on the agent's main thread; uses the NodeAgent's public parts (agent/node.py: ``tick``, ``node_failed``,
 ``configure``, ``view``, ``send_role``, ...).
 """
