@@ -9,7 +9,7 @@ snapshot of the step it completed, and tells its agent how far it got (``Left``)
 next. The agent's half is agent/recovery.py.
 
 A mixin of ``Context`` (worker/context.py): these methods use its state (the role, the groups, the optimizer, the
-slots, the snapshot copier). Does not own the step loop nor the snapshots (worker/context.py).
+slots, the snapshots' settle and quiesce). Does not own the step loop nor the snapshots (worker/context.py).
 """
 from __future__ import annotations
 
