@@ -137,7 +137,7 @@ def main(argv=None) -> None:
     bell_r, bell_w = socket.socketpair()
     for sock in (bell_r, bell_w):
         sock.setblocking(False)
-    cp.agent.on_notice = lambda: _ring(bell_w)
+    cp.peers.on_notice = lambda: _ring(bell_w)
 
     def wait(seconds: float) -> None:
         """Sleep until a control message needs the main thread (on_notice), a watched agent's socket has news, or
@@ -150,9 +150,9 @@ def main(argv=None) -> None:
         cp.pump(0)
         for lost in watch.poll():
             if cp.finished() is None:  # after the study, agents leave on purpose
-                cp.agent.suspect(lost, "its agent's watch connection closed (the process is gone)")
+                cp.peers.suspect(lost, "its agent's watch connection closed (the process is gone)")
     cp.start()
-    watch.retarget(cp.agent.alive(), addresses)
+    watch.retarget(cp.peers.alive(), addresses)
     end_of_life = time.monotonic() + a.lifetime
     stop = os.path.join(a.out_dir, "stop")
     steady_done = False
@@ -180,33 +180,33 @@ def main(argv=None) -> None:
             if cp.finished() is not None:
                 break
             if not steady_done and c0 is None and now >= t_window:
-                c0 = (now, time.process_time(), cp.agent.sent, cp.agent.received)
+                c0 = (now, time.process_time(), cp.peers.sent, cp.peers.received)
             elif c0 is not None and not steady_done and now >= c0[0] + a.window:
                 dt = now - c0[0]
                 _write(os.path.join(a.out_dir, f"steady-{cp.me}.json"), {
                     "mpi_rank": cp.me, "pid": os.getpid(), "size": cp.size, "watch_k": a.watch_k, "window_s": dt,
-                    "sent_per_s": (cp.agent.sent - c0[2]) / dt, "received_per_s": (cp.agent.received - c0[3]) / dt,
-                    "cpu_per_s": (time.process_time() - c0[1]) / dt, "suspected": sorted(cp.agent.suspected)})
+                    "sent_per_s": (cp.peers.sent - c0[2]) / dt, "received_per_s": (cp.peers.received - c0[3]) / dt,
+                    "cpu_per_s": (time.process_time() - c0[1]) / dt, "suspected": sorted(cp.peers.suspected)})
                 steady_done = True
             wait(0.5)
             if cp.failure.is_set():
-                cpu0, a0 = time.process_time(), _thread_cpu(cp.agent.native_id)
-                n0 = (cp.agent.passes, cp.agent.mpi_polls, cp.agent.sent, cp.agent.received)
+                cpu0, a0 = time.process_time(), _thread_cpu(cp.peers.native_id)
+                n0 = (cp.peers.passes, cp.peers.mpi_polls, cp.peers.sent, cp.peers.received)
                 try:
                     decision = cp.recover(_report(cp), wait=wait)
                 except RunFinished:
                     break
-                cpu, agent_cpu = time.process_time() - cpu0, _thread_cpu(cp.agent.native_id) - a0
-                with cp.agent.lock:
-                    knew = {str(n): t for n, t in cp.agent.suspected.items()}
+                cpu, agent_cpu = time.process_time() - cpu0, _thread_cpu(cp.peers.native_id) - a0
+                with cp.peers.lock:
+                    knew = {str(n): t for n, t in cp.peers.suspected.items()}
                 applied[decision.generation] = time.time()
                 _write(os.path.join(a.out_dir, f"recovery-{cp.me}-{decision.generation}.json"), {
                     "mpi_rank": cp.me, "generation": decision.generation, "applied": time.time(), "knew": knew,
                     "t_decided": decision.t_decided, "recovery_cpu_s": cpu, "agent_thread_cpu_s": agent_cpu,
-                    "agent_passes": cp.agent.passes - n0[0], "mpi_polls": cp.agent.mpi_polls - n0[1],
-                    "sent": cp.agent.sent - n0[2], "received": cp.agent.received - n0[3], "coordinator": decision.coordinator,
+                    "agent_passes": cp.peers.passes - n0[0], "mpi_polls": cp.peers.mpi_polls - n0[1],
+                    "sent": cp.peers.sent - n0[2], "received": cp.peers.received - n0[3], "coordinator": decision.coordinator,
                     "failed_nodes": list(decision.failed_nodes), "promoted": decision.promoted})
-                watch.retarget(cp.agent.alive(), addresses)
+                watch.retarget(cp.peers.alive(), addresses)
             if time.monotonic() - last_stat > 0.5:
                 last_stat = time.monotonic()
                 if os.path.exists(stop):

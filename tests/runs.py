@@ -34,7 +34,7 @@ def _mapped_anywhere() -> set[str]:
 
 def launch_reaped(cfg: RunConfig, timeout: float) -> dict:
     """``launch(cfg)``; whatever happened, no process that said hello in the run may be left alive, and no MPICH
-    segment may be left in /dev/shm by it (control/plane.py:unlink_mpi_shm)."""
+    segment may be left in /dev/shm by it (control/mpi.py:unlink_mpi_shm)."""
     before = _mpi_segments()
     summary = launch(cfg, timeout=timeout)
     for e in read_events(os.path.join(cfg.run_dir, "events.jsonl")):

@@ -48,13 +48,19 @@ class Swaps:
 
 
 class Agent:
-    """The NodeAgent attributes the desk reads (agent/node.py): reps, channel, written, swaps."""
+    """The node agent as the desk sees it (agent/node.py): its Replicators, its pages, and what it does with a
+    written step (keeps it; wakes its loop while a planned swap waits)."""
 
     def __init__(self, reps, pages):
         self.reps = reps
         self.channel = Channel(pages)
         self.written = {}
         self.swaps = Swaps()
+
+    def on_written(self, local, step):
+        self.written[local] = step
+        if self.swaps.current is not None:
+            self.channel.wake()
 
 
 def wait_until(pred, timeout, what):
@@ -102,7 +108,7 @@ def desk_setup(request):
     agent = Agent({0: me}, {0: page})
     committed = []
     me.on_commit = lambda g, step: (committed.append((g, step)), page.put(page.COMMITTED, g, step))
-    desk = SnapshotDesk(agent, Doorbell.create())
+    desk = SnapshotDesk(agent.reps, agent.channel.progress, agent.on_written, Log(), Doorbell.create())
     yield layout, bufs, holder, me, page, agent, desk, committed
     desk.close()
     me.close()

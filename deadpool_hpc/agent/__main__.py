@@ -21,16 +21,16 @@ import traceback
 # step, save a persistent checkpoint there, exit 75. Whether the job is then requeued (the job goes on) or ends
 # (a cancelled job) is the launcher's decision (docs/slurm.md, "Signals"). Training processes ignore both.
 STOP_SIGNALS = ("SIGUSR2", "SIGTERM")
-_signalled = {"stop": False, "agent": None}  # a signal may come before the control plane exists
+_signalled = {"stop": False, "peers": None}  # a signal may come before the control plane exists
 
 
 def _on_stop_signal(sig, _frame) -> None:
-    """Only stores flags (safe in a signal handler); the control plane's agent thread acts on them."""
+    """Only stores flags (safe in a signal handler); the control thread (control/peers.py) acts on them."""
     _signalled["stop"] = True
     _signalled["name"] = signal.Signals(sig).name
-    if _signalled["agent"] is not None:
-        _signalled["agent"].preempt_by = _signalled["name"]
-        _signalled["agent"].request_preempt()
+    if _signalled["peers"] is not None:
+        _signalled["peers"].preempt_by = _signalled["name"]
+        _signalled["peers"].request_preempt()
 
 
 def main(argv=None) -> None:
@@ -101,10 +101,10 @@ def main(argv=None) -> None:
     log.base.update(mpi_rank=cp.me, node=cp.me)
     if line is not None:
         line.know(cp.idents, log)  # from now on a lost launcher takes every agent (and its node) with it
-    _signalled["agent"] = cp.agent
+    _signalled["peers"] = cp.peers
     if _signalled["stop"]:
-        cp.agent.preempt_by = _signalled.get("name")
-        cp.agent.request_preempt()
+        cp.peers.preempt_by = _signalled.get("name")
+        cp.peers.request_preempt()
     env = dict(os.environ, DEADPOOL_AGENT_SOCK=channel.name, DEADPOOL_NODE=str(cp.me))
     env.pop(lifeline.ENV, None)  # the agent watches the launcher; its training processes die with the agent
     nic_down_env(cfg.faults, cp.me, env, log)   # a test's --nic-down: this node's data plane is down
@@ -115,7 +115,7 @@ def main(argv=None) -> None:
         # the last collective of the start-up (a barrier), then heartbeats: from here on a node lost is seen by the
         # others and recovered (issue 28). Before, the barrier came after the import below, and a node lost during
         # those seconds left every other agent in the barrier until the start-up deadline
-        cp.agent.deadline = max(cfg.heartbeat_deadline, STARTUP_HEARTBEAT_DEADLINE_S)   # (node.py says why)
+        cp.peers.deadline = max(cfg.heartbeat_deadline, STARTUP_HEARTBEAT_DEADLINE_S)   # (node.py says why)
         cp.start()
         faulthandler.cancel_dump_traceback_later()  # every wait from here on has its own deadline
         sup.start()

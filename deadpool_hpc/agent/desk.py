@@ -11,8 +11,8 @@ path: on 2 shared cores each pass of that loop cost ~0.23 ms of CPU and the per-
 (the closing note of this change).
 
 Owns: answering claim and written words, and retrying a claim refused while an own slot was busy (every 5 ms).
-Does not own: what a claim or a written snapshot does (the Replicator), the slots (ipc/shm.py), planned swaps
-(agent/planned.py: the main loop looks at ``NodeAgent.written`` when one is armed; this thread wakes it).
+Does not own: what a claim or a written snapshot does (the Replicator), the slots (ipc/shm.py), what the agent does
+with a written step (``on_written``: agent/node.py keeps it for planned swaps, agent/planned.py).
 """
 from __future__ import annotations
 
@@ -22,11 +22,16 @@ from ..ipc.shm import GEN_MASK, Doorbell, unpack_word
 
 
 class SnapshotDesk:
-    """``agent``: the NodeAgent (its ``reps``, ``channel``, ``written``, ``swaps``); ``bell``: the Doorbell its
-    training processes ring. Starts its thread at once; ``close()`` ends it (within about 1 s)."""
+    """``reps``: the node agent's local rank -> Replicator (a live dict: ranks are added as they attach);
+    ``progress(local)``: that rank's ProgressPage, or None; ``on_written(local, step)``: called from this thread for
+    each snapshot written in the current generation; ``log``: EventLog; ``bell``: the Doorbell its training
+    processes ring. Starts its thread at once; ``close()`` ends it (within about 1 s)."""
 
-    def __init__(self, agent, bell: Doorbell):
-        self.a = agent
+    def __init__(self, reps: dict, progress, on_written, log, bell: Doorbell):
+        self.reps = reps
+        self.progress = progress
+        self.on_written = on_written
+        self.log = log
         self.bell = bell
         self.pending: dict[int, tuple[int, int]] = {}   # local -> (generation, step) of a claim refused while busy
         self._seen: dict[tuple[int, int], int] = {}     # (local, word) -> the last word answered
@@ -48,15 +53,14 @@ class SnapshotDesk:
             except Exception as exc:  # noqa: BLE001 - one rank's bad word must not end the desk of every rank
                 # the step it concerned is never committed: that rank's wait before its update times out and the
                 # recovery that follows reconfigures the Replicator
-                self.a.log.emit("snapshot_desk_error", error=f"{type(exc).__name__}: {exc}"[:300])
+                self.log.emit("snapshot_desk_error", error=f"{type(exc).__name__}: {exc}"[:300])
 
     def serve(self) -> None:
         """One pass: every local rank's new claim and written words, in step order (a claim before the written of
         the same step), then the claims still pending."""
-        a = self.a
         with self._lock:
-            for local, rep in list(a.reps.items()):
-                page = a.channel.progress(local)
+            for local, rep in list(self.reps.items()):
+                page = self.progress(local)
                 if page is None:
                     continue
                 new = []
@@ -95,9 +99,7 @@ class SnapshotDesk:
     def _written(self, local: int, rep, g: int, step: int, index: int) -> None:
         if g != rep.generation & GEN_MASK or not rep.written(step, index):
             return   # of an older generation, or of a claim a quiesce dropped: not this generation's snapshot
-        self.a.written[local] = step
-        if self.a.swaps.current is not None:
-            self.a.channel.wake()   # a planned swap waits for this step: the main loop looks (PlannedSwaps)
+        self.on_written(local, step)
 
     def close(self) -> None:
         self._closed = True

@@ -2,7 +2,7 @@
 
 A detector watches something the control plane cannot see (Slurm's view of the node, a health check, an operator's
 request) and says, for the node its agent runs on, "this node should leave": the agent then retires the node at
-the next step boundary (agent/node.py, "planned swap"): no step is recomputed, a spare takes its place. Failure
+the next step boundary (agent/planned.py): no step is recomputed, a spare takes its place. Failure
 detection proper (a process's exit, a hang, heartbeats among agents) is the control plane's own and is not
 pluggable: a detector can only *add* reasons to leave, never hide a failure.
 

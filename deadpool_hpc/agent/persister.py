@@ -37,7 +37,7 @@ class Persister:
     """One node agent's share. ``agent``: its NodeAgent (cfg, cp, reps, layouts, log); ``tick()`` from its loop."""
 
     def __init__(self, agent):
-        self.a = agent
+        self.agent = agent
         self.every = float(agent.cfg.persist_every or 0.0)
         self.root = agent.checkpoint_dir
         self.next_t = time.monotonic() + self.every
@@ -50,20 +50,20 @@ class Persister:
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def tick(self) -> None:
-        if self.every <= 0 or self.a.state != "training":
+        if self.every <= 0 or self.agent.state != "training":
             return
-        cp = self.a.cp
+        cp = self.agent.cp
         if self._done is not None:   # the writer thread finished: tell the scheduler (from this loop, not that thread)
             g, step, secs, nbytes = self._done
             self._done = None
-            self.a.log.emit("persisted", step=step, generation=g, seconds=round(secs, 3), bytes=nbytes)
-            cp.agent.send(cp.assignment[0] // self.a.P, "persisted", {"g": g, "step": step})
+            self.agent.log.emit("persisted", step=step, generation=g, seconds=round(secs, 3), bytes=nbytes)
+            cp.peers.send(cp.assignment[0] // self.agent.P, "persisted", {"g": g, "step": step})
         if self._scheduler() and time.monotonic() >= self.next_t:
             self.next_t = time.monotonic() + self.every
-            rep = self.a.reps.get(0)
+            rep = self.agent.reps.get(0)
             if rep is not None and rep.committed_step >= 0:
                 body = {"g": cp.generation, "step": rep.committed_step + 2}
-                cp.agent.send_many(self._trainers(), "persist", body)
+                cp.peers.send_many(self._trainers(), "persist", body)
         if self.want is not None and self._thread is None:
             self._copy()
 
@@ -76,20 +76,20 @@ class Persister:
 
     # ---- the rounds -------------------------------------------------------------------------------------------
     def _scheduler(self) -> bool:
-        cp = self.a.cp
-        return cp.assignment[0] // self.a.P == self.a.node
+        cp = self.agent.cp
+        return cp.assignment[0] // self.agent.P == self.agent.node
 
     def _trainers(self) -> list[int]:
-        cp, P = self.a.cp, self.a.P
+        cp, P = self.agent.cp, self.agent.P
         return sorted({m // P for m in cp.assignment})
 
     def _on_persist(self, src: int, body: dict) -> None:
-        if int(body.get("g", -1)) == self.a.cp.generation and self.a.cp.train_rank(0) is not None:
+        if int(body.get("g", -1)) == self.agent.cp.generation and self.agent.cp.train_rank(0) is not None:
             self.want = (int(body["g"]), int(body["step"]))
 
     def _on_persisted(self, src: int, body: dict) -> None:
         key = (int(body.get("g", -1)), int(body.get("step", -1)))
-        if key[0] != self.a.cp.generation or not self._scheduler():
+        if key[0] != self.agent.cp.generation or not self._scheduler():
             return
         done = self.acks.setdefault(key, set())
         done.add(src)
@@ -100,10 +100,10 @@ class Persister:
     def _copy(self) -> None:
         """Copy each local rank's own slot of the wanted step once committed, then write them in the background."""
         g, step = self.want
-        if g != self.a.cp.generation:
+        if g != self.agent.cp.generation:
             self.want = None
             return
-        reps = self.a.reps
+        reps = self.agent.reps
         if any(rep.committed_step < step for rep in reps.values()):
             return   # not yet
         copies = {}
@@ -111,12 +111,12 @@ class Persister:
             slot = rep.copy_own(step)
             if slot is None:
                 self.want = None
-                self.a.log.emit("persist_missed", step=step, generation=g, local=local,
-                                why=f"rank {self.a.cp.train_rank(local)} is already at step {rep.committed_step}")
+                self.agent.log.emit("persist_missed", step=step, generation=g, local=local,
+                                why=f"rank {self.agent.cp.train_rank(local)} is already at step {rep.committed_step}")
                 return
             copies[local] = slot
         self.want = None
-        ranks = {local: self.a.cp.train_rank(local) for local in copies}
+        ranks = {local: self.agent.cp.train_rank(local) for local in copies}
         self._thread = threading.Thread(target=self._write, args=(g, step, copies, ranks), name="persist", daemon=True)
         self._thread.start()
 
@@ -126,7 +126,7 @@ class Persister:
         t0, nbytes = time.perf_counter(), 0
         try:
             for local, slot in copies.items():
-                layout = self.a.layouts[local]
+                layout = self.agent.layouts[local]
                 shard = [torch.empty(shape, dtype=dtype) for shape, dtype in zip(layout.shapes, layout.dtypes)]
                 rng = layout.read(slot, shard)   # verifies the CRC the agent took when the snapshot was written
                 kept = None
@@ -136,17 +136,17 @@ class Persister:
                 nbytes += layout.nbytes
             self._done = (g, step, time.perf_counter() - t0, nbytes)
         except Exception as exc:  # noqa: BLE001 - a failed background write costs this round only
-            self.a.log.emit("persist_failed", step=step, generation=g, error=f"{type(exc).__name__}: {exc}"[:300])
+            self.agent.log.emit("persist_failed", step=step, generation=g, error=f"{type(exc).__name__}: {exc}"[:300])
         finally:
             self._thread = None
-            self.a.channel.wake()
+            self.agent.channel.wake()
 
     def _commit(self, g: int, step: int) -> None:
-        latest = latest_checkpoint(self.a.cfg.run_dir)
+        latest = latest_checkpoint(self.agent.cfg.run_dir)
         if latest is not None and latest["step"] >= step:
             return
-        persist.commit(self.root, step, self.a.cfg.world_size, g, self.a.high_water)
-        self.a.log.emit("checkpoint_persisted", step=step, generation=g, path=self.root)
+        persist.commit(self.root, step, self.agent.cfg.world_size, g, self.agent.recovery.high_water)
+        self.agent.log.emit("checkpoint_persisted", step=step, generation=g, path=self.root)
         for name in os.listdir(self.root):
             if name.startswith("step") and name[4:].isdigit() and int(name[4:]) < step:
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)

@@ -23,9 +23,9 @@ on: no spare left, ``--no-replicate``, a boundary past the run's last step.
 """
 from __future__ import annotations
 
-import os
 import signal
 import time
+from typing import Protocol
 
 from .health import Unhealthy
 
@@ -34,19 +34,41 @@ RETRY_S = 1.0     # seconds before asking again after "busy" (another node holds
 SETTLE_S = 1.0    # longest wait for the neighbours' replicas of the boundary step (seconds)
 
 
-class PlannedSwaps:
-    """The planned-swap state of one node agent (``agent``: its NodeAgent). Called from the agent's main loop only:
-    ``tick`` each pass, ``on_written`` for each snapshot written, ``suspend`` when a recovery starts; ``on_ask`` and
-    ``on_answer`` are control-plane handlers (run by ``ControlPlane.pump`` on the same thread)."""
+class SwapHost(Protocol):
+    """What a planned swap uses of its node agent (agent/node.py's NodeAgent is one)."""
 
-    def __init__(self, agent):
-        self.a = agent
+    cfg: object                  # RunConfig: replicate, steps, ranks_per_node, collective_timeout
+    log: object                  # EventLog
+    state: str                   # "training", "spare", or another phase of the agent
+    written: dict                # local rank -> step of the last snapshot its process wrote (agent/desk.py)
+    reps: dict                   # local rank -> Replicator (committed_step, report())
+    health: object               # HealthWatch: ``consumed(detector)`` once a verdict is handled
+
+    def in_recovery(self) -> bool:
+        """A failure is being handled, or a recovery round runs."""
+
+    def signal_local(self, local: int, sig: int) -> bool:
+        """Send ``sig`` to training process ``local`` if it is alive; whether it was sent."""
+
+    def node_failed(self, reason: str, cause: str) -> None:
+        """Declare this node failed and leave (raises Fenced)."""
+
+
+class PlannedSwaps:
+    """The planned-swap state of one node agent: ``cp``, its ControlPlane (the lease's messages); ``host``, the agent
+    itself as far as a swap needs it (``SwapHost``). Called from the agent's main loop only: ``tick`` each pass,
+    ``on_written`` for each snapshot written, ``suspend`` when a recovery starts; ``on_ask`` and ``on_answer`` are
+    control-plane handlers (run by ``ControlPlane.pump`` on the same thread)."""
+
+    def __init__(self, cp, host: SwapHost):
+        self.cp = cp
+        self.host = host
         self.wanted: list = []          # [(detector, Unhealthy, t_seen, not_before)]
         self.current: dict | None = None
         self.lease: tuple | None = None  # (node, monotonic time) while this agent coordinates and gave the lease
         self._said: set = set()          # (detector, why) already logged as refused
-        agent.cp.handlers["swap_ask"] = self.on_ask
-        agent.cp.handlers["swap_answer"] = self.on_answer
+        cp.handlers["swap_ask"] = self.on_ask
+        cp.handlers["swap_answer"] = self.on_answer
 
     # ---- the node that leaves -------------------------------------------------------------------------------
     def want(self, detector: str, verdict, t_seen: float) -> None:
@@ -56,11 +78,10 @@ class PlannedSwaps:
         return set(self.current["frozen"]) if self.current and self.current.get("frozen") else set()
 
     def tick(self) -> None:
-        a = self.a
-        if a.cp.finished() is not None:  # the run is over: nothing to hand over
+        if self.cp.finished() is not None:  # the run is over: nothing to hand over
             self.wanted, self.current = [], None
             return
-        quiet = a.state in ("training", "spare") and not a.cp.failure.is_set() and not a._in_round
+        quiet = self.host.state in ("training", "spare") and not self.host.in_recovery()
         if self.current is None and self.wanted and quiet and self.wanted[0][3] <= time.monotonic():
             self._ask(*self.wanted.pop(0)[:3])
         cur = self.current
@@ -74,8 +95,8 @@ class PlannedSwaps:
     def _refuse(self, cur: dict, why: str) -> None:
         if (cur["detector"], why) not in self._said:
             self._said.add((cur["detector"], why))
-            self.a.log.emit("swap_refused", **self._common(cur), why=why)
-        self.a.health.consumed(cur["detector"])
+            self.host.log.emit("swap_refused", **self._common(cur), why=why)
+        self.host.health.consumed(cur["detector"])
         self.current = None
 
     @staticmethod
@@ -83,8 +104,8 @@ class PlannedSwaps:
         return {k: cur[k] for k in ("detector", "reason", "t_seen", "generation")}
 
     def _ask(self, detector: str, verdict, t_seen: float) -> None:
-        a = self.a
-        cur = {"detector": detector, "reason": verdict.reason, "t_seen": t_seen, "generation": a.cp.generation,
+        a = self.host
+        cur = {"detector": detector, "reason": verdict.reason, "t_seen": t_seen, "generation": self.cp.generation,
                "msg": f"planned swap ({detector}): {verdict.reason}", "phase": "asking", "frozen": set()}
         self.current = cur
         if a.state == "training":
@@ -96,9 +117,9 @@ class PlannedSwaps:
         self._send_ask()
 
     def _send_ask(self) -> None:
-        cur, cp = self.current, self.a.cp
+        cur, cp = self.current, self.cp
         cur["asked"] = time.monotonic()
-        cp.agent.send(min(cp.agent.alive()), "swap_ask", {"node": cp.me, "generation": cp.generation})
+        cp.peers.send(min(cp.peers.alive()), "swap_ask", {"node": cp.me, "generation": cp.generation})
 
     def on_answer(self, src: int, body: dict) -> None:
         cur = self.current
@@ -114,28 +135,27 @@ class PlannedSwaps:
             self._refuse(cur, str(body.get("why")))
 
     def _arm(self, cur: dict) -> None:
-        a = self.a
+        a = self.host
         if a.state == "spare":  # nothing to hand over: the job has one spare fewer
             a.log.emit("swap_requested", **self._common(cur), role="spare")
             a.health.consumed(cur["detector"])
-            a._node_failed(cur["msg"], cause="planned")
+            a.node_failed(cur["msg"], cause="planned")
         cur.update(phase="armed", target=max(a.written.values(), default=-1) + 1, armed=time.monotonic())
         a.log.emit("swap_requested", **self._common(cur), role="active", boundary=cur["target"])
         for local in list(a.written):
             self.on_written(local)
 
     def on_written(self, local: int) -> None:
-        a, cur = self.a, self.current
-        if cur is None or cur["phase"] != "armed" or local in cur["frozen"] or local not in a.sup.alive():
+        a, cur = self.host, self.current
+        if cur is None or cur["phase"] != "armed" or local in cur["frozen"]:
             return
-        if a.written.get(local, -1) >= cur["target"]:
-            os.kill(a.sup.procs[local].pid, signal.SIGSTOP)
+        if a.written.get(local, -1) >= cur["target"] and a.signal_local(local, signal.SIGSTOP):
             cur["frozen"].add(local)
 
     def _advance(self) -> None:
-        a, cur = self.a, self.current
-        committed = all(lo in a.reps and a.reps[lo].committed_step >= cur["target"] for lo in range(a.P))
-        ready = len(cur["frozen"]) == a.P and committed
+        a, cur, P = self.host, self.current, self.host.cfg.ranks_per_node
+        committed = all(lo in a.reps and a.reps[lo].committed_step >= cur["target"] for lo in range(P))
+        ready = len(cur["frozen"]) == P and committed
         late = time.monotonic() - cur["armed"] > a.cfg.collective_timeout
         if ready and not late:
             # the survivors' snapshots of B: the replicas this node holds for its ring neighbour's ranks reaching B
@@ -145,10 +165,10 @@ class PlannedSwaps:
             if any(h < cur["target"] for h in held) and time.monotonic() - cur["t_committed"] < SETTLE_S:
                 return
         if ready or late:
-            a.log.emit("swap_boundary", generation=a.cp.generation, boundary=cur["target"], committed=committed,
+            a.log.emit("swap_boundary", generation=self.cp.generation, boundary=cur["target"], committed=committed,
                        detector=cur["detector"])
             a.health.consumed(cur["detector"])
-            a._node_failed(cur["msg"] + ("" if committed else f" (boundary {cur['target']} not committed within "
+            a.node_failed(cur["msg"] + ("" if committed else f" (boundary {cur['target']} not committed within "
                                                               f"{a.cfg.collective_timeout:.0f} s)"), cause="planned")
 
     def suspend(self) -> None:
@@ -158,18 +178,17 @@ class PlannedSwaps:
         if cur is None:
             return
         for local in cur["frozen"]:
-            if local in self.a.sup.alive():
-                os.kill(self.a.sup.procs[local].pid, signal.SIGCONT)
+            self.host.signal_local(local, signal.SIGCONT)
         self.wanted.insert(0, (cur["detector"], Unhealthy(cur["reason"]), cur["t_seen"], 0.0))
 
     # ---- the coordinator: one lease at a time ---------------------------------------------------------------
     def on_ask(self, src: int, body: dict) -> None:
-        cp = self.a.cp
+        cp = self.cp
         node = int(body.get("node", src))
         holder = self.lease[0] if self.lease else None
-        expired = holder is None or holder == node or cp.agent.is_suspected(holder) \
-            or time.monotonic() - self.lease[1] > 2 * self.a.cfg.collective_timeout
-        spares = [n for n in cp.spare_nodes if not cp.agent.is_suspected(n)]
+        expired = holder is None or holder == node or cp.peers.is_suspected(holder) \
+            or time.monotonic() - self.lease[1] > 2 * self.host.cfg.collective_timeout
+        spares = [n for n in cp.spare_nodes if not cp.peers.is_suspected(n)]
         if not expired:
             answer = {"ok": False, "busy": holder}
         elif not spares:
@@ -177,4 +196,4 @@ class PlannedSwaps:
         else:
             self.lease = (node, time.monotonic())
             answer = {"ok": True}
-        cp.agent.send(src, "swap_answer", answer)
+        cp.peers.send(src, "swap_answer", answer)

@@ -223,10 +223,10 @@ class SpeedCheck:
         why) when this node fails one (cause ``preflight_slow`` or ``preflight_link``; a slow node's links may time
         out too: slow is said first), or None."""
         cp, me, t_start = self.cp, self.cp.me, time.monotonic()
-        alive = lambda: set(cp.agent.alive())  # noqa: E731
+        alive = lambda: set(cp.peers.alive())  # noqa: E731
         active = {m // self.P for m in cp.assignment}   # their build is waited for anyway: step 0 needs every rank
         self.built.add(me)
-        cp.agent.send_many(sorted(alive() - {me}), "preflight", {"phase": "built"})
+        cp.peers.send_many(sorted(alive() - {me}), "preflight", {"phase": "built"})
         spares_by = None   # when the active nodes were built: the spares get SYNC_S more
         while not alive() <= self.built and time.monotonic() < deadline:
             if active & alive() <= self.built:
@@ -254,7 +254,7 @@ class SpeedCheck:
         mine_links = {q: r["ok"] for q, r in links.items() if r["seen"]}
         peers = (self.built & alive()) - {me}   # a node built later gets our figures too and judges itself with them
         self.figures[me] = mine
-        cp.agent.send_many(sorted(alive() - {me}), "preflight", {"phase": "figure", "seconds": mine,
+        cp.peers.send_many(sorted(alive() - {me}), "preflight", {"phase": "figure", "seconds": mine,
                                                                  "links": {str(q): ok for q, ok in mine_links.items()}})
         t_sent = time.monotonic()
         end = time.monotonic() + SYNC_S

@@ -4,7 +4,7 @@ one from its predecessor), only to learn at once that the process at the other e
 When a process dies, its kernel closes its sockets: the peer reads end-of-file (or a reset) within
 milliseconds, long before a heartbeat deadline. That covers a crashed or killed agent (its node's processes
 included: they die with it). It cannot cover a frozen agent or a node that lost power (nothing closes): the
-heartbeats (control/agent.py) do. Each agent watches two peers (successor, predecessor), so the cost per agent
+heartbeats (control/peers.py) do. Each agent watches two peers (successor, predecessor), so the cost per agent
 does not grow with the job. A connection's first message is a ``watch`` hello signed with the job secret
 (ipc/wire.py); anything else is dropped.
 

@@ -3,7 +3,7 @@
 Owns the shape of what a recovery round's coordinator sends to every member (``Decision``, or ``RoundFailure``
 when ``agreement.decide`` raised) and the conversion to and from the JSON-safe dict that travels in a control
 message (``to_wire`` / ``from_wire``; no pickle on the wire). Does not own how a decision is made
-(agreement.py) nor how it is applied (plane.py, agent/node.py).
+(agreement.py) nor how it is applied (plane.py, agent/recovery.py).
 
 Ids, as in agreement.py: a *training rank* r in 0..world_size-1; a *virtual process* m = node * P + local
 (the id the control plane works in); a *node* n = m // P, which is also the node agent's MPI rank. JSON has

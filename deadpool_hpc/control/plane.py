@@ -3,9 +3,9 @@
 One MPI process per node: the node agent (deadpool_hpc/agent). MPI rank n *is* node n; the P training
 processes of a node are "virtual processes" m = n * P + local, the ids the recovery decision works in
 (agreement.decide: assignment, members, fenced). Owns: MPI initialisation (MPI_THREAD_MULTIPLE), the identity
-exchange used for fencing and to reach each agent's servers, the heartbeat agent (agent.py), the recovery
-agreement, and barriers among the member agents of a generation. It does not own process groups, replicas or
-training state: the worker passes it a report and a callback that hosts the next generation's store, and
+exchange used for fencing and to reach each agent's servers, the control thread (peers.py: heartbeats, suspicion,
+MPI messages), the recovery agreement, and barriers among the member agents of a generation. It does not own
+process groups, replicas or training state: the node agent's recovery (agent/recovery.py) passes it a report and
 applies the decision it returns.
 
 After start-up nothing here is an MPI collective: a collective that includes a dead or frozen process never
@@ -22,8 +22,8 @@ seconds into its round (``collect``, with a fresh round id: the failure notice m
 waits for every ``ready`` (a live process that does not answer within ``ready_timeout`` seconds has a stuck
 training thread: it is suspected). Once all live processes have reported and no suspicion arrived for
 ``settle`` seconds, it takes the newest view among the reports (the assignment of the highest applied
-generation: some members may have applied a decision others never received), runs ``agreement.decide``, hosts
-the new generation's store, and disseminates ``decision`` down a binomial tree over the live agents (each agent
+generation: some members may have applied a decision others never received), runs ``agreement.decide``, and
+disseminates ``decision`` down a binomial tree over the live agents (each agent
 passes it on before reading it: O(log N) hops, no agent sends more than log2 N copies). If the coordinator is
 suspected meanwhile, the next lowest takes over with a new round. A forwarder that dies unnoticed cuts its
 subtree off this decision; its death is a failure, and the next round's decision reaches them. A process
@@ -41,52 +41,13 @@ import numpy as np
 
 from ..errors import Fenced, JobAborted, PeerFailure, RecoveryTimeout, RunFinished
 from ..process import fence as fencing
-from . import pmi_relay
-from .agent import Agent
 from .agreement import decide
 from .decision import Decision, RoundFailure, decision_from_wire, from_int_runs, int_runs
+from .mpi import import_mpi, unlink_mpi_shm
+from .peers import Peers
 from .waker import Waker
 
 _HELLO_BYTES = 512
-
-
-def _mpi():
-    import mpi4py
-
-    # Measured with the MPICH wheel's UCX netmod: a rendezvous transfer whose sender dies kills the
-    # receiver (cross-memory attach: "process_vm_readv ... No such process", then SIGTERM). Control
-    # messages are small; send every message eagerly.
-    os.environ.setdefault("UCX_RNDV_THRESH", "inf")
-    pmi_relay.install()  # under srun: keeps every PMI-1 request within Slurm's 1024-byte read (pmi_relay.py)
-    mpi4py.rc.thread_level = "multiple"
-    mpi4py.rc.finalize = False  # survivors exit with os._exit; MPI_Finalize with dead peers may hang
-    from mpi4py import MPI
-
-    return MPI
-
-
-def unlink_mpi_shm(maps: str = "/proc/self/maps") -> list[str]:
-    """Remove the names of the MPICH shared-memory segments this process maps (``/dev/shm/mpich_shm_*``); the
-    mappings stay valid. Returns the paths removed.
-
-    Call it once every local process has finished ``MPI_Init`` (after a collective over ``COMM_WORLD``): MPICH
-    attaches these segments by name only during init, and unlinks them only in ``MPI_Finalize``, which an agent never
-    calls (it leaves with ``os._exit``: peers may be dead). Measured here (MPICH 5.0.2 wheel): each agent left one
-    1 MB segment (16 MB in larger runs) in ``/dev/shm`` per run, killed or not; a day of tests had left 12,516 of them,
-    14 GB of the machine's 24 GB of memory, since ``/dev/shm`` is memory."""
-    removed = []
-    try:
-        with open(maps) as f:
-            paths = {line.split()[-1] for line in f if "/dev/shm/mpich_shm_" in line and not line.rstrip().endswith("(deleted)")}
-    except OSError:
-        return removed
-    for path in sorted(paths):
-        try:
-            os.unlink(path)
-            removed.append(path)
-        except OSError:  # another local process of the job removed it first
-            pass
-    return removed
 
 
 class ControlPlane:
@@ -106,7 +67,7 @@ class ControlPlane:
                  log, settle: float = 0.02, ready_timeout: float = 60.0, recovery_timeout: float = 120.0,
                  replicas: int = 1, extra_identity: dict | None = None, handlers: dict | None = None,
                  watch_k: int = 2, host: str = "127.0.0.1"):
-        MPI = _mpi()
+        MPI = import_mpi()
         self.MPI = MPI
         world = MPI.COMM_WORLD
         self.world = world
@@ -127,7 +88,7 @@ class ControlPlane:
         # seconds the recovery's and the barriers' loops wait for a control message (or, through their ``wait``, a
         # local event) before they look again: an event ends the wait at once, so this only bounds the latency of
         # what rings nothing; shorter costs CPU in every agent of a large job at once (issue 8). What a waiting agent
-        # acts on all rings: a control message or a suspicion (the agent thread's on_notice), a training process's
+        # acts on all rings: a control message or a suspicion (the control thread's on_notice), a training process's
         # exit (its channel socket closes). At 0.1 s the 255 waiting agents of the 256-agent study spent about 1.3
         # s of CPU per second of recovery in these wake-ups, on the two cores the recovery itself needed
         self.poll_s = 1.0
@@ -159,17 +120,17 @@ class ControlPlane:
         self.first_suspicion: float | None = None
         self.on_member_lost = None  # on_member_lost(): a member of the current generation was suspected (any thread)
         log.emit("hello", mpi_rank=self.me, node=self.me, role="agent", **self.idents[self.me])
-        self.agent = Agent(self.ctrl, secret, period, deadline, waker=self.waker,
+        self.peers = Peers(self.ctrl, secret, period, deadline, waker=self.waker,
                            wake_addresses=[ident["wake"] for ident in self.idents],
                            heartbeat_addresses=[ident["hb"] for ident in self.idents], on_suspect=self._on_suspect,
                            watch_k=watch_k)
-        self.agent.on_preempt = self._on_preempt
+        self.peers.on_preempt = self._on_preempt
 
     def start(self) -> None:
-        """Start the agent. From here on only the agent thread calls MPI (see agent.py)."""
+        """Start the control thread. From here on only it calls MPI (see peers.py)."""
         self.world.Barrier()
-        self.agent._last_seen = {p: time.monotonic() for p in self.agent._last_seen}
-        self.agent.start()
+        self.peers._last_seen = {p: time.monotonic() for p in self.peers._last_seen}
+        self.peers.start()
 
     # ---- bootstrap (every process alive: collectives are fine here) ---------------------------------------
     def _exchange_identities(self, extra: dict) -> list[dict]:
@@ -223,7 +184,7 @@ class ControlPlane:
     @property
     def failure(self):
         """threading.Event set when a peer is suspected or a peer tears the generation down."""
-        return self.agent.failure
+        return self.peers.failure
 
     def _on_suspect(self, rank: int, reason: str, t: float, last_heard: float | None) -> None:
         if self.first_suspicion is None:
@@ -235,13 +196,13 @@ class ControlPlane:
 
     def _on_preempt(self, source: int) -> None:
         if source == self.me:  # the processes that got the signal say so; the others just follow
-            self.log.emit("preempt_requested", generation=self.generation, signal=getattr(self.agent, "preempt_by", None))
+            self.log.emit("preempt_requested", generation=self.generation, signal=getattr(self.peers, "preempt_by", None))
 
     def declare_failed(self, reason: str, last_heard: float | None = None) -> None:
         """This node failed (a training process exited or froze, its supervisor saw it): tell every live agent now,
         so they recover in milliseconds instead of after a heartbeat deadline, and wait (at most 1 s) for the
         notices to leave. The caller then ends its training processes and itself."""
-        self.agent.disseminate("suspect", {"ranks": [self.me], "reason": reason,
+        self.peers.disseminate("suspect", {"ranks": [self.me], "reason": reason,
                                            "last_heard": time.time() if last_heard is None else last_heard})
         self.wait_sends(1.0)
 
@@ -253,7 +214,7 @@ class ControlPlane:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                kind, src, body = self.agent.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+                kind, src, body = self.peers.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
             if kind == "collect":
@@ -280,8 +241,8 @@ class ControlPlane:
             deadline = time.monotonic()
         if self._abort is not None:
             raise JobAborted(f"MPI rank {self._abort.get('mpi_rank')} aborted the job: {self._abort.get('error')}")
-        if self.agent.fenced:
-            raise Fenced(self.agent.fenced)
+        if self.peers.fenced:
+            raise Fenced(self.peers.fenced)
 
     def finished(self) -> dict | None:
         self.pump()
@@ -289,18 +250,18 @@ class ControlPlane:
 
     def finish(self, body: dict) -> None:
         """Tell every live process the run is over (they exit without recovering)."""
-        self.agent.stop_watching()
-        self.agent.broadcast("finish", body)
+        self.peers.stop_watching()
+        self.peers.broadcast("finish", body)
         self._finish = body
 
     def abort(self, error: str) -> None:
-        self.agent.stop_watching()
-        self.agent.broadcast("abort", {"error": error, "mpi_rank": self.me})
+        self.peers.stop_watching()
+        self.peers.broadcast("abort", {"error": error, "mpi_rank": self.me})
 
     def wait_sends(self, timeout: float = 2.0) -> None:
         """Give queued sends a moment to leave before the process exits."""
         end = time.monotonic() + timeout
-        while time.monotonic() < end and not self.agent.sends_done():
+        while time.monotonic() < end and not self.peers.sends_done():
             time.sleep(0.01)
 
     # ---- recovery ---------------------------------------------------------------------------------------------
@@ -317,9 +278,9 @@ class ControlPlane:
         """
         on_phase = on_phase or (lambda _name: None)
         wait = wait or self.pump
-        self.agent.failure.set()
-        if self.agent.notice_g < self.generation:  # nobody told us: we are the first to leave this generation
-            self.agent.disseminate("teardown", {"g": self.generation})
+        self.peers.failure.set()
+        if self.peers.notice_g < self.generation:  # nobody told us: we are the first to leave this generation
+            self.peers.disseminate("teardown", {"g": self.generation})
         end = time.monotonic() + self.recovery_timeout
         answered: dict[int, list] = {}
         my_round = None
@@ -346,13 +307,13 @@ class ControlPlane:
                 my_round = None
                 if auto_to != alive[0]:   # report at once to the coordinator-to-be: no collect round trip
                     auto_to = alive[0]
-                    self.agent.send(auto_to, "ready", self._ready_body(["auto", self.generation], report))
+                    self.peers.send(auto_to, "ready", self._ready_body(["auto", self.generation], report))
                     if not told:
                         told = True
                         on_phase("agree")
                 for src, (rid, _g) in list(self._collects.items()):
                     if src in alive and answered.get(src) != rid:
-                        self.agent.send(src, "ready", self._ready_body(rid, report))
+                        self.peers.send(src, "ready", self._ready_body(rid, report))
                         answered[src] = rid
                         if not told:
                             told = True
@@ -374,7 +335,7 @@ class ControlPlane:
     def _coordinator_candidates(self) -> list[int]:
         """Live agents, in order: the first coordinates. (A node whose training process failed declares itself
         failed and leaves, so a coordinator is never on a node the decision fences.)"""
-        return self.agent.alive()
+        return self.peers.alive()
 
     def _ready_body(self, rid, report: dict) -> dict:
         return {"round": rid, "report": report, "applied": self.generation, "assignment": int_runs(self.assignment),
@@ -395,7 +356,7 @@ class ControlPlane:
         for g, (src, d) in self._decisions.items():
             mine = set(self.procs())
             named = mine & set(d.members) or mine & set(d.fenced)
-            if g > self.generation and not self.agent.is_suspected(src) and named:
+            if g > self.generation and not self.peers.is_suspected(src) and named:
                 if best is None or g > best.generation:
                     best = d
         return best
@@ -413,7 +374,7 @@ class ControlPlane:
         now = time.monotonic()
         if not self._collected and len(ready) < len(alive) and now - self._round_t0 >= self.collect_after:
             self._collected = True
-            self.agent.send_many([p for p in alive if p not in ready], "collect",
+            self.peers.send_many([p for p in alive if p not in ready], "collect",
                                  {"round": list(rid), "g": self.generation})
         if len(ready) < len(alive) and now - self._round_t0 <= self.ready_timeout:
             return None  # someone is missing for sure: the O(N) look below waits for the last report
@@ -421,22 +382,22 @@ class ControlPlane:
         if missing:
             if now - self._round_t0 > self.ready_timeout:
                 for p in missing:
-                    self.agent.suspect(p, f"no recovery report within {self.ready_timeout:.1f} s while its heartbeats "
+                    self.peers.suspect(p, f"no recovery report within {self.ready_timeout:.1f} s while its heartbeats "
                                           f"go on: its training thread is stuck")
             return None
-        if now - self.agent.last_suspicion < self.settle:
+        if now - self.peers.last_suspicion < self.settle:
             return None
         view = max((ready[n] for n in alive), key=lambda b: b["applied"])
         g = view["applied"] + 1
         P = self.P
         assignment = list(from_int_runs(view["assignment"], "a recovery report's assignment"))
         in_job = set(assignment) | {n * P + i for n in view["spare_nodes"] for i in range(P)}
-        failed = {m for n in range(self.size) if self.agent.is_suspected(n) for m in self.procs(n) if m in in_job}
+        failed = {m for n in range(self.size) if self.peers.is_suspected(n) for m in self.procs(n) if m in in_job}
         reports = {int(m): rep for n in alive for m, rep in ready[n]["report"].items()}
         try:
             decision = decide(generation=g, ranks_per_node=P, assignment=assignment,
                               spare_nodes=view["spare_nodes"], failed=failed, reports=reports,
-                              preempt=self.agent.preempted.is_set(), replicas=self.replicas)
+                              preempt=self.peers.preempted.is_set(), replicas=self.replicas)
         except Exception as exc:  # tell everybody, then raise the same error everywhere
             decision = RoundFailure(generation=g, error=type(exc).__name__, message=str(exc),
                                     members=tuple(sorted(m for n in alive for m in self.procs(n))),
@@ -444,7 +405,7 @@ class ControlPlane:
         decision = dataclasses.replace(decision, coordinator=self.me, t_decided=time.time(),
                                        first_suspicion=self.first_suspicion)
         wire = decision.to_wire()
-        self.agent.disseminate("decision", wire)   # down a tree over the live agents: O(log N) hops
+        self.peers.disseminate("decision", wire)   # down a tree over the live agents: O(log N) hops
         self._ready.pop(rid, None)
         self.log.emit("decision", **{k: wire.get(k) if k not in ("failed_nodes", "fresh") else list(getattr(decision, k, ()))
                                      for k in ("generation", "failed_nodes", "promoted", "replaced", "sources", "fresh",
@@ -458,17 +419,17 @@ class ControlPlane:
         self.spare_nodes = list(decision.spare_nodes)
         self.members = list(decision.members)  # first: fencing the failed below is no loss of a member
         for n in sorted({m // self.P for m in decision.fenced}):
-            self.agent.suspect(n, "fenced by decision", notify=False)
+            self.peers.suspect(n, "fenced by decision", notify=False)
             fencing.fence(self.idents[n])
         self.coordinator = decision.coordinator
         self.generation = g
-        self.agent.generation = g
+        self.peers.generation = g
         self.first_suspicion = None
-        self.agent.failure.clear()
+        self.peers.failure.clear()
         # a suspicion raised after the decision belongs to the next round (a preemption waits for the next
         # step boundary: Context._one_step)
-        if any(self.agent.is_suspected(n) for n in self.member_nodes):
-            self.agent.failure.set()
+        if any(self.peers.is_suspected(n) for n in self.member_nodes):
+            self.peers.failure.set()
         self._decisions = {k: v for k, v in self._decisions.items() if k > g}
         # a report sent unasked before this decision belongs to a round now over
         self._auto = {src: b for src, b in self._auto.items() if b["applied"] >= g}
@@ -481,7 +442,7 @@ class ControlPlane:
         the failure flag is raised, or ``timeout`` seconds pass (naming who is missing)."""
         for p in participants:
             if p != self.me:
-                self.agent.send(p, "sync", {"tag": tag})
+                self.peers.send(p, "sync", {"tag": tag})
         end = time.monotonic() + timeout
         while True:
             self.pump(0.01)
@@ -492,10 +453,10 @@ class ControlPlane:
             if not missing:
                 self._sync.pop(tag, None)
                 return
-            dead = [p for p in participants if self.agent.is_suspected(p)]
+            dead = [p for p in participants if self.peers.is_suspected(p)]
             if dead:
                 raise PeerFailure(f"barrier {tag}: MPI rank(s) {dead} failed")
-            if self.agent.failure.is_set():
+            if self.peers.failure.is_set():
                 raise PeerFailure(f"barrier {tag}: a peer failed")
             if time.monotonic() > end:
                 raise PeerFailure(f"barrier {tag}: MPI rank(s) {missing} did not arrive within {timeout:.1f} s")
@@ -504,6 +465,6 @@ class ControlPlane:
         """Leave without MPI_Finalize (peers may be dead), after the queued control messages have left (a peer
         may still wait for them: the barrier of a checkpoint save, say)."""
         self.wait_sends()
-        self.agent.stop()
+        self.peers.stop()
         os._exit(code)
 

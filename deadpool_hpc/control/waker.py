@@ -27,7 +27,7 @@ import socket
 import struct
 
 BELL = b"!"    # another agent sent this one an MPI control message
-LOCAL = b"."   # a thread of this process queued something for the agent thread
+LOCAL = b"."   # a thread of this process queued something for the control thread (peers.py)
 HEARTBEAT = b"H"
 _MAC_BYTES = 16
 

@@ -1,6 +1,6 @@
 """Message encoding for every connection of a run: JSON + HMAC-SHA256 with the per-job secret. No pickle.
 
-Used by the control plane's MPI messages (control/agent.py), the agent channel's frames (ipc/frames.py), the ring
+Used by the control plane's MPI messages (control/peers.py), the agent channel's frames (ipc/frames.py), the ring
 watch (agent/watch.py), the replica stream (replica/stream.py) and the fork server (process/forkserver.py).
 
 A message is ``json_bytes || tag`` where ``tag = HMAC-SHA256(secret, json_bytes)`` (32 bytes).

@@ -1,7 +1,7 @@
 """``deadpool swap JOBID|RUN_DIR NODE``: an operator's planned swap (maintenance, a node that logs ECC errors).
 
 The node named leaves the running job at its next step boundary and a spare takes its place, with no step
-recomputed (agent/node.py, "planned swap"); the request travels as the file RUN_DIR/swap/NODE.json, read by the
+recomputed (agent/planned.py); the request travels as the file RUN_DIR/swap/NODE.json, read by the
 node's agent through the built-in ``swap-request`` detector (agent/health.py). NODE is Slurm's node name for a
 Slurm job, ``node<index>`` for a local run (``deadpool run``).
 

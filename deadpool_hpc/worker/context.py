@@ -12,7 +12,8 @@ the next forward and backward. When the agent says a peer failed (or a collectiv
 the generation, tells its agent how far it got, and waits for its next role: train (join the new generation's
 process group through the agent-backed store, restore the cut step from the shared slot the agent filled,
 gather, resume), stay a spare, save and leave (75: requeue), or finish. A failure while it joins or restores
-ends that round; the agent starts the next. Spare processes build the model and buffers, then wait in ``run``.
+ends that round; the agent starts the next (worker/recovery.py). Spare processes build the model and buffers, then
+wait in ``run``.
 The contract is in docs/worker-contract.md.
 """
 from __future__ import annotations
@@ -28,24 +29,15 @@ import torch
 
 from ..dataplane import collectives
 from ..dataplane.collectives import Watch
-from ..dataplane.groups import device_for, release_free_memory
-from ..errors import ChannelTimeout, PeerFailure, ReplicaError
+from ..dataplane.groups import device_for
+from ..errors import PeerFailure
 from ..faults import RankFaults
+from ..ipc.messages import Finish, Left, Spare, Train
 from ..ipc.shm import GEN_MASK, ProgressPage
-from ..replica import persist
 from ..replica.snapshot import Slot, StateLayout
 from . import preflight
+from .recovery import Recovering
 from .zero import ShardedAdamW
-
-# seconds a process leaving a failed generation waits for the snapshot of the step it completed (a copy into shared
-# memory: GB/s): finished, the recovery can cut at that step instead of recomputing it (a planned swap relies on it)
-SETTLE_S = 1.0
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
 
 def _local_default_group() -> None:
     """A default process group of this process alone, until the first generation's replaces it: a
@@ -66,7 +58,7 @@ def _local_default_group() -> None:
                 os.environ["GLOO_SOCKET_IFNAME"] = ifname
 
 
-class Context:
+class Context(Recovering):
     """Per-process handle given to the training function.
 
     rank: training rank (None while a spare); world_size: number of training ranks; device; generation;
@@ -90,8 +82,8 @@ class Context:
         self.watch = Watch(self.failure, cfg.wait_timeout, client.progress.beat)
         self.faults = RankFaults(cfg.faults, node=node, local=local, ranks_per_node=cfg.ranks_per_node, log=log,
                                  send=client.send)
-        self._role: dict = {}
-        self._waiting: dict | None = None   # the "left" body while this process waits for its next role
+        self._role: Train | Spare | None = None   # the current generation's role (ipc/messages.py)
+        self._waiting: Left | None = None   # what this process said when it left, while it waits for its next role
         self._recovery: dict | None = None
         self._high_water = -1
         self._trained = False   # a step has run in this process (its state is no longer the initial one)
@@ -111,11 +103,11 @@ class Context:
     # ---- what the training function uses ---------------------------------------------------
     @property
     def rank(self) -> int | None:
-        return self._role.get("rank") if self._role.get("what") == "train" else None
+        return self._role.rank if isinstance(self._role, Train) else None
 
     @property
     def generation(self) -> int:
-        return self._role.get("generation", 0)
+        return self._role.view.generation if self._role is not None else 0
 
     @property
     def device_mesh(self):
@@ -212,7 +204,7 @@ class Context:
         self._bufs = bufs
         self.copier = _Copier(self)
         role = self._next_role(self.config.startup_timeout)
-        if role["what"] == "train":
+        if isinstance(role, Train):
             try:
                 self._start(role)
             except PeerFailure as exc:  # a peer lost before the first step: e.g. the holder of this rank's step 0
@@ -239,14 +231,14 @@ class Context:
                     return
         self._finish()
 
-    def _start(self, role: dict) -> None:
+    def _start(self, role: Train) -> None:
         """Generation 0 (or the first of a requeued attempt): join, load a checkpoint, first snapshot."""
         self._role = role
-        self._high_water = role.get("high_water", -1)
+        self._high_water = role.high_water
         self._join(first=True)
         self.opt.bind(self.rank, self.watch)
-        if role.get("resume"):
-            self._load_checkpoint(role["resume"])
+        if role.resume:
+            self._load_checkpoint(role.resume)
         self._snapshot()
         self.faults.at_phase("first", 1, self.rank)  # (faults) the first snapshot is written, not yet committed
         if self._replicating(self.step):
@@ -262,9 +254,10 @@ class Context:
         if self.failure.is_set():
             raise PeerFailure("a peer failed")
         if self._recovery is not None:
-            self.faults.at_phase("resume", self._role.get("round", 0), self.rank)
+            self.faults.at_phase("resume", self._role.restore.round, self.rank)
         if s > self._high_water:  # faults fire on the first pass through their step, never on a recomputation
-            self.faults.at_step(s, self.rank, set(self._role.get("active_nodes", [])), self._role.get("spare_nodes", []))
+            view = self._role.view
+            self.faults.at_step(s, self.rank, set(view.active_nodes), list(view.spare_nodes))
         t = time.perf_counter()
         try:
             metrics = dict(step_fn(s) or {})
@@ -379,7 +372,7 @@ class Context:
         once; a training one leaves at its next wait (the failure flag)."""
         waiting = self._waiting
         if waiting is not None:
-            self.client.send("left", waiting)
+            self.client.send(Left.KIND, waiting.to_wire())
         else:
             self.failure.set()
         self.client.wake()
@@ -393,175 +386,6 @@ class Context:
         """Where a payload is read into before ``opt.gather()`` applies it (ZeRO: the shard itself)."""
         return self.opt.restore_targets() if hasattr(self.opt, "restore_targets") else self.opt.state_tensors()
 
-    # ---- recovery ----------------------------------------------------------------------------
-    def _next_role(self, timeout: float) -> dict:
-        return self.client.get("role", timeout)
-
-    def _wait_role(self, done_step: int, why: str, announce: bool = True) -> dict:
-        """Wait for the next role; ``announce``: first tell the agent we left the generation and how far we got
-        (a spare only answers the agent's ``failure`` notices, ``_on_failure``)."""
-        body = {"generation": self.generation, "done_step": done_step, "why": why[:200]}
-        self._waiting = body
-        # a failure notice that came before this wait began (between a role and this wait: a spare whose role came
-        # just before a start-up failure's round) has found _waiting unset: answer it now, or the agent waits for
-        # this process's "left" until it gives up on the node (seen: a healthy spare fenced after 62 s)
-        announce = announce or self.failure.is_set()
-        self.failure.clear()
-        if announce:
-            self.client.send("left", body)
-        try:
-            return self._next_role(self.config.recovery_timeout + self.config.ready_timeout)
-        finally:
-            self._waiting = None
-
-    def _idle_spare_wait(self) -> dict:
-        """An idle spare's wait for its next role. A failure-free run keeps a spare idle for as long as it lasts
-        (hours, weeks), so no deadline of its own ends this wait: it ends with a role from the agent (promotion,
-        finish, exit), or with AgentLost as soon as the agent is gone (its socket closes; its death also ends this
-        process through the lifeline). It looks every ``ready_timeout`` seconds, so a lost agent is noticed there
-        at the latest."""
-        while True:
-            try:
-                return self._wait_role(-1, "spare", announce=False)
-            except ChannelTimeout:
-                if self.client.lost.is_set():
-                    raise
-
-    def _recover(self, why: str) -> bool:
-        """Leave the failed generation and follow the agent's decisions until this process trains again (True),
-        or has no further part (False: saved, finished, or still a spare when the run ended)."""
-        t_fail = time.time()
-        self._claim = None   # its slot is the agent's to drop (quiesce)
-        self.client.progress.disarm()
-        self.groups.abandon()
-        done = self.step if self.rank is not None else -1
-        self.copier.settle(done, SETTLE_S)  # a snapshot of the step just completed is worth finishing: no recompute
-        self.copier.quiesce()
-        while True:
-            role = self._wait_role(done, why)
-            if role["what"] != "train":
-                if not self._follow(role):
-                    return False
-                continue  # still a spare: the next role comes with the next recovery
-            try:
-                self._rejoin(role, t_fail)
-                return True
-            except PeerFailure as exc:
-                self._round_failed(role, exc)
-                why = f"the recovery round failed: {exc}"
-
-    def _round_failed(self, role: dict, exc: Exception) -> None:
-        self._claim = None
-        self.client.progress.disarm()
-        self.groups.abandon()
-        self.copier.quiesce()
-        self.client.send("round_failed", {"generation": role["generation"], "error": str(exc)[:300]})
-
-    def _follow(self, role: dict) -> bool:
-        """A role other than train: True while this process stays (a spare waiting for promotion), else False."""
-        what = role["what"]
-        if what == "spare":
-            self._role = role
-            self.log.emit("spare_ready", node=self.node, generation=role.get("generation"))
-            announce = False
-            while True:
-                role = self._wait_role(-1, "spare", announce=True) if announce else self._idle_spare_wait()
-                if role["what"] == "train":
-                    try:
-                        self._rejoin(role, time.time(), promoted=True)
-                        return True
-                    except PeerFailure as exc:  # the round failed while this process joined: the next one follows
-                        self._round_failed(role, exc)
-                        announce = True
-                        continue
-                if role["what"] != "spare":
-                    return self._follow(role)
-                announce = False
-        if what == "exit":
-            self.exit_code = int(role.get("code", 0))
-        return False
-
-    def _rejoin(self, role: dict, t_fail: float, promoted: bool = False) -> None:
-        was_rank = self.rank
-        self._role = role
-        self._high_water = max(self._high_water, role.get("high_water", -1))
-        nth = role.get("round", 0)
-        self.faults.at_phase("rebuild", nth, self.rank)
-        self._join()
-        t_rebuilt = time.time()
-        if not role.get("serving"):
-            self.faults.at_phase("restore", nth, self.rank)
-        if role.get("fresh"):
-            self._restore_initial(role)
-        else:
-            self.opt.bind(self.rank, self.watch, pulled=bool(role.get("pulled", promoted)))
-            slot = self.slots[role["slot"]]
-            slot.step, slot.crc = role["cut_step"], role["crc"]
-            rng = self.layout.read(slot, self._restore_targets())  # verifies the checksum the agent took
-            self.opt.gather()
-            torch.set_rng_state(rng)
-        # a restore's transient buffers (ctx.protect: every rank's shares, ~2x the model + optimizer state) are freed
-        # now; glibc keeps such blocks in its heap once its mmap threshold has grown, so hand them back (without
-        # this a surviving rank grew by 22 MB over 4 recoveries of the micro GPT: test_never_hang.py)
-        release_free_memory()
-        self.step = role["cut_step"]
-        t_restored = time.time()
-        self._snapshot()
-        self._recovery = {"t_fail": t_fail, "recomputed_steps": role.get("recomputed_steps", 0)}
-        self.log.emit("recovered", generation=self.generation, rank=self.rank, promoted=promoted or was_rank is None,
-                      t_fail=t_fail, t_agreed=role.get("t_agreed"), t_rebuilt=t_rebuilt, t_restored=t_restored,
-                      cut_step=self.step, failed_nodes=role.get("failed_nodes"), round=nth, rss_bytes=_rss_bytes())
-
-    def _restore_initial(self, role: dict) -> None:
-        """A fresh start (agreement.decide): this rank's state exists nowhere, and nobody has trained a step, so it is
-        the attempt's initial state: the requeued attempt's checkpoint, else the model and optimizer as this process
-        built them (the user's function builds the same model in every process, spares included: docs/worker-
-        contract.md), bound to its rank, with the RNG as ``run`` found it. It goes through a private slot, the path a
-        snapshot takes, so that ``gather`` (a collective every rank joins) finds it as a restored own snapshot.
-        Raises ReplicaError where the process's own state is not the initial one of its rank: it has trained a step,
-        or (FSDP2) a spare's shards are rank 0's, not this rank's."""
-        self.opt.bind(self.rank, self.watch)
-        if role.get("resume"):
-            self._load_checkpoint(role["resume"])
-            return
-        cfg = self.config
-        built_as = self.node * cfg.ranks_per_node + self.local if self.node < cfg.nodes else 0   # (a spare: rank 0)
-        if self._trained or (getattr(self.opt, "sharded", False) and self.rank != built_as):
-            why = ("this process has trained a step since" if self._trained else
-                   "with FSDP2 a spare's model holds rank 0's shards of the initial model, not this rank's")
-            raise ReplicaError(f"rank {self.rank}: lost before its first snapshot was committed, and its initial state "
-                               f"cannot be rebuilt here: {why} (start the job again)")
-        scratch = Slot(self.layout.nbytes)
-        self.layout.write(scratch, self.opt.state_tensors(), self._rng0, 0)
-        rng = self.layout.read(scratch, self._restore_targets())
-        del scratch
-        self.opt.gather()
-        torch.set_rng_state(rng)
-        self.log.emit("fresh_start", rank=self.rank, generation=self.generation, node=self.node)
-
-    def _join(self, first: bool = False) -> None:
-        from .client import AgentStore
-
-        g = self.generation
-        # the run's first join waits for members still starting (the start-up deadline, after which the agent of a
-        # node whose process never started ends the run with StartupTimeout); a recovery's join has the short one
-        limit = self.config.startup_timeout if first else self.config.rendezvous_timeout
-        store = AgentStore(self.client, g, timeout=limit)
-        self.groups.join(g, store, self.rank, self.world_size, timeout=limit)
-        if self._stand_in is not None:
-            self._stand_in.register()   # the join cleared torch's registry of groups (dataplane/groups.py)
-
-    def _load_checkpoint(self, meta: dict) -> None:
-        root = self.config.run_dir + "/checkpoint"
-        kept = persist.shard_record(root, meta, self.rank).get("kept")
-        if kept is not None:   # ctx.protect: which saved shares are this rank's (a lost rank's came from a replica)
-            self.opt.bind(self.rank, self.watch, kept=kept)
-        rng = persist.load_shard(root, meta, self.rank, self._restore_targets())
-        self.opt.gather()
-        torch.set_rng_state(rng)
-        self.step = meta["step"]
-        self.log.emit("resumed_from_checkpoint", rank=self.rank, step=self.step, generation=self.generation)
-
     # ---- the end -----------------------------------------------------------------------------
     def param_digest(self) -> str:
         """sha256 over the final parameters (flat, in model.parameters() order, float32 bytes)."""
@@ -573,14 +397,14 @@ class Context:
         if self.rank == 0:
             self.client.send("finished", {"steps": self.step})  # first: hashing a large model takes a while
             self.log.emit("finished", generation=self.generation, steps=self.step, param_digest=self.param_digest(),
-                          world_size=self.world_size, spares_left=self._role.get("spares_left"),
+                          world_size=self.world_size, spares_left=self._role.view.spares_left,
                           bytes_per_rank_per_step=self.layout.wire_nbytes if self.config.replicate else 0,
                           local_bytes_per_rank_per_step=self.layout.local_nbytes if self.config.replicate else 0,
                           replica_wait_s=self.wait_s, snapshots=self.snapshots)
             self.log.sync()
             return
         try:
-            while self._next_role(self.config.collective_timeout)["what"] != "finish":
+            while not isinstance(self._next_role(self.config.collective_timeout), Finish):
                 pass
         except Exception:  # noqa: BLE001 - the run is over either way; the agent ends us if it must
             pass

@@ -1,4 +1,5 @@
-"""The control-plane agent: one background thread per node agent that owns heartbeats, suspicion and messages.
+"""The control thread (``Peers``): one background thread per node agent that owns heartbeats with the peer agents,
+suspicion of them, and the MPI messages to and from them (the object is ``ControlPlane.peers``).
 
 Heartbeats (issue 8, control/topology.py and waker.py): on the ring of live agents each agent watches its ``k``
 successors (default 2) and sends a heartbeat datagram every ``period`` seconds to its ``k`` predecessors, the
@@ -45,7 +46,7 @@ MPI_ACTIVE_POLL_S = 0.25  # ... while a failure is handled or control messages f
 FAST_POLL_S = 0.005       # ... just after a bell rang, or while a send of this agent is in flight
 RUNG_FAST_S = 0.05        # how long after a bell the agent keeps polling fast while what it announced has not come
 
-class Agent(threading.Thread):
+class Peers(threading.Thread):
     """Heartbeat failure detector and message pump for one process.
 
     comm: an MPI communicator used for nothing else (a Dup of COMM_WORLD). secret: the per-job key.
@@ -61,7 +62,7 @@ class Agent(threading.Thread):
 
     def __init__(self, comm, secret: bytes, period: float, deadline: float, *, waker, wake_addresses: list,
                  heartbeat_addresses: list, on_suspect=None, watch_k: int = 2):
-        super().__init__(name="deadpool-agent", daemon=True)
+        super().__init__(name="deadpool-peers", daemon=True)
         self.comm = comm
         self.me = comm.Get_rank()
         self.size = comm.Get_size()
@@ -248,8 +249,8 @@ class Agent(threading.Thread):
             import logging
             import os
 
-            logging.getLogger(__name__).critical("deadpool agent died: %s: %s", type(exc).__name__, exc,
-                                                 exc_info=True)
+            logging.getLogger(__name__).critical("deadpool control thread (peers) died: %s: %s", type(exc).__name__,
+                                                 exc, exc_info=True)
             logging.shutdown()
             os._exit(70)
 

@@ -1,0 +1,240 @@
+"""A node agent's recovery: the rounds after a failure, from the failure notice to its training processes to their
+new roles (docs/architecture.md, "Recovery", and "One failure through the code").
+
+Each round: tell the node's training processes (``Failure``) and wait until each has left the failed generation
+(``Left``: how far it got); pause the replicas (``Replicator.quiesce``) and drop the desk's pending claims; report
+to the coordinator and get the decision (``ControlPlane.recover``: control/plane.py, agreement.py); pull the
+replica of each rank this node takes over (``Replicator.fetch``); meet the new generation's other agents
+(``ControlPlane.barrier``), open its store, and send each training process its role (``Train`` with a ``Restore``,
+or ``Spare``: ipc/messages.py). A failure at any moment (``PeerFailure``) ends the round and starts the next;
+``MAX_FAILED_ROUNDS`` in a row end the run. A training process whose join or restore fails says so
+(``RoundFailed``), and the agent's loop starts another round. With no spare left, or preempted, the round saves a
+persistent checkpoint at the cut step instead and tells the processes to leave with 75 (requeue).
+
+Owns: the rounds' state (the processes' ``Left`` and ``RoundFailed``, the round count, the highest step any
+process completed), the fault phases of a recovery (``phase``), the checkpoint of the no-spare path. Does not own:
+the agreement (control/), the replicas (replica/transport.py), the worker's half (worker/recovery.py).
+Runs on the agent's main thread; uses the NodeAgent's public parts (agent/node.py: ``tick``, ``node_failed``,
+``configure``, ``view``, ``send_role``, ...).
+"""
+from __future__ import annotations
+
+import time
+
+from ..control.decision import Decision
+from ..errors import PeerFailure, RecoveryTimeout, RunFinished
+from ..ipc.messages import Exit, Failure, Left, Restore, RoundFailed, Spare, Train
+from ..placement import held_by
+from ..replica import persist
+
+MAX_FAILED_ROUNDS = 8
+
+
+class Recovery:
+    """The recovery state of one node agent (``agent``: its NodeAgent). ``wanted()``: a training process asks for a
+    round; ``run()``: rounds until one succeeds (from the agent's loop)."""
+
+    def __init__(self, agent):
+        self.agent = agent
+        self.left: dict[int, int] = {}   # local -> done_step, during a recovery
+        self.round_failed = False        # a training process's join or restore failed (RoundFailed)
+        self.in_round = False            # a round runs (its own failure notices are answered in it)
+        self.rounds = 0
+        self.failed_rounds = 0
+        self.rebuilt_at = -1             # the cut step of the last "rebuild" decision (nobody at fault)
+        resume = agent.resume
+        self.high_water = resume.get("high_water", -1) if resume is not None else -1
+
+    # ---- from the agent's loop -----------------------------------------------------------------------------
+    def wanted(self) -> bool:
+        """Whether a training process left the generation, or failed to join the new one: a round must run."""
+        return bool(self.left) or self.round_failed
+
+    def progressed(self) -> None:
+        """Training makes progress again (a replica was committed): the rounds that failed in a row start over."""
+        self.failed_rounds = 0
+
+    def on_left(self, local: int, left: Left) -> None:
+        # a training process that left an older generation than ours is late: the round that generation's
+        # failure started is over, and its "left" must not start another
+        if self.in_round or left.generation >= self.agent.cp.generation:
+            self.left[local] = left.done_step
+
+    def on_round_failed(self, local: int, failed: RoundFailed) -> None:
+        a = self.agent
+        # only the newest generation's rebuild failing starts a round; one for a generation a round already
+        # replaced (its failure is what that round handles) would start a round with nobody at fault
+        if not self.in_round and failed.generation >= a.cp.generation:
+            self.round_failed = True
+        a.log.emit("recovery_round_failed", generation=a.cp.generation, local=local, error=failed.error[:300])
+
+    def phase(self, name: str) -> None:
+        """A phase of the current recovery is reached (a fault planned there fires: tests, demos)."""
+        a = self.agent
+        if name == "decided" and a.faults.wants_phase(name, self.rounds):
+            a.cp.wait_sends()  # a coordinator dies once its decision has reached the members
+        a.faults.at_phase(name, self.rounds)
+
+    # ---- the rounds ----------------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Rounds until one succeeds; every wait has a deadline and keeps the loop's sources ticking."""
+        a = self.agent
+        a.swaps.suspend()  # a planned swap waiting for its boundary lets its stopped processes go
+        t_fail = time.time()
+        while True:
+            self.rounds += 1
+            self.failed_rounds += 1
+            if self.failed_rounds > MAX_FAILED_ROUNDS:
+                raise RecoveryTimeout(f"{MAX_FAILED_ROUNDS} recovery rounds in a row failed")
+            try:
+                self.in_round = True
+                try:
+                    self._round(t_fail)
+                finally:
+                    self.in_round = False
+                return
+            except RunFinished:
+                a.finish()
+                return
+            except PeerFailure as exc:
+                a.log.emit("recovery_round_failed", generation=a.cp.generation, round=self.rounds,
+                           error=str(exc)[:300])
+
+    def _round(self, t_fail: float) -> None:
+        a, cfg, P = self.agent, self.agent.cfg, self.agent.P
+        g0 = a.cp.generation
+        self.round_failed = False
+        a.rendezvous.fail_all()
+        for local in a.sup.alive():
+            a.channel.send(local, Failure.KIND, Failure(g0).to_wire())
+        # every live training process leaves the generation and says how far it got (bounded: a stuck one is
+        # found by its progress page, the wait by the ready timeout)
+        end = time.monotonic() + cfg.ready_timeout
+        while any(lo not in self.left for lo in a.sup.alive()):
+            a.tick(0.005)
+            if time.monotonic() > end:
+                a.node_failed(f"training process(es) {[lo for lo in a.sup.alive() if lo not in self.left]} "
+                              f"did not leave the failed generation within {cfg.ready_timeout:.0f} s")
+        for rep in a.reps.values():
+            rep.quiesce()
+        # a claim waiting for a slot belongs to the failed generation: granted after the resume, it would hold the
+        # own slots for a copy nobody makes (the training process dropped it when it left)
+        a.desk.drop_pending()
+        report = {}
+        for local, rep in a.reps.items():
+            m = a.node * P + local
+            report[str(m)] = dict(rep.report(), done_step=self.left.get(local, -1),
+                                  start_step=a.resume["step"] if a.resume else 0)
+        self.phase("detect")
+        decision = a.cp.recover(report, on_phase=self.phase, wait=a.tick)
+        g = decision.generation
+        self.high_water = max(self.high_water, decision.high_water)
+        self.left = {}
+        a.written.update((lo, decision.cut_step) for lo in list(a.written))  # training resumes from the cut
+        if decision.reason == "rebuild":  # collectives timed out with nobody at fault
+            if decision.cut_step == self.rebuilt_at:
+                raise RecoveryTimeout(
+                    f"collectives at step {decision.cut_step} timed out twice ({cfg.wait_timeout:.0f} s) with "
+                    f"no process at fault: a rank's step takes longer than that (raise --collective-timeout and "
+                    f"--hang-timeout above your longest step), or the network is wedged")
+            self.rebuilt_at = decision.cut_step
+        if decision.exhausted:
+            self._save_checkpoint(decision)
+            return
+        ranks = {local: a.cp.train_rank(local) for local in range(P)}
+        a.retarget_watch()
+        if ranks[0] is None:  # still a spare
+            for local in range(P):
+                a.configure(local)
+                a.send_role(local, Spare(a.view()))
+            a.state = "spare"
+            return
+        a.end_spare_check()
+        serving = any(src // P == a.node for src in decision.sources.values())
+        slots = {}
+        for local, r in ranks.items():
+            src = decision.sources.get(r)
+            rep = a.reps[local]
+            if r in decision.fresh:
+                slot = None   # a fresh start: the training process takes its own initial state
+            elif src is not None:
+                slot = rep.fetch(a.replica_address(src), r, decision.cut_step, a.cp.failure, cfg.wait_timeout)
+            else:
+                slot = rep.own.get(decision.cut_step)
+            slots[local] = slot
+        trainers = sorted({decision.assignment[r] // P for r in range(cfg.world_size)})
+        a.cp.barrier(f"rebuild{g}.{decision.coordinator}", trainers, cfg.rendezvous_timeout, tick=a.tick)
+        self.phase("rebuild")
+        a.rendezvous.open(g)
+        for local, r in ranks.items():
+            rep, slot = a.reps[local], slots[local]
+            a.configure(local)  # keeps the restore slot (its rank is r); pushes start with the next claim
+            plan = Restore(
+                cut_step=decision.cut_step, slot=-1 if slot is None else rep.own.slots.index(slot),
+                crc=0 if slot is None else slot.crc, fresh=slot is None,
+                # pulled: fetched (this round for decision.sources, or an earlier round of this recovery): no kept
+                # shares in the slot
+                pulled=slot is not None and slot.pulled, promoted=r in decision.promoted, serving=serving,
+                recomputed_steps=decision.recomputed_steps, failed_nodes=tuple(decision.failed_nodes),
+                round=self.rounds, t_fail=t_fail, t_agreed=time.time())
+            a.send_role(local, Train(a.view(), r, cfg.world_size, self.high_water, a.resume, plan))
+        a.state = "training"
+
+    # ---- no spare left, or preempted -----------------------------------------------------------------------
+    def _save_checkpoint(self, decision: Decision) -> None:
+        """No spare left, or preempted: write every shard of the cut step this node holds (its ranks' own, and the
+        lost ranks whose source it is), wait for every member agent, commit LATEST (each member does: the
+        coordinator may die right here), tell the training processes to leave with 75 (requeue)."""
+        a, cfg, P = self.agent, self.agent.cfg, self.agent.P
+        cut, g = decision.cut_step, decision.generation
+        a.persister.quiesce()   # a background write of an older step must not race this one
+        if decision.fresh:
+            # lost before any rank trained a step: some rank's state is only its initial one, rebuilt by a new attempt
+            # (from step 0, or the checkpoint this attempt resumed from): nothing new to save
+            if a.node == decision.coordinator:
+                a.log.emit("checkpoint_skipped", step=cut, generation=g, reason=decision.reason,
+                           fresh=list(decision.fresh),
+                           why=f"no rank has trained a step yet: a new attempt starts again from step {cut}"
+                               + (" (the checkpoint this attempt resumed from)" if a.resume else ""))
+            return self._leave_for_requeue()
+        import torch
+
+        for local, rep in a.reps.items():
+            r = a.cp.train_rank(local)
+            mine = []
+            if r is not None and r not in decision.sources:
+                mine.append((r, rep.own.get(cut)))
+            for rr, src in decision.sources.items():
+                if src == a.node * P + local:
+                    mine.append((rr, rep.held(rr).get(cut)))
+            layout = a.layouts[local]
+            shard = [torch.empty(shape, dtype=dtype) for shape, dtype in zip(layout.shapes, layout.dtypes)]
+            for rank, slot in mine:
+                rng = layout.read(slot, shard)
+                kept = None
+                if layout.local_nbytes:
+                    # a replica carries no share of the data-parallel state (worker/protect.py): the lost rank's
+                    # share is the one this rank kept for it, in its own snapshot of the cut step; the other shares
+                    # of the saved local prefix are not the lost rank's, and a snapshot that is itself a fetched
+                    # replica (Slot.pulled) kept none (the record says which are)
+                    n = layout.local_nbytes // shard[0].numel()   # the shares: equal uint8 tensors
+                    kept = [not slot.pulled] * n
+                    if rank != r:
+                        own = rep.own.get(cut)
+                        held = held_by(r, P, cfg.nodes, cfg.replica_holders)
+                        shard[0].copy_(layout.views(own)[1 + held.index(rank)])
+                        kept = [not own.pulled] + [False] * (n - 1)
+                persist.save_shard(a.checkpoint_dir, cut, rank, shard, rng, kept=kept)
+        a.cp.barrier(f"saved{g}.{decision.coordinator}", a.cp.member_nodes, cfg.collective_timeout, tick=a.tick)
+        persist.commit(a.checkpoint_dir, cut, cfg.world_size, g, self.high_water)
+        if a.node == decision.coordinator:
+            a.log.emit("checkpoint_saved", step=cut, generation=g, path=a.checkpoint_dir, reason=decision.reason)
+        self._leave_for_requeue()
+
+    def _leave_for_requeue(self) -> None:
+        a = self.agent
+        for local in a.sup.alive():
+            a.send_role(local, Exit(75))
+        a.sup.wait_all(10.0)
+        a.exit_code = 75
+        a.state = "saved"
