@@ -156,7 +156,7 @@ class SnapshotWriter:
         if not _backoff(lambda: self.committed(step, generation), stop, time.monotonic() + timeout, 0.0005, beat):
             if stop():
                 raise PeerFailure(f"replica of step {step} not committed: a peer failed")
-            raise PeerFailure(f"replica of step {step} not committed within {timeout:.0f} s")
+            raise PeerFailure(f"replica of step {step} not committed within {timeout:g} s")
         return time.perf_counter() - t0
 
     def settle(self, step: int, timeout: float) -> bool:
