@@ -56,7 +56,7 @@ class SnapNode:
         self.rep = rep
         self.page = ProgressPage.create()
         self.lost = threading.Event()
-        self.agent = Agent({0: rep}, {0: self.page}, rep.log)
+        self.agent = Agent({0: rep}, {0: self.page}, rep.state.log)
         page = self.page
         rep.on_commit = lambda g, step: page.put(page.COMMITTED, g, step)
         self.desk = SnapshotDesk(self.agent, Doorbell.create())

@@ -17,7 +17,8 @@ from deadpool_hpc.agent.desk import SnapshotDesk
 from deadpool_hpc.ipc.shm import GEN_MASK, Doorbell, ProgressPage, SharedBuffer, pack_word, unpack_word
 from deadpool_hpc.errors import PeerFailure
 from deadpool_hpc.replica.snapshot import Slot, StateLayout, checksum, slot_pair
-from deadpool_hpc.replica.transport import INLINE_STAMP_BYTES, Replicator
+from deadpool_hpc.replica.pusher import INLINE_STAMP_BYTES
+from deadpool_hpc.replica.transport import Replicator
 from deadpool_hpc.replica.writer import SnapshotWriter
 from snapnode import Agent  # tests/snapnode.py: the NodeAgent attributes the desk reads
 

@@ -26,7 +26,7 @@ from deadpool_hpc.errors import PeerFailure, ReplicaError
 from deadpool_hpc.replica.snapshot import StateLayout, checksum
 from deadpool_hpc.replica.stream import Link
 from deadpool_hpc.replica.transport import Replicator
-from snapnode import NO_RNG, SnapNode  # tests/snapnode.py
+from snapnode import SnapNode  # tests/snapnode.py
 
 SECRET = b"test-secret-0123456789abcdef-32b"
 HERE = os.path.dirname(os.path.abspath(__file__))

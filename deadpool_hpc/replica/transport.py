@@ -36,12 +36,10 @@ import time
 
 from . import fetch as _fetch
 from .holder import Holder
-from .pusher import INLINE_STAMP_BYTES, Sender
+from .pusher import Sender
 from .slots import ReplicaState
 from .snapshot import Slot, SlotPair, StateLayout
 from .stream import TCP
-
-__all__ = ["INLINE_STAMP_BYTES", "Replicator"]
 
 
 def _state_attr(name: str, doc: str) -> property:
@@ -72,9 +70,6 @@ class Replicator:
         transport = transport or TCP  # replica/transports.py: which sockets (tcp, unix, a plugin's)
         if sock is None:  # else: a listener made by the transport before the layout was known (agent/__main__.py)
             sock = transport.listen(host)  # ValueError for a wildcard TCP host, OSError if it cannot listen
-        self.transport = transport
-        self.log = log
-        self.timeout = timeout
         self.state = ReplicaState(secret, layout, log, timeout, transport,
                                   own if own is not None else SlotPair(layout.nbytes))
         self.own = self.state.own
