@@ -4,7 +4,8 @@ thread sees meanwhile. Numbers are medians of ``--reps`` runs (the machine is sh
 1. CRC of 200 MB: zlib.crc32 vs google-crc32c (via snapshot.checksum), and the ratio; alone, then with
    a pure-Python thread spinning alongside (a thread that gives the GIL back between pieces waits for it).
 2. For each payload size: local snapshot only (copy + CRC-32C into a slot, K=0), push to a holder in
-   another process (submit -> wait_committed: copy, CRC, send, holder's CRC check, ack), and fetch
+   another process (the path of a run, tests/snapnode.py: the training process's SnapshotWriter claims, copies and
+   says written, the agent's desk and Replicator checksum, push; the holder's CRC check, ack, commit), and fetch
    from that holder (connect, header, payload, CRC check), in MB/s (1 MB = 1e6 bytes).
 3. The longest gap seen by a thread that sleeps 5 ms in a loop (it stands in for the control plane's
    heartbeat thread), in the sender/fetcher process and in the holder process, while a push and a
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -28,6 +30,9 @@ import torch
 
 from deadpool_hpc.replica.snapshot import StateLayout, checksum
 from deadpool_hpc.replica.transport import Replicator
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from snapnode import SnapNode  # noqa: E402 - tests/snapnode.py: one local rank's snapshot path in one process
 
 SECRET = b"bench-secret-32-bytes-----------"
 
@@ -138,6 +143,7 @@ def main() -> None:
         child = subprocess.Popen([sys.executable, __file__, "--peer", str(nbytes)], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True)
         sender = Replicator(SECRET, layout, NullLog(), host="127.0.0.1")
+        node = SnapNode(sender, grant_timeout=60)
         fetcher = Replicator(SECRET, layout, NullLog(), host="127.0.0.1")
         ticker = Ticker()
         try:
@@ -145,7 +151,7 @@ def main() -> None:
             local, push, fetch = [], [], []
             sender.configure(0, 0, [], [])
             for i in range(a.reps):
-                t = time.perf_counter(); sender.submit(i, state, rng); sender.wait_committed(i, failure, 60)
+                t = time.perf_counter(); node.submit(i, state, rng); node.wait_committed(i, failure, 60)
                 local.append(time.perf_counter() - t)
             sender.quiesce()
             sender.configure(1, 0, [holder], [])
@@ -154,7 +160,7 @@ def main() -> None:
             ticker.reset()
             for i in range(a.reps):
                 step = 100 + i
-                t = time.perf_counter(); sender.submit(step, state, rng); sender.wait_committed(step, failure, 60)
+                t = time.perf_counter(); node.submit(step, state, rng); node.wait_committed(step, failure, 60)
                 push.append(time.perf_counter() - t)
                 t = time.perf_counter(); slot = fetcher.fetch(holder, 0, step, failure, 60)
                 fetch.append(time.perf_counter() - t)
@@ -167,6 +173,7 @@ def main() -> None:
                   f"   5 ms ticker's longest gap: {gap_here * 1e3:.1f} ms here, {gap_holder * 1e3:.1f} ms in the holder")
         finally:
             ticker.stop()
+            node.close()
             sender.close()
             fetcher.close()
             child.stdin.close()

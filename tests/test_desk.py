@@ -1,7 +1,8 @@
 """The per-step snapshot protocol over the progress page (agent/desk.py, ipc/shm.py): a claim word answered with a
 grant, a written word shipped to a real holder over TCP, the committed word stored by the Replicator, all woken by
-a real eventfd doorbell; stale and busy claims. The training process's side is played here by storing the words
-(what worker/context.py does); the end-to-end runs (test_your_loop.py, test_hotswap.py) use the real one.
+a real eventfd doorbell; stale and busy claims. The training process's side is played here by storing the words,
+then by its SnapshotWriter (replica/writer.py: inline and background copies, the waits); tests/test_transport.py
+takes every snapshot through the writer, and the end-to-end runs (test_your_loop.py, test_hotswap.py) run it all.
 Run: DEADPOOL_SLURM_TESTS=0 .venv/bin/python -m pytest -q tests/test_desk.py
 """
 from __future__ import annotations
@@ -12,10 +13,13 @@ import time
 import pytest
 import torch
 
-from deadpool_hpc.agent.desk import SnapshotDesk
 from deadpool_hpc.ipc.shm import GEN_MASK, Doorbell, ProgressPage, SharedBuffer, pack_word, unpack_word
-from deadpool_hpc.replica.snapshot import StateLayout, checksum, slot_pair
-from deadpool_hpc.replica.transport import INLINE_STAMP_BYTES, Replicator
+from deadpool_hpc.errors import PeerFailure
+from deadpool_hpc.replica.snapshot import Slot, StateLayout, checksum, slot_pair
+from deadpool_hpc.replica.pusher import INLINE_STAMP_BYTES
+from deadpool_hpc.replica.transport import Replicator
+from deadpool_hpc.replica.writer import SnapshotWriter
+from snapnode import Agent  # tests/snapnode.py: the NodeAgent attributes the desk reads
 
 SECRET = b"test-secret-0123456789abcdef-32b"
 NBYTES = 1 << 16
@@ -27,40 +31,6 @@ class Log:
 
     def emit(self, name, **fields):
         self.events.append(dict(fields, event=name))
-
-
-class Channel:
-    """What the desk uses of the agent's ChannelServer: each local rank's progress page, and a wake-up."""
-
-    def __init__(self, pages):
-        self.pages = pages
-        self.wakes = 0
-
-    def progress(self, local):
-        return self.pages.get(local)
-
-    def wake(self):
-        self.wakes += 1
-
-
-class Swaps:
-    current = None
-
-
-class Agent:
-    """The node agent as the desk sees it (agent/node.py): its Replicators, its pages, and what it does with a
-    written step (keeps it; wakes its loop while a planned swap waits)."""
-
-    def __init__(self, reps, pages):
-        self.reps = reps
-        self.channel = Channel(pages)
-        self.written = {}
-        self.swaps = Swaps()
-
-    def on_written(self, local, step):
-        self.written[local] = step
-        if self.swaps.current is not None:
-            self.channel.wake()
 
 
 def wait_until(pred, timeout, what):
@@ -94,11 +64,11 @@ def test_doorbell_wakes_a_waiter_and_coalesces_rings():
         bell.ring()   # closed: never a write to a reused fd number
 
 
-@pytest.fixture(params=[NBYTES, 2 * INLINE_STAMP_BYTES + 4], ids=["stamped-by-the-desk", "stamped-by-the-copy-thread"])
+@pytest.fixture(params=[NBYTES, 2 * INLINE_STAMP_BYTES + 4], ids=["stamped-by-the-desk", "stamped-by-the-stamp-thread"])
 def desk_setup(request):
     """A node of one local rank: its own slots in shared memory, a Replicator pushing to a holder Replicator over
     TCP, its progress page, and the desk. Everything is closed at the end. Two payload sizes: one the desk
-    checksums itself, one it hands to the Replicator's copy thread (``INLINE_STAMP_BYTES``)."""
+    checksums itself, one it hands to the Replicator's stamp thread (``INLINE_STAMP_BYTES``)."""
     nbytes = request.param
     layout = StateLayout([torch.empty(nbytes // 4)], 0)
     bufs = [SharedBuffer.create(nbytes) for _ in range(2)]
@@ -108,7 +78,7 @@ def desk_setup(request):
     agent = Agent({0: me}, {0: page})
     committed = []
     me.on_commit = lambda g, step: (committed.append((g, step)), page.put(page.COMMITTED, g, step))
-    desk = SnapshotDesk(agent.reps, agent.channel.progress, agent.on_written, Log(), Doorbell.create())
+    desk = agent.desk()
     yield layout, bufs, holder, me, page, agent, desk, committed
     desk.close()
     me.close()
@@ -187,3 +157,40 @@ def test_a_claim_refused_while_a_slot_is_busy_is_granted_once_it_is_free(desk_se
     desk.bell.ring()   # the written word frees the slot; the pending claim is retried without another ring
     assert _grant(page, 1, 1) == 1 - first
     assert desk.pending == {}
+
+
+def test_the_writer_copies_inline_once_its_early_claim_is_granted_and_in_the_background_otherwise(desk_setup):
+    layout, bufs, holder, me, page, agent, desk, committed = desk_setup
+    _configure(holder, me, 2)
+    lost = threading.Event()
+    slots = [Slot(layout.nbytes, torch.from_numpy(b.array)) for b in bufs]
+    writer = SnapshotWriter(page, desk.bell, slots, layout, lost=lost, grant_timeout=5)
+    try:
+        no_rng = torch.empty(0, dtype=torch.uint8)
+        state = [torch.full((layout.nbytes // 4,), 1.0)]
+        assert writer.snapshot(0, state, no_rng, 2) == "background"   # no early claim
+        writer.wait_committed(0, 2, threading.Event(), 5)
+        writer.claim_early(1, 2)
+        _grant(page, 2, 1)
+        assert writer.snapshot(1, state, no_rng, 2) == "inline"
+        assert writer.wait_committed(1, 2, threading.Event(), 5) >= 0.0
+        assert writer.counts == {"inline": 1, "background": 1} and me.own.steps() == [0, 1]
+        assert checksum(layout.wire(holder.held(0).get(1))) == me.own.get(1).crc
+        assert writer.committed(1, 2) and not writer.committed(1, 3) and not writer.committed(2, 2)
+        # a commit that never comes: the failure flag, the agent's loss or the timeout end the wait
+        me.quiesce()
+        writer.submit(2, state, no_rng, 2)
+        flag = threading.Event()
+        threading.Timer(0.1, flag.set).start()
+        with pytest.raises(PeerFailure, match="step 2 not committed: a peer failed"):
+            writer.wait_committed(2, 2, flag, 5)
+        with pytest.raises(PeerFailure, match=r"step 2 not committed within 0\.2 s"):
+            writer.wait_committed(2, 2, threading.Event(), 0.2)
+        lost.set()
+        with pytest.raises(PeerFailure, match="a peer failed"):
+            writer.wait_committed(2, 2, threading.Event(), 5)
+        t = time.monotonic()
+        writer.quiesce()   # the copy thread waiting for a grant the paused Replicator holds back stops at once
+        assert time.monotonic() - t < 1.0 and writer.settle(2, 0.1)
+    finally:
+        writer.close()

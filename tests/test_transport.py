@@ -1,5 +1,8 @@
 """The replica transport over real TCP sockets, with peers in real processes that are SIGKILLed or
-SIGSTOPped mid-transfer (always reaped). Run: DEADPOOL_SLURM_TESTS=0 .venv/bin/python -m pytest -q tests/test_transport.py
+SIGSTOPped mid-transfer (always reaped). Each snapshot takes the path of a run: the training process's SnapshotWriter
+claims, writes and says written, the agent's desk and Replicator checksum, push and commit (tests/snapnode.py).
+A refused or failed push is seen as a commit that never comes (the training process's view) and in the event log.
+Run: DEADPOOL_SLURM_TESTS=0 .venv/bin/python -m pytest -q tests/test_transport.py
 """
 from __future__ import annotations
 
@@ -23,9 +26,10 @@ from deadpool_hpc.errors import PeerFailure, ReplicaError
 from deadpool_hpc.replica.snapshot import StateLayout, checksum
 from deadpool_hpc.replica.stream import Link
 from deadpool_hpc.replica.transport import Replicator
+from snapnode import SnapNode  # tests/snapnode.py
 
 SECRET = b"test-secret-0123456789abcdef-32b"
-NO_RNG = torch.empty(0, dtype=torch.uint8)
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class Log:
@@ -56,19 +60,22 @@ def wait_until(pred, timeout: float, what: str) -> None:
 
 @pytest.fixture
 def reps():
-    """Replicators made by a test (closed at the end, each within a bounded time)."""
+    """Replicators made by a test, each with its desk and writer (``r.node``: tests/snapnode.py); closed at the
+    end, each within a bounded time."""
     made = []
 
     def make(nbytes=1 << 16, secret=SECRET, **kw):
         log = Log()
         r = Replicator(secret, layout_of(nbytes), log, host="127.0.0.1", **kw)
         r.log_ = log
+        r.node = SnapNode(r)
         made.append(r)
         return r
 
     yield make
     for r in made:
         t = time.monotonic()
+        r.node.close()
         r.close()
         assert time.monotonic() - t < 2.0
 
@@ -76,9 +83,11 @@ def reps():
 # ---- a peer in another process -------------------------------------------------------------------
 PEER = r"""
 import json, sys, threading, time, torch
+a = json.loads(sys.argv[1])
+sys.path.insert(0, a["tests"])
 from deadpool_hpc.replica.snapshot import StateLayout
 from deadpool_hpc.replica.transport import Replicator
-a = json.loads(sys.argv[1])
+from snapnode import SnapNode
 torch.set_num_threads(1)
 out = threading.Lock()
 def say(**kw):
@@ -90,9 +99,9 @@ n = a["nbytes"]
 rep = Replicator(a["secret"].encode(), StateLayout([torch.empty(n // 4)], 0), Log(), host="127.0.0.1")
 rep.configure(0, a.get("rank"), [], a.get("held", []))
 if "own_step" in a:
-    st = [torch.randn(n // 4, generator=torch.Generator().manual_seed(a["seed"]))]
-    rep.submit(a["own_step"], st, torch.empty(0, dtype=torch.uint8))
-    rep.wait_committed(a["own_step"], threading.Event(), 30)
+    node = SnapNode(rep)
+    node.commit(a["own_step"], [torch.randn(n // 4, generator=torch.Generator().manual_seed(a["seed"]))], timeout=30)
+    node.close()
 def slow(kind):  # a slow transfer that says once when it is under way
     told = []
     def hook(rank, step, done, total):
@@ -113,7 +122,7 @@ class Peer:
     """A Replicator in a child process; killed (SIGKILL) and reaped on exit whatever happened."""
 
     def __init__(self, **args):
-        args = dict(args, secret=SECRET.decode())
+        args = dict(args, secret=SECRET.decode(), tests=HERE)
         self.proc = subprocess.Popen([sys.executable, "-c", PEER, json.dumps(args)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, start_new_session=True)
         self.lines: queue.Queue = queue.Queue()
@@ -183,8 +192,8 @@ def test_push_is_committed_once_both_holders_ack_it(reps, peers):
     state = state_of(n, 1)
     flag = threading.Event()
     for step in (7, 8):
-        me.submit(step, state, NO_RNG)
-        me.wait_committed(step, flag, 20)
+        me.node.submit(step, state)
+        me.node.wait_committed(step, flag, 20)
     assert h1.report()["held"] == {"3": [7, 8]} and h2.report()["held"] == {"3": [7, 8]}
     assert me.report() == {"own_rank": 3, "own": [7, 8], "held": {}}
     assert me.own.get(8).crc == checksum(state[0].numpy().view(np.uint8))
@@ -200,15 +209,15 @@ def test_pushes_share_one_kept_connection_which_a_holder_quiesce_replaces(reps):
     me.configure(0, 0, [holder.address], [])
     state, flag = state_of(n, 5), threading.Event()
     for step in range(1, 6):
-        me.submit(step, state, NO_RNG)
-        me.wait_committed(step, flag, 10)
-    assert holder._handlers == 1, "five pushes should have used one connection"
+        me.node.submit(step, state)
+        me.node.wait_committed(step, flag, 10)
+    assert holder.holder.handlers == 1, "five pushes should have used one connection"
     holder.quiesce()   # the holder alone (the sender's connection is left idle, then found shut)
     holder.configure(0, None, [], [0])
     for step in range(6, 9):
-        me.submit(step, state, NO_RNG)
-        me.wait_committed(step, flag, 10)
-    wait_until(lambda: holder._handlers == 1, 2.0, "the shut-down connection's handler to end")
+        me.node.submit(step, state)
+        me.node.wait_committed(step, flag, 10)
+    wait_until(lambda: holder.holder.handlers == 1, 2.0, "the shut-down connection's handler to end")
     assert holder.report()["held"] == {"0": [7, 8]}
     assert not me.log_.named("replica_transfer_abandoned"), me.log_.events
     assert me.bytes_sent == 8 * n
@@ -217,29 +226,34 @@ def test_pushes_share_one_kept_connection_which_a_holder_quiesce_replaces(reps):
 def test_no_holders_commits_once_the_local_copy_is_done(reps):
     me = reps()
     me.configure(0, 0, [], [])
-    me.submit(4, state_of(1 << 16, 2), NO_RNG)
-    me.wait_committed(4, threading.Event(), 5)
+    me.node.submit(4, state_of(1 << 16, 2))
+    me.node.wait_committed(4, threading.Event(), 5)
     assert me.report()["own"] == [4]
 
 
 def test_push_before_the_holder_is_configured_is_retried_until_it_is(reps):
     holder, me = reps(), reps()
     me.configure(0, 0, [holder.address], [])
-    me.submit(1, state_of(1 << 16, 3), NO_RNG)
+    me.node.submit(1, state_of(1 << 16, 3))
     time.sleep(0.3)  # the holder is still quiesced (not configured): it answers "retry"
     holder.configure(0, None, [], [0])
-    me.wait_committed(1, threading.Event(), 10)
+    me.node.wait_committed(1, threading.Event(), 10)
     assert holder.report()["held"] == {"0": [1]}
 
 
 # ---- nothing is trusted without its signature and checksum -----------------------------------------
 class BadCrcLayout(StateLayout):
-    """Stamps a wrong CRC: what a payload corrupted between the checksum and the wire looks like."""
+    """Stamps a wrong CRC: what a payload corrupted between the agent's checksum and the wire looks like."""
 
-    def write(self, slot, tensors, rng, step, should_stop=None):
-        ok = super().write(slot, tensors, rng, step, should_stop)
+    def stamp_written(self, slot, step, should_stop=None):
+        ok = super().stamp_written(slot, step, should_stop)
         slot.crc ^= 0x1
         return ok
+
+
+def rejected(log, role: str) -> list[str]:
+    """The reasons of the ``replica_rejected`` events of ``role`` in ``log``."""
+    return [e["reason"] for e in log.named("replica_rejected") if e["role"] == role]
 
 
 def test_a_payload_failing_its_checksum_is_rejected_and_not_committed(reps):
@@ -248,10 +262,12 @@ def test_a_payload_failing_its_checksum_is_rejected_and_not_committed(reps):
     me.layout = BadCrcLayout([torch.empty(n // 4)], 0)
     holder.configure(0, None, [], [0])
     me.configure(0, 0, [holder.address], [])
-    me.submit(5, state_of(n, 4), NO_RNG)
-    with pytest.raises(ReplicaError, match="step 5.*checksum mismatch"):
-        me.wait_committed(5, threading.Event(), 10)
+    me.node.submit(5, state_of(n, 4))
+    with pytest.raises(PeerFailure, match="step 5 not committed within 1 s"):
+        me.node.wait_committed(5, threading.Event(), 1.0)
     assert holder.report()["held"] == {"0": []}
+    [why] = rejected(me.log_, "sender")
+    assert "refused the replica" not in why and "checksum mismatch" in why
     [ev] = holder.log_.named("replica_rejected")
     assert ev["role"] == "holder" and ev["step"] == 5 and "checksum" in ev["reason"]
 
@@ -260,14 +276,15 @@ def test_a_push_signed_with_another_secret_is_rejected_before_its_payload(reps):
     holder, me = reps(), reps(secret=b"not-the-job-secret-0123456789abc")
     holder.configure(0, None, [], [0])
     me.configure(0, 0, [holder.address], [])
-    me.submit(5, state_of(1 << 16, 5), NO_RNG)
+    me.node.submit(5, state_of(1 << 16, 5))
     t = time.monotonic()
-    with pytest.raises(PeerFailure, match=r"step 5 not committed within 1 s.*no ack from 127\.0\.0\.1"):
-        me.wait_committed(5, threading.Event(), 1.0)
+    with pytest.raises(PeerFailure, match=r"step 5 not committed within 1 s"):
+        me.node.wait_committed(5, threading.Event(), 1.0)
     assert 0.9 < time.monotonic() - t < 3.0
     assert holder.report()["held"] == {"0": []}
     assert any("HMAC" in e["reason"] for e in holder.log_.named("replica_rejected"))
-    assert me.log_.named("replica_transfer_abandoned")
+    [ev] = me.log_.named("replica_transfer_abandoned")
+    assert ev["kind"] == "push" and ev["peer"].startswith("127.0.0.1:") and ev["step"] == 5
 
 
 def test_a_wrong_size_or_an_unheld_rank_is_rejected(reps):
@@ -275,17 +292,19 @@ def test_a_wrong_size_or_an_unheld_rank_is_rejected(reps):
     holder.configure(0, None, [], [0])
     big = reps((1 << 16) + 4)
     big.configure(0, 0, [holder.address], [])
-    big.submit(1, state_of((1 << 16) + 4, 6), NO_RNG)
-    with pytest.raises(ReplicaError, match="65540 bytes, expected 65536"):
-        big.wait_committed(1, threading.Event(), 10)
+    big.node.submit(1, state_of((1 << 16) + 4, 6))
+    wait_until(lambda: rejected(big.log_, "sender"), 10, "the refusal of the wrong size")
+    assert "65540 bytes, expected 65536" in rejected(big.log_, "sender")[0]
+    with pytest.raises(PeerFailure, match="step 1 not committed"):
+        big.node.wait_committed(1, threading.Event(), 0.2)
     other = reps(1 << 16, timeout=0.5)   # rank 9 is not held: "retry" until its timeout, then refused: transient
     other.configure(0, 9, [holder.address], [])  # (a holder busy or not yet configured: the recovery's to fix)
-    other.submit(1, state_of(1 << 16, 7), NO_RNG)
-    with pytest.raises(PeerFailure, match=r"still refused after 0.5 s: rank 9 is not held here \(held ranks: \[0\]\)"):
-        other.wait_committed(1, threading.Event(), 10)
+    other.node.submit(1, state_of(1 << 16, 7))
+    wait_until(lambda: rejected(other.log_, "sender"), 10, "the pusher to give up")
+    assert rejected(other.log_, "sender") == ["still refused after 0.5 s: rank 9 is not held here (held ranks: [0])"]
+    assert other.committed_step == -1
     assert holder.report()["held"] == {"0": []}
-    assert [e["reason"] for e in holder.log_.named("replica_rejected")] == ["payload of 65540 bytes, expected 65536"]
-    assert other.log_.named("replica_rejected")[0]["role"] == "sender"
+    assert rejected(holder.log_, "holder") == ["payload of 65540 bytes, expected 65536"]
 
 
 def test_an_ack_commits_only_the_step_it_names(reps):
@@ -308,9 +327,9 @@ def test_an_ack_commits_only_the_step_it_names(reps):
     t.start()
     try:
         me.configure(0, 0, [["127.0.0.1", srv.getsockname()[1]]], [])
-        me.submit(3, state_of(1 << 16, 8), NO_RNG)
+        me.node.submit(3, state_of(1 << 16, 8))
         with pytest.raises(PeerFailure, match="step 3 not committed"):
-            me.wait_committed(3, threading.Event(), 1.0)
+            me.node.wait_committed(3, threading.Event(), 1.0)
         assert "ack of rank 0 step 3" in me.log_.named("replica_transfer_abandoned")[0]["reason"]
     finally:
         t.join(5)
@@ -324,7 +343,7 @@ def test_holder_killed_mid_push(reps, peers):
     me = reps(n)
     me.configure(0, 0, [h.address], [])
     state = state_of(n, 9)
-    me.submit(1, state, NO_RNG)
+    me.node.submit(1, state)
     h.wait_for("mid_push")
     t_kill = h.signal(signal.SIGKILL)
     wait_until(lambda: me.log_.named("replica_transfer_abandoned"), 1.5, "the push to notice the kill")
@@ -333,12 +352,14 @@ def test_holder_killed_mid_push(reps, peers):
     threading.Timer(0.2, flag.set).start()
     t = time.monotonic()
     with pytest.raises(PeerFailure, match="a peer failed"):
-        me.wait_committed(1, flag, 30)
+        me.node.wait_committed(1, flag, 30)
     assert time.monotonic() - t < 1.5      # the flag, not the 30 s timeout
     t = time.monotonic()
-    with pytest.raises(PeerFailure, match=r"not committed within 0\.5 s .*no ack from 127\.0\.0\.1:\d+ \(last: PeerGone"):
-        me.wait_committed(1, threading.Event(), 0.5)
+    with pytest.raises(PeerFailure, match=r"not committed within 0\.5 s"):
+        me.node.wait_committed(1, threading.Event(), 0.5)
     assert 0.45 < time.monotonic() - t < 2.0
+    [ev] = me.log_.named("replica_transfer_abandoned")
+    assert ev["peer"].startswith("127.0.0.1:") and ev["reason"].startswith("PeerGone")
 
 
 def test_holder_frozen_mid_push_and_quiesce_is_prompt(reps, peers):
@@ -346,18 +367,18 @@ def test_holder_frozen_mid_push_and_quiesce_is_prompt(reps, peers):
     h = peers(nbytes=n, held=[0], slow_receive=True).start()
     me = reps(n)
     me.configure(0, 0, [h.address], [])
-    me.submit(1, state_of(n, 10), NO_RNG)
+    me.node.submit(1, state_of(n, 10))
     h.wait_for("mid_push")
     h.signal(signal.SIGSTOP)
     flag = threading.Event()
     threading.Timer(0.2, flag.set).start()
     t = time.monotonic()
     with pytest.raises(PeerFailure, match="a peer failed"):
-        me.wait_committed(1, flag, 30)
+        me.node.wait_committed(1, flag, 30)
     assert time.monotonic() - t < 1.5      # the flag, not the 30 s timeout
     t = time.monotonic()
     with pytest.raises(PeerFailure, match=r"not committed within 0\.5 s"):
-        me.wait_committed(1, threading.Event(), 0.5)
+        me.node.wait_committed(1, threading.Event(), 0.5)
     assert 0.45 < time.monotonic() - t < 2.0
     assert not me.log_.named("replica_transfer_abandoned")   # a frozen peer: the push is still waiting
     t = time.monotonic()
@@ -379,8 +400,9 @@ def test_fetch_round_trip_is_bit_for_bit_and_calls_serve_hook(reps):
     spare = Replicator(SECRET, layout, Log(), host="127.0.0.1")
     try:
         server.configure(0, 2, [], [])
-        server.submit(6, state, rng)
-        server.wait_committed(6, threading.Event(), 10)
+        node = SnapNode(server)
+        node.commit(6, state, rng)
+        node.close()
         calls = []
         server.serve_hook = lambda *a: calls.append(a)
         spare.configure(1, None, [], [])
@@ -446,15 +468,15 @@ def test_quiesce_drops_an_incoming_push_but_keeps_serving(reps):
     holder.configure(0, None, [], [0])
     me.configure(0, 0, [holder.address], [])
     state = state_of(n, 14)
-    me.submit(1, state, NO_RNG)
-    me.wait_committed(1, threading.Event(), 10)
+    me.node.submit(1, state)
+    me.node.wait_committed(1, threading.Event(), 10)
     # a sender that stops half-way through step 2's payload
     link = Link.connect(holder.address, idle=5)
     payload = state[0].numpy().view(np.uint8)
     link.send_msg("push", {"generation": 0, "rank": 0, "step": 2, "nbytes": n, "crc": checksum(payload)}, SECRET)
     assert link.recv_msg(SECRET)[1]["ok"]
     link.send(payload[: n // 2])
-    wait_until(lambda: holder._writing, 2, "the holder to be receiving")
+    wait_until(lambda: holder.state.writing, 2, "the holder to be receiving")
     t = time.monotonic()
     holder.quiesce()
     assert time.monotonic() - t < 1.0
@@ -468,11 +490,11 @@ def test_quiesce_drops_an_incoming_push_but_keeps_serving(reps):
     slot = spare.fetch(holder.address, 0, 1, threading.Event(), 10)   # serving goes on while quiesced
     assert np.array_equal(slot.buf, payload)
     me.configure(1, 0, [holder.address], [])  # the next generation (a recovery reconfigures every process)
-    me.submit(3, state, NO_RNG)          # a new push to a quiesced holder is refused ("retry") ...
+    me.node.submit(3, state)          # a new push to a quiesced holder is refused ("retry") ...
     time.sleep(0.2)
     assert holder.report()["held"] == {"0": [1]}
     holder.configure(1, None, [], [0])   # ... and lands once it is configured again
-    me.wait_committed(3, threading.Event(), 10)
+    me.node.wait_committed(3, threading.Event(), 10)
     assert holder.report()["held"] == {"0": [1, 3]}
 
 
@@ -484,12 +506,13 @@ def test_a_push_from_an_older_generation_cannot_evict_a_newer_copy(reps):
     holder.configure(5, None, [], [0])
     live.configure(5, 0, [holder.address], [])
     for step in (10, 11):
-        live.submit(step, state_of(n, step), NO_RNG)
-        live.wait_committed(step, threading.Event(), 10)
+        live.node.submit(step, state_of(n, step))
+        live.node.wait_committed(step, threading.Event(), 10)
     stale.configure(3, 0, [holder.address], [])
-    stale.submit(9, state_of(n, 9), NO_RNG)
-    with pytest.raises(ReplicaError, match="push of generation 3; this holder is at generation 5"):
-        stale.wait_committed(9, threading.Event(), 10)
+    stale.node.submit(9, state_of(n, 9))
+    wait_until(lambda: rejected(stale.log_, "sender"), 10, "the holder's refusal")
+    assert rejected(stale.log_, "sender") == ["push of generation 3; this holder is at generation 5"]
+    assert stale.committed_step == -1
     assert holder.report()["held"] == {"0": [10, 11]}
 
 
@@ -499,8 +522,8 @@ def test_configure_keeps_still_held_ranks_and_frees_the_others(reps):
     holder.configure(0, None, [], [0, 1])
     for rank, r in ((0, r0), (1, r1)):
         r.configure(0, rank, [holder.address], [])
-        r.submit(10 + rank, state_of(n, rank), NO_RNG)
-        r.wait_committed(10 + rank, threading.Event(), 10)
+        r.node.submit(10 + rank, state_of(n, rank))
+        r.node.wait_committed(10 + rank, threading.Event(), 10)
     assert holder.report()["held"] == {"0": [10], "1": [11]}
     gone = weakref.ref(holder.held(0))
     kept = holder.held(1)
@@ -540,8 +563,8 @@ def test_200mb_push_and_fetch_leave_a_5ms_ticker_alone(reps, peers):
         idle = max(gaps)
         gaps.clear()
         t = time.monotonic()
-        me.submit(1, state, NO_RNG)
-        me.wait_committed(1, threading.Event(), 30)
+        me.node.submit(1, state)
+        me.node.wait_committed(1, threading.Event(), 30)
         t_push = time.monotonic() - t
         t = time.monotonic()
         slot = spare.fetch(h.address, 0, 1, threading.Event(), 30)
@@ -573,8 +596,8 @@ def test_memory_stays_flat_across_generations_of_pushes_and_fetches(reps):
         spare.configure(gen, None, [], [])
         for _ in range(4):
             step += 1
-            me.submit(step, state, NO_RNG)
-            me.wait_committed(step, flag, 10)
+            me.node.submit(step, state)
+            me.node.wait_committed(step, flag, 10)
             assert spare.fetch(holder.address, 0, step, flag, 10).step == step
         gc.collect()
         after.append(rss_mb())
@@ -594,8 +617,8 @@ def test_unix_transport_pushes_commits_and_serves_bit_for_bit(reps):
     holder.configure(0, None, [], [4])
     me.configure(0, 4, [holder.address], [])
     state = state_of(n, 5)
-    me.submit(3, state, NO_RNG)
-    me.wait_committed(3, threading.Event(), 20)
+    me.node.submit(3, state)
+    me.node.wait_committed(3, threading.Event(), 20)
     assert holder.report()["held"] == {"4": [3]} and me.committed_step == 3
     spare.configure(1, None, [], [])
     slot = spare.fetch(holder.address, 4, 3, threading.Event(), 10)

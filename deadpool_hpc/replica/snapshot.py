@@ -399,3 +399,20 @@ def _chunk_pairs(dst: torch.Tensor, src: torch.Tensor):
     d, s = dst.reshape(-1), src.reshape(-1)
     step = max(1, COPY_CHUNK // max(1, d.element_size()))
     return [(d[i:i + step], s[i:i + step]) for i in range(0, d.numel(), step)]
+
+
+class RunningCrc:
+    """CRC-32C of a buffer filled front to back (a payload arriving from a socket), computed in pieces of >= 1 MiB
+    as bytes arrive: ``update(upto)`` after each piece; ``value`` once the buffer is full."""
+
+    PIECE = 1 << 20
+
+    def __init__(self, buf):
+        self.mv = memoryview(buf).cast("B")
+        self.done = 0
+        self.value = 0
+
+    def update(self, upto: int) -> None:
+        if upto - self.done >= self.PIECE or upto == len(self.mv):
+            self.value = checksum(self.mv[self.done:upto], self.value)
+            self.done = upto

@@ -37,6 +37,7 @@ TCP = TcpTransport()
 
 POLL_S = 0.05                 # longest a call waits before it looks at stop() and its deadlines again
 CHUNK = 16 * 1024 * 1024      # bytes handed to one send()/recv_into()
+KEEP_S = 600.0                # a kept push connection with no push for this long is closed (the pusher opens a new one)
 _LEN = struct.Struct("!I")
 
 

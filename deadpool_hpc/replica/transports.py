@@ -1,8 +1,8 @@
 """Replica transports: the extension point for how a node agent's replica server is reached (docs/plugins.md).
 
-The replica protocol (replica/transport.py: push, go, ack, fetch, replica; signed JSON headers, raw payloads, CRC-32C
-end to end) runs over stream sockets (replica/stream.py ``Link``). A transport decides which sockets: their family,
-their address, how a listener is made and how a connection is opened. Registered in the entry point group
+The replica protocol (push, go, ack: replica/pusher.py and holder.py; fetch, replica: replica/fetch.py; signed JSON
+headers, raw payloads, CRC-32C end to end) runs over stream sockets (replica/stream.py ``Link``). A transport decides
+which sockets: their family, their address, how a listener is made and how a connection is opened. Registered in the entry point group
 ``deadpool_hpc.transports``; ``--replica-transport NAME`` picks one (default ``tcp``).
 
 Interface (an object, or a class whose instances are, registered under a name):

@@ -2,12 +2,11 @@
 
 A training process is torch and a thin client of its node agent (worker/client.py); it does not call MPI.
 ``Context.run(step_fn)`` runs ``step_fn(step)`` for each step, and around each step it injects the faults due,
-copies the state unique to this rank into the agent's shared snapshot slot (the agent checksums it and ships it to
-the holders), and waits for the agent's ``committed`` before the optimizer updates (the claim of a slot, its grant,
-``written`` and ``committed`` are words of the progress page, answered by the agent's snapshot desk: agent/desk.py;
-no channel message per step). With ``ctx.protect`` on host
-memory the copy is made right after the update, on the training thread, into a slot reserved while the optimizer
-ran (``_claim_next``); otherwise, and whenever that slot is not granted in time, by a background thread overlapping
+snapshots the state unique to this rank into the agent's shared slot and waits for the agent's ``committed`` before
+the optimizer updates: the per-step snapshot protocol, whose side here is ``SnapshotWriter`` (replica/writer.py,
+which describes the protocol and its interface with the agent's snapshot desk). With ``ctx.protect`` on host memory
+the copy is made right after the update, on the training thread, into a slot claimed while the optimizer ran
+(``_claim_next``); otherwise, and whenever that slot is not granted in time, by the writer's copy thread overlapping
 the next forward and backward. When the agent says a peer failed (or a collective fails), it leaves
 the generation, tells its agent how far it got, and waits for its next role: train (join the new generation's
 process group through the agent-backed store, restore the cut step from the shared slot the agent filled,
@@ -23,7 +22,6 @@ import hashlib
 import os
 import threading
 import time
-from collections import deque
 
 import torch
 
@@ -33,8 +31,8 @@ from ..dataplane.groups import device_for
 from ..errors import PeerFailure
 from ..faults import RankFaults
 from ..ipc.messages import Finish, Left, Spare, Train
-from ..ipc.shm import GEN_MASK, ProgressPage
 from ..replica.snapshot import Slot, StateLayout
+from ..replica.writer import SnapshotWriter
 from . import preflight
 from .recovery import Recovering
 from .zero import ShardedAdamW
@@ -89,10 +87,9 @@ class Context(Recovering):
         self._trained = False   # a step has run in this process (its state is no longer the initial one)
         self.attached = False   # ctx.run has attached this process to its agent's slots (start-up is over for it)
         self.refusal = None     # what ctx.protect / zero_adamw / run refused (a job-wide error, not a node's)
-        self._claim = None   # the step whose snapshot's slot was claimed early (_claim_next)
-        self.snapshots = {"inline": 0, "background": 0}   # how this process's snapshots were copied
+        self.writer: SnapshotWriter | None = None   # the snapshot protocol's side of this process (``run``)
         self._mesh = self._stand_in = None   # ctx.device_mesh
-        self.wait_s = 0.0
+        self.wait_s = 0.0   # seconds waited for commits
         client.on("failure", self._on_failure)
         client.on("preflight", lambda body: preflight.answer(client, self.device, body))   # worker/preflight.py
         client.on("link", lambda body: preflight.link_answer(client, body))
@@ -202,7 +199,8 @@ class Context(Recovering):
         self.slots = [Slot(self.layout.nbytes, b.tensor) for b in bufs]
         self.attached = True
         self._bufs = bufs
-        self.copier = _Copier(self)
+        self.writer = SnapshotWriter(self.client.progress, self.client.bell, self.slots, self.layout,
+                                     lost=self.client.lost, grant_timeout=self.config.collective_timeout)
         role = self._next_role(self.config.startup_timeout)
         if isinstance(role, Train):
             try:
@@ -293,79 +291,27 @@ class Context(Recovering):
 
     def _claim_next(self) -> None:
         """(``ctx.protect``'s optimizer step pre-hook, once this step's gradient all-reduce completed: every rank's
-        replica of the current step is committed, so the slot of the one before it may be reused) Ask the agent now
-        for the slot of the next step's snapshot: its reply comes while the optimizer updates, and the snapshot is
-        then copied at once on this thread (``_snapshot``)."""
+        replica of the current step is committed, so the slot of the one before it may be reused) Claim the slot of
+        the next step's snapshot now: the grant comes while the optimizer updates, and the snapshot is then copied
+        at once on this thread (``_snapshot``)."""
         nxt = self.step + 1
-        if self._claim is None and self._replicating(nxt) and getattr(self.opt, "on_host", False):
-            self._claim = nxt
-            self._request_claim(nxt, self.generation)
-
-    # ---- the snapshot words of the progress page (agent/desk.py answers them) ----------------------------------
-    def _ring(self) -> None:
-        try:
-            self.client.bell.ring()
-        except (OSError, TypeError, AttributeError):
-            pass   # the agent is gone: the wait for commit says so
-
-    def _request_claim(self, step: int, generation: int) -> None:
-        page = self.client.progress
-        page.put(page.CLAIM, generation, step)
-        self._ring()
-
-    def _granted(self, step: int, generation: int) -> int | None:
-        """The slot index the agent granted for ``step``'s snapshot, or None (not yet, or not for this step)."""
-        g, s, index = self.client.progress.get(ProgressPage.GRANT)
-        return index if s == step and g == generation & GEN_MASK and index >= 0 else None
-
-    def _tell_written(self, step: int, index: int, generation: int) -> None:
-        page = self.client.progress
-        page.put(page.WRITTEN, generation, step, index)
-        self._ring()
+        if self._replicating(nxt) and getattr(self.opt, "on_host", False):
+            self.writer.claim_early(nxt, self.generation)
 
     def _snapshot(self) -> None:
-        """Snapshot the state at the start of ``self.step`` into the agent's shared slot. With the slot already
-        reserved (``_claim_next``), the copy is done here, at once: the state the optimizer just wrote is still in
-        cache, and a copy running beside the next forward and backward slowed them down more than it cost itself
-        (on 2 shared cores: +10 ms of the training thread's CPU per step of the micro GPT against +2 ms; the
-        closing note of this change). Otherwise the background copier claims, copies and tells the agent."""
-        if not self._replicating(self.step):
-            return
-        claimed, self._claim = self._claim == self.step, None
-        gen = self.generation
-        tensors, rng = self.opt.state_tensors(), torch.get_rng_state()
-        index = self._granted(self.step, gen) if claimed else None
-        if index is not None:
-            self.snapshots["inline"] += 1
-            # no checksum here: the agent takes the one it ships and the holders verify (stamp_written)
-            if self.layout.write(self.slots[index], tensors, rng, self.step, crc=False):
-                self._tell_written(self.step, index, gen)
-            return
-        self.snapshots["background"] += 1
-        self.copier.submit(self.step, tensors, rng, gen, claimed=claimed)
+        """Snapshot the state at the start of ``self.step`` into the agent's shared slot (replica/writer.py). With
+        the slot already granted (``_claim_next``) the copy is done here, at once: the state the optimizer just
+        wrote is still in cache, and a copy running beside the next forward and backward slowed them down more than
+        it cost itself (on 2 shared cores: +10 ms of the training thread's CPU per step of the micro GPT against
+        +2 ms; the closing note of this change). Otherwise the writer's copy thread claims, copies and says so."""
+        if self._replicating(self.step):
+            self.writer.snapshot(self.step, self.opt.state_tensors(), torch.get_rng_state(), self.generation)
 
     def _wait_committed(self, step: int) -> None:
-        """Until the agent says every holder acknowledged ``step`` (the committed word of the progress page, of this
-        generation). Raises PeerFailure on failure or timeout."""
-        page, gen = self.client.progress, self.generation & GEN_MASK
-        g, s, _ = page.get(page.COMMITTED)
-        if g == gen and s >= step:
-            return   # the usual case: the replica was committed while the step computed
-        t0 = time.perf_counter()
-        end = time.monotonic() + self.config.wait_timeout
-        pause = 0.0005
-        while True:
-            g, s, _ = page.get(page.COMMITTED)
-            if g == gen and s >= step:
-                break
-            if self.failure.is_set() or self.client.lost.is_set():
-                raise PeerFailure(f"replica of step {step} not committed: a peer failed")
-            if time.monotonic() > end:
-                raise PeerFailure(f"replica of step {step} not committed within {self.config.wait_timeout:.0f} s")
-            time.sleep(pause)
-            pause = min(2 * pause, 0.005)
-            page.beat()
-        self.wait_s += time.perf_counter() - t0
+        """Until the agent says every holder acknowledged ``step`` of this generation. Raises PeerFailure on failure
+        or timeout."""
+        self.wait_s += self.writer.wait_committed(step, self.generation, self.failure, self.config.wait_timeout,
+                                                  beat=self.client.progress.beat)
 
     def _on_failure(self, body: dict) -> None:
         """(reader thread) The agent starts a recovery round: a process already waiting for its role answers at
@@ -400,7 +346,7 @@ class Context(Recovering):
                           world_size=self.world_size, spares_left=self._role.view.spares_left,
                           bytes_per_rank_per_step=self.layout.wire_nbytes if self.config.replicate else 0,
                           local_bytes_per_rank_per_step=self.layout.local_nbytes if self.config.replicate else 0,
-                          replica_wait_s=self.wait_s, snapshots=self.snapshots)
+                          replica_wait_s=self.wait_s, snapshots=self.writer.counts)
             self.log.sync()
             return
         try:
@@ -409,87 +355,3 @@ class Context(Recovering):
         except Exception:  # noqa: BLE001 - the run is over either way; the agent ends us if it must
             pass
 
-
-class _Copier:
-    """The background copy of a snapshot into the agent's shared slot: ask the agent which slot (``claim``), copy
-    (chunk by chunk, abandoned at once on ``quiesce``), tell it (``written``). Overlaps the next forward and
-    backward; the update waits for ``committed``. Used for every snapshot of ``ctx.zero_adamw`` and for a
-    ``ctx.protect`` snapshot whose slot was not reserved in time (``Context._snapshot``)."""
-
-    def __init__(self, ctx: Context):
-        self.ctx = ctx
-        self.jobs: deque = deque()
-        self.cv = threading.Condition()
-        self.epoch = 0
-        self.busy = False
-        self.current = None  # the step being copied
-        threading.Thread(target=self._run, name="deadpool-snapshot", daemon=True).start()
-
-    def submit(self, step: int, tensors, rng, generation: int, claimed: bool = False) -> None:
-        """Copy ``step``'s ``tensors`` + ``rng`` (of ``generation``); ``claimed``: its slot was claimed already."""
-        with self.cv:
-            self.jobs.append((step, tensors, rng, self.epoch, generation, claimed))
-            self.cv.notify_all()
-
-    def settle(self, step: int, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for the copy of ``step`` (queued or under way) to be written, so that the
-        recovery can cut at the step this process completed. True if none is left."""
-        end = time.monotonic() + timeout
-        with self.cv:
-            while (self.busy and self.current == step) or any(j[0] == step for j in self.jobs):
-                if time.monotonic() > end:
-                    return False
-                self.cv.wait(0.002)
-        return True
-
-    def quiesce(self) -> None:
-        """Drop queued snapshots and stop the copy in progress (its slot is never stamped); returns once idle."""
-        with self.cv:
-            self.epoch += 1
-            self.jobs.clear()
-            while self.busy:
-                self.cv.wait(0.005)
-
-    def _claim(self, step: int, generation: int, claimed: bool, stop) -> int | None:
-        """The slot index the agent grants for ``step`` (``claimed``: the claim was made already, else it is made
-        now). None once ``stop()`` turns true (a ``quiesce``: a recovery must not wait for a grant that a paused
-        replicator holds back), the agent is gone, or after the collective timeout."""
-        ctx = self.ctx
-        if not claimed:
-            ctx._request_claim(step, generation)
-        end = time.monotonic() + ctx.config.collective_timeout
-        pause = 0.0002
-        while True:
-            index = ctx._granted(step, generation)
-            if index is not None:
-                return index
-            if stop() or ctx.client.lost.is_set() or time.monotonic() > end:
-                return None
-            time.sleep(pause)
-            pause = min(2 * pause, 0.005)
-
-    def _run(self) -> None:
-        ctx = self.ctx
-        while True:
-            with self.cv:
-                while not self.jobs:
-                    self.cv.wait(0.1)
-                step, tensors, rng, epoch, gen, claimed = self.jobs.popleft()
-                if epoch != self.epoch:
-                    continue
-                self.busy, self.current = True, step
-            try:
-                stop = lambda: self.epoch != epoch  # noqa: E731
-                index = self._claim(step, gen, claimed, stop)
-                if index is None:
-                    continue   # quiesced while waiting (or no answer within the collective timeout)
-                # no checksum here: the agent takes the one it ships and the holders verify (stamp_written)
-                if not stop() and ctx.layout.write(ctx.slots[index], tensors, rng, step, should_stop=stop, crc=False):
-                    if not stop():
-                        ctx._tell_written(step, index, gen)
-            except Exception:  # noqa: BLE001 - the agent failed the claim or is gone: the wait for commit says so
-                pass
-            finally:
-                with self.cv:
-                    self.busy, self.current = False, None
-                    self.cv.notify_all()

@@ -74,12 +74,11 @@ class Recovering:
         """Leave the failed generation and follow the agent's decisions until this process trains again (True),
         or has no further part (False: saved, finished, or still a spare when the run ended)."""
         t_fail = time.time()
-        self._claim = None   # its slot is the agent's to drop (quiesce)
         self.client.progress.disarm()
         self.groups.abandon()
         done = self.step if self.rank is not None else -1
-        self.copier.settle(done, SETTLE_S)  # a snapshot of the step just completed is worth finishing: no recompute
-        self.copier.quiesce()
+        self.writer.settle(done, SETTLE_S)  # a snapshot of the step just completed is worth finishing: no recompute
+        self.writer.quiesce()   # the early claim too: its slot is the agent's to drop (its quiesce)
         while True:
             role = self._wait_role(done, why)
             if not isinstance(role, Train):
@@ -94,10 +93,9 @@ class Recovering:
                 why = f"the recovery round failed: {exc}"
 
     def _round_failed(self, role: Train, exc: Exception) -> None:
-        self._claim = None
         self.client.progress.disarm()
         self.groups.abandon()
-        self.copier.quiesce()
+        self.writer.quiesce()
         self.client.send(RoundFailed.KIND, RoundFailed(role.view.generation, str(exc)[:300]).to_wire())
 
     def _follow(self, role: Role) -> bool:
