@@ -58,19 +58,18 @@ class Agent:
 
 class SnapNode:
     """``rep`` (a Replicator, local rank 0) with its desk and the writer of its training process. The committed word
-    is stored by ``rep.on_commit``, as agent/node.py wires it. ``close()`` ends the desk and the writer (not
-    ``rep``)."""
+    is stored by ``rep.on_commit``, wired by the desk's ``attach`` as in agent/node.py. ``close()`` ends the desk
+    and the writer (not ``rep``)."""
 
     def __init__(self, rep, grant_timeout: float = 30.0):
         self.rep = rep
         self.page = ProgressPage.create()
         self.lost = threading.Event()
         self.agent = Agent({0: rep}, {0: self.page}, rep.state.log)
-        page = self.page
-        rep.on_commit = lambda g, step: page.put(page.COMMITTED, g, step)
         self.desk = self.agent.desk()
+        self.desk.attach(0, rep)
         slots = [Slot(rep.layout.nbytes, s.tensor) for s in rep.own.slots]   # the same memory, the writer's view
-        self.writer = SnapshotWriter(page, self.desk.bell, slots, rep.layout, lost=self.lost,
+        self.writer = SnapshotWriter(self.page, self.desk.bell, slots, rep.layout, lost=self.lost,
                                      grant_timeout=grant_timeout)
 
     def submit(self, step: int, tensors, rng=NO_RNG) -> None:

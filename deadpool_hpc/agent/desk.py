@@ -6,11 +6,11 @@ through the snapshot words of its progress page (ipc/shm.py ``ProgressPage``: cl
 committed), not through channel messages: the training process stores a word and rings the agent's ``Doorbell``;
 this thread wakes, reads the claim and written words of every local rank, and calls the rank's Replicator
 (``claim``, ``written``: replica/transport.py), which pushes the snapshot to the holders and, once they all
-acknowledged it, stores the committed word itself (``Replicator.on_commit``). The agent's main loop is not on this
+acknowledged it, stores the committed word itself (``Replicator.on_commit``, wired by ``attach``). The agent's main loop is not on this
 path: on 2 shared cores each pass of that loop cost ~0.23 ms of CPU and the per-step messages woke it 3 times a step
 (the closing note of this change).
 
-Owns: answering claim and written words, and retrying a claim refused while an own slot was busy (every 5 ms).
+Owns: answering claim and written words, the committed word (``attach``), and retrying a claim refused while an own slot was busy (every 5 ms).
 Does not own: what a claim or a written snapshot does (the Replicator), the slots (ipc/shm.py), what the agent does
 with a written step (``on_written``: agent/node.py keeps it for planned swaps, agent/planned.py).
 """
@@ -39,6 +39,13 @@ class SnapshotDesk:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="deadpool-desk", daemon=True)
         self._thread.start()
+
+    def attach(self, local: int, rep) -> None:
+        """Make this desk the agent's one owner of local rank ``local``'s protocol: ``rep`` (its Replicator, already
+        in ``reps``) stores the committed word on the rank's progress page once every holder acknowledged a
+        snapshot (``Replicator.on_commit``: called under its lock, so a store and nothing more)."""
+        page = self.progress(local)
+        rep.on_commit = lambda generation, step: page.put(page.COMMITTED, generation, step)
 
     def _run(self) -> None:
         while not self._closed:

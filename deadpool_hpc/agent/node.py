@@ -349,9 +349,7 @@ class NodeAgent:
                                       transport=self.transport,
                                       timeout=self.cfg.collective_timeout, own=slot_pair(bufs))
         self.reps[local].serve_hook = self._serve_hook
-        # the training process's update waits for the committed word of its progress page (agent/desk.py)
-        page = self.channel.progress(local)
-        self.reps[local].on_commit = lambda g, step: page.put(page.COMMITTED, g, step)
+        self.desk.attach(local, self.reps[local])   # its update waits for the committed word (agent/desk.py)
         self.channel.send(local, "slots", {"nbytes": nbytes, "count": len(bufs), "bell": True},
                           fds=[b.fd for b in bufs] + [self.desk.bell.fd])
 
