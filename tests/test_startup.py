@@ -16,6 +16,8 @@ import time
 
 import pytest
 
+from deadpool_hpc.agent.preflight import RETIMES
+
 
 from runs import SMALL_RUN_STEPS as STEPS, run_events, run_faults  # tests/runs.py
 
@@ -200,6 +202,7 @@ def test_a_failed_health_check_a_slow_node_and_a_spare_gone_bad_are_each_replace
     # the matmul figures: node2's judged far over the others' median, every other node's not
     verdicts = {e["node"]: e for e in es if e["event"] == "preflight"}
     assert verdicts[2]["slow"] and verdicts[2]["seconds"] > 3 * verdicts[2]["others_median"], verdicts[2]
+    assert verdicts[2]["retimes"] == RETIMES, verdicts[2]   # slow again at each second opinion, not a burst of load
     assert not any(v["slow"] for n, v in verdicts.items() if n != 2), verdicts
     assert sorted(_fresh_ranks(run_dir)) == [0, 1, 2]   # nothing was trained when nodes 1 and 2 were lost
     # before that, node5 passed its re-checks, the matmul held to the start-up's median included
