@@ -25,7 +25,7 @@ for tests and docs.
 from __future__ import annotations
 
 from .errors import ConfigError
-from .placement import holder_nodes
+from .placement import holder_nodes, promotion
 
 PRE_DECISION = ("detect", "agree", "decided")
 POST_DECISION = ("rebuild", "restore")
@@ -168,9 +168,11 @@ class _Sim:
             self.log.append({"round": round_no, "lost_slots": sorted(lost), "promoted": {}, "requeued": True})
             self._reset()
             return {}
+        by_node = promotion([self.active[sl] for sl in lost], self.spares)   # decide's own rule (placement.py)
         promoted = {}
         for slot in sorted(lost, key=lambda sl: self.active[sl]):
-            promoted[slot] = self.spares.pop(0)
+            promoted[slot] = by_node[self.active[slot]]
             self.active[slot] = promoted[slot]
+        del self.spares[:len(by_node)]
         self.log.append({"round": round_no, "lost_slots": sorted(lost), "promoted": promoted, "requeued": False})
         return promoted

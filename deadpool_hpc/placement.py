@@ -1,4 +1,5 @@
-"""Replica placement: which ranks hold a rank's replica, and whose replicas a rank holds. Pure functions.
+"""Placement: which ranks hold a rank's replica, whose replicas a rank holds, and which spare node takes a lost
+node's place. Pure functions.
 
 Rank r's snapshot is held by the same local index on the next K active (logical) nodes, a ring, so any K
 simultaneous node losses leave a copy of every rank. One rule for everyone who needs it: the recovery's decision
@@ -28,3 +29,15 @@ def held_by(train_rank: int, ranks_per_node: int, active_nodes: int, k: int = 1)
     """Training ranks whose replica ``train_rank`` holds (its ``k`` predecessors on the ring)."""
     node, local = divmod(train_rank, ranks_per_node)
     return [((node - j) % active_nodes) * ranks_per_node + local for j in range(1, k + 1)]
+
+
+def promotion(lost: list[int], spares: list[int]) -> dict[int, int]:
+    """Which spare node takes each lost node's place: the lost (physical) nodes in node-id order, each given the
+    first spare left, ``spares`` being in promotion order. One rule for the recovery's decision
+    (control/agreement.py ``decide``) and the pre-start check of a fault spec (faultplan.py), so the two cannot drift.
+
+    Raises ValueError when there are fewer spares than lost nodes (the caller decides what that means: a requeue,
+    or a refused fault spec)."""
+    if len(lost) > len(spares):
+        raise ValueError(f"{len(lost)} lost node(s) {sorted(lost)} but {len(spares)} spare node(s) {list(spares)}")
+    return dict(zip(sorted(lost), spares))

@@ -221,3 +221,19 @@ def test_once_a_step_was_trained_a_state_found_nowhere_is_still_an_error():
     reps = {0: {"own_rank": 0, "own": [1], "done_step": 1}, 3: {}}
     with pytest.raises(ReplicaError, match="rank 1: its node and every holder"):
         decide(generation=1, ranks_per_node=1, assignment=[0, 1, 2], spare_nodes=[3], failed={1, 2}, reports=reps)
+
+
+def test_one_promotion_rule_for_the_decision_and_the_pre_start_check():
+    """placement.promotion: lost nodes in node-id order take the spares in promotion order; decide and faultplan
+    both call it (issue 29: faultplan had its own copy)."""
+    from deadpool_hpc.placement import promotion
+
+    assert promotion([3, 1], [5, 4]) == {1: 5, 3: 4}
+    assert promotion([], [4]) == {}
+    with pytest.raises(ValueError, match=r"2 lost node\(s\) \[1, 3\] but 1 spare"):
+        promotion([3, 1], [4])
+    # the decision: nodes 1 and 3 of 4 lost, spares 5 then 4 -> node 1's ranks on node 5, node 3's on node 4
+    d = decide(generation=1, ranks_per_node=1, assignment=[0, 1, 2, 3], spare_nodes=[5, 4], failed={3, 1},
+               reports={**{m: {"own_rank": m, "own": [2], "held": {str((m - 1) % 4): [2]}, "done_step": 2,
+                               "start_step": 0} for m in (0, 2)}, 4: {}, 5: {}})
+    assert d.promoted == {1: 5, 3: 4} and d.spare_nodes == (), d

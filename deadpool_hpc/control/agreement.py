@@ -9,7 +9,7 @@ where each rank's state at ``T`` comes from. Where replicas are is placement.py'
 from __future__ import annotations
 
 from ..errors import ReplicaError
-from ..placement import holders_of
+from ..placement import holders_of, promotion
 from .decision import Decision
 
 
@@ -53,8 +53,9 @@ def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare
         reason = "no spare node left"
     else:
         reason = "hot swap" if lost else ("spare lost" if failed_nodes else "rebuild")
-    for node in ([] if exhausted else lost):
-        spare = spares.pop(0)
+    replacing = {} if exhausted else promotion(lost, spares)
+    spares = spares[len(replacing):]   # the spares left for the next generation
+    for node, spare in replacing.items():
         replaced[node] = spare
         slot = active_nodes.index(node)
         for i in range(P):
