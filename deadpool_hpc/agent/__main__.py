@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 import traceback
+from ..rundir import RunDir
 
 # Slurm's "save and leave" signals reach the agent (the task the step started): SIGUSR2 (``--signal=USR2@SECONDS``,
 # submitit's convention, passed on by sbatch/train.sbatch when it reaches the batch shell) and SIGTERM (preemption
@@ -47,14 +48,14 @@ def main(argv=None) -> None:
 
     setup_logging("agent")
     run_dir = os.path.abspath(argv[0])
-    events = os.path.join(run_dir, "events.jsonl")
+    events = RunDir(run_dir).events
     from ..process import lifeline
 
     line = lifeline.start(events)  # local launcher only: its death ends the run
     faulthandler.enable()  # a crash in native code leaves its Python stacks in the log
     from ..config import RunConfig
 
-    with open(os.path.join(run_dir, "config.json")) as fh:
+    with open(RunDir(run_dir).config) as fh:
         cfg = RunConfig.from_json(fh.read())
     # Start-up deadline: MPI_Init and the first collectives cannot time out, and a process lost meanwhile blocks
     # them for ever; mpi4py holds the GIL in MPI_Init, so no Python thread could act. faulthandler's watchdog is

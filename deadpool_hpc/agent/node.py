@@ -29,7 +29,7 @@ from ..errors import STARTUP_FAILED_EXIT, Fenced
 from ..ipc.messages import Finish, Left, RoundFailed, Spare, Train, View
 from ..ipc.shm import Doorbell
 from ..placement import held_by, holders_of
-from ..rundir import latest_checkpoint
+from ..rundir import RunDir, latest_checkpoint
 from .desk import SnapshotDesk
 from .persister import Persister
 from .planned import PlannedSwaps
@@ -73,7 +73,7 @@ class NodeAgent:
         self.state = "starting"
         self._preempt_ignored = False
         self.exit_code = 0
-        self.checkpoint_dir = os.path.join(cfg.run_dir, "checkpoint")
+        self.checkpoint_dir = RunDir(cfg.run_dir).checkpoint
         self.resume = latest_checkpoint(cfg.run_dir)  # a requeued attempt (the launchers clear a new run's)
         self.recovery = Recovery(self)     # agent/recovery.py: the rounds after a failure
         self.rendezvous = Rendezvous(cp)   # agent/rendezvous.py: each generation's store, kept equal across agents

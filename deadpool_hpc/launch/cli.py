@@ -18,6 +18,7 @@ from ..errors import ConfigError
 from .options import add_run_options as add_run_options
 from .options import check_train_fn as check_train_fn
 from .options import config_from_args as config_from_args
+from ..rundir import RunDir
 
 
 def cmd_run(a) -> int:
@@ -102,7 +103,7 @@ def cmd_status(a) -> int:
         console.print(f"no run directory found for {a.target!r}: pass the run directory instead (a submitit job, "
                       f"or a template job whose RUN_DIR was set by hand)")
         return 1
-    summary = make_summary(run["run_dir"]) if os.path.exists(os.path.join(run["run_dir"], "config.json")) else None
+    summary = make_summary(run["run_dir"]) if os.path.exists(RunDir(run["run_dir"]).config) else None
     if summary is None:
         console.print(run)
         return 1

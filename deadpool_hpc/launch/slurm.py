@@ -37,7 +37,7 @@ from ..config import RunConfig
 from ..errors import ConfigError
 from ..events import read_events
 from .. import rundir
-from ..rundir import check_free
+from ..rundir import RunDir, check_free
 from . import slurm_job, slurm_startup
 from .options import add_run_options, config_from_args
 from .slurm_common import hosts_by_rank as hosts_by_rank
@@ -78,7 +78,7 @@ def write_config(cfg: RunConfig, run_dir: str | None = None) -> str:
 def copy_config(config: str, run_dir: str) -> str:
     """Copy the config file ``config`` (a RunConfig's JSON: ``CONFIG`` of the batch template) to
     RUN_DIR/config.json atomically, unless it is that file. Raises ConfigError if it is not a RunConfig."""
-    dest = os.path.join(run_dir, "config.json")
+    dest = RunDir(run_dir).config
     try:
         if os.path.exists(dest) and os.path.samefile(config, dest):
             return dest
@@ -101,7 +101,7 @@ def prepare(run_dir: str, resume: bool = False) -> dict | None:
     if latest is not None:
         print(f"[deadpool] resuming from {json.dumps(latest)} (restart {os.environ.get('SLURM_RESTART_COUNT', '0')})")
     restart = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
-    path = os.path.join(run_dir, "events.jsonl")
+    path = RunDir(run_dir).events
     if restart > 0 and os.path.exists(path):
         # a requeue this run did not ask for (``scontrol requeue``, a job killed outright and requeued, a lost
         # allocation): counted like the run's own, with what it resumes from (the agents' newest persisted or saved
@@ -262,7 +262,7 @@ def slurm_state(job_id: str) -> dict:
 
 
 def run_progress(run_dir: str) -> dict:
-    path = os.path.join(run_dir, "events.jsonl")
+    path = RunDir(run_dir).events
     if not os.path.exists(path):
         return {"run_dir": run_dir, "events": 0}
     events = list(read_events(path))
@@ -302,13 +302,13 @@ def status(run_dir_or_jobid: str) -> dict:
         # RUN_DIR for `deadpool submit` (--chdir) and holds deadpool-run-JOBID for the template's default
         wd = res["slurm"]["work_dir"]
         for cand in (wd, os.path.join(wd, f"deadpool-run-{job_id}")):
-            if os.path.exists(os.path.join(cand, "config.json")):
+            if os.path.exists(RunDir(cand).config):
                 run_dir = cand
                 break
     if run_dir:
         res["run"] = run_progress(run_dir)
         try:
-            res["summary"] = json.load(open(os.path.join(run_dir, "summary.json")))
+            res["summary"] = json.load(open(RunDir(run_dir).summary))
         except (OSError, ValueError):
             pass
     return res

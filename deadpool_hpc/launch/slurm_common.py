@@ -11,12 +11,12 @@ import os
 
 from ..config import RunConfig
 from ..events import read_events
-from ..rundir import latest_checkpoint, write_json
+from ..rundir import RunDir, latest_checkpoint, write_json
 from ..summary import build_summary
 
 
 def load_config(run_dir: str) -> RunConfig:
-    with open(os.path.join(run_dir, "config.json")) as fh:
+    with open(RunDir(run_dir).config) as fh:
         return RunConfig.from_json(fh.read())
 
 
@@ -29,7 +29,7 @@ def hosts_by_rank(events: list[dict], before: float | None = None) -> dict[int, 
 def make_summary(run_dir: str) -> dict:
     """build_summary over RUN_DIR/events.jsonl, plus where each rank ran and which hosts the failures took."""
     cfg = load_config(run_dir)
-    path = os.path.join(run_dir, "events.jsonl")
+    path = RunDir(run_dir).events
     events = list(read_events(path)) if os.path.exists(path) else []
     s = build_summary(events, cfg)
     hosts = hosts_by_rank(events)
@@ -70,6 +70,6 @@ def write_summary(run_dir: str, out: str | None = None, extra: dict | None = Non
     """make_summary (plus ``extra``) to RUN_DIR/summary.json and, if given, ``out``; both written atomically."""
     s = make_summary(run_dir)
     s.update(extra or {})
-    for path in [os.path.join(run_dir, "summary.json")] + ([out] if out else []):
+    for path in [RunDir(run_dir).summary] + ([out] if out else []):
         write_json(path, s)
     return s

@@ -22,7 +22,7 @@ import sys
 import time
 
 from ..events import read_events
-from ..rundir import emit_requeued
+from ..rundir import RunDir, emit_requeued
 from ..rundir import latest_checkpoint as _latest_checkpoint  # without torch: settle runs within KillWait
 from .slurm_common import hosts_by_rank, load_config, summary_out, write_summary
 from .slurm_startup import Beacon, StartupWatch
@@ -119,7 +119,7 @@ def expected_survivors(run_dir: str) -> set[int]:
     """MPI ranks that should still exit by themselves: every rank that said hello, less those on nodes the run
     declared failed. (The ranks of a node that died without being noticed, e.g. at the very end, are waited for
     only up to the finisher's timeout.)"""
-    events = list(read_events(os.path.join(run_dir, "events.jsonl")))
+    events = list(read_events(RunDir(run_dir).events))
     failed = {n for e in events if e["event"] == "decision" for n in (e.get("failed_nodes") or [])}
     return {e["mpi_rank"] for e in events
             if e["event"] == "hello" and e.get("role", "agent") == "agent" and e["mpi_rank"] not in failed}
@@ -250,7 +250,7 @@ def watch(run_dir: str, do_drain: bool = True, period: float = 1.0) -> None:
     take the batch host for dead): the batch script ends it with SIGKILL, and it ends by itself when the batch
     script (its parent) is gone."""
     alive = os.path.join(run_dir, ALIVE_FILE)
-    events_path = os.path.join(run_dir, "events.jsonl")
+    events_path = RunDir(run_dir).events
     parent = os.getppid()
     # a node lost before the MPI world exists: the step is ended, and the batch shell (SIGUSR1) stops waiting for srun
     startup = StartupWatch(run_dir, os.environ.get("SLURM_JOB_ID"), on_lost=lambda: os.kill(parent, signal.SIGUSR1))
@@ -344,7 +344,7 @@ def settle(run_dir: str, since: float | None = None, srun_rc: int | None = None)
     """
     from ..events import EventLog
 
-    path = os.path.join(run_dir, "events.jsonl")
+    path = RunDir(run_dir).events
     events = list(read_events(path)) if os.path.exists(path) else []
     mine = _this_attempt(events, since)
     last = {e["event"]: i for i, e in enumerate(mine)}

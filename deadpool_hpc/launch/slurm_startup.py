@@ -31,6 +31,7 @@ import threading
 import time
 
 from ..events import EventLog
+from ..rundir import RunDir
 
 _log = logging.getLogger(__name__)
 
@@ -194,7 +195,7 @@ def _record(run_dir: str, lid: str, t0: float, lost: list[tuple]) -> list[str]:
     with open(tmp, "w") as fh:
         json.dump({"launch": lid, "lost_hosts": hosts, "why": why, "t": time.time()}, fh)
     os.replace(tmp, os.path.join(run_dir, "relaunch", lid + ".json"))
-    EventLog(os.path.join(run_dir, "events.jsonl")).emit(
+    EventLog(RunDir(run_dir).events).emit(
         "startup_node_lost", launch=lid, hosts=hosts, why=why, startup_s=round(time.time() - t0, 3))
     return hosts
 
@@ -237,7 +238,7 @@ def relaunch(run_dir: str, launch: str) -> tuple[int, int, list[str]]:
     if not os.path.exists(path):
         from ..events import read_events
 
-        ev = os.path.join(run_dir, "events.jsonl")
+        ev = RunDir(run_dir).events
         if not after_failed_step(run_dir, launch, list(read_events(ev)) if os.path.exists(ev) else []):
             raise LookupError(f"launch {launch}: no node was lost before the agents' MPI world existed")
     with open(path) as fh:
@@ -251,7 +252,7 @@ def relaunch(run_dir: str, launch: str) -> tuple[int, int, list[str]]:
     cfg = load_config(run_dir)
     n = len(lost["lost_hosts"])
     if n > cfg.spares:
-        EventLog(os.path.join(run_dir, "events.jsonl")).emit(
+        EventLog(RunDir(run_dir).events).emit(
             "error", error=f"StartupNodeLost: {', '.join(lost['lost_hosts'])} lost during the start-up with "
                            f"{cfg.spares} spare(s) left: the job cannot start ({lost['why']})")
         raise ConfigError(f"{', '.join(lost['lost_hosts'])} lost during the start-up ({lost['why']}), before the node "
@@ -260,7 +261,7 @@ def relaunch(run_dir: str, launch: str) -> tuple[int, int, list[str]]:
     cfg.spares -= n
     cfg.validate()
     rundir.write_config(run_dir, cfg)
-    EventLog(os.path.join(run_dir, "events.jsonl")).emit(
+    EventLog(RunDir(run_dir).events).emit(
         "relaunched", launch=launch, lost_hosts=lost["lost_hosts"], excluded=excluded, spares_left=cfg.spares,
         why=lost["why"])
     return cfg.nodes + cfg.spares, cfg.spares, excluded

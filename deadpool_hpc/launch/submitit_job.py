@@ -279,7 +279,7 @@ class HotSwapJob:
             return fn()
 
     def _events(self, name: str) -> list[dict]:
-        path = os.path.join(self.run_dir, "events.jsonl")
+        path = RunDir(self.run_dir).events
         return [e for e in read_events(path) if e["event"] == name] if os.path.exists(path) else []
 
     def checkpoint(self, *args, **kwargs):
@@ -300,7 +300,7 @@ class HotSwapJob:
                 return None
             saved = self._events("checkpoint_saved")
             if len(saved) > self._saved_before:
-                emit_requeued(EventLog(os.path.join(self.run_dir, "events.jsonl")), launcher="submitit",
+                emit_requeued(EventLog(RunDir(self.run_dir).events), launcher="submitit",
                               slurm_job_id=os.environ.get("SLURM_JOB_ID"), checkpoint_step=saved[-1]["step"],
                               reason=saved[-1].get("reason"))
                 # submitit runs `scontrol requeue` next, in this process; the requeue makes slurmd SIGTERM every
@@ -342,7 +342,7 @@ class _StartupWatcher:
         self._stop.set()
 
     def _run(self) -> None:
-        path = os.path.join(self.run_dir, "events.jsonl")
+        path = RunDir(self.run_dir).events
         while not self._stop.wait(self.period):
             try:
                 for h in self.watch.poll(list(read_events(path)) if os.path.exists(path) else []):

@@ -16,7 +16,7 @@ import os
 from ..agent.health import request_path, write_request
 from ..errors import ConfigError
 from ..events import read_events
-from ..rundir import RunDirBusy, check_free
+from ..rundir import RunDir, RunDirBusy, check_free
 from .slurm import status
 from .slurm_common import load_config
 
@@ -40,7 +40,7 @@ def request(target: str, node: str, reason: str = "deadpool swap") -> dict:
     not running, ``node`` is not one of its active nodes, or no spare is left."""
     st = status(target)
     run = st.get("run")
-    if not run or not os.path.exists(os.path.join(run["run_dir"], "config.json")):
+    if not run or not os.path.exists(RunDir(run["run_dir"]).config):
         raise ConfigError(f"no run directory found for {target!r}; accepted: a running job's id (a job submitted "
                           f"with deadpool submit) or its run directory")
     run_dir = run["run_dir"]
@@ -62,7 +62,7 @@ def request(target: str, node: str, reason: str = "deadpool swap") -> dict:
     if not cfg.replicate:
         raise ConfigError(f"the run in {run_dir} keeps no replicas (--no-replicate): a node's state cannot be handed "
                           f"to a spare; accepted: a run with replication on")
-    events = list(read_events(os.path.join(run_dir, "events.jsonl")))
+    events = list(read_events(RunDir(run_dir).events))
     failed, spares = _view(events, cfg.total_nodes, cfg.nodes)
     if job is not None:  # Slurm's node names, from each agent's newest hello
         names = {e["mpi_rank"]: e.get("slurm_node") for e in events

@@ -14,6 +14,7 @@ import sys
 import traceback
 
 from ..process.malloc import cap_malloc_arenas
+from ..rundir import RunDir
 
 
 def load_train_fn(spec: str):
@@ -48,11 +49,11 @@ def main(argv=None) -> None:
     from .client import AgentClient
     from ..process.lifeline import RUN_ENV
 
-    with open(os.path.join(run_dir, "config.json")) as fh:
+    with open(RunDir(run_dir).config) as fh:
         cfg = RunConfig.from_json(fh.read())
     node = int(os.environ.get("DEADPOOL_NODE", "0"))
     setup_logging(f"node{node}.local{local}")  # its training rank changes with promotions: the event log has it
-    log = EventLog(os.path.join(run_dir, "events.jsonl"), node=node, local=local)
+    log = EventLog(RunDir(run_dir).events, node=node, local=local)
     if os.environ.get(RUN_ENV):
         log.base["run"] = os.environ[RUN_ENV]
     client = AgentClient.connect(None, bytes.fromhex(os.environ["DEADPOOL_JOB_SECRET"]), local,
