@@ -35,13 +35,12 @@ import threading
 import time
 from contextlib import contextmanager
 
-from ..agent.health import check_plugins
 from ..config import RunConfig
 from ..process.fence import descendants, fence, is_alive
 from ..errors import ConfigError
 from ..events import EventLog, EventTail, read_events
-from ..replica.transports import check_transport
 from ..rundir import RunDir, check_output_file, check_run_dir, emit_requeued, latest_checkpoint
+from .options import check_extensions
 from ..summary import build_summary
 from ..process import forkserver
 from ..process.lifeline import launcher_env
@@ -108,8 +107,7 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
                           f"{cfg.ranks_per_node} ranks per node); the local launcher (deadpool run) runs at most "
                           f"{LOCAL_MAX_PROCESSES} on one machine: use fewer --nodes / --spares / --ranks-per-node, or "
                           f"sbatch/train.sbatch, deadpool slurm or HotSwapJob, which have no such cap")
-    check_plugins()  # PluginError (a ConfigError) names a detector plugin that fails to import
-    check_transport(cfg.replica_transport)
+    check_extensions(cfg.replica_transport)   # a missing or broken plugin named before anything starts
     run_dir = check_run_dir(cfg.run_dir)
     if cfg.summary_path:
         check_output_file(cfg.summary_path, run_dir=cfg.run_dir)

@@ -125,6 +125,14 @@ def check_train_fn(spec: str, train_args: dict | None = None) -> None:
             raise ConfigError(str(exc)) from None
 
 
+def check_extensions(transport: str) -> None:
+    """The pre-flight check of what a run loads by name, done by every launcher before anything starts: the node
+    health detector plugins (each importable) and the replica transport ``transport`` (installed and importable).
+    Raises PluginError (a ConfigError) naming the plugin, and for an unknown transport the installed ones."""
+    check_plugins()
+    check_transport(transport)
+
+
 def config_from_args(a) -> RunConfig:
     """The RunConfig of parsed run options (validated); ConfigError names a bad value."""
     train_args = dict(parse_train_arg(s) for s in a.train_arg)
@@ -132,8 +140,7 @@ def config_from_args(a) -> RunConfig:
         if getattr(a, name) is not None:
             train_args[name] = getattr(a, name)
     check_train_fn(a.train_fn, train_args)
-    check_plugins()  # a detector plugin that fails to import: named, and nothing starts
-    check_transport(a.replica_transport)  # PluginError: not installed (naming those that are), or broken
+    check_extensions(a.replica_transport)   # nothing starts with a plugin that is missing or broken
     if a.summary:
         from ..rundir import check_output_file
 

@@ -68,13 +68,12 @@ import sys
 import threading
 import time
 
-from ..agent.health import check_plugins
 from ..config import RunConfig
-from ..replica.transports import check_transport
 from ..events import EventLog, read_events
 from ..logs import setup as setup_logging
 from ..errors import ConfigError
 from ..rundir import RunDir, emit_requeued
+from .options import check_extensions
 from . import slurm, slurm_job, slurm_startup
 
 _log = logging.getLogger(__name__)
@@ -144,8 +143,7 @@ class HotSwapJob:
         self._worker = None  # this task's worker process (not pickled: see __getstate__)
         self._saved_before = 0
         self._lock = None
-        check_plugins()  # a detector plugin that fails to import is named here, before anything is submitted
-        check_transport(cfg.replica_transport)
+        check_extensions(cfg.replica_transport)   # a missing or broken plugin named before anything starts
         # a job still running there must keep its files (RunDirBusy: a ConfigError); held while the directory is
         # prepared, as every launcher does (the task 0 of the job takes it again when it starts)
         with RunDir(self.run_dir).locked("submitit: preparing") as rd:
