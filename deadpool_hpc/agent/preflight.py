@@ -270,11 +270,13 @@ class SpeedCheck:
         first, retimes = mine, 0
         while slow and retimes < RETIMES:   # a second opinion before a node is fenced for noise
             retimes += 1
-            again = self._retime(tick, RETIME_GAP_S)
+            # bounded by the first figure, not PREFLIGHT_TIMEOUT_S: the other nodes are about to start
+            again = self._retime(tick, RETIME_GAP_S, min(PREFLIGHT_TIMEOUT_S, max(2.0, 10 * first)))
             if again is None:
                 break
             mine = min(mine, again)
             slow, med = judge(mine, others, self.factor)
+        self.figures[me] = mine   # the best figure: what an idle spare's re-checks are held to (self.median)
         self.median = statistics.median(self.figures.values())
         self.log.emit("preflight", seconds=round(mine, 6), others_median=None if med is None else round(med, 6),
                       factor=self.factor, nodes=len(self.figures), slow=slow, waited_s=round(t0 - t_start, 3),
@@ -294,16 +296,16 @@ class SpeedCheck:
                                       f"another node ({errors[:300]})")
         return None
 
-    def _retime(self, tick, gap: float) -> float | None:
+    def _retime(self, tick, gap: float, limit: float) -> float | None:
         """This node's matmul timed again after ``gap`` seconds (ticking the agent's loop): its figure, or None when
-        it failed or did not answer within PREFLIGHT_TIMEOUT_S (the first figure then stands)."""
+        it failed or did not answer within ``limit`` seconds (the first figure then stands)."""
         end = time.monotonic() + gap
         while time.monotonic() < end:
             tick(0.005)
         self.ask_local()
         while (res := self.local_figure()) is None:
             tick(0.005)
-            if time.monotonic() - self.asked_at > PREFLIGHT_TIMEOUT_S:
+            if time.monotonic() - self.asked_at > limit:
                 self.asked_at = None
                 return None
         self.asked_at = None
