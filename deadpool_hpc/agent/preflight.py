@@ -244,12 +244,10 @@ class SpeedCheck:
         self.ask_local()
         # its own bound: the wait for the others may have used the start-up deadline up (an active node frozen)
         answer_by = max(deadline, t0 + PREFLIGHT_TIMEOUT_S)
-        while (res := self.local_figure()) is None:
-            tick(0.005)
-            if time.monotonic() > answer_by:
-                return "preflight_slow", (f"the pre-flight matmul of training process(es) "
-                                          f"{[lo for lo in range(self.P) if lo not in self._answers]} did not end "
-                                          f"within {answer_by - t0:.0f} s")
+        if (res := self._await_figure(tick, answer_by)) is None:
+            return "preflight_slow", (f"the pre-flight matmul of training process(es) "
+                                      f"{[lo for lo in range(self.P) if lo not in self._answers]} did not end "
+                                      f"within {answer_by - t0:.0f} s")
         mine, error = res
         self.asked_at = None   # answered (an idle spare's first re-check is the next ask_local)
         if error:
@@ -303,13 +301,18 @@ class SpeedCheck:
         while time.monotonic() < end:
             tick(0.005)
         self.ask_local()
+        res = self._await_figure(tick, self.asked_at + limit)
+        self.asked_at = None
+        return None if res is None else res[0]
+
+    def _await_figure(self, tick, end: float) -> tuple[float | None, str | None] | None:
+        """``local_figure()`` once every training process answered, ticking the agent's loop (which watches the
+        failure flag) meanwhile; None if the monotonic ``end`` passed first."""
         while (res := self.local_figure()) is None:
             tick(0.005)
-            if time.monotonic() - self.asked_at > limit:
-                self.asked_at = None
+            if time.monotonic() > end:
                 return None
-        self.asked_at = None
-        return res[0]
+        return res
 
     # ---- an idle spare's re-check ----------------------------------------------------------------------------
     def spare_verdict(self) -> str | None:
