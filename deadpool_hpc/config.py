@@ -19,19 +19,21 @@ START_PHASES = ("startup", "build", "first")
 RECOVERY_PHASES = ("detect", "agree", "decided", "rebuild", "restore", "resume")
 PHASES = START_PHASES + RECOVERY_PHASES
 _FAULT_RE = re.compile(r"^(node|rank)(\d+)@(?:(\d+)|(" + "|".join(PHASES) + r")(?:#(\d+))?)$")
-_SLOW_RE = re.compile(r"^node(\d+)@(startup|build)(?::([0-9.]+))?$")
+_SLOW_RE = re.compile(r"^node(\d+)@(startup|build|\d+)(?::([0-9.]+))?$")
 _NIC_RE = re.compile(r"^node(\d+)(?:@(startup|\d+))?$")
 FAULT_KINDS = ("kill", "hang", "slow", "nic_down")
 NIC_DOWN_IFNAME = "dp-nic-down"   # --nic-down: the interface gloo is told to use, which no machine has
 SLOW_FACTOR = 8.0   # --slow nodeI@startup without :FACTOR
+STRAGGLER_ACTIONS = ("swap", "report", "off")   # --straggler-action
 
 
 @dataclass(frozen=True)
 class Fault:
     """One injected failure: ``kind`` ("kill" = SIGKILL, "hang" = SIGSTOP, "slow" = ``factor`` times slower) of
     ``target``. A slow node's training processes run 1/factor of the time: its agent stops and continues them
-    (SIGSTOP/SIGCONT), a node whose device or CPU share is throttled; from ``startup`` or ``build`` only, what the
-    start-up's pre-flight speed check is for (agent/preflight.py). "nic_down": node ``index``'s data-plane interface is
+    (SIGSTOP/SIGCONT), a node whose device or CPU share is throttled: from ``startup`` or ``build``, what the
+    start-up's pre-flight speed check is for (agent/preflight.py), or from ``step`` on, what the straggler check is
+    for (agent/stragglers.py). "nic_down": node ``index``'s data-plane interface is
     down from its start (its training processes' gloo is given an interface that does not exist,
     ``GLOO_SOCKET_IFNAME`` = NIC_DOWN_IFNAME; its agent's control plane is untouched), what the start-up's link check
     is for (phase ``startup``); or, for an idle spare, from ``step`` on (its next re-check's link check finds it).
@@ -90,8 +92,8 @@ class Fault:
 
 def parse_fault(kind: str, spec: str) -> Fault:
     """Parse ``node1@60`` / ``rank2@60`` (a step) or ``node2@rebuild`` / ``node2@agree#2`` (a phase of the
-    first / second recovery) for ``kind`` in {"kill", "hang"}; ``node1@startup|build[:FACTOR]`` for "slow" (FACTOR > 1,
-    default SLOW_FACTOR); ``node1`` for "nic_down". Raises ConfigError."""
+    first / second recovery) for ``kind`` in {"kill", "hang"}; ``node1@startup|build|STEP[:FACTOR]`` for "slow"
+    (FACTOR > 1, default SLOW_FACTOR); ``node1`` for "nic_down". Raises ConfigError."""
     if kind not in FAULT_KINDS:
         raise ConfigError(f"fault kind {kind!r} is unknown; accepted: {', '.join(map(repr, FAULT_KINDS))}")
     if kind == "nic_down":
@@ -105,15 +107,18 @@ def parse_fault(kind: str, spec: str) -> Fault:
     if kind == "slow":
         m = _SLOW_RE.match(spec.strip())
         if not m:
-            raise ConfigError(f"--slow {spec!r} is not a slow-node spec; accepted: nodeN@startup[:FACTOR] or "
-                              f"nodeN@build[:FACTOR] (e.g. node1@startup:8): node N's training processes run FACTOR "
-                              f"times slower from their start, or from when their model is built")
+            raise ConfigError(f"--slow {spec!r} is not a slow-node spec; accepted: nodeN@startup[:FACTOR], "
+                              f"nodeN@build[:FACTOR] or nodeN@STEP[:FACTOR] (e.g. node1@startup:8, node1@40:2): node "
+                              f"N's training processes run FACTOR times slower from their start, from when their "
+                              f"model is built, or from step STEP on")
         try:
             factor = float(m.group(3)) if m.group(3) else SLOW_FACTOR
         except ValueError:
             factor = float("nan")
         if not (math.isfinite(factor) and factor > 1):
             raise ConfigError(f"--slow {spec!r}: factor {m.group(3)!r}: accepted: a number > 1 (how many times slower)")
+        if m.group(2).isdigit():
+            return Fault("slow", "node", int(m.group(1)), int(m.group(2)), None, 1, factor)
         return Fault("slow", "node", int(m.group(1)), None, m.group(2), 1, factor)
     m = _FAULT_RE.match(spec.strip())
     if not m:
@@ -191,6 +196,12 @@ class RunConfig:
     # an idle spare's agent checks its node again this often (the site's --health-check and the timed matmul against
     # the start-up's median), so that a spare that went bad is dropped before a recovery needs it (0: never)
     spare_check_every: float = 60.0
+    # the straggler check (agent/stragglers.py, issue 26): a training node whose ranks' own work per step stays over
+    # straggler_factor x the other training nodes' median for straggler_window seconds is a straggler; "swap" takes
+    # it out by a planned swap when a spare is free (else, and with "report", the event only); "off": not measured
+    straggler_factor: float = 1.5
+    straggler_window: float = 60.0
+    straggler_action: str = "swap"
     rendezvous_timeout: float = 10.0 # joining a generation's process group (store connect + gloo full mesh)
     # MPI start-up, a training process's import and model build, and the first collectives: a training process not up
     # by then is a failure of its node (cause "startup_timeout"); an agent lost inside MPI_Init ends the run
@@ -285,6 +296,15 @@ class RunConfig:
         need(isinstance(self.spare_check_every, (int, float)) and math.isfinite(self.spare_check_every)
              and self.spare_check_every >= 0,
              f"--spare-check-every {self.spare_check_every!r}: accepted: seconds >= 0 (0: never)")
+        need(isinstance(self.straggler_factor, (int, float)) and math.isfinite(self.straggler_factor)
+             and self.straggler_factor > 1,
+             f"--straggler-factor {self.straggler_factor!r}: accepted: a number > 1 (times the other nodes' median "
+             f"own work per step, e.g. 1.5)")
+        need(isinstance(self.straggler_window, (int, float)) and math.isfinite(self.straggler_window)
+             and self.straggler_window > 0,
+             f"--straggler-window {self.straggler_window!r}: accepted: seconds > 0 (how long a node must stay slow)")
+        need(self.straggler_action in STRAGGLER_ACTIONS,
+             f"--straggler-action {self.straggler_action!r}: accepted: {', '.join(STRAGGLER_ACTIONS)}")
         need(isinstance(self.persist_every, (int, float)) and math.isfinite(self.persist_every)
              and self.persist_every >= 0, f"--persist-every {self.persist_every!r}: accepted: seconds >= 0 (0: never)")
         need(not self.hang_timeout or self.hang_timeout >= self.heartbeat_deadline,

@@ -18,7 +18,8 @@ processes or by another agent.
 (``nic_down_env``): a data-plane interface that is down.
 
 ``--slow node1@startup:8`` makes node 1's training processes 8 times slower from their start (``@build``: once their
-model is built) (``Slowdown``: its agent stops and continues them), until the node is fenced or the run ends.
+model is built; ``@40``: from step 40 on) (``Slowdown``: its agent stops and continues them), until the node is
+fenced or the run ends.
 
 ``fault_injected`` is written (and fsynced) before the signal, so recovery times are measured from it. Signals go
 to this node's own processes only, known by pid (children of the agent, or the agent itself).
@@ -59,10 +60,11 @@ class RankFaults:
                 continue
             if f.index in active_nodes:
                 if f.index == self.node and self.local == 0:  # the node's first process asks for the whole node
-                    self.send("fault", {"kind": f.kind, "target": f.target, "step": step})
+                    self.send("fault", {"kind": f.kind, "target": f.target, "step": step, "factor": f.factor})
             elif train_rank == 0:
                 if f.index in spare_nodes:
-                    self.send("inject_spare", {"node": f.index, "kind": f.kind, "target": f.target, "step": step})
+                    self.send("inject_spare", {"node": f.index, "kind": f.kind, "target": f.target, "step": step,
+                                               "factor": f.factor})
                 else:
                     self.log.emit("fault_skipped", kind=f.kind, target=f.target, step=step,
                                   reason=f"node{f.index} is neither training nor a live spare at step {step} (lost)")
@@ -139,7 +141,7 @@ class NodeFaults:
         if self.slowdown is not None:
             return
         pids = list(self.pids().values())
-        self.log.emit("fault_injected", kind="slow", target=body["target"], step=None, phase=body.get("phase"),
+        self.log.emit("fault_injected", kind="slow", target=body["target"], step=body.get("step"), phase=body.get("phase"),
                       node=self.node, pids=pids, factor=body["factor"], signal="SIGSTOP/SIGCONT")
         self.log.sync()
         self.slowdown = Slowdown(pids, float(body["factor"])).start()

@@ -78,7 +78,12 @@ def test_demo_config_defaults_and_errors():
     (["--train-fn", "nosuch.module:train"], "cannot import 'nosuch.module'"),
     (["--train-fn", "deadpool_hpc.train.demo:nosuch"], "has no function 'nosuch'"),
     (["--nodes", "40", "--ranks-per-node", "2"], "the local launcher (deadpool run) runs at most 64"),
-    (["--slow", "node1@10"], "--slow 'node1@10' is not a slow-node spec; accepted: nodeN@startup[:FACTOR]"),
+    (["--slow", "node1@first"], "--slow 'node1@first' is not a slow-node spec; accepted: nodeN@startup[:FACTOR]"),
+    (["--slow", "node1@500:2"], "past --steps"),
+    (["--straggler-factor", "1"], "--straggler-factor 1.0: accepted: a number > 1"),
+    (["--straggler-factor", "0.5"], "--straggler-factor 0.5: accepted: a number > 1"),
+    (["--straggler-window", "0"], "--straggler-window 0.0: accepted: seconds > 0"),
+    (["--straggler-window", "-5"], "--straggler-window -5.0: accepted: seconds > 0"),
     (["--slow", "node1@startup:1"], "factor '1': accepted: a number > 1"),
     (["--slow", "node7@build"], "unknown fault target node7"),
     (["--slow", "node1@build", "--slow", "node2@startup"], "only 1 spare"),   # a slow node is replaced: a loss
@@ -171,7 +176,11 @@ def test_slow_node_specs_parse():
     f = parse_fault("slow", "node1@startup")
     assert (f.phase, f.factor, f.at_start, str(f)) == ("startup", SLOW_FACTOR, True, f"--slow node1@startup:{SLOW_FACTOR:g}")
     assert RunConfig.from_json(RunConfig(faults=[f]).to_json()).faults == [f]
-    for bad in ("rank1@startup", "node1@first", "node1@startup:x", "node1@startup:0.9"):
+    g = parse_fault("slow", "node1@40:2")   # from a step on: the straggler check's fault
+    assert (g.step, g.phase, g.factor, g.at_start, str(g)) == (40, None, 2.0, False, "--slow node1@40:2")
+    # not a loss in the fault plan (the straggler check may only report it): a second fault still finds the spare
+    RunConfig(nodes=3, spares=1, faults=[g, parse_fault("kill", "node2@60")]).validate()
+    for bad in ("rank1@startup", "node1@first", "node1@startup:x", "node1@startup:0.9", "node1@40:1"):
         with pytest.raises(ConfigError, match="--slow"):
             parse_fault("slow", bad)
 

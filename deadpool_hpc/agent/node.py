@@ -6,7 +6,8 @@ its training processes, ipc/shm.py) and the replicas it holds for other nodes (r
 per local rank; their per-step protocol is agent/desk.py's), each generation's rendezvous (the replicated
 key/value store its training processes use instead of a TCPStore, agent/rendezvous.py), the supervision of its P
 training processes (agent/supervisor.py: an exit is seen at once, a hang by its progress page), the start-up and
-spare checks (agent/preflight.py), planned swaps (agent/planned.py) and the recovery (agent/recovery.py). Does not
+spare checks (agent/preflight.py), the straggler check (agent/stragglers.py), planned swaps (agent/planned.py) and
+the recovery (agent/recovery.py). Does not
 own: training (worker/), launching (launch/).
 
 Detection paths (issue 7): a training process that exits or stops making progress makes its agent declare the
@@ -36,6 +37,7 @@ from .planned import PlannedSwaps
 from .preflight import HealthCheck, SpeedCheck, link_request
 from .recovery import Recovery
 from .rendezvous import Rendezvous
+from .stragglers import Stragglers
 STEADY_TICK_S = 0.05  # seconds between passes of the agent's loop when nothing happens (issue 7: idle CPU)
 # the heartbeat deadline until this agent's training processes are up (agent/__main__.py sets it, ``_start`` puts
 # the run's back): each agent imports torch then, and loading its libraries holds the GIL long enough on a busy
@@ -83,6 +85,7 @@ class NodeAgent:
         self.desk = SnapshotDesk(self.reps, channel.progress, self._on_written, log, Doorbell.create())
         self.persister = Persister(self)   # agent/persister.py: every --persist-every s, the snapshots to disk
         self.speed = SpeedCheck(cp, channel, self.P, log, cfg.preflight_factor)   # agent/preflight.py
+        self.stragglers = Stragglers(cp, self)   # agent/stragglers.py: each node's own work per step, judged job-wide
         self._next_spare_check = float("inf")
         # an idle spare's link re-checks (_ask_spare_link): how many, the one under way, the training nodes whose
         # all-reduce with it failed since the last that passed; a training node's: each spare's last re-check's keys
@@ -153,6 +156,7 @@ class NodeAgent:
         if self.health is not None:
             for name, verdict in self.health.pending():
                 self.swaps.want(name, verdict, time.time())
+        self.stragglers.tick()
         self.swaps.tick()
         self.persister.tick()
         if self.state == "spare" and self.cfg.spare_check_every:

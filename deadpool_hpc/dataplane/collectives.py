@@ -22,11 +22,15 @@ from ..errors import PeerFailure
 @dataclass
 class Watch:
     """What a wait of the training thread watches. failure: the control plane's failure flag; timeout:
-    seconds before a wait gives up (the collective timeout); beat(): the progress page's beat."""
+    seconds before a wait gives up (the collective timeout); beat(): the progress page's beat. ``waited``: seconds
+    the training thread spent blocked in ``wait`` so far (a running total; the step loop subtracts it from a step's
+    wall time to get the rank's own work, which the straggler check compares: a rank that waits for a slow peer
+    is not slow)."""
 
     failure: threading.Event
     timeout: float = 60.0
     beat: object = field(default=lambda: None)
+    waited: float = 0.0
 
 
 def wait(work, watch: Watch, poll: float = 0.005) -> None:
@@ -36,24 +40,28 @@ def wait(work, watch: Watch, poll: float = 0.005) -> None:
     The work's future (``Work.get_future``) wakes this wait the moment the collective completes; the failure flag,
     the deadline and the progress beat are looked at every ``poll`` seconds in between (a failure is noticed
     within ``poll``). A work without a future is polled with ``is_completed`` at the same interval."""
-    end = time.monotonic() + watch.timeout
+    t0 = time.monotonic()
+    end = t0 + watch.timeout
     failure = watch.failure
     done = threading.Event()
     try:
         work.get_future().add_done_callback(lambda _fut: done.set())
     except (RuntimeError, AttributeError):  # a backend or work type without futures
         pass
-    while not work.is_completed():
-        if failure.is_set():
-            raise PeerFailure("a peer failed during a collective")
-        watch.beat()
-        if time.monotonic() > end:
-            raise PeerFailure(f"a collective did not complete within {watch.timeout:.0f} s (no peer suspected)")
-        done.wait(poll)
     try:
-        work.wait()
-    except RuntimeError as exc:
-        raise PeerFailure(f"collective failed: {exc}") from exc
+        while not work.is_completed():
+            if failure.is_set():
+                raise PeerFailure("a peer failed during a collective")
+            watch.beat()
+            if time.monotonic() > end:
+                raise PeerFailure(f"a collective did not complete within {watch.timeout:.0f} s (no peer suspected)")
+            done.wait(poll)
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise PeerFailure(f"collective failed: {exc}") from exc
+    finally:
+        watch.waited += time.monotonic() - t0
 
 
 def all_reduce(tensor, watch: Watch, op=dist.ReduceOp.SUM) -> None:

@@ -177,11 +177,17 @@ class ProgressPage:
     that followed it (the eventfd's lock orders them), which a ring from another local rank does not guarantee.
     UNTESTED on aarch64: no such machine here.
 
-    Agent side: ``beats()``, ``step``, ``armed``, and ``stalled_for()``: seconds since the beat count last
-    changed, as seen by successive calls (the supervisor calls it every iteration).
+    The work words (issue 26, the straggler check, agent/stragglers.py), written by the training thread once per
+    step (``add_step``), read by the agent every few seconds (``work``): ``[7]`` steps measured, ``[8]`` the
+    rank's own work over them (microseconds: the step's wall time less its waits on peers, ``add_step``), ``[9]``
+    their wall time (microseconds). Running totals: the reader takes differences; no message per step.
+
+    Agent side: ``beats()``, ``step``, ``armed``, ``work()``, and ``stalled_for()``: seconds since the beat count
+    last changed, as seen by successive calls (the supervisor calls it every iteration).
     """
 
     CLAIM, GRANT, WRITTEN, COMMITTED = 3, 4, 5, 6
+    STEPS, OWN_US, WALL_US = 7, 8, 9
 
     def __init__(self, buf: SharedBuffer):
         if buf.nbytes < 24:
@@ -217,6 +223,15 @@ class ProgressPage:
     def disarm(self) -> None:
         self._q[2] = 0
 
+    def add_step(self, own_s: float, wall_s: float) -> None:
+        """One more step measured: ``own_s`` seconds of the rank's own work (compute, the snapshot copy: the step's
+        wall time less its waits on peers), ``wall_s`` its wall time (seconds). The totals are written before the
+        count, so a reader that sees the count sees the figures of every step it counts (x86-64 store order)."""
+        q = self._q
+        q[self.OWN_US] += max(0, int(own_s * 1e6))
+        q[self.WALL_US] += max(0, int(wall_s * 1e6))
+        q[self.STEPS] += 1
+
     # ---- the snapshot words (either side writes its own) ----
     def put(self, word: int, generation: int, step: int, index: int = -1) -> None:
         """Store ``pack_word(generation, step, index)`` in word ``word`` (``CLAIM`` ... ``COMMITTED``)."""
@@ -241,6 +256,12 @@ class ProgressPage:
     @property
     def armed(self) -> bool:
         return self._q[2] == 1
+
+    def work(self) -> tuple[int, float, float]:
+        """(steps measured, own work seconds, wall seconds): running totals since the process started (``add_step``)."""
+        q = self._q
+        n = q[self.STEPS]
+        return n, q[self.OWN_US] / 1e6, q[self.WALL_US] / 1e6
 
     def stalled_for(self, now: float | None = None) -> float:
         """Seconds (monotonic) since the beat count last changed between two calls of this method (0 when it

@@ -42,9 +42,10 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                         "decided, rebuild, restore, resume; #K: of the K-th recovery) (repeatable)")
     p.add_argument("--hang", action="append", default=[], metavar="TARGET@WHEN",
                    help="SIGSTOP nodeN or rankN, at a step or phase as for --kill (repeatable)")
-    p.add_argument("--slow", action="append", default=[], metavar="nodeN@startup|build[:FACTOR]",
+    p.add_argument("--slow", action="append", default=[], metavar="nodeN@startup|build|STEP[:FACTOR]",
                    help="make node N's training processes FACTOR times slower (default 8) from their start, or from "
-                        "when their model is built: what the start-up's pre-flight speed check catches (repeatable)")
+                        "when their model is built: what the start-up's pre-flight speed check catches; or from step "
+                        "STEP on: what the straggler check catches (repeatable)")
     p.add_argument("--nic-down", action="append", default=[], metavar="nodeN[@STEP]",
                    help="node N's data-plane interface is down from its start (its gloo is given an interface that "
                         "does not exist): what the start-up's link check catches; an idle spare's from step STEP on: "
@@ -80,6 +81,15 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    help="an idle spare checks itself again this often (--health-check, the timed matmul, an "
                         "all-reduce with a training node); one that fails leaves the pool before a recovery needs it "
                         f"(default {d.spare_check_every:g}; 0: never)")
+    p.add_argument("--straggler-factor", type=float, default=d.straggler_factor, metavar="FACTOR",
+                   help="a training node whose ranks' own work per step (their step time less their waits on peers) "
+                        "stays over FACTOR x the other nodes' median for --straggler-window seconds is a straggler "
+                        f"(default {d.straggler_factor:g})")
+    p.add_argument("--straggler-window", type=float, default=d.straggler_window, metavar="SECONDS",
+                   help=f"how long a node must stay slow to be a straggler (default {d.straggler_window:g})")
+    p.add_argument("--straggler-action", choices=("swap", "report", "off"), default=d.straggler_action,
+                   help="swap: a straggler is taken out by a planned swap when a spare is free (0 steps recomputed), "
+                        "else reported; report: the event only; off: not measured (default swap)")
     p.add_argument("--summary", metavar="PATH", help="write the run summary JSON here")
     p.add_argument("--run-dir", default=d.run_dir, help="event log, config and logs of the run")
     p.add_argument("--train-arg", action="append", default=[], metavar="KEY=VALUE",
@@ -155,5 +165,7 @@ def config_from_args(a) -> RunConfig:
                      startup_timeout=a.startup_timeout, collective_timeout=a.collective_timeout,
                      persist_every=a.persist_every, health_check=a.health_check,
                      preflight_factor=a.preflight_factor, spare_check_every=a.spare_check_every,
+                     straggler_factor=a.straggler_factor, straggler_window=a.straggler_window,
+                     straggler_action=a.straggler_action,
                      replicate=not a.no_replicate, requeue=a.requeue, fork_server=not a.no_fork_server,
                      run_dir=a.run_dir, summary_path=a.summary, log_every=a.log_every, train_fn=a.train_fn).validate()

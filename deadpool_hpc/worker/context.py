@@ -257,6 +257,7 @@ class Context(Recovering):
             view = self._role.view
             self.faults.at_step(s, self.rank, set(view.active_nodes), list(view.spare_nodes))
         t = time.perf_counter()
+        waited = self.watch.waited
         try:
             metrics = dict(step_fn(s) or {})
         except PeerFailure:
@@ -270,6 +271,10 @@ class Context(Recovering):
         self._trained = True
         self.step = s + 1
         self._snapshot()
+        # the straggler check's figures (agent/stragglers.py): the step's wall time and, less its waits on peers
+        # (collectives, the replica commit), this rank's own work
+        wall = time.perf_counter() - t
+        page.add_step(wall - (self.watch.waited - waited), wall)
         if self._recovery is not None:
             r, self._recovery = self._recovery, None
             self.log.emit("resumed", generation=self.generation, rank=self.rank, step=self.step,
@@ -310,8 +315,10 @@ class Context(Recovering):
     def _wait_committed(self, step: int) -> None:
         """Until the agent says every holder acknowledged ``step`` of this generation. Raises PeerFailure on failure
         or timeout."""
-        self.wait_s += self.writer.wait_committed(step, self.generation, self.failure, self.config.wait_timeout,
-                                                  beat=self.client.progress.beat)
+        waited = self.writer.wait_committed(step, self.generation, self.failure, self.config.wait_timeout,
+                                            beat=self.client.progress.beat)
+        self.wait_s += waited
+        self.watch.waited += waited   # waiting for a holder is not this rank's own work
 
     def _on_failure(self, body: dict) -> None:
         """(reader thread) The agent starts a recovery round: a process already waiting for its role answers at

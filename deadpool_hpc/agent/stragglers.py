@@ -1,0 +1,228 @@
+"""The straggler check (issue 26): a training node that stays slower than the others is swapped out by a planned swap.
+
+A synchronous job runs at the speed of its slowest rank, so a rank's wall time per step says nothing about who is
+slow: every rank waits for the slowest in the step's collectives. What is compared is each rank's *own work* per
+step: its step's wall time less the time its training thread spent blocked in waits on peers (the pollable
+collectives, dataplane/collectives.py, and the replica commit), measured by the training thread and kept as running
+totals in its progress page (ipc/shm.py ``add_step``; no message per step). NVIDIA's resiliency extension
+(``nvidia_resiliency_ext.straggler``) scores ranks the same way, on their own compute time, and reports them; here
+the report can end in a swap.
+
+Three parts, one per process role:
+
+- ``WorkMeter`` (every training node's agent): every ``interval`` seconds, while the node trains, it reads its
+  ranks' totals and sends one summary to the coordinator (the lowest live agent, as for the swap lease,
+  agent/planned.py): the node's own work per step (the slowest of its ranks over the interval) and its wall time per
+  step. A few numbers per node every few seconds, point to point: N messages per interval at the coordinator (at
+  4,096 nodes and 5 s, ~800 small messages a second, which one thread serves).
+- ``StragglerJudge`` (pure logic, the coordinator): a node whose figure stays over ``factor`` x the *other* training
+  nodes' median for ``window`` seconds, summary after summary, is a straggler. The other nodes' median, not the
+  job's: with two or three nodes the slow one would pull the job's median towards itself. Figures of an older
+  generation are dropped (a recovery starts the judging again); at most one verdict per window, job-wide.
+- ``Stragglers`` (the wiring, every agent): the coordinator logs ``straggler_detected`` with the figures and what it
+  does. ``swap`` (``--straggler-action``, the default): with replication on and a spare free, it tells the node,
+  whose agent asks for a planned swap as a detector would (detector ``straggler``): 0 steps recomputed, bitwise
+  equal; else the event only (``action: report`` and why). A node swapped out leaves the job for good (it is
+  fenced: quarantined, never a spare again). Hysteresis: when the node that took a straggler's ranks is found slow
+  too, the slowness follows the ranks' work (their data, their shard), not the node, and it is reported, not swapped
+  again.
+
+The coordinator also logs ``node_step_times`` once per interval (each training node's own and wall seconds per
+step), which the console shows.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+from .health import Unhealthy
+
+STALE_INTERVALS = 3   # a node's figure older than this many intervals is not counted in the others' median
+
+
+def interval_for(window: float) -> float:
+    """Seconds between two summaries of a node: a sixth of the window (several figures per window), 0.5..5 s."""
+    return min(5.0, max(0.5, window / 6))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A straggler found: ``node``; its own work per step ``own_s`` and the other nodes' median ``median_s``
+    (seconds), ``ratio`` = own_s / median_s; ``slow_for_s``: seconds it has been over the factor; ``ranks``: the
+    training ranks it holds."""
+    node: int
+    ratio: float
+    own_s: float
+    median_s: float
+    slow_for_s: float
+    ranks: tuple
+
+
+class StragglerJudge:
+    """The coordinator's decision, pure logic (no clock of its own: every call passes ``now``, seconds).
+
+    ``add(node, generation, own_s, step_s, ranks, now)`` records one summary and returns a ``Verdict`` when that
+    node is a straggler, else None. Raises ValueError for a factor <= 1 or a window <= 0."""
+
+    def __init__(self, factor: float, window: float, interval: float | None = None):
+        if not factor > 1:
+            raise ValueError(f"straggler factor {factor!r}: accepted: a number > 1")
+        if not window > 0:
+            raise ValueError(f"straggler window {window!r}: accepted: seconds > 0")
+        self.factor, self.window = float(factor), float(window)
+        self.interval = interval or interval_for(window)
+        self.generation = -1
+        self.figures: dict[int, tuple] = {}     # node -> (t, own_s, step_s, ranks)
+        self.slow_since: dict[int, float] = {}  # node -> first summary over the factor, in an unbroken run
+        self.last_verdict = float("-inf")
+
+    def add(self, node: int, generation: int, own_s: float, step_s: float, ranks: tuple, now: float):
+        if generation < self.generation:
+            return None
+        if generation > self.generation:   # a recovery: the layout changed, judge afresh
+            self.generation, self.figures, self.slow_since = generation, {}, {}
+        self.figures[node] = (now, float(own_s), float(step_s), tuple(ranks))
+        others = [f[1] for n, f in self.figures.items()
+                  if n != node and now - f[0] <= STALE_INTERVALS * self.interval]
+        if not others:
+            return None
+        median = statistics.median(others)
+        ratio = own_s / median if median > 0 else 1.0
+        if ratio <= self.factor:
+            self.slow_since.pop(node, None)
+            return None
+        since = self.slow_since.setdefault(node, now)
+        if now - since < self.window or now - self.last_verdict < self.window:
+            return None
+        self.last_verdict = now
+        self.slow_since.clear()
+        return Verdict(node, ratio, own_s, median, now - since, tuple(ranks))
+
+    def table(self, now: float) -> dict[int, tuple[float, float]]:
+        """The fresh figures: node -> (own seconds per step, wall seconds per step)."""
+        return {n: (f[1], f[2]) for n, f in sorted(self.figures.items())
+                if now - f[0] <= STALE_INTERVALS * self.interval}
+
+
+class WorkMeter:
+    """A training node's share: the differences of its ranks' progress-page totals over an interval. ``pages(local)``
+    returns local rank ``local``'s ProgressPage (or None); ``P``: ranks per node."""
+
+    def __init__(self, pages, P: int):
+        self.pages, self.P = pages, P
+        self.base: dict[int, tuple] = {}
+
+    def rebase(self) -> None:
+        """Start a new interval from the current totals (a new generation, or the node starts training)."""
+        self.base = {lo: p.work() for lo in range(self.P) if (p := self.pages(lo)) is not None}
+
+    def read(self) -> tuple[float, float] | None:
+        """(own seconds per step of the node's slowest rank, wall seconds per step) over the interval since the last
+        read or rebase, then a new interval starts; None while some rank completed no step in it."""
+        own, wall = [], []
+        now = {}
+        for lo in range(self.P):
+            p = self.pages(lo)
+            if p is None or lo not in self.base:
+                self.rebase()
+                return None
+            now[lo] = p.work()
+            n = now[lo][0] - self.base[lo][0]
+            if n <= 0:
+                return None
+            own.append((now[lo][1] - self.base[lo][1]) / n)
+            wall.append((now[lo][2] - self.base[lo][2]) / n)
+        self.base = now
+        return max(own), sum(wall) / len(wall)
+
+
+class Stragglers:
+    """The straggler check of one node agent. ``cp``: its ControlPlane; ``agent``: its NodeAgent (``state``,
+    ``cfg``, ``log``, ``channel.progress``, ``swaps``, ``in_recovery()``). Called from the agent's main loop only:
+    ``tick`` each pass; ``on_summary`` and ``on_verdict`` are control-plane handlers (same thread)."""
+
+    def __init__(self, cp, agent):
+        self.cp, self.a = cp, agent
+        cfg = agent.cfg
+        self.on = cfg.straggler_action != "off"
+        self.interval = interval_for(cfg.straggler_window)
+        self.meter = WorkMeter(agent.channel.progress, cfg.ranks_per_node)
+        self.judge = StragglerJudge(cfg.straggler_factor, cfg.straggler_window, self.interval) if self.on else None
+        self.swapped_ranks: dict[int, int] = {}   # rank -> node swapped out for slowness while it held the rank
+        self._next = float("inf")
+        self._generation = None
+        self._next_table = 0.0
+        cp.handlers["straggler_summary"] = self.on_summary
+        cp.handlers["straggler"] = self.on_verdict
+
+    def tick(self) -> None:
+        a = self.a
+        if not self.on or a.state != "training" or a.in_recovery():
+            self._generation = None
+            return
+        now = time.monotonic()
+        if self._generation != self.cp.generation:   # training (again): a fresh interval
+            self._generation = self.cp.generation
+            self.meter.rebase()
+            self._next = now + self.interval
+            return
+        if now < self._next:
+            return
+        self._next = now + self.interval
+        fig = self.meter.read()
+        if fig is None:
+            return
+        ranks = [r for lo in range(a.P) if (r := self.cp.train_rank(lo)) is not None]
+        self.cp.peers.send(min(self.cp.peers.alive()), "straggler_summary",
+                           {"node": self.cp.me, "generation": self.cp.generation, "own_s": fig[0], "step_s": fig[1],
+                            "ranks": ranks})
+
+    # ---- the coordinator --------------------------------------------------------------------------------------
+    def on_summary(self, src: int, body: dict) -> None:
+        if self.judge is None:
+            return
+        try:
+            node, gen = int(body["node"]), int(body["generation"])
+            own, step, ranks = float(body["own_s"]), float(body["step_s"]), tuple(int(r) for r in body["ranks"])
+        except (KeyError, TypeError, ValueError):
+            return
+        if node != src or self.cp.peers.is_suspected(node):
+            return
+        now = time.monotonic()
+        verdict = self.judge.add(node, gen, own, step, ranks, now)
+        if now >= self._next_table:
+            self._next_table = now + self.interval
+            self.a.log.emit("node_step_times", generation=self.judge.generation, nodes={
+                str(n): {"own_s": round(o, 5), "step_s": round(s, 5)} for n, (o, s) in self.judge.table(now).items()})
+        if verdict is not None:
+            self._act(verdict)
+
+    def _act(self, v: Verdict) -> None:
+        a, cp = self.a, self.cp
+        why = None
+        before = sorted({self.swapped_ranks[r] for r in v.ranks if r in self.swapped_ranks})
+        if a.cfg.straggler_action != "swap":
+            why = "--straggler-action report"
+        elif before:
+            why = (f"its ranks {list(v.ranks)} were slow on node(s) {before} too, which were swapped out for it: the "
+                   f"slowness follows the ranks' work, not the node")
+        elif not a.cfg.replicate:
+            why = "replication is off (--no-replicate): no replica to hand the node's state over"
+        elif not [n for n in cp.spare_nodes if not cp.peers.is_suspected(n)]:
+            why = "no spare node left"
+        action = "report" if why else "swap"
+        a.log.emit("straggler_detected", node=v.node, generation=cp.generation, ratio=round(v.ratio, 3),
+                   own_s=round(v.own_s, 5), median_s=round(v.median_s, 5), slow_for_s=round(v.slow_for_s, 2),
+                   factor=self.judge.factor, window_s=self.judge.window, ranks=list(v.ranks), action=action, why=why)
+        if action == "swap":
+            for r in v.ranks:
+                self.swapped_ranks[r] = v.node
+            cp.peers.send(v.node, "straggler", {"reason": f"straggler: own work {v.own_s * 1e3:.1f} ms/step, "
+                                                          f"{v.ratio:.2f} x the other nodes' median "
+                                                          f"({v.median_s * 1e3:.1f} ms) for {v.slow_for_s:.0f} s"})
+
+    # ---- the straggler's agent --------------------------------------------------------------------------------
+    def on_verdict(self, src: int, body: dict) -> None:
+        if self.a.state == "training":
+            self.a.swaps.want("straggler", Unhealthy(str(body.get("reason", "straggler"))), time.time())
