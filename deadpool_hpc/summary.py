@@ -74,8 +74,11 @@ def build_summary(events: list[dict], config=None) -> dict:  # noqa: C901
         "spares_left": fin.get("spares_left"),
         "param_digest": fin.get("param_digest"),
         "swaps": sum(1 for f in failures if f["promoted"] and f["recovery_s"] is not None),
-        "planned_swaps": sum(1 for f in failures if f["kind"] == "planned swap" and f["recovery_s"] is not None),
+        "planned_swaps": sum(1 for f in failures if f["outcome"].startswith("planned swap") and f["recovery_s"] is not None),
         "swaps_refused": [{k: e.get(k) for k in ("node", "detector", "reason", "why")} for e in by["swap_refused"]],
+        # the straggler check (agent/stragglers.py): each node found slow, and what was done (swap or report)
+        "stragglers": [{k: e.get(k) for k in ("node", "generation", "ratio", "own_s", "median_s", "slow_for_s",
+                                              "action", "why")} for e in by["straggler_detected"]],
         "requeues": len(by["requeued"]),
         # Slurm: nodes lost before the agents' MPI world existed; the step was started again without them
         # (launch/slurm_startup.py)
@@ -120,7 +123,7 @@ def _failure(d: dict, by, fault, lost: set, t_next_attempt, P: int) -> dict:
     planned = [e for e in by["swap_requested"] if e.get("node") in lost and e["t"] < d["t_decided"]]
     planned = planned if any(e.get("cause") == "planned" for e in by["node_failed"] if e.get("node") in lost
                              and e.get("generation") == g - 1) else []
-    if fault is not None:
+    if fault is not None and not (fault["kind"] == "slow" and planned):
         t0, source = fault["t"], "fault_injected"
     elif planned:  # from the moment the detector saw the reason (a drain, an operator's request)
         t0, source = max(e["t_seen"] for e in planned), f"planned swap requested ({planned[-1].get('detector')})"
@@ -173,7 +176,7 @@ def _failure(d: dict, by, fault, lost: set, t_next_attempt, P: int) -> dict:
     return {
         "kind": fault["kind"] if fault else ("planned swap" if planned else "not injected"),
         "target": fault["target"] if fault else ",".join(f"node{n}" for n in sorted(lost)),
-        "reason": planned[-1].get("reason") if planned and not fault else None,
+        "reason": planned[-1].get("reason") if planned and (not fault or fault["kind"] == "slow") else None,
         "step": fault.get("step") if fault else d.get("cut_step"),
         "phase": fault.get("phase") if fault else None,
         # what its agent saw (exit, hang, startup_failed, startup_timeout, health_check, preflight_slow,

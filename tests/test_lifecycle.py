@@ -425,6 +425,31 @@ def test_console_after_no_spare_left_says_what_happens():
     assert any(x.strip().startswith("preempted (SIGUSR2/SIGTERM): checkpoint saved at step 7") for x in pre), pre
 
 
+def test_console_shows_each_node_s_step_time_and_a_straggler_swapped_out():
+    from rich.console import Console
+
+    from deadpool_hpc.launch.console import LiveView
+
+    cfg = RunConfig(nodes=2, spares=1)
+    times = {"0": {"own_s": 0.05, "step_s": 0.12}, "1": {"own_s": 0.11, "step_s": 0.12}}
+    evs = [{"event": "fault_injected", "t": 0.5, "kind": "slow", "target": "node1", "node": 1, "step": 40,
+            "phase": None, "pids": [7], "signal": "SIGSTOP/SIGCONT"},
+           {"event": "node_step_times", "t": 1.0, "generation": 0, "nodes": times},
+           {"event": "straggler_detected", "t": 2.0, "node": 1, "ratio": 2.2, "own_s": 0.11, "median_s": 0.05,
+            "slow_for_s": 60.2, "action": "swap", "why": None}]
+    with LiveView(cfg, Console(file=io.StringIO(), width=200)) as view:
+        view.update(evs)
+        shown = Console(file=io.StringIO(), width=200)
+        shown.print(view._render())
+        table = " ".join(shown.file.getvalue().split())
+        assert "node1 slow 120 ms (110 ms)" in table and "node0 active 120 ms (50 ms)" in table, table
+        view.update([{"event": "decision", "t": 3.0, "t_decided": 3.0, "generation": 1, "failed_nodes": [1],
+                      "promoted": {"1": 2}, "cut_step": 70}])
+        assert view.roles == {0: "active", 1: "out: slow", 2: "active"} and 1 not in view.step_times
+    assert any("straggler: node1's own work 110.0 ms/step, 2.20 x the others' median for 60 s: planned swap" in x
+               for x in (t.plain for t in view.lines)), [t.plain for t in view.lines]
+
+
 def test_cli_without_requeue_says_the_run_stopped(tmp_path):
     """No spare, no --requeue (the CLI refuses to inject more faults than spares, so the node dies the way
     real ones do: a SIGKILL from outside): the checkpoint is saved and the console says the run stops."""

@@ -13,7 +13,7 @@ import threading
 import time
 
 
-from deadpool_hpc.config import RunConfig
+from deadpool_hpc.config import RunConfig, parse_fault
 from deadpool_hpc.events import read_events
 
 from runs import launch_reaped  # tests/runs.py
@@ -106,6 +106,32 @@ def test_two_nodes_asked_together_leave_one_after_the_other(tmp_path, failure_fr
     assert s["failures"][0]["cut_step"] < s["failures"][1]["cut_step"], s["failures"]
     assert all(f["recomputed_steps"] == 0 and f["kind"] == "planned swap" for f in s["failures"]), s["failures"]
     assert s["param_digest"] == base["param_digest"]
+
+
+def test_a_straggler_is_found_and_swapped_out_with_no_step_recomputed(tmp_path, failure_free):
+    """Issue 26: node1's training process is made 4 x slower from step 5 (``--slow node1@5:4``: its agent stops and
+    continues it with real signals). Its own work per step (step time less its waits on peers) stays over 2 x the
+    other nodes' median for the window (1.5 s), the coordinator says so (``straggler_detected``), and node1 leaves
+    by a planned swap: a spare takes its ranks, no step recomputed, the parameters of the run that never slowed."""
+    base = failure_free(nodes=3, steps=40)
+    cfg = RunConfig(nodes=3, spares=1, steps=40, run_dir=str(tmp_path / "straggler"),
+                    faults=[parse_fault("slow", "node1@5:4")], straggler_factor=2.0, straggler_window=1.5).validate()
+    s = launch_reaped(cfg, 300)
+    assert s["completed"] and s["param_digest"] == base["param_digest"], s
+    assert [(x["node"], x["action"]) for x in s["stragglers"]] == [(1, "swap")], s["stragglers"]
+    x = s["stragglers"][0]
+    assert x["ratio"] > 2.0 and x["slow_for_s"] >= 1.5 and x["own_s"] > 2 * x["median_s"], x
+    assert s["planned_swaps"] == 1 and len(s["failures"]) == 1, s["failures"]
+    f = s["failures"][0]
+    assert (f["kind"], f["outcome"], f["failed_nodes"], f["recomputed_steps"]) == ("slow", "planned swap", [1], 0), f
+    assert f["t_fault_source"] == "planned swap requested (straggler)" and "straggler: own work" in f["reason"], f
+    ev = list(read_events(os.path.join(cfg.run_dir, "events.jsonl")))
+    # the figures the coordinator judged: node1's own work per step far over the others', theirs alike
+    tables = [e["nodes"] for e in ev if e["event"] == "node_step_times" and e["generation"] == 0 and len(e["nodes"]) == 3]
+    assert tables and max(t["1"]["own_s"] / max(t["0"]["own_s"], t["2"]["own_s"]) for t in tables) > 2, tables
+    # the node that took node1's place trains at the others' speed: nothing more is swapped
+    after = [e["nodes"] for e in ev if e["event"] == "node_step_times" and e["generation"] == 1]
+    assert after and all("1" not in t for t in after), after
 
 
 def test_a_swap_asked_during_the_last_steps_never_fails_the_run(tmp_path, failure_free):

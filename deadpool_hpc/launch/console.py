@@ -25,6 +25,8 @@ class LiveView:
         self.t_fault: float | None = None
         self._detected = False
         self.requeues = 0
+        self.step_times: dict[int, dict] = {}   # node -> {"own_s", "step_s"}: the straggler check's figures
+        self.stragglers: set[int] = set()       # nodes being swapped out for slowness
         self.live = Live(self._render(), console=self.console, refresh_per_second=4, transient=False)
         self._started = False
 
@@ -54,8 +56,16 @@ class LiveView:
                     self._note(f"{when}: data-plane interface down -> {e['target']} (gloo's interface "
                                f"{e.get('ifname')!r})", "bold red")
                     continue
-                self.roles[e["node"]] = "dead" if e["kind"] == "kill" else "hung"
+                self.roles[e["node"]] = {"kill": "dead", "slow": "slow"}.get(e["kind"], "hung")
                 self._note(f"{when}: {e['signal']} -> {e['target']}{where} (pids {e['pids']})", "bold red")
+            elif kind == "node_step_times":
+                self.step_times = {int(n): f for n, f in e["nodes"].items()}
+            elif kind == "straggler_detected":
+                if e["action"] == "swap":
+                    self.stragglers.add(e["node"])
+                self._note(f"  straggler: node{e['node']}'s own work {e['own_s'] * 1e3:.1f} ms/step, {e['ratio']:.2f} x "
+                           f"the others' median for {e['slow_for_s']:.0f} s: "
+                           + ("planned swap" if e["action"] == "swap" else f"reported only ({e['why']})"), "yellow")
             elif kind == "hang_detected":
                 self._note(f"  node{e.get('node')}: training thread stuck for {e['stuck_s']:.1f} s at {e['where']}: "
                            f"fenced by its watchdog", "yellow")
@@ -75,7 +85,8 @@ class LiveView:
             elif kind == "decision":
                 self._detected = False
                 for n in e["failed_nodes"]:
-                    self.roles[n] = "dead"
+                    self.roles[n] = "out: slow" if n in self.stragglers else "dead"
+                    self.step_times.pop(n, None)
                 for node in {m // self.cfg.ranks_per_node for m in e["promoted"].values()}:
                     self.roles[node] = "active"
                 base = self.t_fault or e["t_decided"]
@@ -140,9 +151,13 @@ class LiveView:
         nodes = Table(show_header=True, header_style="bold", box=None)
         nodes.add_column("node")
         nodes.add_column("role")
-        style = {"active": "green", "spare": "blue", "dead": "red", "hung": "red"}
+        nodes.add_column("step (own work)", justify="right")
+        style = {"active": "green", "spare": "blue", "dead": "red", "hung": "red", "slow": "yellow",
+                 "out: slow": "red"}
         for n, role in sorted(self.roles.items()):
-            nodes.add_row(f"node{n}", Text(role, style=style[role]))
+            f = self.step_times.get(n)
+            nodes.add_row(f"node{n}", Text(role, style=style.get(role, "")),
+                          f"{f['step_s'] * 1e3:.0f} ms ({f['own_s'] * 1e3:.0f} ms)" if f and role != "spare" else "")
         return Group(head, nodes, *self.lines)
 
 
@@ -162,6 +177,9 @@ def print_summary(summary: dict, console: Console | None = None) -> None:
     if summary.get("start_up_s") is not None:
         t.add_row("start-up (first agent -> first step)", f"{summary['start_up_s']:.1f} s")
     t.add_row("param digest (sha256)", str(summary["param_digest"])[:24] + "...")
+    for x in summary.get("stragglers") or []:
+        t.add_row(f"straggler node{x['node']}", f"{x['ratio']:.2f} x the others' own work per step for "
+                  f"{x['slow_for_s']:.0f} s: " + ("swapped out" if x["action"] == "swap" else f"reported ({x['why']})"))
     if summary.get("bytes_replicated_per_rank_per_step"):
         t.add_row("replicated / rank / step", f"{summary['bytes_replicated_per_rank_per_step']:,} bytes")
     console.print(t)
