@@ -28,15 +28,34 @@ import os
 import shutil
 import threading
 import time
+from typing import Protocol
 
 from ..replica import persist
 from ..rundir import latest_checkpoint
 
 
-class Persister:
-    """One node agent's share. ``agent``: its NodeAgent (cfg, cp, reps, layouts, log); ``tick()`` from its loop."""
+class PersistHost(Protocol):
+    """What background persistence uses of its node agent (agent/node.py's NodeAgent is one): read-only state and
+    one wake-up; nothing private, no method of the agent's loop."""
 
-    def __init__(self, agent):
+    cfg: object              # RunConfig: persist_every, run_dir, world_size
+    cp: object               # ControlPlane: handlers, peers, generation, assignment, train_rank(local)
+    log: object              # EventLog
+    state: str               # "training", "spare", ...
+    P: int                   # ranks per node
+    node: int                # this node's index
+    checkpoint_dir: str      # RUN_DIR/checkpoint
+    reps: dict               # local rank -> Replicator (committed_step, copy_own)
+    layouts: dict            # local rank -> StateLayout
+    channel: object          # ChannelServer: wake()
+    recovery: object         # Recovery: high_water (the step the run has reached)
+
+
+class Persister:
+    """One node agent's share. ``agent``: its node agent as far as persistence needs it (``PersistHost``);
+    ``tick()`` from its loop."""
+
+    def __init__(self, agent: PersistHost):
         self.agent = agent
         self.every = float(agent.cfg.persist_every or 0.0)
         self.root = agent.checkpoint_dir

@@ -35,6 +35,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 from .health import Unhealthy
 
@@ -137,12 +138,26 @@ class WorkMeter:
         return max(own), sum(wall) / len(wall)
 
 
-class Stragglers:
-    """The straggler check of one node agent. ``cp``: its ControlPlane; ``agent``: its NodeAgent (``state``,
-    ``cfg``, ``log``, ``channel.progress``, ``swaps``, ``in_recovery()``). Called from the agent's main loop only:
-    ``tick`` each pass; ``on_summary`` and ``on_verdict`` are control-plane handlers (same thread)."""
+class StragglerHost(Protocol):
+    """What the straggler check uses of its node agent (agent/node.py's NodeAgent is one)."""
 
-    def __init__(self, cp, agent):
+    cfg: object       # RunConfig: straggler_factor, straggler_window, straggler_action, replicate, ranks_per_node
+    log: object       # EventLog
+    state: str        # "training", "spare", ...
+    P: int            # ranks per node
+    channel: object   # ChannelServer: progress(local) -> ProgressPage | None
+    swaps: object     # PlannedSwaps: want(detector, Unhealthy, t_seen)
+
+    def in_recovery(self) -> bool:
+        """A failure is being handled, or a recovery round runs."""
+
+
+class Stragglers:
+    """The straggler check of one node agent. ``cp``: its ControlPlane; ``agent``: its node agent as far as the
+    check needs it (``StragglerHost``). Called from the agent's main loop only: ``tick`` each pass; ``on_summary``
+    and ``on_verdict`` are control-plane handlers (same thread)."""
+
+    def __init__(self, cp, agent: StragglerHost):
         self.cp, self.a = cp, agent
         cfg = agent.cfg
         self.on = cfg.straggler_action != "off"
