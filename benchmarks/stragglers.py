@@ -14,8 +14,8 @@ recomputed (0); the seconds from the fault (``fault_injected``, kind slow) to ``
 step after the swap; the job's steps/s (rank 0's ``step`` timestamps) before the slowdown (steps 6..39), during it
 (fault to the swap's ``decision``) and after the swap (from ``resumed``), beside the failure-free run's steps/s over
 the same step ranges; and a PNG timeline (``--png``): steps/s over time (over ~1 s), and each node's own work per
-step (``node_step_times``). The summary counts the slowed node's swap as a failure (kind "slow", outcome "planned
-swap"), not in ``planned_swaps``, which counts swaps without an injected fault.
+step (``node_step_times``). The summary counts the slowed node's swap as a failure of kind "slow" whose outcome is
+"planned swap" (``planned_swaps`` counts it).
 
 ``--false-positives N``: N failure-free runs of 300 steps, 3 + 1 nodes, the default factor (1.5) with
 ``--straggler-window 10`` (the default 60 s window is longer than such a run here, so it cannot fire), then 2 runs
