@@ -78,7 +78,7 @@ def build_summary(events: list[dict], config=None) -> dict:  # noqa: C901
         "swaps_refused": [{k: e.get(k) for k in ("node", "detector", "reason", "why")} for e in by["swap_refused"]],
         # the straggler check (agent/stragglers.py): each node found slow, and what was done (swap or report)
         "stragglers": [{k: e.get(k) for k in ("node", "generation", "ratio", "own_s", "median_s", "slow_for_s",
-                                              "action", "why")} for e in by["straggler_detected"]],
+                                              "action", "why", "site")} for e in by["straggler_detected"]],
         "requeues": len(by["requeued"]),
         # Slurm: nodes lost before the agents' MPI world existed; the step was started again without them
         # (launch/slurm_startup.py)

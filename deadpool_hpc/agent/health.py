@@ -11,9 +11,12 @@ Interface (docs/plugins.md has a working example):
 - an entry point in the group ``deadpool_hpc.detectors`` names a *factory*, ``factory(node: NodeInfo)``, called
   once by each node agent at start-up; it returns a detector, or None when it does not apply there (e.g. no
   Slurm job);
-- a detector has ``interval_s`` (float, seconds between checks, > 0) and ``check() -> Unhealthy | None``;
+- a detector has ``interval_s`` (float, seconds between checks, > 0) and ``check() -> Unhealthy | Slow | None``;
   ``check`` runs on the agent's health thread, never on its main loop, so it may block (a subprocess, a file
-  read) for up to a few seconds.
+  read) for up to a few seconds. ``Unhealthy``: swap this node out at the next step boundary. ``Slow(factor,
+  reason)``: this node runs ``factor`` times slower than it should (DCGM's clocks against their maximum, a NIC that
+  negotiated a lower speed): a figure for the job-level straggler check (agent/stragglers.py), judged with the same
+  factor, window and rules as the training processes' own work per step; the detector keeps being asked.
 
 A factory that fails to import or raises is a ``PluginError`` (deadpool_hpc/plugins.py) naming the plugin: the
 launchers check the imports before anything starts (``check_plugins``), and an agent whose factory raises ends
@@ -60,6 +63,15 @@ class NodeInfo:
 class Unhealthy:
     """A detector's verdict: this node should be swapped out at the next step boundary. ``reason``: free text for
     the event log and the summary (e.g. Slurm's drain reason)."""
+    reason: str
+
+
+@dataclass(frozen=True)
+class Slow:
+    """A detector's figure: this node runs ``factor`` (> 1) times slower than it should; ``reason``: free text for the
+    ``straggler_detected`` event. Counts for ``3 x interval_s`` seconds after the check that said it (a detector that
+    stops saying so is believed)."""
+    factor: float
     reason: str
 
 
@@ -148,7 +160,8 @@ class HealthWatch:
     """Runs the detectors of one node on a daemon thread, each every ``interval_s`` seconds; a verdict is queued
     for the agent's main loop (``pending``) and ``wake`` is called so the loop sees it at once. A detector that
     reported is not asked again until the agent has acted on its verdict (``consumed``: the node left, or the swap
-    was refused and the detector may report again); one whose ``check`` raises is logged and asked again later."""
+    was refused and the detector may report again); one whose ``check`` raises is logged and asked again later. A
+    ``Slow`` figure is kept for the straggler check (``slowness``), not queued, and the detector is asked again."""
 
     def __init__(self, detectors: list[tuple[str, object]], log, wake=lambda: None):
         self.detectors = dict(detectors)
@@ -160,6 +173,7 @@ class HealthWatch:
         self._errors: dict[str, str] = {}
         self._active = dict(self.detectors)   # name -> detector still asked
         self._due = {name: time.monotonic() for name in self.detectors}
+        self._slow: dict[str, tuple[float, str, float]] = {}   # name -> (factor, reason, until) of its last Slow
         self._thread = threading.Thread(target=self._run, name="health", daemon=True)
 
     def start(self) -> HealthWatch:
@@ -174,6 +188,13 @@ class HealthWatch:
         with self._lock:
             out, self._queue = self._queue, []
         return out
+
+    def slowness(self, now: float | None = None) -> tuple[float, str] | None:
+        """The largest ``Slow`` figure a detector gave that still counts: (factor, "name: reason"), or None."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            live = [(f, f"{name}: {why}") for name, (f, why, until) in self._slow.items() if until > now]
+        return max(live) if live else None
 
     def consumed(self, name: str) -> None:
         """The agent acted on ``name``'s verdict: tell the detector (optional ``consumed()``; an error there is
@@ -210,7 +231,17 @@ class HealthWatch:
             except Exception as exc:  # noqa: BLE001 - a plugin's bug must not end the run
                 self._error(name, f"{type(exc).__name__}: {exc}")
                 continue
-            if verdict is not None:
+            if isinstance(verdict, Slow):
+                try:
+                    factor = float(verdict.factor)
+                except (TypeError, ValueError):
+                    factor = float("nan")
+                if not factor > 1 or factor == float("inf"):
+                    self._error(name, f"Slow(factor={verdict.factor!r}): accepted: a finite number > 1")
+                    continue
+                with self._lock:
+                    self._slow[name] = (factor, str(verdict.reason)[:200], time.monotonic() + 3 * float(det.interval_s))
+            elif verdict is not None:
                 with self._lock:
                     self._active.pop(name, None)
                     self._queue.append((name, verdict))

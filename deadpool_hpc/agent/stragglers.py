@@ -17,7 +17,10 @@ Three parts, one per process role:
   4,096 nodes and 5 s, ~800 small messages a second, which one thread serves).
 - ``StragglerJudge`` (pure logic, the coordinator): a node whose figure stays over ``factor`` x the *other* training
   nodes' median for ``window`` seconds, summary after summary, is a straggler. The other nodes' median, not the
-  job's: with two or three nodes the slow one would pull the job's median towards itself. Figures of an older
+  job's: with two or three nodes the slow one would pull the job's median towards itself. A node's figure is the
+  median of its last 3 summaries (one noisy interval neither makes nor breaks a straggler). A site's own signal, a
+  detector plugin's ``Slow(factor, reason)`` (agent/health.py: DCGM clocks, a NIC's negotiated speed), rides in the
+  node's summary and is judged by the same rules (the larger of it and the own-work ratio). Figures of an older
   generation are dropped (a recovery starts the judging again); at most one verdict per window, job-wide.
 - ``Stragglers`` (the wiring, every agent): the coordinator logs ``straggler_detected`` with the figures and what it
   does. ``swap`` (``--straggler-action``, the default): with replication on and a spare free, it tells the node,
@@ -40,6 +43,9 @@ from typing import Protocol
 from .health import Unhealthy
 
 STALE_INTERVALS = 3   # a node's figure older than this many intervals is not counted in the others' median
+SMOOTH = 3            # a node's figure is the median of its last SMOOTH summaries: one noisy interval is neither a
+                      # straggler nor the end of one (seen: under a load of 2.8 on 2 cores the others' figures swung
+                      # 55-140 ms between intervals, and every dip of a slowed node's ratio started its count again)
 
 
 def interval_for(window: float) -> float:
@@ -50,21 +56,25 @@ def interval_for(window: float) -> float:
 @dataclass(frozen=True)
 class Verdict:
     """A straggler found: ``node``; its own work per step ``own_s`` and the other nodes' median ``median_s``
-    (seconds), ``ratio`` = own_s / median_s; ``slow_for_s``: seconds it has been over the factor; ``ranks``: the
-    training ranks it holds."""
+    (seconds); ``ratio``: the larger of own_s / median_s and the site's figure (``site``: a detector's ``Slow``
+    factor and reason, or None); ``slow_for_s``: seconds it has been over the factor; ``ranks``: the training ranks
+    it holds."""
     node: int
     ratio: float
     own_s: float
     median_s: float
     slow_for_s: float
     ranks: tuple
+    site: tuple | None = None
 
 
 class StragglerJudge:
     """The coordinator's decision, pure logic (no clock of its own: every call passes ``now``, seconds).
 
-    ``add(node, generation, own_s, step_s, ranks, now)`` records one summary and returns a ``Verdict`` when that
-    node is a straggler, else None. Raises ValueError for a factor <= 1 or a window <= 0."""
+    ``add(node, generation, own_s, step_s, ranks, now, site)`` records one summary and returns a ``Verdict`` when
+    that node is a straggler, else None. A node's figure is the median of its last ``SMOOTH`` summaries of the
+    generation; ``site`` (factor, reason), a detector's ``Slow`` figure for the node, counts like the ratio of its
+    own work (the larger of the two is judged). Raises ValueError for a factor <= 1 or a window <= 0."""
 
     def __init__(self, factor: float, window: float, interval: float | None = None):
         if not factor > 1:
@@ -74,22 +84,29 @@ class StragglerJudge:
         self.factor, self.window = float(factor), float(window)
         self.interval = interval or interval_for(window)
         self.generation = -1
-        self.figures: dict[int, tuple] = {}     # node -> (t, own_s, step_s, ranks)
+        self.figures: dict[int, tuple] = {}     # node -> (t, own_s, step_s, ranks): own_s smoothed
+        self.recent: dict[int, list] = {}       # node -> its last SMOOTH own_s figures
         self.slow_since: dict[int, float] = {}  # node -> first summary over the factor, in an unbroken run
         self.last_verdict = float("-inf")
 
-    def add(self, node: int, generation: int, own_s: float, step_s: float, ranks: tuple, now: float):
+    def add(self, node: int, generation: int, own_s: float, step_s: float, ranks: tuple, now: float,
+            site: tuple | None = None):
         if generation < self.generation:
             return None
         if generation > self.generation:   # a recovery: the layout changed, judge afresh
-            self.generation, self.figures, self.slow_since = generation, {}, {}
-        self.figures[node] = (now, float(own_s), float(step_s), tuple(ranks))
+            self.generation, self.figures, self.recent, self.slow_since = generation, {}, {}, {}
+        last = self.recent.setdefault(node, [])
+        last.append(float(own_s))
+        del last[:-SMOOTH]
+        own_s = statistics.median(last)
+        self.figures[node] = (now, own_s, float(step_s), tuple(ranks))
         others = [f[1] for n, f in self.figures.items()
                   if n != node and now - f[0] <= STALE_INTERVALS * self.interval]
-        if not others:
+        if not others and site is None:
             return None
-        median = statistics.median(others)
+        median = statistics.median(others) if others else 0.0
         ratio = own_s / median if median > 0 else 1.0
+        ratio = max(ratio, float(site[0])) if site is not None else ratio
         if ratio <= self.factor:
             self.slow_since.pop(node, None)
             return None
@@ -98,7 +115,8 @@ class StragglerJudge:
             return None
         self.last_verdict = now
         self.slow_since.clear()
-        return Verdict(node, ratio, own_s, median, now - since, tuple(ranks))
+        return Verdict(node, ratio, own_s, median, now - since, tuple(ranks),
+                       tuple(site) if site is not None and float(site[0]) >= ratio else None)
 
     def table(self, now: float) -> dict[int, tuple[float, float]]:
         """The fresh figures: node -> (own seconds per step, wall seconds per step)."""
@@ -147,6 +165,7 @@ class StragglerHost(Protocol):
     P: int            # ranks per node
     channel: object   # ChannelServer: progress(local) -> ProgressPage | None
     swaps: object     # PlannedSwaps: want(detector, Unhealthy, t_seen)
+    health: object    # HealthWatch (agent/health.py): slowness(), a detector's Slow figure, or None
 
     def in_recovery(self) -> bool:
         """A failure is being handled, or a recovery round runs."""
@@ -189,9 +208,10 @@ class Stragglers:
         if fig is None:
             return
         ranks = [r for lo in range(a.P) if (r := self.cp.train_rank(lo)) is not None]
+        site = a.health.slowness() if a.health is not None else None
         self.cp.peers.send(min(self.cp.peers.alive()), "straggler_summary",
                            {"node": self.cp.me, "generation": self.cp.generation, "own_s": fig[0], "step_s": fig[1],
-                            "ranks": ranks})
+                            "ranks": ranks, "site": list(site) if site else None})
 
     # ---- the coordinator --------------------------------------------------------------------------------------
     def on_summary(self, src: int, body: dict) -> None:
@@ -200,12 +220,13 @@ class Stragglers:
         try:
             node, gen = int(body["node"]), int(body["generation"])
             own, step, ranks = float(body["own_s"]), float(body["step_s"]), tuple(int(r) for r in body["ranks"])
-        except (KeyError, TypeError, ValueError):
+            site = (float(body["site"][0]), str(body["site"][1])) if body.get("site") else None
+        except (KeyError, TypeError, ValueError, IndexError):
             return
         if node != src or self.cp.peers.is_suspected(node):
             return
         now = time.monotonic()
-        verdict = self.judge.add(node, gen, own, step, ranks, now)
+        verdict = self.judge.add(node, gen, own, step, ranks, now, site)
         if now >= self._next_table:
             self._next_table = now + self.interval
             self.a.log.emit("node_step_times", generation=self.judge.generation, nodes={
@@ -229,13 +250,15 @@ class Stragglers:
         action = "report" if why else "swap"
         a.log.emit("straggler_detected", node=v.node, generation=cp.generation, ratio=round(v.ratio, 3),
                    own_s=round(v.own_s, 5), median_s=round(v.median_s, 5), slow_for_s=round(v.slow_for_s, 2),
-                   factor=self.judge.factor, window_s=self.judge.window, ranks=list(v.ranks), action=action, why=why)
+                   factor=self.judge.factor, window_s=self.judge.window, ranks=list(v.ranks), action=action, why=why,
+                   site=v.site[1] if v.site else None)
         if action == "swap":
             for r in v.ranks:
                 self.swapped_ranks[r] = v.node
-            cp.peers.send(v.node, "straggler", {"reason": f"straggler: own work {v.own_s * 1e3:.1f} ms/step, "
-                                                          f"{v.ratio:.2f} x the other nodes' median "
-                                                          f"({v.median_s * 1e3:.1f} ms) for {v.slow_for_s:.0f} s"})
+            said = (f"{v.site[1]} ({v.site[0]:.2f} x slower)" if v.site else
+                    f"own work {v.own_s * 1e3:.1f} ms/step, {v.ratio:.2f} x the other nodes' median "
+                    f"({v.median_s * 1e3:.1f} ms)")
+            cp.peers.send(v.node, "straggler", {"reason": f"straggler: {said} for {v.slow_for_s:.0f} s"})
 
     # ---- the straggler's agent --------------------------------------------------------------------------------
     def on_verdict(self, src: int, body: dict) -> None:
