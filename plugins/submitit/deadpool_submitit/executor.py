@@ -92,6 +92,11 @@ RUN_PARAMETERS: tp.Dict[str, tp.Tuple[tp.Callable[[tp.Any], bool], str]] = {
                          "or 0 (no speed check)"),
     "spare_check_every": (lambda v: _is_seconds(v) and v >= 0, "seconds >= 0 (an idle spare re-checks itself this "
                                                                "often; 0: never)"),
+    "straggler_factor": (lambda v: _is_seconds(v) and v > 1, "a number > 1 (a training node whose own work per step "
+                                                             "stays over this x the others' median is a straggler)"),
+    "straggler_window": (lambda v: _is_seconds(v) and v > 0, "seconds > 0 (how long a straggler stays slow)"),
+    "straggler_action": (lambda v: v in ("swap", "report", "off"), "'swap', 'report' or 'off' (what is done with a "
+                                                                   "straggler)"),
     "persist_every": (lambda v: _is_seconds(v) and v >= 0, "seconds >= 0 (0: the agents never persist snapshots in "
                                                            "the background)"),
     "run_dir": (lambda v: isinstance(v, str) and v != "", "a directory path (str) on a filesystem the nodes share"),
