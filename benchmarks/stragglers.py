@@ -20,9 +20,10 @@ step (``node_step_times``). The summary counts the slowed node's swap as a failu
 ``--false-positives N``: N failure-free runs of 300 steps, 3 + 1 nodes, the default factor (1.5) with
 ``--straggler-window 10`` (the default 60 s window is longer than such a run here, so it cannot fire), then 2 runs
 with the defaults (window 60). Per run: ``straggler_detected`` events (any one is a false positive), planned swaps,
-the largest ratio any node reached in a ``node_step_times`` event (its own work per step over the median of the other
-nodes' in the same event) and the longest stretch any node stayed over 1.5 (seconds from its first event over the
-factor to its last one in an unbroken run of such events: what the judge holds against the window).
+the largest ratio any node reached in a ``node_step_times`` event (its own work per step over the lower median of the
+other nodes' in the same event, as the judge compares them) and the longest stretch any node stayed over 1.5
+(seconds from its first event over the factor to its last one in an unbroken run of such events: what the judge
+holds against the window).
 """
 from __future__ import annotations
 
@@ -72,15 +73,18 @@ def rolling(ts: dict[int, float], span: float = 1.0) -> tuple[list[float], list[
 
 
 def ratios(events: list[dict]):
-    """Yield (t, generation, node, own_s / median of the other nodes' own_s) for every node_step_times event."""
+    """Yield (t, generation, node, own_s / the lower median of the other nodes' own_s) for every node_step_times
+    event: the ratio the judge compares with the factor (agent/stragglers.py; the figures are already its smoothed
+    ones, the median of each node's last 3 summaries)."""
     for e in events:
         if e["event"] != "node_step_times":
             continue
         own = {n: f["own_s"] for n, f in e["nodes"].items()}
         for n, o in own.items():
-            others = [v for m, v in own.items() if m != n]
-            if others and statistics.median(others) > 0:
-                yield e["t"], e["generation"], n, o / statistics.median(others)
+            others = sorted(v for m, v in own.items() if m != n)
+            ref = others[(len(others) - 1) // 2] if others else 0.0
+            if ref > 0:
+                yield e["t"], e["generation"], n, o / ref
 
 
 def over_factor(events: list[dict]) -> tuple[float, float]:

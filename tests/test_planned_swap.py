@@ -108,30 +108,42 @@ def test_two_nodes_asked_together_leave_one_after_the_other(tmp_path, failure_fr
     assert s["param_digest"] == base["param_digest"]
 
 
-def test_a_straggler_is_found_and_swapped_out_with_no_step_recomputed(tmp_path, failure_free):
-    """Issue 26: node1's training process is made 4 x slower from step 5 (``--slow node1@5:4``: its agent stops and
-    continues it with real signals). Its own work per step (step time less its waits on peers) stays over 2 x the
-    other nodes' median for the window (1.5 s), the coordinator says so (``straggler_detected``), and node1 leaves
-    by a planned swap: a spare takes its ranks, no step recomputed, the parameters of the run that never slowed."""
+def test_stragglers_are_swapped_out_one_per_window_and_slowness_that_follows_the_ranks_is_reported(tmp_path,
+                                                                                                 failure_free):
+    """Issue 26, one 3 + 2 run (window 1 s, factor 2):
+
+    - node1 is made 4 x slower from step 3 (``--slow node1@3:4``: its agent stops and continues its training
+      process, real signals): a slow *node*;
+    - training rank 2 does more work per step than the others from the start (``trainfns:heavy_rank2``): slow
+      *work*, which follows rank 2 to whichever node holds it.
+
+    The coordinator finds each node whose own work per step (step time less its waits on peers) stays over 2 x the
+    other nodes' median for the window, one verdict per window: node1 and node2 are each swapped out by a planned swap
+    (0 steps recomputed); the spare that took rank 2 is then slow too, so that one is reported, not swapped back and
+    forth. The run ends with the failure-free run's parameters."""
     base = failure_free(nodes=3, steps=40)
-    cfg = RunConfig(nodes=3, spares=1, steps=40, run_dir=str(tmp_path / "straggler"),
-                    faults=[parse_fault("slow", "node1@5:4")], straggler_factor=2.0, straggler_window=1.5).validate()
+    cfg = RunConfig(nodes=3, spares=2, steps=40, run_dir=str(tmp_path / "straggler"), train_fn="trainfns:heavy_rank2",
+                    faults=[parse_fault("slow", "node1@3:4")], straggler_factor=2.0, straggler_window=1.0).validate()
     s = launch_reaped(cfg, 300)
     assert s["completed"] and s["param_digest"] == base["param_digest"], s
-    assert [(x["node"], x["action"]) for x in s["stragglers"]] == [(1, "swap")], s["stragglers"]
-    x = s["stragglers"][0]
-    assert x["ratio"] > 2.0 and x["slow_for_s"] >= 1.5 and x["own_s"] > 2 * x["median_s"], x
-    assert s["planned_swaps"] == 1 and len(s["failures"]) == 1, s["failures"]
-    f = s["failures"][0]
-    assert (f["kind"], f["outcome"], f["failed_nodes"], f["recomputed_steps"]) == ("slow", "planned swap", [1], 0), f
-    assert f["t_fault_source"] == "planned swap requested (straggler)" and "straggler: own work" in f["reason"], f
+    found = s["stragglers"]
+    assert all(x["ratio"] > 2.0 and x["slow_for_s"] >= 1.0 and x["own_s"] > 2 * x["median_s"] for x in found), found
+    swapped = sorted(x["node"] for x in found if x["action"] == "swap")
+    assert swapped == [1, 2], found
+    assert s["planned_swaps"] == 2 and len(s["failures"]) == 2, s["failures"]
+    assert all(f["outcome"] == "planned swap" and f["recomputed_steps"] == 0 for f in s["failures"]), s["failures"]
+    assert all(f["t_fault_source"] == "planned swap requested (straggler)" and "straggler: own work" in f["reason"]
+               for f in s["failures"]), s["failures"]
+    assert {f["kind"] for f in s["failures"]} == {"slow", "planned swap"}, s["failures"]   # node1's: the injected fault
     ev = list(read_events(os.path.join(cfg.run_dir, "events.jsonl")))
-    # the figures the coordinator judged: node1's own work per step far over the others', theirs alike
-    tables = [e["nodes"] for e in ev if e["event"] == "node_step_times" and e["generation"] == 0 and len(e["nodes"]) == 3]
-    assert tables and max(t["1"]["own_s"] / max(t["0"]["own_s"], t["2"]["own_s"]) for t in tables) > 2, tables
-    # the node that took node1's place trains at the others' speed: nothing more is swapped
-    after = [e["nodes"] for e in ev if e["event"] == "node_step_times" and e["generation"] == 1]
-    assert after and all("1" not in t for t in after), after
+    took_rank2 = [d["promoted"]["2"] for d in ev if d["event"] == "decision" and "2" in d.get("promoted", {})]
+    reported = [x for x in found if x["action"] == "report"]
+    assert len(took_rank2) == 1 and reported and {x["node"] for x in reported} == {took_rank2[0]}, (found, took_rank2)
+    assert all("follows the ranks' work" in x["why"] for x in reported), reported
+    assert len(reported) <= 2, reported   # once per generation (1 or 2 generations with rank 2 on that node)
+    # the verdicts came at least a window apart
+    t = sorted(e["t"] for e in ev if e["event"] == "straggler_detected")
+    assert all(b - a >= 1.0 for a, b in zip(t, t[1:])), t
 
 
 def test_a_swap_asked_during_the_last_steps_never_fails_the_run(tmp_path, failure_free):

@@ -28,7 +28,8 @@ def test_a_node_slow_for_the_whole_window_is_a_straggler_once_per_window():
     # count again: the next at t=27
     assert [(t, v.node) for t, v in verdicts] == [(16, 1), (27, 1)]
     v = verdicts[0][1]
-    assert v.median_s == pytest.approx(0.105) and v.ratio == pytest.approx(0.21 / 0.105) and v.slow_for_s == 10.0
+    # compared with the lower median of the others (0.10 and 0.11: the lower, 0.10)
+    assert v.median_s == pytest.approx(0.10) and v.ratio == pytest.approx(0.21 / 0.10) and v.slow_for_s == 10.0
     assert v.site is None
     assert v.ranks == (1,)
 
@@ -46,6 +47,24 @@ def test_noise_and_a_broken_run_of_slow_figures_are_not_a_straggler():
     for t in range(0, 60):   # every node 40 % noisy, none over 1.5 x the others' median for long
         figs = {n: 0.1 * (1.4 if (t + n) % 3 == 0 else 1.0) for n in range(3)}
         assert feed(j, float(t), figs) == []
+
+
+def test_two_slow_nodes_of_three_are_each_compared_with_the_healthy_one():
+    """A slow node and the spare that took a slow rank, beside one healthy node: the mean of the others would hide
+    both (0.25 against (0.06 + 0.26) / 2 = 0.16: 1.6 x); the lower median finds each (4 x), one per window."""
+    j = StragglerJudge(2.0, 1.5, interval=0.5)
+    found = [(t / 2, v.node) for t in range(20) for v in feed(j, t / 2, {0: 0.06, 1: 0.25, 3: 0.26})]
+    assert {n for _, n in found} == {1, 3} and found[0][0] == 1.5, found
+    assert all(b - a >= 1.5 for (a, _), (b, _) in zip(found, found[1:])), found
+
+
+def test_a_node_reported_is_not_reported_again_in_the_generation():
+    j = StragglerJudge(1.5, 2.0, interval=1.0)
+    first = [(t, v.node) for t in range(5) for v in feed(j, float(t), {0: 0.1, 1: 0.3, 2: 0.1})]
+    assert first == [(2, 1)]
+    j.mute(1)
+    assert [v for t in range(5, 20) for v in feed(j, float(t), {0: 0.1, 1: 0.3, 2: 0.1})] == []
+    assert [(t, v.node) for t in range(20, 25) for v in feed(j, float(t), {0: 0.1, 1: 0.3, 2: 0.1}, gen=1)] == [(22, 1)]
 
 
 def test_the_others_median_and_a_new_generation_start_afresh():

@@ -49,6 +49,27 @@ def paced(ctx) -> None:
     demo_train(ctx)
 
 
+def heavy_rank2(ctx) -> None:
+    """The demo, with training rank 2 doing more work in each step than the others: ``DEADPOOL_TEST_EXTRA_MM``
+    (default 400) products of 256 x 256 matrices before it, ~0.1-0.2 s on these cores (its own work, as a rank with
+    longer sequences or a bigger shard would; CPU work, not a sleep, so that a busy machine slows it as much as the
+    others' steps): slowness that follows the rank to whichever node holds it. The parameters are the demo's."""
+    n = int(os.environ.get("DEADPOOL_TEST_EXTRA_MM", "400"))
+    a = torch.full((256, 256), 1e-3)
+    run = ctx.run
+
+    def run_heavy(step_fn):
+        def step(s: int):
+            if ctx.rank == 2:
+                for _ in range(n):
+                    torch.mm(a, a)
+            return step_fn(s)
+        run(step)
+
+    ctx.run = run_heavy
+    demo_train(ctx)
+
+
 def big_mlp(ctx) -> None:
     """A 2-layer MLP whose ZeRO-1 state (parameter shard + 2 AdamW moments) is ``DEADPOOL_TEST_STATE_MB`` MB per
     rank (default 200): a real-size replica, with little compute per step."""

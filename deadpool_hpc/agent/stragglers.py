@@ -17,7 +17,10 @@ Three parts, one per process role:
   4,096 nodes and 5 s, ~800 small messages a second, which one thread serves).
 - ``StragglerJudge`` (pure logic, the coordinator): a node whose figure stays over ``factor`` x the *other* training
   nodes' median for ``window`` seconds, summary after summary, is a straggler. The other nodes' median, not the
-  job's: with two or three nodes the slow one would pull the job's median towards itself. A node's figure is the
+  job's: with two or three nodes the slow one would pull the job's median towards itself; and the *lower* median
+  (of an even count, the lower of the two middle figures), so that with three nodes of which two are slow (a slow
+  node and a slow rank's new node, seen in a test) each is compared with the healthy one, not with the mean of
+  the healthy one and the other slow one. A node's figure is the
   median of its last 3 summaries (one noisy interval neither makes nor breaks a straggler). A site's own signal, a
   detector plugin's ``Slow(factor, reason)`` (agent/health.py: DCGM clocks, a NIC's negotiated speed), rides in the
   node's summary and is judged by the same rules (the larger of it and the own-work ratio). Figures of an older
@@ -25,7 +28,7 @@ Three parts, one per process role:
 - ``Stragglers`` (the wiring, every agent): the coordinator logs ``straggler_detected`` with the figures and what it
   does. ``swap`` (``--straggler-action``, the default): with replication on and a spare free, it tells the node,
   whose agent asks for a planned swap as a detector would (detector ``straggler``): 0 steps recomputed, bitwise
-  equal; else the event only (``action: report`` and why). A node swapped out leaves the job for good (it is
+  equal; else the event only (``action: report`` and why), once per node and generation. A node swapped out leaves the job for good (it is
   fenced: quarantined, never a spare again). Hysteresis: when the node that took a straggler's ranks is found slow
   too, the slowness follows the ranks' work (their data, their shard), not the node, and it is reported, not swapped
   again.
@@ -55,7 +58,7 @@ def interval_for(window: float) -> float:
 
 @dataclass(frozen=True)
 class Verdict:
-    """A straggler found: ``node``; its own work per step ``own_s`` and the other nodes' median ``median_s``
+    """A straggler found: ``node``; its own work per step ``own_s`` and the other nodes' (lower) median ``median_s``
     (seconds); ``ratio``: the larger of own_s / median_s and the site's figure (``site``: a detector's ``Slow``
     factor and reason, or None); ``slow_for_s``: seconds it has been over the factor; ``ranks``: the training ranks
     it holds."""
@@ -87,7 +90,13 @@ class StragglerJudge:
         self.figures: dict[int, tuple] = {}     # node -> (t, own_s, step_s, ranks): own_s smoothed
         self.recent: dict[int, list] = {}       # node -> its last SMOOTH own_s figures
         self.slow_since: dict[int, float] = {}  # node -> first summary over the factor, in an unbroken run
+        self.muted: set[int] = set()            # nodes reported already in this generation (``mute``)
         self.last_verdict = float("-inf")
+
+    def mute(self, node: int) -> None:
+        """No further verdict on ``node`` in this generation (it was reported, and nothing can be done: saying so
+        again every window would only fill the log); its figures still count as the others' reference."""
+        self.muted.add(node)
 
     def add(self, node: int, generation: int, own_s: float, step_s: float, ranks: tuple, now: float,
             site: tuple | None = None):
@@ -95,6 +104,7 @@ class StragglerJudge:
             return None
         if generation > self.generation:   # a recovery: the layout changed, judge afresh
             self.generation, self.figures, self.recent, self.slow_since = generation, {}, {}, {}
+            self.muted = set()
         last = self.recent.setdefault(node, [])
         last.append(float(own_s))
         del last[:-SMOOTH]
@@ -102,9 +112,9 @@ class StragglerJudge:
         self.figures[node] = (now, own_s, float(step_s), tuple(ranks))
         others = [f[1] for n, f in self.figures.items()
                   if n != node and now - f[0] <= STALE_INTERVALS * self.interval]
-        if not others and site is None:
+        if (not others and site is None) or node in self.muted:
             return None
-        median = statistics.median(others) if others else 0.0
+        median = sorted(others)[(len(others) - 1) // 2] if others else 0.0   # the lower median
         ratio = own_s / median if median > 0 else 1.0
         ratio = max(ratio, float(site[0])) if site is not None else ratio
         if ratio <= self.factor:
@@ -248,6 +258,8 @@ class Stragglers:
         elif not [n for n in cp.spare_nodes if not cp.peers.is_suspected(n)]:
             why = "no spare node left"
         action = "report" if why else "swap"
+        if action == "report":
+            self.judge.mute(v.node)   # said once per generation
         a.log.emit("straggler_detected", node=v.node, generation=cp.generation, ratio=round(v.ratio, 3),
                    own_s=round(v.own_s, 5), median_s=round(v.median_s, 5), slow_for_s=round(v.slow_for_s, 2),
                    factor=self.judge.factor, window_s=self.judge.window, ranks=list(v.ranks), action=action, why=why,
