@@ -51,10 +51,10 @@ def paced(ctx) -> None:
 
 def heavy_rank2(ctx) -> None:
     """The demo, with training rank 2 doing more work in each step than the others: ``DEADPOOL_TEST_EXTRA_MM``
-    (default 400) products of 256 x 256 matrices before it, ~0.1-0.2 s on these cores (its own work, as a rank with
+    (default 600) products of 256 x 256 matrices before it, ~0.15-0.3 s on these cores (its own work, as a rank with
     longer sequences or a bigger shard would; CPU work, not a sleep, so that a busy machine slows it as much as the
     others' steps): slowness that follows the rank to whichever node holds it. The parameters are the demo's."""
-    n = int(os.environ.get("DEADPOOL_TEST_EXTRA_MM", "400"))
+    n = int(os.environ.get("DEADPOOL_TEST_EXTRA_MM", "600"))
     a = torch.full((256, 256), 1e-3)
     run = ctx.run
 
