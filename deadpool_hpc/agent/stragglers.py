@@ -28,8 +28,8 @@ Three parts, one per process role:
 - ``Stragglers`` (the wiring, every agent): the coordinator logs ``straggler_detected`` with the figures and what it
   does. ``swap`` (``--straggler-action``, the default): with replication on and a spare free, it tells the node,
   whose agent asks for a planned swap as a detector would (detector ``straggler``): 0 steps recomputed, bitwise
-  equal; else the event only (``action: report`` and why), once per node and generation. A node swapped out leaves the job for good (it is
-  fenced: quarantined, never a spare again). Hysteresis: when the node that took a straggler's ranks is found slow
+  equal; else the event only (``action: report`` and why), once per node and generation. A node swapped out leaves
+  the job for good (it is fenced: quarantined, never a spare again). Hysteresis: when the node that took a straggler's ranks is found slow
   too, the slowness follows the ranks' work (their data, their shard), not the node, and it is reported, not swapped
   again.
 

@@ -63,8 +63,8 @@ class LiveView:
             elif kind == "straggler_detected":
                 if e["action"] == "swap":
                     self.stragglers.add(e["node"])
-                self._note(f"  straggler: node{e['node']}'s own work {e['own_s'] * 1e3:.1f} ms/step, {e['ratio']:.2f} x "
-                           f"the others' median for {e['slow_for_s']:.0f} s: "
+                self._note(f"  straggler: node{e['node']}'s own work {e['own_s'] * 1e3:.1f} ms/step, "
+                           f"{e['ratio']:.2f} x the others' median for {e['slow_for_s']:.0f} s: "
                            + ("planned swap" if e["action"] == "swap" else f"reported only ({e['why']})"), "yellow")
             elif kind == "hang_detected":
                 self._note(f"  node{e.get('node')}: training thread stuck for {e['stuck_s']:.1f} s at {e['where']}: "
