@@ -64,14 +64,14 @@ def _planned_swap(tmp_path, act, reference_digest, label, spares=1, extra=()):
 def test_a_drained_node_and_a_straggler_are_swapped_out_with_no_step_recomputed(tmp_path, slurm_cluster,
                                                                                  reference_digest):
     """Two planned swaps in one job (2 active + 2 spare nodes): MPI rank 1's node drained at step 25 (the
-    slurm-health plugin); then, from step 45, MPI rank 0's emulated node made 4 x slower (``--slow node0@45:4``,
+    slurm-health plugin); then, from step 45, MPI rank 0's emulated node made 8 x slower (``--slow node0@45:8``,
     issue 26): the straggler check finds it (own work per step over 2 x the other node's for 2 s) and swaps it out."""
     def drain(node, _job):
         subprocess.run(["scontrol", "update", f"nodename={node}", "state=drain", "reason=ECC errors (test)"],
                        check=True, timeout=30)
 
     _, run_dir, s = _planned_swap(tmp_path, drain, reference_digest, "planned-swap-drain", spares=2,
-                                  extra=("--slow", "node0@45:4", "--straggler-window", "2", "--straggler-factor", "2"))
+                                  extra=("--slow", "node0@45:8", "--straggler-window", "2", "--straggler-factor", "2"))
     f, slow = s["failures"]
     assert "DRAIN" in f["reason"] and "ECC errors (test)" in f["reason"], f
     assert f["t_fault_source"] == "planned swap requested (slurm-health)", f
