@@ -8,7 +8,15 @@ The demo's model, data and optimizer (deadpool_hpc.train: micro GPT, Shakespeare
 defaults), DistributedDataParallel over gloo on CPU, 3 ranks under ``torchrun --standalone --nproc-per-node 3
 --max-restarts 100000``. Every C steps the ranks save a torch.distributed.checkpoint (model, optimizer, scheduler, step,
 each rank's torch RNG) into RUN/ckpt/.tmp-STEP; rank 0 renames it to RUN/ckpt/step-STEP once ``dcp.save`` has returned,
-so a checkpoint half written is never loaded; at start the ranks load the newest step-*.
+so a checkpoint half written is never loaded; at start the ranks load the newest step-*. torchrun runs with
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with torch 2.13's default (the agent's TCPStore, kept across restarts) a
+restarted group reads the previous launch's gloo addresses and fails to connect or hangs (pytorch/pytorch#135712).
+
+Resumed != failure-free with DDP's defaults, though model, optimizer, scheduler, step and RNG come back exactly: DDP
+rebuilds its gradient buckets (gradient-ready order) after the first step of every launch, so that step reduces with
+the initial buckets where the failure-free run used rebuilt ones, gloo's ring sums an element in an order set by its
+offset in the bucket, and the rounding differs (~1e-8 after one step; training then drifts apart). --buckets fixed
+(find_unused_parameters=True: never rebuilt, as torchft's DDP does) makes the resumed run bitwise equal.
 
 1. Calibration: a failure-free run of 60 steps, a checkpoint every 10: step time t, checkpoint time d.
 2. Per MTBF S: C = round(sqrt(2 d S) / t) steps (Young/Daly), unless --every. The job runs M minutes (from its first
@@ -23,8 +31,8 @@ steps left out), so a load change on a shared machine between runs does not coun
 T_ref(N) / wall, T_ref(N) the failure-free run's time to step N. lost/fault: (wall - N t' - floor(N/C) d') / faults,
 d' the run's median checkpoint time. restart: fault -> first step of the launch it caused (median). redone: steps
 run that did not count, per fault. ckpt ovh: 1 + d'/(C t'); (ref): T_ckpt(N) / T_ref(N), two failure-free runs.
-equal: final parameters vs the reference's at step N, else the largest |difference|. With DDP's defaults they
-differ: see --buckets. Driver and ranks exchange text, JSON and .npy files (no pickle).
+equal: final parameters vs the reference's at step N, else the largest |difference|. Driver and ranks exchange
+text, JSON and .npy files (no pickle).
 """
 from __future__ import annotations
 
@@ -65,11 +73,7 @@ def worker(a) -> None:
     cfg = DemoConfig()
     torch.manual_seed(cfg.seed)
     gpt = GPT(GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, d_model=cfg.d_model, context=cfg.context))
-    # DDP rebuilds its gradient buckets (in gradient-ready order) after its first step, so the first step of every
-    # launch reduces with other buckets than the failure-free run does there: gloo's ring sums each element in an order
-    # set by its offset in the bucket, the rounding differs. --buckets fixed: find_unused_parameters=True, under which
-    # the reducer never rebuilds them (torchft's DDP does the same)
-    model = DDP(gpt, find_unused_parameters=a.buckets == "fixed")
+    model = DDP(gpt, find_unused_parameters=a.buckets == "fixed")   # fixed: buckets never rebuilt (see the docstring)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = max(1, cfg.warmup_steps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
