@@ -46,6 +46,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from restart_baseline import children, target  # benchmarks/: the same /proc helpers
+
 G = 3
 
 
@@ -100,26 +102,6 @@ def worker(a) -> None:
     log.close()
     manager.shutdown(wait=False)
     os._exit(0)
-
-
-def stat(pid) -> list:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return []
-
-
-def children(parent: int) -> set:
-    return {int(p) for p in os.listdir("/proc") if p.isdigit() and stat(p)[1:2] == [str(parent)]}
-
-
-def target(path: Path, parent: int, dead: set):
-    try:
-        pid = int(path.read_text())
-    except (OSError, ValueError):
-        return None
-    f = stat(pid)
-    return pid if f and f[0] != "Z" and int(f[1]) == parent and pid not in dead else None
 
 
 def read(run: Path) -> list:
