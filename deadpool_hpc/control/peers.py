@@ -6,8 +6,11 @@ successors (default 2) and sends a heartbeat datagram every ``period`` seconds t
 agents that watch it, so an agent's cost does not grow with the job. A watched peer silent for ``deadline``
 seconds is *suspected* (a crash and a freeze look the same; a crash is usually seen earlier, through the ring
 watch's closed socket, agent/watch.py). The agent that suspects a peer starts a ``suspect`` notice that reaches
-every live agent along a binomial tree (N - 1 messages, O(log N) hops). A suspected peer is never trusted again:
-its messages are dropped (it is fenced by the recovery).
+every live agent along a binomial tree (N - 1 messages, O(log N) hops). A suspected peer is not trusted again: its
+messages are dropped (it is fenced by the recovery), with one exception (issue 27): an agent that declared its own
+node failed and lives on to return to the spare pool (``returning``, agent/comeback.py) may still send ``rejoin``,
+and only the decision of the lowest live agent (``readmit``, control/membership.py) makes it a peer again. MPI keeps
+the order of one sender's messages, so nothing it sent before its failure arrives after its ``rejoin``.
 
 Control messages (suspicions, teardowns, agreement, the rendezvous store's keys) travel over MPI point-to-point
 (``Isend`` + ``Improbe`` on its own duplicate of COMM_WORLD), never a collective, so a dead or frozen peer can
@@ -79,6 +82,7 @@ class Peers(threading.Thread):
         self.on_preempt = None              # on_preempt(source_rank): called from this thread, once
         self.on_inject = None               # on_inject(body): a fault to fire on this process (faults.py)
         self.fenced: str | None = None      # why the others declared this process failed (it must stop)
+        self.returning: dict[int, float] = {}  # suspected agents that declared their own failure and live on to return
         self.inbox: queue.Queue = queue.Queue()
         self.last_suspicion = 0.0
         self.generation = 0
@@ -119,6 +123,36 @@ class Peers(threading.Thread):
     def is_suspected(self, rank: int) -> bool:
         with self.lock:
             return rank in self.suspected
+
+    def readmit(self, rank: int) -> None:
+        """Trust ``rank`` again: an agent back in the spare pool (control/membership.py). It gets a full heartbeat
+        deadline from now."""
+        with self.lock:
+            self.suspected.pop(rank, None)
+            self.returning.pop(rank, None)
+            self._alive = None
+            self._topology_dirty = True
+            self._last_seen[rank] = time.monotonic()
+
+    def rejoined(self, suspected) -> None:
+        """(the returning agent) This agent is a peer again: take the readmitting agent's ``suspected`` ranks as its
+        own view, forget the ``fenced`` notices its failure drew, and watch heartbeats again."""
+        now = time.monotonic()
+        with self.lock:
+            self.suspected = {int(r): time.time() for r in suspected if int(r) != self.me}
+            self.returning.clear()
+            self._alive = None
+            self._topology_dirty = True
+            for p in self._last_seen:
+                self._last_seen[p] = now
+            self.fenced = None
+        self._watch = True
+        self.failure.clear()
+
+    def send_to_suspect(self, rank: int, kind: str, body: dict) -> None:
+        """Send to a suspected agent (a returning one: ``rejoin``'s answers, the end of the run)."""
+        self._outbox.append((rank, np.frombuffer(wire.encode(kind, body, self.secret), dtype=np.uint8).copy(), True))
+        self._wake.set()
 
     # ---- sending -----------------------------------------------------------------------
     def send(self, dest: int, kind: str, body: dict) -> None:
@@ -353,12 +387,18 @@ class Peers(threading.Thread):
         self.watched = watched
 
     def _handle(self, src: int, buf, n: int, now: float) -> None:
-        if self.is_suspected(src):
+        suspected = self.is_suspected(src)
+        if suspected and src not in self.returning:
             return  # fenced: never trusted again
         try:
             kind, body = wire.decode(buf, n, self.secret)
         except wire.WireError:
             self._rejected += 1
+            return
+        if suspected:   # a returning agent: its request to come back, nothing else
+            if kind == "rejoin":
+                self.inbox.put((kind, src, body))
+                self._notice()
             return
         self._last_seen[src] = now
         self.received += 1
@@ -379,6 +419,10 @@ class Peers(threading.Thread):
             body.setdefault("origin", src)
             if kind == "suspect" or int(body.get("g", -1)) >= self.generation:  # a stale teardown tells nothing
                 self.notice_g = max(self.notice_g, self.generation)
+            if kind == "suspect" and body.get("returning") and [int(r) for r in body.get("ranks", [])] == \
+                    [int(body["origin"])]:
+                with self.lock:   # (before the suspicion: _handle then lets its rejoin through)
+                    self.returning[int(body["origin"])] = time.time()
             if kind == "suspect":  # first: the forwarding below skips the newly suspected
                 for r in body.get("ranks", []):
                     self.suspect(int(r), f"reported by MPI rank {body['origin']} (via {src}): {body.get('reason', '')}",

@@ -43,6 +43,7 @@ from ..errors import Fenced, JobAborted, PeerFailure, RecoveryTimeout, RunFinish
 from ..process import fence as fencing
 from .agreement import decide
 from .decision import Decision, RoundFailure, decision_from_wire, from_int_runs, int_runs
+from .membership import Readmit, apply_pending, on_readmit, spares_of
 from .mpi import import_mpi, unlink_mpi_shm
 from .peers import Peers
 from .waker import Waker
@@ -119,6 +120,8 @@ class ControlPlane:
         self._abort: dict | None = None
         self.first_suspicion: float | None = None
         self.on_member_lost = None  # on_member_lost(): a member of the current generation was suspected (any thread)
+        self.pending_readmits: list = []   # Readmit messages of a generation not applied here yet (membership.py)
+        self.readmitted = None             # the Readmit that brought this agent back into the spare pool
         log.emit("hello", mpi_rank=self.me, node=self.me, role="agent", **self.idents[self.me])
         self.peers = Peers(self.ctrl, secret, period, deadline, waker=self.waker,
                            wake_addresses=[ident["wake"] for ident in self.idents],
@@ -198,11 +201,13 @@ class ControlPlane:
         if source == self.me:  # the processes that got the signal say so; the others just follow
             self.log.emit("preempt_requested", generation=self.generation, signal=getattr(self.peers, "preempt_by", None))
 
-    def declare_failed(self, reason: str, last_heard: float | None = None) -> None:
+    def declare_failed(self, reason: str, last_heard: float | None = None, returning: bool = False) -> None:
         """This node failed (a training process exited or froze, its supervisor saw it): tell every live agent now,
         so they recover in milliseconds instead of after a heartbeat deadline, and wait (at most 1 s) for the
-        notices to leave. The caller then ends its training processes and itself."""
-        self.peers.disseminate("suspect", {"ranks": [self.me], "reason": reason,
+        notices to leave. The caller then ends its training processes and itself; or, ``returning`` (it ended them
+        already), lives on to ask for its return to the spare pool (agent/comeback.py): the others then leave its
+        agent alive (no fencing by pid) and let its ``rejoin`` through."""
+        self.peers.disseminate("suspect", {"ranks": [self.me], "reason": reason, "returning": returning,
                                            "last_heard": time.time() if last_heard is None else last_heard})
         self.wait_sends(1.0)
 
@@ -231,6 +236,12 @@ class ControlPlane:
                 self._decisions[d.generation] = (src if d.coordinator is None else d.coordinator, d)
             elif kind == "sync":
                 self._sync.setdefault(body["tag"], set()).add(src)
+            elif kind == Readmit.KIND:   # a node back in the spare pool (control/membership.py)
+                msg = Readmit.from_wire(body)
+                if msg.node == self.me:
+                    self.readmitted = msg   # (agent/comeback.py takes it)
+                else:
+                    on_readmit(self, msg)
             elif kind == "finish":
                 self._finish = body
             elif kind == "abort":
@@ -249,14 +260,23 @@ class ControlPlane:
         return self._finish
 
     def finish(self, body: dict) -> None:
-        """Tell every live process the run is over (they exit without recovering)."""
+        """Tell every live process the run is over (they exit without recovering), and every returning one."""
         self.peers.stop_watching()
         self.peers.broadcast("finish", body)
+        self.tell_returning("finish", body)
         self._finish = body
 
     def abort(self, error: str) -> None:
         self.peers.stop_watching()
         self.peers.broadcast("abort", {"error": error, "mpi_rank": self.me})
+        self.tell_returning("abort", {"error": error, "mpi_rank": self.me})
+
+    def tell_returning(self, kind: str, body: dict) -> None:
+        """Send to every agent on its way back to the spare pool (it is still suspected: no broadcast reaches it)."""
+        with self.peers.lock:
+            back = list(self.peers.returning)
+        for n in back:
+            self.peers.send_to_suspect(n, kind, body)
 
     def wait_sends(self, timeout: float = 2.0) -> None:
         """Give queued sends a moment to leave before the process exits."""
@@ -391,12 +411,14 @@ class ControlPlane:
         g = view["applied"] + 1
         P = self.P
         assignment = list(from_int_runs(view["assignment"], "a recovery report's assignment"))
-        in_job = set(assignment) | {n * P + i for n in view["spare_nodes"] for i in range(P)}
+        # a spare readmitted (control/membership.py) after some reports' view was taken is a spare all the same
+        spare_nodes = spares_of(view["spare_nodes"], alive, assignment, P)
+        in_job = set(assignment) | {n * P + i for n in spare_nodes for i in range(P)}
         failed = {m for n in range(self.size) if self.peers.is_suspected(n) for m in self.procs(n) if m in in_job}
         reports = {int(m): rep for n in alive for m, rep in ready[n]["report"].items()}
         try:
             decision = decide(generation=g, ranks_per_node=P, assignment=assignment,
-                              spare_nodes=view["spare_nodes"], failed=failed, reports=reports,
+                              spare_nodes=spare_nodes, failed=failed, reports=reports,
                               preempt=self.peers.preempted.is_set(), replicas=self.replicas)
         except Exception as exc:  # tell everybody, then raise the same error everywhere
             decision = RoundFailure(generation=g, error=type(exc).__name__, message=str(exc),
@@ -420,11 +442,13 @@ class ControlPlane:
         self.members = list(decision.members)  # first: fencing the failed below is no loss of a member
         for n in sorted({m // self.P for m in decision.fenced}):
             self.peers.suspect(n, "fenced by decision", notify=False)
-            fencing.fence(self.idents[n])
+            if n not in self.peers.returning:   # a returning agent ended its processes itself, and lives on
+                fencing.fence(self.idents[n])
         self.coordinator = decision.coordinator
         self.generation = g
         self.peers.generation = g
         self.first_suspicion = None
+        apply_pending(self)   # nodes readmitted to this generation before its decision reached us
         self.peers.failure.clear()
         # a suspicion raised after the decision belongs to the next round (a preemption waits for the next
         # step boundary: Context._one_step)
