@@ -202,6 +202,13 @@ class RunConfig:
     straggler_factor: float = 1.5
     straggler_window: float = 60.0
     straggler_action: str = "swap"
+    # spares that come back (agent/comeback.py, issue 27): a node whose training processes failed (an exit, a hang)
+    # while its agent lives on ends them, checks itself (the detectors, --health-check within health_check_timeout
+    # seconds) and returns to the spare pool for the next generation; one that fails its check, or fails again within
+    # ``quarantine`` seconds of its return, stays out. False: a failed node leaves the job for good
+    spare_return: bool = True
+    quarantine: float = 300.0
+    health_check_timeout: float = 60.0
     rendezvous_timeout: float = 10.0 # joining a generation's process group (store connect + gloo full mesh)
     # MPI start-up, a training process's import and model build, and the first collectives: a training process not up
     # by then is a failure of its node (cause "startup_timeout"); an agent lost inside MPI_Init ends the run
@@ -303,6 +310,14 @@ class RunConfig:
         need(isinstance(self.straggler_window, (int, float)) and math.isfinite(self.straggler_window)
              and self.straggler_window > 0,
              f"--straggler-window {self.straggler_window!r}: accepted: seconds > 0 (how long a node must stay slow)")
+        need(isinstance(self.spare_return, bool), f"spare_return {self.spare_return!r}: accepted: True or False")
+        need(isinstance(self.quarantine, (int, float)) and math.isfinite(self.quarantine) and self.quarantine >= 0,
+             f"--quarantine {self.quarantine!r}: accepted: seconds >= 0 (a node that fails again this soon after its "
+             f"return stays out; 0: never quarantined for that)")
+        need(isinstance(self.health_check_timeout, (int, float)) and math.isfinite(self.health_check_timeout)
+             and self.health_check_timeout > 0,
+             f"--health-check-timeout {self.health_check_timeout!r}: accepted: seconds > 0 (a returning node's "
+             f"--health-check still running then is killed and counts as unhealthy)")
         need(self.straggler_action in STRAGGLER_ACTIONS,
              f"--straggler-action {self.straggler_action!r}: accepted: {', '.join(STRAGGLER_ACTIONS)}")
         need(isinstance(self.persist_every, (int, float)) and math.isfinite(self.persist_every)

@@ -42,10 +42,14 @@ class SnapshotDesk:
 
     def attach(self, local: int, rep) -> None:
         """Make this desk the agent's one owner of local rank ``local``'s protocol: ``rep`` (its Replicator, already
-        in ``reps``) stores the committed word on the rank's progress page once every holder acknowledged a
+        in ``reps``) stores the committed word on the rank's (current) progress page once every holder acknowledged a
         snapshot (``Replicator.on_commit``: called under its lock, so a store and nothing more)."""
         page = self.progress(local)
         rep.on_commit = lambda generation, step: page.put(page.COMMITTED, generation, step)
+        with self._lock:   # a new process of the rank (a node back in the spare pool): a new page, nothing seen
+            for word in (page.CLAIM, page.WRITTEN):
+                self._seen.pop((local, word), None)
+            self.pending.pop(local, None)
 
     def _run(self) -> None:
         while not self._closed:

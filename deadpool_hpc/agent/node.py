@@ -26,11 +26,12 @@ import os
 import signal
 import time
 
-from ..errors import STARTUP_FAILED_EXIT, Fenced
+from ..errors import STARTUP_FAILED_EXIT, Fenced, Returning
 from ..ipc.messages import Finish, Left, RoundFailed, Spare, Train, View
 from ..ipc.shm import Doorbell
 from ..placement import held_by, holders_of
 from ..rundir import RunDir, latest_checkpoint
+from .comeback import Comeback
 from .desk import SnapshotDesk
 from .persister import Persister
 from .planned import PlannedSwaps
@@ -65,7 +66,8 @@ class NodeAgent:
         self.P = cfg.ranks_per_node
         self.node = cp.me
         self.reps: dict = {}               # local -> Replicator (once the training process sent its layout)
-        self.layouts: dict = {}            # local -> StateLayout
+        self.layouts: dict = {}            # local -> StateLayout (of its current process, once it sent it)
+        self.layouts_seen: dict = {}       # local -> StateLayout of its first process (a returned node's are equal)
         self.bufs: dict = {}               # local -> [SharedBuffer, SharedBuffer]
         self.committed_seen: dict = {}     # local -> last committed step seen (training makes progress)
         self.health = None                 # agent/health.py HealthWatch: detectors asking for a planned swap
@@ -86,6 +88,7 @@ class NodeAgent:
         self.persister = Persister(self)   # agent/persister.py: every --persist-every s, the snapshots to disk
         self.speed = SpeedCheck(cp, channel, self.P, log, cfg.preflight_factor)   # agent/preflight.py
         self.stragglers = Stragglers(cp, self)   # agent/stragglers.py: each node's own work per step, judged job-wide
+        self.comeback = Comeback(self)     # agent/comeback.py: after its training processes failed, back as a spare
         self._next_spare_check = float("inf")
         # an idle spare's link re-checks (_ask_spare_link): how many, the one under way, the training nodes whose
         # all-reduce with it failed since the last that passed; a training node's: each spare's last re-check's keys
@@ -98,6 +101,17 @@ class NodeAgent:
         if self.resume is not None:
             self.cp.generation = self.peers.generation = self.resume["generation"] + 1
         self._start()
+        while self.state not in ("done", "saved"):
+            try:
+                self._serve()
+            except Returning as exc:   # its training processes failed, its agent lives on (agent/comeback.py)
+                self.comeback.come_back(exc)
+        if self.state == "saved":   # the members leave for a requeue: so does a node on its way back
+            self.cp.tell_returning("over", {"code": self.exit_code})
+        return self.exit_code
+
+    def _serve(self) -> None:
+        """The loop of ``run`` until the run ends for this node; raises Returning (``node_failed``)."""
         while self.state not in ("done", "saved"):
             # a local message, a training process's exit (its socket closes), a control message or a suspicion
             # (the heartbeat thread wakes the channel) end the wait at once; the rest (ring-watch connections,
@@ -119,7 +133,6 @@ class NodeAgent:
                 self.cp.failure.set()  # Slurm's warning (SIGUSR2/SIGTERM): agree on a cut, save it, requeue
             if self.cp.failure.is_set() or self.recovery.wanted():
                 self.recovery.run()
-        return self.exit_code
 
     def tick(self, timeout: float = 0.0) -> None:
         """One pass over every source of events; returns within about ``timeout`` seconds."""
@@ -192,6 +205,36 @@ class NodeAgent:
                 Train(self.view(), r, self.cfg.world_size, self.recovery.high_water, self.resume)
             self.send_role(local, role)
         self.state = "training" if self.cp.train_rank(0) is not None else "spare"
+
+    def restart_as_spare(self) -> None:
+        """(agent/comeback.py) Readmitted: forget the failed processes' state, start fresh ones and make them spares
+        of the current generation. A process that fails to come up is this node's failure, as at the start-up."""
+        self.layouts.clear()
+        self.written.clear()
+        self.committed_seen.clear()
+        rec = self.recovery
+        rec.left, rec.round_failed, rec.failed_rounds = {}, False, 0
+        self.desk.drop_pending()
+        self.persister.quiesce()
+        self.swaps = PlannedSwaps(self.cp, self)
+        self.stragglers = Stragglers(self.cp, self)
+        self.rendezvous = Rendezvous(self.cp)
+        self._link_asked, self._link_failed_with, self._link_asks_from = None, {}, {}
+        self.sup.restart()
+        deadline = time.monotonic() + self.cfg.startup_timeout
+        while len(self.layouts) < self.P:
+            self.tick(0.01)
+            if time.monotonic() > deadline:
+                late = [lo for lo in range(self.P) if lo not in self.layouts]
+                self.node_failed(f"training process(es) {late} of the returned node did not reach ctx.run within "
+                                 f"{self.cfg.startup_timeout:.0f} s (--startup-timeout)", cause="startup_timeout")
+        self._next_spare_check = time.monotonic() + self.cfg.spare_check_every
+        self.retarget_watch()
+        self.rendezvous.open(self.cp.generation)
+        for local in range(self.P):
+            self.configure(local)
+            self.send_role(local, Spare(self.view()))
+        self.state = "spare"
 
     def _checked(self) -> bool:
         """Whether the site's health check (agent/preflight.py) is done and passed; one that failed fails the node."""
@@ -346,9 +389,19 @@ class NodeAgent:
         layout = StateLayout(body["tensors"], int(body["rng_nbytes"]), int(body.get("local_nbytes", 0)))
         if layout.nbytes != nbytes:
             raise ValueError(f"training process {local} sent a layout of {layout.nbytes} bytes but asked for {nbytes}")
+        if local in self.reps:   # a fresh process of a node back in the spare pool: its slots and server are kept
+            old = self.layouts_seen[local]
+            shape = lambda x: (x.dtype_names, [list(d) for d in x.shapes], x.rng_nbytes, x.local_nbytes)  # noqa: E731
+            if shape(old) != shape(layout) or len(self.bufs[local]) != int(body.get("count", 2)):
+                raise ValueError(f"training process {local} of the returned node sent another layout than before")
+            self.layouts[local] = old
+            self.desk.attach(local, self.reps[local])   # its committed word goes to the new process's page
+            self.channel.send(local, "slots", {"nbytes": nbytes, "count": len(self.bufs[local]), "bell": True},
+                              fds=[b.fd for b in self.bufs[local]] + [self.desk.bell.fd])
+            return
         bufs = [SharedBuffer.create(nbytes, name=f"deadpool-slot{local}") for _ in range(int(body.get("count", 2)))]
         self.bufs[local] = bufs
-        self.layouts[local] = layout
+        self.layouts[local] = self.layouts_seen[local] = layout
         self.reps[local] = Replicator(self.cp.secret, layout, self.log, sock=self.listeners[local],
                                       transport=self.transport,
                                       timeout=self.cfg.collective_timeout, own=slot_pair(bufs))
@@ -408,9 +461,16 @@ class NodeAgent:
     # ---- failures --------------------------------------------------------------------------------------------
     def node_failed(self, reason: str, cause: str = "other") -> None:
         """A training process of this node exited or froze: the node is lost (spares are nodes). Tell every agent,
-        end the node's processes, and leave (raises Fenced, which ends the agent with exit 1)."""
+        end the node's processes, and leave (raises Fenced, which ends the agent with exit 1); or, when the node may
+        come back (agent/comeback.py: an exit or a hang past the start-up), end them first and raise Returning."""
         self.log.emit("node_failed", reason=reason, cause=cause, generation=self.cp.generation)
         self.log.sync()
+        if self.comeback.allowed(cause):
+            self.sup.kill_all(1.0)   # first: nothing of this node acts once the others go on without it
+            for rep in self.reps.values():
+                rep.quiesce()
+            self.cp.declare_failed(reason, returning=True)
+            raise Returning(reason, cause)
         self.cp.declare_failed(reason)
         self.sup.kill_all(1.0)
         self.state = "done"

@@ -77,6 +77,18 @@ class Supervisor:
             self._by_fd[fd] = local
             self._poll.register(fd, select.POLLIN)
 
+    def restart(self) -> None:
+        """Start fresh training processes after every one of the previous ones was killed and reaped (a node back
+        in the spare pool, agent/comeback.py); their exits are forgotten."""
+        for fd, _local in list(self._by_fd.items()):
+            self._poll.unregister(fd)
+            os.close(fd)
+        self._by_fd.clear()
+        self._pidfds.clear()
+        self.procs.clear()
+        self.exited.clear()
+        self.start()
+
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs.values()]

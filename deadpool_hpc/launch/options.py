@@ -90,6 +90,15 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--straggler-action", choices=("swap", "report", "off"), default=d.straggler_action,
                    help="swap: a straggler is taken out by a planned swap when a spare is free (0 steps recomputed), "
                         "else reported; report: the event only; off: not measured (default swap)")
+    p.add_argument("--no-spare-return", action="store_true",
+                   help="a node whose training processes failed leaves the job for good (default: its agent, alive, "
+                        "ends them, checks the node and returns it to the spare pool for the next generation)")
+    p.add_argument("--quarantine", type=float, default=d.quarantine, metavar="SECONDS",
+                   help="a node that fails again within SECONDS of its return to the spare pool stays out "
+                        f"(default {d.quarantine:g}; 0: never for that reason)")
+    p.add_argument("--health-check-timeout", type=float, default=d.health_check_timeout, metavar="SECONDS",
+                   help="a returning node's --health-check still running after SECONDS is killed and the node stays "
+                        f"out (default {d.health_check_timeout:g})")
     p.add_argument("--summary", metavar="PATH", help="write the run summary JSON here")
     p.add_argument("--run-dir", default=d.run_dir, help="event log, config and logs of the run")
     p.add_argument("--train-arg", action="append", default=[], metavar="KEY=VALUE",
@@ -166,6 +175,7 @@ def config_from_args(a) -> RunConfig:
                      persist_every=a.persist_every, health_check=a.health_check,
                      preflight_factor=a.preflight_factor, spare_check_every=a.spare_check_every,
                      straggler_factor=a.straggler_factor, straggler_window=a.straggler_window,
-                     straggler_action=a.straggler_action,
+                     straggler_action=a.straggler_action, spare_return=not a.no_spare_return,
+                     quarantine=a.quarantine, health_check_timeout=a.health_check_timeout,
                      replicate=not a.no_replicate, requeue=a.requeue, fork_server=not a.no_fork_server,
                      run_dir=a.run_dir, summary_path=a.summary, log_every=a.log_every, train_fn=a.train_fn).validate()

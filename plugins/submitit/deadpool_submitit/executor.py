@@ -97,6 +97,12 @@ RUN_PARAMETERS: tp.Dict[str, tp.Tuple[tp.Callable[[tp.Any], bool], str]] = {
     "straggler_window": (lambda v: _is_seconds(v) and v > 0, "seconds > 0 (how long a straggler stays slow)"),
     "straggler_action": (lambda v: v in ("swap", "report", "off"), "'swap', 'report' or 'off' (what is done with a "
                                                                    "straggler)"),
+    "spare_return": (lambda v: isinstance(v, bool), "True or False (a node whose training processes failed returns to "
+                                                    "the spare pool once it passed its checks)"),
+    "quarantine": (lambda v: _is_seconds(v) and v >= 0, "seconds >= 0 (a node failing again this soon after its "
+                                                        "return stays out)"),
+    "health_check_timeout": (lambda v: _is_seconds(v) and v > 0, "seconds > 0 (a returning node's health check "
+                                                                 "still running then counts as unhealthy)"),
     "persist_every": (lambda v: _is_seconds(v) and v >= 0, "seconds >= 0 (0: the agents never persist snapshots in "
                                                            "the background)"),
     "run_dir": (lambda v: isinstance(v, str) and v != "", "a directory path (str) on a filesystem the nodes share"),

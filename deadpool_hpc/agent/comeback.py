@@ -1,0 +1,166 @@
+"""Spares that come back (issue 27): a node whose training processes failed returns to the spare pool.
+
+Most failures in the field leave the node itself fine: a crashed process, a NCCL error, an OOM, a hang. When one of
+this node's training processes exits or hangs after the start-up, the agent (``NodeAgent.node_failed``) ends them
+all, declares the node failed with ``returning`` (the others recover around it as around any lost node, but leave
+its agent alive and let its ``rejoin`` through: control/peers.py), and raises ``Returning``. The agent's loop then
+runs ``Comeback.come_back``:
+
+1. quarantine: a node that failed again within ``--quarantine`` seconds of its last return stays out;
+2. health: the node's detectors' verdicts (agent/health.py; an ``Unhealthy`` one keeps it out) and the site's
+   ``--health-check`` command, killed at ``--health-check-timeout`` (a check that hangs counts as failed);
+3. ``rejoin``, sent to every agent once a second until the lowest live agent *readmits* it between recoveries
+   (control/membership.py): the node joins the current generation's spare pool, last in promotion order, and never
+   a round under way;
+4. fresh training processes, started as spares (``NodeAgent.restart_as_spare``): they build the model again, and
+   the snapshot slots and replica server of each local rank are reused.
+
+A node that stays out emits ``node_quarantined`` and its agent leaves (Fenced). A whole node lost (its agent gone,
+frozen, cut off) stays lost: nothing of it can ask to come back (docs/architecture.md, "Spares that come back",
+says what adding nodes from another allocation would take). The run ending meanwhile (``finish``, ``abort``, or the
+members leaving for a requeue: ``over``) ends the returning agent too.
+
+Events: ``node_returning`` (checks start), ``node_quarantined`` (stays out: ``reason``), ``node_readmitted`` (the
+coordinator's), ``node_returned`` (a spare again: ``seconds`` since the failure, ``health_s``, ``returns``).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from ..control.membership import may_readmit, readmit, rejoin
+from ..errors import Fenced, Returning
+
+RETURNABLE = ("exit", "hang")   # node_failed causes after which the node may come back (not its checks' verdicts)
+REJOIN_EVERY_S = 1.0
+
+
+class Comeback:
+    """The return to the spare pool of one node agent (``agent``: its NodeAgent). ``allowed`` and ``come_back`` on
+    the node that failed; ``on_rejoin`` (a control-plane handler) on the agent that readmits it."""
+
+    def __init__(self, agent):
+        self.agent = agent
+        self.returned_at: float | None = None   # monotonic time of this node's last return
+        self.returns = 0
+        agent.cp.handlers["rejoin"] = self.on_rejoin
+        agent.cp.handlers["over"] = self._on_over
+
+    def allowed(self, cause: str) -> bool:
+        """Whether a failure of ``cause`` may end in a return: on, past the start-up, an exit or a hang."""
+        a = self.agent
+        return bool(a.cfg.spare_return) and cause in RETURNABLE and a.state in ("training", "spare")
+
+    # ---- the node that failed -----------------------------------------------------------------------------
+    def come_back(self, exc: Returning) -> None:
+        """Check this node and bring it back as a spare. Returns once it is one (or the run is over: the agent's
+        state is then done or saved). Raises Fenced when the node stays out, JobAborted if the run was aborted."""
+        a, cfg = self.agent, self.agent.cfg
+        t0 = time.monotonic()
+        a.state = "returning"
+        a.peers.stop_watching()   # nobody watches it now: the silence it would see is not a failure
+        a.watch.enabled = False
+        a.log.emit("node_returning", cause=exc.cause, reason=exc.reason[:300], generation=a.cp.generation)
+        since = None if self.returned_at is None else t0 - self.returned_at
+        if since is not None and cfg.quarantine and since < cfg.quarantine:
+            self._quarantine(f"failed again {since:.1f} s after its return (--quarantine {cfg.quarantine:g})")
+        if a.health is not None:
+            bad = [(name, v) for name, v in a.health.pending() if getattr(v, "reason", None) is not None]
+            if bad:
+                self._quarantine(f"health detector {bad[0][0]!r}: {bad[0][1].reason}")
+            slow = a.health.slowness()
+            if slow is not None and slow[0] >= cfg.straggler_factor:
+                self._quarantine(f"{slow[0]:.2f} x slower than it should be ({slow[1]})")
+        health_s = self._health_check()
+        if a.state != "returning":
+            return
+        end = time.monotonic() + cfg.recovery_timeout
+        next_ask = 0.0
+        while a.cp.readmitted is None:
+            if self._pump():
+                return
+            now = time.monotonic()
+            if now >= next_ask:
+                next_ask = now + REJOIN_EVERY_S
+                for n in range(a.cp.size):
+                    if n != a.node:
+                        a.peers.send_to_suspect(n, "rejoin", {"returns": self.returns + 1})
+            if now > end:
+                self._quarantine(f"not readmitted within {cfg.recovery_timeout:.0f} s (--recovery-timeout)")
+        msg, a.cp.readmitted = a.cp.readmitted, None
+        rejoin(a.cp, msg)
+        a.watch.poll()            # connections its neighbours dropped while it was out: not failures
+        a.watch.successor = None  # dial the ring again
+        a.watch.enabled = True
+        self.returns += 1
+        a.restart_as_spare()
+        self.returned_at = time.monotonic()
+        a.log.emit("node_returned", generation=a.cp.generation, returns=self.returns, coordinator=msg.coordinator,
+                   seconds=round(self.returned_at - t0, 3), health_s=None if health_s is None else round(health_s, 3),
+                   spare_nodes=list(a.cp.spare_nodes))
+
+    def _pump(self) -> bool:
+        """Move control messages; drop what the dead processes left. True when the run is over for this node."""
+        a = self.agent
+        a.peers.fenced = None   # the others' ``fenced`` notices: known, this node is out until readmitted
+        a.cp.pump(0)            # JobAborted on ``abort``
+        a.channel.poll(0.05)
+        a.sup.poll()
+        if a.cp._finish is not None:
+            a.state = "done"
+            return True
+        return a.state in ("done", "saved")
+
+    def _health_check(self) -> float | None:
+        """Run the site's --health-check (if any) within --health-check-timeout; seconds it took."""
+        a, cfg = self.agent, self.agent.cfg
+        if not cfg.health_check:
+            return None
+        from .preflight import HealthCheck
+
+        check = HealthCheck(cfg.health_check, a.sup.env, os.path.join(a.sup.run_dir, f"health-check-node{a.node}.log"))
+        end = time.monotonic() + cfg.health_check_timeout
+        try:
+            while (res := check.poll()) is None:
+                if self._pump():
+                    return None
+                if time.monotonic() > end:
+                    self._quarantine(f"the health check {cfg.health_check!r} was still running after "
+                                     f"{cfg.health_check_timeout:g} s (--health-check-timeout)")
+        finally:
+            if check.result is None:
+                check.kill()
+        rc, secs, tail = res
+        a.log.emit("health_check", rc=rc, seconds=round(secs, 3), command=cfg.health_check, output=tail[-400:],
+                   returning=True)
+        if rc != 0:
+            self._quarantine(f"the health check {cfg.health_check!r} exited with {rc}" + (f": {tail[-200:]}" if tail
+                                                                                          else ""))
+        return secs
+
+    def _quarantine(self, reason: str) -> None:
+        a = self.agent
+        a.log.emit("node_quarantined", reason=reason, returns=self.returns)
+        a.state = "done"
+        raise Fenced(f"this node stays out: {reason}")
+
+    def _on_over(self, src: int, body: dict) -> None:
+        """(a returning agent) The members left for a requeue: so does this one, with their exit code."""
+        a = self.agent
+        if a.state == "returning":
+            a.exit_code = int(body.get("code", 75))
+            a.state = "saved"
+
+    # ---- the agent that readmits it -----------------------------------------------------------------------
+    def on_rejoin(self, src: int, body: dict) -> None:
+        """(``cp.pump``) A returning node asks to come back: the lowest live agent readmits it between recoveries
+        (control/membership.py); otherwise it asks again."""
+        a = self.agent
+        why = may_readmit(a.cp, src)
+        if why is None and (a.recovery.in_round or a.swaps.current is not None or a.state not in ("training", "spare")):
+            why = "busy"
+        if why is not None:
+            return
+        msg = readmit(a.cp, src)
+        a.retarget_watch()
+        a.log.emit("node_readmitted", returned=src, generation=msg.generation, spare_nodes=list(msg.spare_nodes))
