@@ -13,6 +13,10 @@ faults.py). The simulation replays the faults in order, as the recovery would ha
   replaced in the previous window (a promoted node's replicas are only re-made by its first step);
 - each lost active node takes the first live spare; with none left the run saves a checkpoint and is
   requeued (``--requeue``), or cannot go on;
+- a node that lost a training process at a step (``--kill rank2@40``, ``--hang rank2@40``: its agent lives on)
+  comes back as the last spare from the next step's faults on (agent/comeback.py), unless ``--no-spare-return``;
+  once only, when ``--quarantine`` is on: a fault run's steps take seconds, so a second failure of a node that came
+  back is taken to fall inside the quarantine. A whole node lost (``node1``) never comes back;
 - the start-up phases (``--kill node1@startup``, ``@build``, ``@first``) are one window before step 0: every rank's
   state is still its initial one, which each rank rebuilds itself (agreement.decide's fresh start), so no replica
   is needed there, only a spare for each lost active node. A spare node never reaches ``first`` (it takes no
@@ -55,6 +59,8 @@ class _Sim:
         self.active = list(range(self.N))                  # physical node of each logical node (slot)
         self.spares = list(range(self.N, self.N + self.S))  # live spare nodes, in promotion order
         self.dead: dict[int, str] = {}                      # physical node -> when it was lost
+        self.back: list[int] = []                           # nodes coming back as spares from the next step on
+        self.returned: set[int] = set()                     # nodes that came back once
 
     # ---- the replay --------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -78,6 +84,11 @@ class _Sim:
             round_no = 1
             self._promote(self._lose(start, "start-up", False), round_no, start)
         for s in sorted({f.step for f in faults if f.phase is None}):
+            for node in self.back:   # back in the pool since the last step's faults (agent/comeback.py)
+                del self.dead[node]
+                self.spares.append(node)
+                self.returned.add(node)
+            self.back = []
             new, where = [f for f in faults if f.phase is None and f.step == s], f"step {s}"
             window: set[int] = set()     # logical nodes lost in this window
             replaced: set[int] = set()   # logical nodes given a new node in this window
@@ -132,6 +143,9 @@ class _Sim:
                 raise ConfigError(f"{f}: node{node} is not training at {when} (it is a spare), so it never reaches "
                                   f"the {f.phase} phase; accepted: a node that trains then")
             self.dead[node] = f"{f} at {when}"
+            if f.target_kind == "rank" and f.phase is None and self.cfg.spare_return and \
+                    not (node in self.returned and self.cfg.quarantine):
+                self.back.append(node)
             if node in self.spares:
                 self.spares.remove(node)
             slot = self._slot_of(node)

@@ -71,7 +71,13 @@ def build_summary(events: list[dict], config=None) -> dict:  # noqa: C901
         "first_loss": steps[0].get("loss") if steps else None,
         "final_loss": steps[-1].get("loss") if steps else None,
         "world_size": fin.get("world_size", config.world_size if config else None),
-        "spares_left": fin.get("spares_left"),
+        # the final generation's spares as its training processes were told, and the nodes readmitted to it since
+        # (agent/comeback.py: a readmission changes no generation and tells no training process)
+        "spares_left": None if fin.get("spares_left") is None else fin["spares_left"] + sum(
+            1 for e in by["node_readmitted"] if e.get("generation") == fin.get("generation")),
+        # nodes back in the spare pool after their training processes failed, and nodes kept out (agent/comeback.py)
+        "returns": [{k: e.get(k) for k in ("node", "generation", "seconds", "health_s")} for e in by["node_returned"]],
+        "quarantined": [{k: e.get(k) for k in ("node", "reason")} for e in by["node_quarantined"]],
         "param_digest": fin.get("param_digest"),
         "swaps": sum(1 for f in failures if f["promoted"] and f["recovery_s"] is not None),
         "planned_swaps": sum(1 for f in failures if f["outcome"].startswith("planned swap") and f["recovery_s"] is not None),

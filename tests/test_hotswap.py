@@ -167,3 +167,47 @@ def test_several_faults_one_run_a_spare_a_node_and_a_hung_rank(tmp_path, baselin
     assert inj["signal"] == "SIGSTOP"
     assert not any(is_alive({"pid": p, "start": _start_ticks(p)}) for p in inj["pids"]), \
         "the hung process must be fenced (killed)"
+
+
+def test_a_node_whose_process_died_comes_back_as_the_spare_and_takes_the_next_failure(tmp_path, baseline):
+    """Spares that come back (agent/comeback.py, issue 27). Rank 0's process is SIGKILLed at step 5: node3, the only
+    spare, takes its place, while node0's agent, alive, ends its processes, checks the node and returns to the pool.
+    Once it is back (its ``node_returned`` event), this test SIGKILLs rank 1's process: node0 takes node1's place
+    (without the return there would be no spare), and node1, whose --health-check now fails, stays out."""
+    import signal
+    import threading
+    import time
+
+    run_dir = tmp_path / "back"
+    out: dict = {}
+    th = threading.Thread(target=lambda: out.update(s=run(
+        tmp_path, "back", spares=1, faults=[Fault("kill", "rank", 0, 5)],
+        health_check=f"test ! -e {tmp_path}/unhealthy-$DEADPOOL_NODE")), daemon=True)
+    th.start()
+    killed = None
+    while th.is_alive() and killed is None:
+        time.sleep(0.05)
+        ev = list(read_events(str(run_dir / "events.jsonl"))) if (run_dir / "events.jsonl").exists() else []
+        if any(e["event"] == "node_returned" and e["node"] == 0 for e in ev):
+            (tmp_path / "unhealthy-1").touch()
+            rank1 = [e for e in ev if e["event"] in ("started", "recovered") and e.get("rank") == 1]
+            killed = (rank1[-1], max(e["step"] for e in ev if e["event"] == "step"))
+            os.kill(rank1[-1]["pid"], signal.SIGKILL)
+    th.join(300)
+    s = out["s"]
+    assert killed is not None, "node0 did not come back before the run ended"
+    assert killed[0]["node"] == 1 and killed[1] < STEPS, killed
+    assert s["completed"] and s["steps_completed"] == STEPS, s
+    first, second = s["failures"]
+    check_swapped(first, "rank0")
+    assert first["spare_nodes_used"] == [3] and first["cause"] == "exit"
+    assert second["failed_nodes"] == [1] and second["spare_nodes_used"] == [0], second   # the node that came back
+    assert second["outcome"] == "hot swap" and second["recomputed_steps"] <= 1, second
+    assert [r["node"] for r in s["returns"]] == [0] and s["returns"][0]["health_s"] is not None, s["returns"]
+    (out_,) = s["quarantined"]
+    assert out_["node"] == 1 and "health check" in out_["reason"], out_
+    assert s["spares_left"] == 0
+    assert s["param_digest"] == baseline["param_digest"], "a run that reused a returned node diverged"
+    events = list(read_events(str(run_dir / "events.jsonl")))
+    (readmitted,) = [e for e in events if e["event"] == "node_readmitted"]
+    assert readmitted["returned"] == 0 and readmitted["generation"] == 1   # between recoveries, never in a round

@@ -66,6 +66,15 @@ class LiveView:
                 self._note(f"  straggler: node{e['node']}'s own work {e['own_s'] * 1e3:.1f} ms/step, "
                            f"{e['ratio']:.2f} x the others' median for {e['slow_for_s']:.0f} s: "
                            + ("planned swap" if e["action"] == "swap" else f"reported only ({e['why']})"), "yellow")
+            elif kind == "node_returning":
+                self.roles[e["node"]] = "checking"
+            elif kind == "node_returned":
+                self.roles[e["node"]] = f"spare (back {e.get('returns', 1)}x)"
+                self._note(f"  node{e['node']} is back in the spare pool ({e['seconds']:.2f} s after its failure)",
+                           "green")
+            elif kind == "node_quarantined":
+                self.roles[e["node"]] = "out: quarantined"
+                self._note(f"  node{e['node']} stays out: {e['reason'][:140]}", "yellow")
             elif kind == "hang_detected":
                 self._note(f"  node{e.get('node')}: training thread stuck for {e['stuck_s']:.1f} s at {e['where']}: "
                            f"fenced by its watchdog", "yellow")
@@ -85,7 +94,8 @@ class LiveView:
             elif kind == "decision":
                 self._detected = False
                 for n in e["failed_nodes"]:
-                    self.roles[n] = "out: slow" if n in self.stragglers else "dead"
+                    if self.roles.get(n) != "checking":   # (a node on its way back keeps its role)
+                        self.roles[n] = "out: slow" if n in self.stragglers else "dead"
                     self.step_times.pop(n, None)
                 for node in {m // self.cfg.ranks_per_node for m in e["promoted"].values()}:
                     self.roles[node] = "active"
@@ -174,6 +184,12 @@ def print_summary(summary: dict, console: Console | None = None) -> None:
     t.add_row("first -> final loss", f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"
               if summary["first_loss"] is not None and summary["final_loss"] is not None else "-")
     t.add_row("world size / spares left", f"{summary['world_size']} / {summary['spares_left']}")
+    if summary.get("returns") or summary.get("quarantined"):
+        back = summary.get("returns") or []
+        t.add_row("back in the spare pool / kept out",
+                  f"{len(back)} / {len(summary.get('quarantined') or [])}"
+                  + (f" (nodes {sorted({x['node'] for x in back})}, median "
+                     f"{sorted(x['seconds'] for x in back)[len(back) // 2]:.2f} s after the failure)" if back else ""))
     if summary.get("start_up_s") is not None:
         t.add_row("start-up (first agent -> first step)", f"{summary['start_up_s']:.1f} s")
     t.add_row("param digest (sha256)", str(summary["param_digest"])[:24] + "...")
