@@ -7,11 +7,14 @@
 
 Kinds (real signals to the run's own processes, by pid + start time from its event log's hellos): kill-rank (SIGKILL
 a training process of a training node), kill-node (its agent and training processes), hang-rank (SIGSTOP a training
-process: fenced after --hang-timeout), kill-spare (SIGKILL an idle spare's processes), kill-during-recovery (kill-rank,
-then SIGKILL a second training node once the log shows the recovery started). Gaps: exponential, mean --mtbf, at least
---min-gap; a fault waits until the job trains again. A lost node does not return to the pool: a fault needs a spare
-left (kill-during-recovery: 2), else it is ``skipped: no spare left``; with --requeue a kill or hang with none left is
-injected anyway (checkpoint, requeue, every node back). Faults stop --minutes after the first step; --steps defaults to
+process: fenced after --hang-timeout), kill-spare (SIGKILL an idle spare's training process), kill-during-recovery
+(kill-rank, then SIGKILL a training process of a second training node once the log shows the recovery started). Gaps: exponential, mean
+--mtbf, at least --min-gap; a fault waits until the job trains again. A node whose agent survived (kill-rank,
+hang-rank, kill-spare) comes back to the spare pool (agent/comeback.py; --quarantine, default 10 s here: the faults
+are drawn at random, not caused by the node); a whole node killed never does, and --max-node-kills bounds them (a
+kill-node drawn past it becomes a kill-rank). A fault needs a spare left (kill-during-recovery: 2), else it is
+``skipped: no spare left``; with --requeue a kill or hang with none left is injected anyway (checkpoint, requeue,
+every node back). Faults stop --minutes after the first step; --steps defaults to
 --minutes at a 20-step calibration run's median step. --out (new or empty; default benchmarks/out/chaos-TIME):
 faults.jsonl (each fault, with its recovery from the run's summary), report.json, timeline.png, the run directories.
 Exit 0: completed, bitwise equal to the failure-free run, every injected fault recovered, nothing left running.
@@ -53,6 +56,8 @@ def refusal(a) -> str | None:
              "time between faults)"), ("--min-gap", a.min_gap, a.min_gap >= 0, "seconds >= 0"),
             ("--hang-timeout", a.hang_timeout, a.hang_timeout > 0, "seconds > 0"), ("--steps", a.steps, a.steps is None
              or a.steps >= 1, "1 or more"), ("--max-requeues", a.max_requeues, a.max_requeues >= 0, "0 or more"),
+            ("--quarantine", a.quarantine, a.quarantine >= 0, "seconds >= 0"),
+            ("--max-node-kills", a.max_node_kills, a.max_node_kills is None or a.max_node_kills >= 0, "0 or more"),
             ("--nodes", a.nodes, a.nodes >= 2, "2 or more (a lost node's ranks come back from replicas on others)"),
             ("--replicas", a.replicas, 1 <= a.replicas < a.nodes, f"1..{a.nodes - 1} with --nodes {a.nodes}"),
             ("--spares", a.spares, a.spares >= 1 or a.requeue, "1 or more, or 0 with --requeue (each fault uses up a "
@@ -77,6 +82,7 @@ def config(a, steps: int, name: str, spares: int | None = None) -> RunConfig:
     return RunConfig(nodes=a.nodes, spares=a.spares if spares is None else spares, ranks_per_node=a.ranks_per_node,
                      steps=steps, replicas=a.replicas, hang_timeout=a.hang_timeout, requeue=a.requeue,
                      max_requeues=a.max_requeues, train_fn=a.train_fn, train_args=a.train_args,
+                     spare_return=not a.no_spare_return, quarantine=a.quarantine,
                      run_dir=os.path.join(a.out, name))
 
 
@@ -90,8 +96,11 @@ class Job:
 
     def poll(self) -> None:
         new = self.tail.poll()
-        if any(e["event"] == "requeued" for e in new):
-            self.hit.clear()
+        for e in new:
+            if e["event"] == "requeued":
+                self.hit.clear()
+            elif e["event"] == "node_returned":   # back in the pool (agent/comeback.py): a target again
+                self.hit.discard(e["node"])
         self.events += new
 
     def attempt(self) -> list[dict]:
@@ -99,16 +108,22 @@ class Job:
         return self.events[i:]
 
     def layout(self) -> tuple[list[int], list[int]]:
-        """(the physical node of each training slot, the idle spares in promotion order), from the decisions."""
+        """(the physical node of each training slot, the idle spares in promotion order), from the decisions and the
+        nodes back in the pool since (``node_returned``, in the order they came back)."""
         active, spares = list(range(self.cfg.nodes)), list(range(self.cfg.nodes, self.cfg.total_nodes))
-        decided = {e["generation"]: e for e in self.attempt() if e["event"] == "decision"}  # the last one counts
+        cur = self.attempt()
+        decided = {e["generation"]: e for e in cur if e["event"] == "decision"}  # the last one counts
+        back = sorted((e for e in cur if e["event"] == "node_returned"), key=lambda e: e["t"])
         for g in sorted(decided):
             d = decided[g]
+            spares += [e["node"] for e in back if e["generation"] == g - 1 and e["node"] not in spares]
             if d.get("error") or d.get("exhausted"):
                 continue
             replaced = {int(k): int(v) for k, v in (d.get("replaced") or {}).items()}
             active = [replaced.get(n, n) for n in active]
             spares = [s for s in spares if s not in (d.get("failed_nodes") or []) and s not in replaced.values()]
+        last = max(decided, default=0)
+        spares += [e["node"] for e in back if e["generation"] == last and e["node"] not in spares]
         return active, [s for s in spares if s not in self.hit]
 
     def procs(self, node: int, local: int | None = None) -> list[dict]:
@@ -146,7 +161,7 @@ def inject(a, job: Job, kind: str, rng: random.Random) -> dict:
     if len(spares) < need and (kind in ("kill-spare", "kill-during-recovery") or not a.requeue):
         return dict(rec, skipped="no spare left")
     node = rng.choice(spares if kind == "kill-spare" else active)
-    local = None if kind in ("kill-node", "kill-spare") else rng.randrange(a.ranks_per_node)   # None: the whole node
+    local = None if kind == "kill-node" else rng.randrange(a.ranks_per_node)   # None: the whole node
     sig = signal.SIGSTOP if kind == "hang-rank" else signal.SIGKILL
     n_seen = len(job.events)
     rec.update(node=node, local=local, signal=sig.name, pids=send(job.procs(node, local), sig))
@@ -161,8 +176,9 @@ def inject(a, job: Job, kind: str, rng: random.Random) -> dict:
         slot, n = active.index(node), len(active)
         second = rng.choice([m for i, m in enumerate(active) if m != node
                              and (a.replicas >= 2 or (i - slot) % n not in (1, n - 1))])
+        # a training process of it: its agent lives on and comes back too (a whole node lost is kill-node's)
         rec["second"] = {"node": second, "after_s": round(time.time() - rec["t"], 4), "signal": "SIGKILL",
-                         "pids": send(job.procs(second), signal.SIGKILL)}
+                         "pids": send(job.procs(second, rng.randrange(a.ranks_per_node)), signal.SIGKILL)}
         job.hit.add(second)
     job.t_injected = time.time()
     return rec
@@ -188,6 +204,9 @@ def drive(a, cfg: RunConfig, rng: random.Random) -> tuple[dict, list[dict], list
         now = time.time() - (t_first or math.inf)
         if not due <= now <= 60 * a.minutes or any(e["event"] == "finished" for e in job.events) or not job.steady():
             continue   # not due, past the window or the end, or the last recovery (a requeued start) is not over
+        if kind == "kill-node" and a.max_node_kills is not None and \
+                sum(f["kind"] == "kill-node" and not f.get("skipped") for f in faults) >= a.max_node_kills:
+            kind = "kill-rank"   # a whole node lost never comes back: bounded by --max-node-kills
         faults.append(rec := inject(a, job, kind, rng))
         what = rec.get("skipped") or f"node{rec['node']} pids {rec['pids']} {rec['signal']}" + (
             f", then node{rec['second']['node']} +{rec['second']['after_s']:.3f} s" if "second" in rec else "")
@@ -268,6 +287,10 @@ def main() -> int:  # noqa: C901
     ap.add_argument("--steps", type=int, help="default: --minutes of steps at a calibration run's median step time")
     ap.add_argument("--hang-timeout", type=float, default=5.0, help="seconds before a frozen rank is fenced")
     ap.add_argument("--requeue", action="store_true", help="no spare left: checkpoint and start again from it")
+    ap.add_argument("--quarantine", type=float, default=10.0,
+                    help="seconds: a node failing again this soon after its return stays out (default 10)")
+    ap.add_argument("--no-spare-return", action="store_true", help="a failed node never comes back (the old way)")
+    ap.add_argument("--max-node-kills", type=int, help="at most this many kill-node faults (default: no bound)")
     ap.add_argument("--train-fn", default=RunConfig.train_fn)
     ap.add_argument("--train-arg", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out",
