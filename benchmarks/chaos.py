@@ -321,10 +321,13 @@ def main() -> int:  # noqa: C901
     with open(os.path.join(a.out, "faults.jsonl"), "w") as fh:
         fh.writelines(json.dumps(f) + "\n" for f in faults)
     t_first, t_end = span(events)
-    b_first, b_end = span(list(read_events(os.path.join(a.out, "baseline", "events.jsonl"))))
+    b_events = list(read_events(os.path.join(a.out, "baseline", "events.jsonl")))
+    b_first, b_end = span(b_events)
+    ff_mean, own_mean = mean_step(b_events, []), mean_step(events, [f["t"] for f in faults if not f.get("skipped")])
     counted = summary["steps_completed"] if summary["completed"] else 0
     equal = summary["completed"] and summary["param_digest"] == base["param_digest"]
     rec = [f["recovery_s"] for f in faults if f.get("recovery_s") is not None]
+    injected = sum(not f.get("skipped") for f in faults)
     table = {
         "steps": steps, "completed": summary["completed"], "wall_s_first_step_to_end": round(t_end - t_first, 2),
         "faults": {k: {"injected": sum(f["kind"] == k and not f.get("skipped") for f in faults),
@@ -340,6 +343,14 @@ def main() -> int:  # noqa: C901
         # the load of a shared machine changes between the two runs: the same with the chaos run's own median step
         "goodput_at_own_median_step": counted * (summary["median_step_s"] or 0) / (t_end - t_first),
         "failure_free_goodput": steps * base["median_step_s"] / (b_end - b_first) if base["median_step_s"] else None,
+        # step_s (the median's) is the step function's time; a step's wall time also has the snapshot after it.
+        # The same three at a mean step's wall time (see mean_step): 1.0 for the failure-free run
+        "failure_free_wall_s": round(b_end - b_first, 2), "failure_free_mean_step_s": ff_mean,
+        "mean_step_s_between_faults": own_mean,
+        "goodput_at_mean_step": counted * ff_mean / (t_end - t_first) if ff_mean else None,
+        "goodput_at_own_mean_step": counted * own_mean / (t_end - t_first) if own_mean else None,
+        # the wall time not explained by the counted steps at this run's own mean step, per injected fault
+        "lost_s_per_fault": (t_end - t_first - counted * own_mean) / injected if injected and own_mean else None,
     }
     with open(os.path.join(a.out, "report.json"), "w") as fh:
         json.dump({"table": table, "faults": faults, "chaos": summary, "failure_free": base}, fh, indent=1)
@@ -356,6 +367,23 @@ def main() -> int:  # noqa: C901
             print(f"{key:<28} {_s(value) if isinstance(value, float) else value}")
     ok = equal and not left and not unexplained and all(f.get("recovered") for f in faults if not f.get("skipped"))
     return 0 if ok else 1
+
+
+def mean_step(events: list[dict], faults: list[float]) -> float | None:
+    """Wall seconds per step between rank 0's step records (step_s plus the snapshot after it), leaving out an
+    interval with a fault (a time in FAULTS) in it, one across a generation or a step not after the last (a recovery,
+    a requeue, recomputed steps) and the 3 after either; None if none is left."""
+    steps = [e for e in events if e["event"] == "step"]
+    faults, spent, n, skip = sorted(faults), 0.0, 0, 0
+    for e1, e2 in zip(steps, steps[1:]):
+        if (e1.get("generation") != e2.get("generation") or e2["step"] <= e1["step"]
+                or bisect.bisect_right(faults, e2["t"]) > bisect.bisect_right(faults, e1["t"])):
+            skip = 4
+        if skip:
+            skip -= 1
+            continue
+        spent, n = spent + e2["t"] - e1["t"], n + e2["step"] - e1["step"]
+    return spent / n if n else None
 
 
 def span(events: list[dict]) -> tuple[float, float]:

@@ -237,10 +237,24 @@ def target(path: Path, parent: int, dead: set):
     return pid if f and f[0] != "Z" and int(f[1]) == parent and pid not in dead else None
 
 
+def write_json(path: str, obj) -> None:
+    """OBJ as JSON in PATH (written whole, then renamed), NaN as null (JSON has no NaN)."""
+    def clean(v):
+        if isinstance(v, float) and math.isnan(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        return [clean(x) for x in v] if isinstance(v, (list, tuple)) else v
+    with open(f"{path}.tmp", "w") as fh:
+        json.dump(clean(obj), fh, indent=1)
+    os.replace(f"{path}.tmp", path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mtbf", default="30,60,120", help="mean seconds between faults, comma-separated")
     ap.add_argument("--minutes", type=float, default=2.0, help="length of each faulty run")
+    ap.add_argument("--json", metavar="PATH", help="also write the table's numbers (and the calibration's) here")
     ap.add_argument("--every", type=int, default=0, help="checkpoint every C steps (default: Young/Daly per MTBF)")
     ap.add_argument("--buckets", choices=("ddp", "fixed"), default="ddp",
                     help="DDP's defaults, or buckets never rebuilt (find_unused_parameters=True: bitwise equal)")
@@ -279,14 +293,26 @@ def main() -> None:
               f"ms, load {ref['load']:.1f})\n")
         print(f"{'MTBF s':>6} {'C':>4} {'faults':>6} {'steps':>5} {'wall s':>6} {'goodput':>7} {'(ref)':>5} "
               f"{'lost/fault s':>12} {'restart s':>9} {'redone/fault':>12} {'ckpt ovh':>8} {'(ref)':>5} {'equal':>7}")
+        table = []
         for s, c, f, ff in rows:
             n, nf = f["step"], f["faults"] or math.nan
-            lost = (f["wall"] - n * f["t"] - n // c * f["d"]) / nf
-            diff = float(np.abs(f["params"][n] - ref["params"][n]).max())
-            print(f"{s:>6g} {c:>4} {f['faults']:>6} {n:>5} {f['wall']:>6.1f} {n * f['t'] / f['wall']:>7.3f} "
-                  f"{ref['rel'][n] / f['wall']:>5.2f} {lost:>12.2f} {f['restart']:>9.2f} {f['redone'] / nf:>12.1f} "
-                  f"{1 + f['d'] / (c * f['t']):>8.3f} {ff['wall'] / ref['rel'][n]:>5.2f} "
+            table.append(dict(
+                mtbf=s, every=c, faults=f["faults"], launches=f["launches"], steps=n, wall=f["wall"], t=f["t"],
+                d=f["d"], goodput=n * f["t"] / f["wall"], goodput_ref=ref["rel"][n] / f["wall"],
+                ref_time_to_n=ref["rel"][n], lost_per_fault=(f["wall"] - n * f["t"] - n // c * f["d"]) / nf,
+                restart=f["restart"], redone=f["redone"], redone_per_fault=f["redone"] / nf,
+                ckpt_ovh=1 + f["d"] / (c * f["t"]), ckpt_ovh_ref=ff["wall"] / ref["rel"][n],
+                max_abs_diff=float(np.abs(f["params"][n] - ref["params"][n]).max()), load=f["load"],
+                failure_free_ckpt=dict(wall=ff["wall"], t=ff["t"], load=ff["load"])))
+            r, diff = table[-1], table[-1]["max_abs_diff"]
+            print(f"{s:>6g} {c:>4} {r['faults']:>6} {n:>5} {r['wall']:>6.1f} {r['goodput']:>7.3f} "
+                  f"{r['goodput_ref']:>5.2f} {r['lost_per_fault']:>12.2f} {r['restart']:>9.2f} "
+                  f"{r['redone_per_fault']:>12.1f} {r['ckpt_ovh']:>8.3f} {r['ckpt_ovh_ref']:>5.2f} "
                   f"{'yes' if diff == 0 else f'{diff:.0e}':>7}")
+        if a.json:
+            write_json(a.json, {"buckets": a.buckets, "minutes": a.minutes, "seed": a.seed,
+                                "calibration": {k: cal[k] for k in ("t", "d", "ck", "load")},
+                                "reference": {k: ref[k] for k in ("step", "wall", "t", "load")}, "rows": table})
     finally:
         if not a.keep:
             shutil.rmtree(base, ignore_errors=True)

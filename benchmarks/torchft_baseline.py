@@ -46,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from restart_baseline import children, target  # benchmarks/: the same /proc helpers
+from restart_baseline import children, target, write_json  # benchmarks/: the same /proc helpers, JSON writer
 
 G = 3
 
@@ -207,6 +207,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mtbf", default="30,60,120", help="mean seconds between faults, comma-separated")
     ap.add_argument("--minutes", type=float, default=2.0, help="length of each run")
+    ap.add_argument("--json", metavar="PATH", help="also write the table's numbers here")
     ap.add_argument("--pg-timeout", type=float, default=5.0,
                     help="ProcessGroupGloo timeout, seconds (torchft's example: 5)")
     ap.add_argument("--heartbeat-ms", type=int, default=5000,
@@ -220,11 +221,13 @@ def main() -> None:
     if a.worker:
         return worker(a)
     import importlib.metadata as md
-    for dist in ("torchft", "torchft-nightly"):
+    versions = {}
+    for dist in ("torchft", "torchft-nightly", "torch"):
         try:
-            print(f"{dist} {md.version(dist)}, torch {md.version('torch')}", flush=True)
+            versions[dist] = md.version(dist)
         except md.PackageNotFoundError:
             pass
+    print(", ".join(f"{k} {v}" for k, v in versions.items()), flush=True)
     base = Path(a.keep or tempfile.mkdtemp(prefix="torchft-baseline-"))
     try:
         res = []
@@ -235,11 +238,19 @@ def main() -> None:
                   f"{r['t'] * 1e3:.1f} ms (3 groups), load {r['load']:.1f}", flush=True)
         print(f"\n{'MTBF s':>6} {'faults':>6} {'steps':>5} {'wall s':>6} {'goodput':>7} {'samples':>7} "
               f"{'lost/fault s':>12} {'stall s':>7} {'back s':>6} {'aborted/fault':>13}")
+        table = []
         for s, r in res:
             nf = r["faults"] or math.nan
-            print(f"{s:>6g} {r['faults']:>6} {r['steps']:>5} {r['wall']:>6.1f} {r['steps'] * r['t'] / r['wall']:>7.3f} "
-                  f"{r['samples'] * r['t'] / r['wall']:>7.3f} {(r['wall'] - r['steps'] * r['t']) / nf:>12.2f} "
-                  f"{r['stall']:>7.2f} {r['back']:>6.2f} {r['aborted'] / nf:>13.1f}")
+            table.append(dict(r, mtbf=s, goodput=r["steps"] * r["t"] / r["wall"],
+                              goodput_samples=r["samples"] * r["t"] / r["wall"],
+                              lost_per_fault=(r["wall"] - r["steps"] * r["t"]) / nf,
+                              aborted_per_fault=r["aborted"] / nf))
+            print(f"{s:>6g} {r['faults']:>6} {r['steps']:>5} {r['wall']:>6.1f} {table[-1]['goodput']:>7.3f} "
+                  f"{table[-1]['goodput_samples']:>7.3f} {table[-1]['lost_per_fault']:>12.2f} "
+                  f"{r['stall']:>7.2f} {r['back']:>6.2f} {table[-1]['aborted_per_fault']:>13.1f}")
+        if a.json:
+            write_json(a.json, {"versions": versions, "minutes": a.minutes, "seed": a.seed,
+                                "pg_timeout": a.pg_timeout, "heartbeat_ms": a.heartbeat_ms, "rows": table})
     finally:
         if not a.keep:
             shutil.rmtree(base, ignore_errors=True)
