@@ -152,13 +152,16 @@ def test_two_ranks_per_node_a_dead_rank_costs_its_whole_node(tmp_path, failure_f
 def test_several_faults_one_run_a_spare_a_node_and_a_hung_rank(tmp_path, baseline):
     """An idle spare (node4) SIGKILLed at step 5: one spare fewer; node1 SIGKILLed at step 10: hot-swapped; rank 2
     SIGSTOPped at step 25: found by its agent from its progress page after --hang-timeout, fenced (killed) and
-    hot-swapped. Each recovery is complete before the next fault."""
+    hot-swapped, and its node, whose agent lives on, back in the spare pool. Each recovery is complete before the
+    next fault."""
     s = run(tmp_path, "multi", spares=3, hang_timeout=3.0,
             faults=[Fault("kill", "node", 4, 5),    # a spare: it dies, one spare fewer
                     Fault("kill", "node", 1, 10), Fault("hang", "rank", 2, 25)])
     assert s["completed"] and s["steps_completed"] == STEPS, s
     assert [f["target"] for f in s["failures"]] == ["node4", "node1", "rank2"] and s["swaps"] == 2
-    assert s["spares_left"] == 0 and s["failures"][0]["outcome"] == "spare lost"
+    assert s["failures"][0]["outcome"] == "spare lost"
+    # node4 and node1 were lost whole; node2, whose rank hung, came back to the pool (agent/comeback.py)
+    assert [r["node"] for r in s["returns"]] == [2] and s["spares_left"] == 1, (s["returns"], s["spares_left"])
     for f, target in zip(s["failures"][1:], ["node1", "rank2"]):
         check_swapped(f, target)
     assert s["param_digest"] == baseline["param_digest"]

@@ -145,6 +145,14 @@ class ChannelServer:
         with self._lock:
             return self._pages.get(local_rank)
 
+    def forget(self, local_rank: int) -> None:
+        """Drop the progress page of ``local_rank``'s ended process (a node back in the spare pool starts a new one:
+        until it connects, the old page, armed and still, would read as a hang)."""
+        with self._lock:
+            page = None if local_rank in self._by_rank else self._pages.pop(local_rank, None)
+        if page is not None:
+            page.close()
+
     # ---- sending (any thread) -------------------------------------------------------------
     def send(self, local_rank: int, kind: str, body: dict, fds=()) -> bool:
         """Queue message ``kind`` for ``local_rank`` and write what the kernel takes now (never blocks). ``fds``:

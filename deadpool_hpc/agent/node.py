@@ -220,6 +220,9 @@ class NodeAgent:
         self.stragglers = Stragglers(self.cp, self)
         self.rendezvous = Rendezvous(self.cp)
         self._link_asked, self._link_failed_with, self._link_asks_from = None, {}, {}
+        self.channel.poll(0)   # the old processes' connections end here (reaped), then their pages go
+        for local in range(self.P):
+            self.channel.forget(local)
         self.sup.restart()
         deadline = time.monotonic() + self.cfg.startup_timeout
         while len(self.layouts) < self.P:
