@@ -176,7 +176,8 @@ def test_a_node_whose_process_died_comes_back_as_the_spare_and_takes_the_next_fa
     """Spares that come back (agent/comeback.py, issue 27). Rank 0's process is SIGKILLed at step 5: node3, the only
     spare, takes its place, while node0's agent, alive, ends its processes, checks the node and returns to the pool.
     Once it is back (its ``node_returned`` event), this test SIGKILLs rank 1's process: node0 takes node1's place
-    (without the return there would be no spare), and node1, whose --health-check now fails, stays out."""
+    (without the return there would be no spare), and node1, whose --health-check now hangs, stays out: the check is
+    killed at --health-check-timeout and counts as failed."""
     import signal
     import threading
     import time
@@ -185,7 +186,8 @@ def test_a_node_whose_process_died_comes_back_as_the_spare_and_takes_the_next_fa
     out: dict = {}
     th = threading.Thread(target=lambda: out.update(s=run(
         tmp_path, "back", spares=1, faults=[Fault("kill", "rank", 0, 5)],
-        health_check=f"test ! -e {tmp_path}/unhealthy-$DEADPOOL_NODE")), daemon=True)
+        health_check=f"test ! -e {tmp_path}/unhealthy-$DEADPOOL_NODE || sleep 120", health_check_timeout=2.0)),
+        daemon=True)
     th.start()
     killed = None
     while th.is_alive() and killed is None:
@@ -208,7 +210,7 @@ def test_a_node_whose_process_died_comes_back_as_the_spare_and_takes_the_next_fa
     assert second["outcome"] == "hot swap" and second["recomputed_steps"] <= 1, second
     assert [r["node"] for r in s["returns"]] == [0] and s["returns"][0]["health_s"] is not None, s["returns"]
     (out_,) = s["quarantined"]
-    assert out_["node"] == 1 and "health check" in out_["reason"], out_
+    assert out_["node"] == 1 and "still running after 2 s" in out_["reason"], out_
     assert s["spares_left"] == 0
     assert s["param_digest"] == baseline["param_digest"], "a run that reused a returned node diverged"
     events = list(read_events(str(run_dir / "events.jsonl")))
