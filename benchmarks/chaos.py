@@ -10,8 +10,8 @@ a training process of a training node), kill-node (its agent and training proces
 process: fenced after --hang-timeout), kill-spare (SIGKILL an idle spare's training process), kill-during-recovery
 (kill-rank, then SIGKILL a training process of a second training node once the log shows the recovery started). Gaps: exponential, mean
 --mtbf, at least --min-gap; a fault waits until the job trains again. A node whose agent survived (kill-rank,
-hang-rank, kill-spare) comes back to the spare pool (agent/comeback.py; --quarantine, default 10 s here: the faults
-are drawn at random, not caused by the node); a whole node killed never does, and --max-node-kills bounds them (a
+hang-rank, kill-spare) comes back to the spare pool (agent/comeback.py; --quarantine, default 5 s here: faults come
+--min-gap apart, so only a node failing by itself right after its return stays out); a whole node killed never does, and --max-node-kills bounds them (a
 kill-node drawn past it becomes a kill-rank). A fault needs a spare left (kill-during-recovery: 2), else it is
 ``skipped: no spare left``; with --requeue a kill or hang with none left is injected anyway (checkpoint, requeue,
 every node back). Faults stop --minutes after the first step; --steps defaults to
@@ -287,8 +287,9 @@ def main() -> int:  # noqa: C901
     ap.add_argument("--steps", type=int, help="default: --minutes of steps at a calibration run's median step time")
     ap.add_argument("--hang-timeout", type=float, default=5.0, help="seconds before a frozen rank is fenced")
     ap.add_argument("--requeue", action="store_true", help="no spare left: checkpoint and start again from it")
-    ap.add_argument("--quarantine", type=float, default=10.0,
-                    help="seconds: a node failing again this soon after its return stays out (default 10)")
+    ap.add_argument("--quarantine", type=float, default=5.0,
+                    help="seconds: a node failing again this soon after its return stays out (default 5: under "
+                         "--min-gap less a return's seconds, so only a node that fails by itself is kept out)")
     ap.add_argument("--no-spare-return", action="store_true", help="a failed node never comes back (the old way)")
     ap.add_argument("--max-node-kills", type=int, help="at most this many kill-node faults (default: no bound)")
     ap.add_argument("--train-fn", default=RunConfig.train_fn)
