@@ -250,6 +250,22 @@ def write_json(path: str, obj) -> None:
     os.replace(f"{path}.tmp", path)
 
 
+def mtbf_list(ap, text: str, minutes: float) -> list[float]:
+    """The seconds of ``--mtbf`` (comma-separated); ``ap.error`` (exit 2) names a bad value and what is accepted."""
+    out = []
+    for x in text.split(","):
+        try:
+            v = float(x)
+        except ValueError:
+            v = float("nan")
+        if not (math.isfinite(v) and v > 0):
+            ap.error(f"--mtbf {x.strip()!r}: accepted: seconds > 0, comma-separated (e.g. 30,60,120)")
+        out.append(v)
+    if not (math.isfinite(minutes) and minutes > 0):
+        ap.error(f"--minutes {minutes!r}: accepted: a number > 0")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mtbf", default="30,60,120", help="mean seconds between faults, comma-separated")
@@ -267,7 +283,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.worker:
         return worker(a)
-    mtbfs = [float(s) for s in a.mtbf.split(",")]
+    mtbfs = mtbf_list(ap, a.mtbf, a.minutes)
     base = Path(a.keep or tempfile.mkdtemp(prefix="restart-baseline-"))
     try:
         cal = launch(base / "calibrate", steps=60, every=10, buckets=a.buckets)

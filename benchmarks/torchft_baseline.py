@@ -46,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from restart_baseline import children, target, write_json  # benchmarks/: the same /proc helpers, JSON writer
+from restart_baseline import children, mtbf_list, target, write_json  # benchmarks/: the same /proc helpers, JSON writer, --mtbf
 
 G = 3
 
@@ -220,6 +220,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.worker:
         return worker(a)
+    mtbfs = mtbf_list(ap, a.mtbf, a.minutes)
     import importlib.metadata as md
     versions = {}
     for dist in ("torchft", "torchft-nightly", "torch"):
@@ -231,7 +232,7 @@ def main() -> None:
     base = Path(a.keep or tempfile.mkdtemp(prefix="torchft-baseline-"))
     try:
         res = []
-        for i, s in enumerate(float(x) for x in a.mtbf.split(",")):
+        for i, s in enumerate(mtbfs):
             r = one(base / f"mtbf-{i}", a.minutes, s, a.seed + i, a.pg_timeout, a.heartbeat_ms)
             res.append((s, r))
             print(f"MTBF {s:g} s: {r['steps']} steps in {r['wall']:.1f} s, {r['faults']} faults, step "
