@@ -103,7 +103,10 @@ class Comeback:
         """Move control messages; drop what the dead processes left. True when the run is over for this node."""
         a = self.agent
         a.peers.fenced = None   # the others' ``fenced`` notices: known, this node is out until readmitted
-        a.cp.pump(0)            # JobAborted on ``abort``
+        try:
+            a.cp.pump(0)        # JobAborted on ``abort``
+        except Fenced:          # (one that came while it pumped: every message was moved first)
+            a.peers.fenced = None
         a.channel.poll(0.05)
         a.sup.poll()
         if a.cp._finish is not None:

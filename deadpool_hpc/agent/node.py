@@ -6,9 +6,9 @@ its training processes, ipc/shm.py) and the replicas it holds for other nodes (r
 per local rank; their per-step protocol is agent/desk.py's), each generation's rendezvous (the replicated
 key/value store its training processes use instead of a TCPStore, agent/rendezvous.py), the supervision of its P
 training processes (agent/supervisor.py: an exit is seen at once, a hang by its progress page), the start-up and
-spare checks (agent/preflight.py), the straggler check (agent/stragglers.py), planned swaps (agent/planned.py) and
-the recovery (agent/recovery.py). Does not
-own: training (worker/), launching (launch/).
+spare re-checks (agent/sparecheck.py, agent/preflight.py), the straggler check (agent/stragglers.py), planned
+swaps (agent/planned.py), the recovery (agent/recovery.py) and the return to the spare pool after its training
+processes failed (agent/comeback.py). Does not own: training (worker/), launching (launch/).
 
 Detection paths (issue 7): a training process that exits or stops making progress makes its agent declare the
 node failed to every agent at once (``suspect`` of itself) and end the node; an agent that dies is seen at once by
@@ -35,9 +35,10 @@ from .comeback import Comeback
 from .desk import SnapshotDesk
 from .persister import Persister
 from .planned import PlannedSwaps
-from .preflight import HealthCheck, SpeedCheck, link_request
+from .preflight import SpeedCheck
 from .recovery import Recovery
 from .rendezvous import Rendezvous
+from .sparecheck import SpareChecks
 from .stragglers import Stragglers
 STEADY_TICK_S = 0.05  # seconds between passes of the agent's loop when nothing happens (issue 7: idle CPU)
 # the heartbeat deadline until this agent's training processes are up (agent/__main__.py sets it, ``_start`` puts
@@ -81,7 +82,6 @@ class NodeAgent:
         self.resume = latest_checkpoint(cfg.run_dir)  # a requeued attempt (the launchers clear a new run's)
         self.recovery = Recovery(self)     # agent/recovery.py: the rounds after a failure
         self.rendezvous = Rendezvous(cp)   # agent/rendezvous.py: each generation's store, kept equal across agents
-        cp.handlers["link_ask"] = self._on_link_ask
         self.peers.on_inject = self._on_inject
         # agent/desk.py: claim, written, committed, off this loop
         self.desk = SnapshotDesk(self.reps, channel.progress, self._on_written, log, Doorbell.create())
@@ -89,11 +89,7 @@ class NodeAgent:
         self.speed = SpeedCheck(cp, channel, self.P, log, cfg.preflight_factor)   # agent/preflight.py
         self.stragglers = Stragglers(cp, self)   # agent/stragglers.py: each node's own work per step, judged job-wide
         self.comeback = Comeback(self)     # agent/comeback.py: after its training processes failed, back as a spare
-        self._next_spare_check = float("inf")
-        # an idle spare's link re-checks (_ask_spare_link): how many, the one under way, the training nodes whose
-        # all-reduce with it failed since the last that passed; a training node's: each spare's last re-check's keys
-        self._link_rechecks, self._link_asked, self._link_failed_with = 0, None, {}
-        self._link_asks_from: dict[int, str] = {}
+        self.spare_checks = SpareChecks(self)   # agent/sparecheck.py: an idle spare checks itself again
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -173,16 +169,16 @@ class NodeAgent:
         self.swaps.tick()
         self.persister.tick()
         if self.state == "spare" and self.cfg.spare_check_every:
-            self._spare_check()
+            self.spare_checks.tick()
 
     # ---- start-up --------------------------------------------------------------------------------------------
     def _start(self) -> None:
         deadline = time.monotonic() + self.cfg.startup_timeout
         # every training process built its model and sent its layout, and the site's health check (if any) passed
-        while not self._checked() or len(self.layouts) < self.P:
+        while not self.checked() or len(self.layouts) < self.P:
             self.tick(0.01)
             if time.monotonic() > deadline:   # a failure of this node like any other: a spare takes its place
-                if not self._checked():
+                if not self.checked():
                     self.health_check.kill()
                     self.node_failed(f"the health check {self.cfg.health_check!r} was still running after "
                                       f"{self.cfg.startup_timeout:.0f} s (--startup-timeout)", cause="health_check")
@@ -194,7 +190,7 @@ class NodeAgent:
             if verdict:
                 cause, why = verdict
                 self.node_failed(f"pre-flight: {why}", cause=cause)
-        self._next_spare_check = time.monotonic() + self.cfg.spare_check_every
+        self.spare_checks.arm()
         self.peers.deadline = self.cfg.heartbeat_deadline   # (STARTUP_HEARTBEAT_DEADLINE_S until now)
         self.retarget_watch()
         self.rendezvous.open(self.cp.generation)
@@ -219,7 +215,6 @@ class NodeAgent:
         self.swaps = PlannedSwaps(self.cp, self)
         self.stragglers = Stragglers(self.cp, self)
         self.rendezvous = Rendezvous(self.cp)
-        self._link_asked, self._link_failed_with, self._link_asks_from = None, {}, {}
         self.channel.poll(0)   # the old processes' connections end here (reaped), then their pages go
         for local in range(self.P):
             self.channel.forget(local)
@@ -231,7 +226,7 @@ class NodeAgent:
                 late = [lo for lo in range(self.P) if lo not in self.layouts]
                 self.node_failed(f"training process(es) {late} of the returned node did not reach ctx.run within "
                                  f"{self.cfg.startup_timeout:.0f} s (--startup-timeout)", cause="startup_timeout")
-        self._next_spare_check = time.monotonic() + self.cfg.spare_check_every
+        self.spare_checks.arm()
         self.retarget_watch()
         self.rendezvous.open(self.cp.generation)
         for local in range(self.P):
@@ -239,7 +234,7 @@ class NodeAgent:
             self.send_role(local, Spare(self.view()))
         self.state = "spare"
 
-    def _checked(self) -> bool:
+    def checked(self) -> bool:
         """Whether the site's health check (agent/preflight.py) is done and passed; one that failed fails the node."""
         hc = self.health_check
         if hc is None:
@@ -255,103 +250,6 @@ class NodeAgent:
             self.node_failed(f"the health check {self.cfg.health_check!r} exited with {rc} after {secs:.1f} s"
                               + (f": {tail[-200:]}" if tail else ""), cause="health_check")
         return True
-
-    def _spare_check(self) -> None:
-        """An idle spare checks itself again every --spare-check-every seconds (agent/preflight.py): the site's
-        command, the timed matmul against the start-up's median and, once that passed, an all-reduce with a
-        training node. One that fails leaves the pool (fenced, one spare fewer) now, not when a recovery promotes
-        it. Never while a failure is handled."""
-        if self.cp.failure.is_set() or self.recovery.in_round or self.recovery.left:
-            return
-        if self.speed.asked_at is None and self.health_check is None and self.speed.link.asked_at is None:
-            if time.monotonic() < self._next_spare_check:
-                return
-            self._next_spare_check = time.monotonic() + self.cfg.spare_check_every
-            if self.cfg.preflight_factor:
-                self.speed.ask_local()   # then, once it passed, the link (not at once: the matmul is timed alone)
-            if self.cfg.health_check:
-                self.health_check = HealthCheck(self.cfg.health_check, self.sup.env, os.path.join(
-                    self.sup.run_dir, f"health-check-node{self.node}.log"))
-            return
-        if self.speed.asked_at is not None:
-            why = self.speed.spare_verdict()
-            if why:
-                self.node_failed(f"spare check: {why}", cause="preflight_slow")
-            elif why == "":
-                self._ask_spare_link()
-        if self.speed.link.asked_at is not None and (res := self.speed.link.collect()) is not None:
-            self._spare_link_verdict(res)
-        if self.health_check is not None:
-            self._checked()
-
-    def _ask_spare_link(self) -> None:
-        """An idle spare's link re-check (agent/preflight.py): an all-reduce with one training node, a different
-        one each time, whose links work (it trains), so a failed one is this spare's. The training node's agent
-        hands the request to its training processes (``link_ask``); their answer is for this spare only."""
-        trainers = sorted(({m // self.P for m in self.cp.assignment} & set(self.peers.alive())) - {self.node})
-        if not trainers:
-            return
-        self._link_rechecks += 1
-        n = self._link_rechecks
-        q = trainers[n % len(trainers)]
-        a, b = min(q, self.node), max(q, self.node)
-        tag = f"r{n}/"
-        # what the answer is judged against: a round or a new generation since makes it stale (the partner may be
-        # the node that failed)
-        self._link_asked = (q, f"link/{a}-{b}/{tag}", self.cp.generation, self.recovery.rounds)
-        self.peers.send(q, "link_ask", {"tag": tag, "a": a, "b": b})
-        self.speed.link.ask(self.node, [(q, a, b)], tag)
-
-    def _spare_link_verdict(self, res: dict) -> None:
-        """Judge an idle spare's link re-check. Fenced (cause preflight_link) once its all-reduces with two
-        different training nodes in a row failed, neither by the partner's own device: one failed link may still
-        be that training node's (its gloo path broken while it trains over another); two are this spare's."""
-        q, prefix, generation, rounds = self._link_asked
-        self.rendezvous.link.drop(prefix)   # judged: its keys are not needed again (a week of re-checks would pile up)
-        r = res.get(q, {})
-        stale = (generation, rounds) != (self.cp.generation, self.recovery.rounds) or self.peers.is_suspected(q) \
-            or q not in {m // self.P for m in self.cp.assignment}
-        self.log.emit("spare_link_checked", partner=q, stale=stale, **r)
-        if stale or not r.get("seen"):
-            return
-        if r.get("ok"):
-            self._link_failed_with.clear()
-            return
-        if r.get("partner_fault"):
-            return
-        self._link_failed_with[q] = r.get("error")
-        if len(self._link_failed_with) >= 2:
-            failed = "; ".join(f"node{n}: {e}" for n, e in self._link_failed_with.items())
-            self.node_failed(f"spare check: its all-reduces with training nodes {sorted(self._link_failed_with)} "
-                              f"failed in turn ({failed[:300]}); they train, so their own links work",
-                              cause="preflight_link")
-
-    def _on_link_ask(self, src: int, body: dict) -> None:
-        """(the agent's loop, ``cp.pump``) An idle spare asks this training node's processes for an all-reduce with
-        it. Not while a failure or a planned swap is handled: the spare's wait then ends unseen, nothing judged."""
-        if self.peers.fenced or self.state != "training" or self.cp.failure.is_set() or self.recovery.in_round \
-                or self.swaps.current is not None:
-            return
-        try:
-            a, b, tag = int(body["a"]), int(body["b"]), str(body["tag"])
-        except (KeyError, TypeError, ValueError):
-            return
-        if {a, b} != {src, self.node}:
-            return
-        done = self._link_asks_from.get(src)
-        if done is not None:
-            self.rendezvous.link.drop(done)   # the spare's previous re-check is over: its keys go
-        self._link_asks_from[src] = f"link/{a}-{b}/{tag}"
-        for local in range(self.P):
-            self.channel.send(local, "link", link_request(f"for{src}", self.node, [(src, a, b)], tag, local))
-
-    def end_spare_check(self) -> None:
-        """Promoted: a re-check still under way no longer matters (the node passed the last one)."""
-        self.speed.asked_at = None
-        self.speed.link.asked_at = None
-        if self.health_check is not None:
-            self.health_check.kill()
-            self.health_check = None
 
     def _on_local(self, local: int, kind: str, body: dict) -> None:
         if self.peers.fenced:

@@ -149,7 +149,7 @@ class Recovery:
                 a.send_role(local, Spare(a.view()))
             a.state = "spare"
             return
-        a.end_spare_check()
+        a.spare_checks.end()
         serving = any(src // P == a.node for src in decision.sources.values())
         slots = {}
         for local, r in ranks.items():
