@@ -182,13 +182,7 @@ def launch(run: Path, steps: int, every: int, buckets: str, keep=(), minutes=Non
             (run / "stop").write_text("")
         p.wait(timeout=600)
     finally:
-        if p.poll() is None:                   # the torchrun we started and its workers (own sessions), by pid
-            for pid in children(p.pid) | {p.pid}:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            p.wait()
+        kill_tree(p)
         out.close()
     if p.returncode != 0:
         raise RuntimeError(f"torchrun ended with {p.returncode}; see {run}/torchrun.log")
@@ -248,6 +242,18 @@ def write_json(path: str, obj) -> None:
     with open(f"{path}.tmp", "w") as fh:
         json.dump(clean(obj), fh, indent=1)
     os.replace(f"{path}.tmp", path)
+
+
+def kill_tree(p) -> None:
+    """SIGKILL a process we started (a Popen) and its descendants (own sessions: torchrun's workers), by pid, if it
+    still runs; then reap it."""
+    if p.poll() is None:
+        for pid in children(p.pid) | {p.pid}:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        p.wait()
 
 
 def mtbf_list(ap, text: str, minutes: float) -> list[float]:

@@ -46,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from restart_baseline import children, mtbf_list, target, write_json  # benchmarks/: the same /proc helpers, JSON writer, --mtbf
+from restart_baseline import children, kill_tree, mtbf_list, target, write_json  # benchmarks/: the same /proc helpers, JSON writer, --mtbf
 
 G = 3
 
@@ -170,13 +170,7 @@ def one(run: Path, minutes: float, mtbf: float, seed: int, pg_timeout: float, he
                 pass
     finally:
         for p in procs:
-            if p.poll() is None:               # what we started and its workers (own sessions), by pid
-                for pid in children(p.pid) | {p.pid}:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                p.wait()
+            kill_tree(p)                       # what we started and its workers (own sessions), by pid
         for f in logs:
             f.close()
     rows = read(run)
