@@ -1,82 +1,32 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) on the generations' process groups, pollably.
 
-Owns: the ``DeviceMesh`` a training function passes to ``fully_shard`` (``ctx.device_mesh``) and the collectives
-FSDP2 issues. Does not own: the state FSDP2 shards (worker/protect.py), the generations' groups (groups.py).
+Owns: the collectives FSDP2 issues, a promoted spare's rank in FSDP2's mesh information, FSDP2's reset after a
+failure. Does not own: the mesh's process group (meshgroup.py), the state FSDP2 shards (worker/protect.py), the
+generations' groups (groups.py).
 
-FSDP2 keeps the process group of the mesh it was given at ``fully_shard`` time for the life of the model, and
-waits for its all-gathers and reduce-scatters inside its own hooks. Here every generation builds a new default
-group, and no wait of the training thread may block without watching the failure flag. So:
+- The mesh (``ctx.device_mesh``) is built over a ``MeshGroup`` (meshgroup.py): one group for the life of the run
+  whose collectives run on the current generation's group, pollably; every DTensor collective of the user's loop
+  (``clip_grad_norm_``, ``full_tensor()``) goes there.
+- FSDP2's own all-gather and reduce-scatter are replaced (``FSDPModule.set_custom_all_gather`` /
+  ``set_custom_reduce_scatter``, public since torch 2.8) by ``PollableAllGather`` / ``PollableReduceScatter``, which
+  do the same (issued async on the generation's group, waited on against the failure flag and the collective
+  timeout; the reduce-scatter an all-reduce of which this rank keeps its chunk) and tell ``ctx.protect`` when the
+  step's gradients are reduced (its commit protocol, worker/protect.py).
 
-- the mesh is built over a *stand-in* group (``StandInGroup``): a ``torch.distributed.ProcessGroup`` that knows
-  this process's training rank and the world size and carries no traffic. It stays valid across generations
-  (a survivor keeps its rank; a promoted spare gets its rank at promotion, ``rebind``);
-- FSDP2's all-gather and reduce-scatter are replaced (``FSDPModule.set_custom_all_gather`` /
-  ``set_custom_reduce_scatter``, public since torch 2.8) by ``PollableAllGather`` / ``PollableReduceScatter``,
-  which run on the current generation's default group through ``collectives`` (issued async, waited on against
-  the failure flag and the collective timeout). gloo's reduce-scatter work never reports ``is_completed`` before
-  ``wait`` (docs/architecture.md), so the reduce-scatter is an all-reduce of the padded gradient of which this
-  rank keeps its chunk: the same sums on every rank, in an order that depends only on the world size, so a
-  recovered run stays bitwise equal to a failure-free one.
-
-A spare builds its model before it knows which rank it will replace: its stand-in group says rank 0 until then.
-Its shards have rank 0's shapes, which are every rank's when each sharded dimension divides by the world size
-(``uneven_shards``; worker/protect.py refuses a model where it does not). At promotion ``rebind`` gives the
-stand-in group, the mesh and FSDP2's per-group mesh information the new rank (torch internals: ``DeviceMesh``'s
-``_coordinate_on_dim`` and ``FSDPMeshInfo.shard_mesh_rank``; torch is pinned and the end-to-end tests cover them).
+A spare builds its model before it knows which rank it will replace: its mesh group says rank 0 until then.
+Its shards have rank 0's shapes, the largest. At promotion ``rebind`` gives the mesh group, the mesh and FSDP2's
+per-group mesh information the new rank (torch internals: ``DeviceMesh``'s ``_coordinate_on_dim`` and
+``FSDPMeshInfo.shard_mesh_rank``) and, where the shards are uneven (a world size that does not divide a dimension 0),
+points each parameter at the new rank's rows of its padded buffer (``_reshape_shard``). torch is pinned and the
+tests cover these internals (tests/test_fsdp2.py).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
 from . import collectives
-
-STAND_IN_NAME = "deadpool_stand_in"
-
-
-class StandInGroup(dist.ProcessGroup):
-    """A process group of ``size`` ranks in which this process is ``rank``, that carries no traffic: the group
-    of ``ctx.device_mesh``. ``rank()`` follows ``rebind``."""
-
-    def __init__(self, rank: int, size: int):
-        super().__init__(rank, size)
-        self._rank, self._size = rank, size
-
-    def rank(self) -> int:  # noqa: D102 - ProcessGroup's
-        return self._rank
-
-    def size(self) -> int:  # noqa: D102
-        return self._size
-
-    @property
-    def group_name(self) -> str:
-        return STAND_IN_NAME
-
-    def getBackendName(self) -> str:  # noqa: N802 - ProcessGroup's name
-        return "deadpool"
-
-    def register(self) -> None:
-        """Enter this group in torch's registry (DeviceMesh looks groups up there). Called again after each
-        generation's join, which clears the registry (groups.py)."""
-        w = c10d._world
-        w.pg_map[self] = ("deadpool", None)
-        w.pg_names[self] = STAND_IN_NAME
-        w.pg_group_ranks[self] = {i: i for i in range(self._size)}
-        w.pg_backend_config[self] = "deadpool"
-        try:
-            c10d._unregister_process_group(STAND_IN_NAME)   # an earlier registration (another mesh, a test)
-        except (RuntimeError, KeyError):
-            pass
-        c10d._register_process_group(STAND_IN_NAME, self)
-
-
-def device_mesh(group: StandInGroup, device_type: str = "cpu"):
-    """A 1-D DeviceMesh of ``device_type`` ("cpu", "cuda") over ``group`` (every training rank)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    group.register()
-    return DeviceMesh.from_group(group, device_type)
+from .meshgroup import MeshGroup
 
 
 def fsdp_modules(model) -> list:
@@ -96,26 +46,49 @@ def mesh_infos(model) -> list:
     return out
 
 
-def uneven_shards(model, world_size: int) -> list[str]:
-    """Parameters of ``model`` whose dimension 0 does not divide by ``world_size`` ("name [shape]")."""
-    out = []
-    for name, p in model.named_parameters():
-        shape = tuple(p.shape)   # a DTensor's global shape
-        if shape and shape[0] % world_size:
-            out.append(f"{name} {list(shape)}")
-    return out
+def rebind(model, rank: int) -> bool:
+    """This process is training rank ``rank`` now (a promoted spare): the mesh's group, the mesh's coordinate and
+    FSDP2's shard rank follow, and so does each parameter's shard where the shards are uneven (a dimension 0 that
+    does not divide by the world size: torch.chunk's split, the last ranks' shards shorter or empty). Every rank's
+    shard lives in a buffer padded to rank 0's size (FSDP2's ``_sharded_param_data``), so only the views change:
+    the sharded parameter's local tensor and FSDP2's record of its size. Returns True if some shard changed shape
+    (the optimizer's state, shaped like the shards, must then be made again)."""
 
-
-def rebind(model, rank: int) -> None:
-    """This process is training rank ``rank`` now (a promoted spare): the stand-in group, the mesh's coordinate and
-    FSDP2's shard rank follow. Shapes do not change (even shards, ``uneven_shards``)."""
+    changed = False
     for info in mesh_infos(model):
         group = info.shard_process_group
-        if isinstance(group, StandInGroup):
+        if isinstance(group, MeshGroup):
             group._rank = rank
         info.mesh._rank = rank
         info.mesh._coordinate_on_dim = (rank,)
         info.shard_mesh_rank = rank
+    for fp in fsdp_params(model):
+        changed |= _reshape_shard(fp, rank)
+    return changed
+
+
+def fsdp_params(model) -> list:
+    """FSDP2's per-parameter records (``FSDPParam``) of every parameter group of ``model`` (torch internals)."""
+    return [fp for m in fsdp_modules(model) for group in m._get_fsdp_state()._fsdp_param_groups
+            for fp in group.fsdp_params]
+
+
+def _reshape_shard(fp, rank: int) -> bool:
+    """Point ``fp``'s sharded parameter at rank ``rank``'s rows of its padded buffer (dim-0 sharding, as FSDP2's
+    ``_init_sharded_param`` does). Torch internals: ``padded_sharded_param_size``, ``_sharded_param_data``,
+    ``sharded_size``, ``contiguous_sharded_stride``, ``DTensor._local_tensor``; tests/test_fsdp2.py pins them."""
+    padded = fp.padded_sharded_param_size
+    if fp.fsdp_placement.dim != 0 or not len(padded):
+        return False   # FSDP2 shards other dimensions only evenly
+    rows = max(0, min(padded[0], fp._orig_size[0] - rank * padded[0]))
+    size = torch.Size((rows, *padded[1:]))
+    if size == fp.sharded_size:
+        return False
+    fp.sharded_size = size
+    fp.contiguous_sharded_stride = torch.empty(size, device="meta").stride()
+    fp.sharded_param._local_tensor = fp._sharded_param_data.view(padded).narrow(0, 0, rows)
+    fp.sharded_param.grad = None
+    return True
 
 
 def reset_after_failure(model) -> None:
@@ -127,13 +100,11 @@ def reset_after_failure(model) -> None:
     if not model._get_fsdp_state()._is_root:
         return   # it never ran a forward (a spare's model): nothing to reset
     model.reset_iter_state()
-    for m in fsdp_modules(model):
-        for group in m._get_fsdp_state()._fsdp_param_groups:
-            for fp in group.fsdp_params:
-                unsharded = getattr(fp, "_unsharded_param", None)
-                if unsharded is not None:
-                    unsharded.grad = None
-                fp.unsharded_accumulated_grad = None
+    for fp in fsdp_params(model):
+        unsharded = getattr(fp, "_unsharded_param", None)
+        if unsharded is not None:
+            unsharded.grad = None
+        fp.unsharded_accumulated_grad = None
 
 
 class _Comm:

@@ -88,7 +88,7 @@ class Context(Recovering):
         self.attached = False   # ctx.run has attached this process to its agent's slots (start-up is over for it)
         self.refusal = None     # what ctx.protect / zero_adamw / run refused (a job-wide error, not a node's)
         self.writer: SnapshotWriter | None = None   # the snapshot protocol's side of this process (``run``)
-        self._mesh = self._stand_in = None   # ctx.device_mesh
+        self._mesh = self._mesh_group = None   # ctx.device_mesh
         self.wait_s = 0.0   # seconds waited for commits
         client.on("failure", self._on_failure)
         client.on("preflight", lambda body: preflight.answer(client, self.device, body))   # worker/preflight.py
@@ -109,17 +109,18 @@ class Context(Recovering):
     @property
     def device_mesh(self):
         """The 1-D DeviceMesh of the training ranks, for ``fully_shard(module, mesh=ctx.device_mesh)`` (FSDP2).
-        Its group carries no traffic and outlives the generations; ``ctx.protect`` runs FSDP2's collectives on each
-        generation's group, pollably (dataplane/fsdp.py). Before the run's first role this process is the rank the
+        Its group (dataplane/meshgroup.py) outlives the generations: every collective over the mesh (FSDP2's, a
+        DTensor's such as ``clip_grad_norm_``'s norm or ``full_tensor()``) runs on the current generation's group,
+        pollably, inside ``ctx.run``. Before the run's first role this process is the rank the
         job's first generation gives it (a spare: rank 0 until its promotion, when its state is restored)."""
         if self._mesh is None:
-            from ..dataplane.fsdp import StandInGroup, device_mesh
+            from ..dataplane.meshgroup import MeshGroup, device_mesh
 
             P = self.config.ranks_per_node
             first = self.node * P + self.local if self.node < self.config.nodes else 0
             rank = self.rank if self.rank is not None else first
-            self._stand_in = StandInGroup(rank, self.world_size)
-            self._mesh = device_mesh(self._stand_in, self.device.type)
+            self._mesh_group = MeshGroup(rank, self.world_size, self.watch)
+            self._mesh = device_mesh(self._mesh_group, self.device.type)
         return self._mesh
 
     @property

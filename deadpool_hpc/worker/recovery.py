@@ -189,8 +189,8 @@ class Recovering:
         limit = self.config.startup_timeout if first else self.config.rendezvous_timeout
         store = AgentStore(self.client, g, timeout=limit)
         self.groups.join(g, store, self.rank, self.world_size, timeout=limit)
-        if self._stand_in is not None:
-            self._stand_in.register()   # the join cleared torch's registry of groups (dataplane/groups.py)
+        if self._mesh_group is not None:
+            self._mesh_group.register()   # the join cleared torch's registry of groups (dataplane/groups.py)
 
     def _load_checkpoint(self, meta: dict) -> None:
         root = self.config.run_dir + "/checkpoint"

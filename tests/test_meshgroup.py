@@ -1,0 +1,135 @@
+"""Issue 25: the process group behind ``ctx.device_mesh`` (dataplane/meshgroup.py) carries every collective of the
+user's mesh to the current generation's group, pollably.
+
+Two real processes over gloo: ``clip_grad_norm_`` over FSDP2-sharded gradients and ``full_tensor()`` through a
+``MeshGroup`` give bitwise the results of the same calls over torch's own mesh of the default group, the calls reach
+the ``MeshGroup`` (from C++, through DTensor's functional collectives, and from Python), and a raised failure flag
+ends ``clip_grad_norm_`` with ``PeerFailure``. In process: the calls torch's C++ forwards to a Python process group
+(pinned), and a collective before any generation's group is refused with the reason.
+"""
+import os
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from deadpool_hpc.dataplane.collectives import Watch
+from deadpool_hpc.dataplane.meshgroup import MeshGroup, device_mesh
+
+
+def _model(mesh):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 3))   # 12 and 3 rows: even on 2 ranks
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def _step(model, rank):
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    model(x).float().pow(2).mean().backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)   # the norm: an all-reduce over the mesh
+    return norm.full_tensor(), [p.grad.full_tensor() for p in model.parameters()]
+
+
+def _worker(rank: int, store_path: str, out_dir: str, mode: str) -> None:
+    """One of two real processes. mode "plain": torch's own mesh over the default group (the reference); "mesh": a
+    MeshGroup's, then a failure flag raised. Separate processes: DTensor caches its plans by the mesh's layout, so a
+    second mesh of the same ranks in one process would reuse the first one's group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from deadpool_hpc.errors import PeerFailure
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    out = {}
+    if mode == "plain":
+        out["norm"], out["grads"] = _step(_model(init_device_mesh("cpu", (2,))), rank)
+    else:
+        watch = Watch(threading.Event(), 30.0)
+        group = MeshGroup(rank, 2, watch)
+        calls = []
+        for name in ("allreduce", "all_gather_single", "allgather_into_tensor_coalesced", "reduce_scatter_single",
+                     "all_gather_single_coalesced"):   # torch's C++ looks this alias up first
+            real = getattr(group, name)
+            setattr(group, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
+        model = _model(device_mesh(group))
+        out["norm"], out["grads"] = _step(model, rank)
+        out["calls"] = sorted(set(calls))
+        before = len(calls)
+        watch.failure.set()   # a peer lost (rank 1 never joins the all-reduce): rank 0's wait gives up at once
+        try:
+            if rank == 1:
+                raise PeerFailure("a peer failed during a collective (rank 1 stays out)")
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+            out["failed"] = "no error"
+        except PeerFailure as exc:
+            out["failed"] = "PeerFailure: " + str(exc)
+        except Exception as exc:   # noqa: BLE001 - the test reports what came out
+            out["failed"] = f"{type(exc).__name__}: {exc}"
+        out["failed_in"] = calls[before:]
+    torch.save(out, os.path.join(out_dir, f"{mode}{rank}.pt"))
+    if mode == "plain":
+        dist.destroy_process_group()
+    else:
+        os._exit(0)   # rank 0's abandoned all-reduce would abort the interpreter's teardown (dataplane/groups.py)
+
+
+def test_clip_grad_norm_and_full_tensor_run_on_the_generation_group_bitwise_and_pollably(tmp_path):
+    import torch.multiprocessing as mp
+
+    for mode in ("plain", "mesh"):
+        mp.start_processes(_worker, args=(str(tmp_path / f"store-{mode}"), str(tmp_path), mode), nprocs=2,
+                           start_method="spawn", join=True)
+    for rank in range(2):
+        want, got = torch.load(tmp_path / f"plain{rank}.pt"), torch.load(tmp_path / f"mesh{rank}.pt")
+        assert float(got["norm"]) > 0.01, "the gradients were not clipped: the test would not see the clip"
+        assert torch.equal(got["norm"], want["norm"]), (rank, float(got["norm"]), float(want["norm"]))
+        assert all(torch.equal(a, b) for a, b in zip(got["grads"], want["grads"])), f"rank {rank}: other gradients"
+        # FSDP2's all-gather and reduce-scatter (ctx.protect replaces them by its own hooks; here, no protect, they
+        # reach the group), clip_grad_norm_'s all-reduce and full_tensor()'s all-gather, from C++
+        assert {"allreduce", "all_gather_single", "reduce_scatter_single",
+                "all_gather_single_coalesced"} <= set(got["calls"]), got["calls"]
+    got = torch.load(tmp_path / "mesh0.pt")
+    assert got["failed_in"] == ["allreduce"], got["failed_in"]
+    assert got["failed"].startswith("PeerFailure: a peer failed during a collective"), got["failed"]
+
+
+def test_the_calls_torch_forwards_to_a_python_process_group_are_overridden():
+    """torch 2.13's C++ reaches a Python ProcessGroup only through these virtual methods
+    (torch/csrc/distributed/c10d/PyProcessGroup.hpp) and Python's distributed_c10d through these names: a torch that
+    renames one fails here, not in a user's run."""
+    names = ["allreduce", "allreduce_coalesced", "allgather", "allgather_into_tensor_coalesced", "reduce_scatter",
+             "reduce_scatter_tensor_coalesced", "alltoall_base", "broadcast", "barrier", "all_gather_single",
+             "reduce_scatter_single", "all_to_all_single", "send", "recv"]
+    for name in names:
+        assert hasattr(dist.ProcessGroup, name), f"torch's ProcessGroup has no {name} any more"
+        assert name in vars(MeshGroup), f"MeshGroup does not forward {name}"
+    header = os.path.join(os.path.dirname(torch.__file__), "include", "torch", "csrc", "distributed", "c10d",
+                          "PyProcessGroup.hpp")
+    if os.path.exists(header):
+        text = open(header).read()
+        for name in ("allreduce", "allgather", "barrier", "broadcast", "reduce_scatter", "allreduce_coalesced",
+                     "allgather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced", "alltoall_base"):
+            assert name in text, name
+
+
+def test_a_collective_before_the_first_generation_is_refused_with_the_reason():
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)   # the placeholder group
+    try:
+        group = MeshGroup(0, 4, Watch(threading.Event(), 5.0))
+        with pytest.raises(RuntimeError, match=r"all_reduce over ctx.device_mesh \(4 ranks\) outside ctx.run: .*"
+                                               r"it has 1 rank\(s\).*accepted: collectives over the mesh inside"):
+            group.allreduce([torch.ones(2)])
+        with pytest.raises(RuntimeError, match=r"send to rank 1 over ctx.device_mesh: point-to-point"):
+            group.send([torch.ones(2)], 1)
+    finally:
+        dist.destroy_process_group()
