@@ -102,15 +102,40 @@ def _local(t):
     return to_local() if to_local is not None and isinstance(t, torch.Tensor) else t
 
 
-def _locals(obj):
-    """``obj`` (nested dicts/lists of a state dict) with every DTensor replaced by its local shard."""
+def _locals(obj, padded: dict | None = None):
+    """``obj`` (nested dicts/lists of a state dict) with every DTensor replaced by its local shard; ``padded``: filled
+    with id(local shard) -> the shard's padded shape (``_padded_shape``)."""
     if isinstance(obj, torch.Tensor):
-        return _local(obj)
+        t = _local(obj)
+        if padded is not None and t is not obj:
+            padded[id(t)] = _padded_shape(obj)
+        return t
     if isinstance(obj, dict):
-        return {k: _locals(v) for k, v in obj.items()}
+        return {k: _locals(v, padded) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_locals(v) for v in obj]
+        return [_locals(v, padded) for v in obj]
     return obj
+
+
+def _padded_shape(dt) -> tuple:
+    """The shape of a DTensor's local shard on the rank with the largest one (mesh coordinate 0 on every sharded
+    dimension): torch.chunk's split, ``ceil(size / mesh size)`` along each ``Shard(d)``, which FSDP2 pads every
+    rank's shard to (torch's ``_chunk_with_empty``). The same on every rank, so the snapshot layout is."""
+    from torch.distributed.tensor import Shard
+
+    shape = list(dt.shape)
+    for mesh_dim, placement in enumerate(dt.placements):
+        if isinstance(placement, Shard):
+            shape[placement.dim] = -(-shape[placement.dim] // dt.device_mesh.size(mesh_dim))
+    return tuple(shape)
+
+
+def _pad_pieces(t: torch.Tensor, shape: tuple, zeros) -> list[torch.Tensor]:
+    """``t`` (a shard shorter than ``shape`` along dim 0) as 1-D uint8 pieces filling ``shape``'s bytes: its own
+    bytes, then ``zeros(n)`` (a view of n zero bytes)."""
+    own = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    rest = math.prod(shape) * t.element_size() - own.numel()
+    return [own, zeros(rest)] if rest else [own]
 
 
 def _name(obj) -> str:
@@ -209,6 +234,7 @@ class Protected:
         self._cache_sig, self._cache = None, None
         self._pieces = None   # ((signature, owners), the shares' pieces): see state_tensors
         self._zeros = None    # the JSON region's padding (state_tensors)
+        self._pad = None      # zero bytes after short FSDP2 shards (_zero_bytes)
         self.params = [p for p in self.inner.parameters() if p.requires_grad]
         # the state lives in host memory: its snapshot is a memory copy, done inline (Context._snapshot); a device's
         # is a device-to-host transfer, left to the background copier
@@ -279,25 +305,19 @@ class Protected:
     def _check_fsdp2(self, model) -> None:
         from torch.distributed.fsdp import FSDPModule
 
-        from ..dataplane.fsdp import StandInGroup, mesh_infos, uneven_shards
+        from ..dataplane.fsdp import mesh_infos
+        from ..dataplane.meshgroup import MeshGroup
 
         if not isinstance(model, FSDPModule):
             raise ValueError(f"protect(model={type(model).__name__}): only some of its submodules are sharded with "
                              "fully_shard; accepted: fully_shard on the root module too (it drives the others)")
         infos = mesh_infos(model)
         groups = {type(getattr(info, "shard_process_group", None)).__name__ for info in infos
-                  if not isinstance(getattr(info, "shard_process_group", None), StandInGroup)}
+                  if not isinstance(getattr(info, "shard_process_group", None), MeshGroup)}
         if groups or any(getattr(info, "replicate_process_group", None) is not None for info in infos):
             raise ValueError("protect(model=...): fully_shard was called with another mesh than ctx.device_mesh "
                              f"(its groups: {sorted(groups) or 'a 2-D HSDP mesh'}); accepted: fully_shard(module, "
                              "mesh=ctx.device_mesh) on every sharded module")
-        uneven = uneven_shards(model, self.world_size)
-        if uneven:
-            raise ValueError(f"protect(model=...): {len(uneven)} parameter(s) cannot be cut into {self.world_size} "
-                             f"equal shards along dimension 0: {', '.join(uneven[:4])}"
-                             f"{' ...' if len(uneven) > 4 else ''}; accepted: FSDP2 models whose sharded dimensions "
-                             f"divide by the world size ({self.world_size}): a spare builds its model before it "
-                             "knows its rank, so every rank's shards must have the same shapes (docs/your-loop.md)")
 
     @staticmethod
     def _check_loader(loader) -> None:
@@ -356,15 +376,17 @@ class Protected:
         buffers = {f"/model/{n}" for n, _ in self.inner.named_buffers()}
         self._fix_layout(model_sd, optim_sd, unique=lambda path: path in buffers)
 
-    def _fix_layout(self, model_sd: dict, optim_sd: dict, unique) -> None:
+    def _fix_layout(self, model_sd: dict, optim_sd: dict, unique, padded: dict | None = None) -> None:
         """The payload's layout from the state dicts' tensors; ``unique(path)``: the tensor is this rank's own
-        (replicated whole), else the same on every rank (cut into shares)."""
+        (replicated whole), else the same on every rank (cut into shares); ``padded``: id(tensor) -> the shape its
+        place has (an FSDP2 shard: the largest rank's, ``_padded_shape``), else the tensor's own."""
         self.entries: list[tuple[str, torch.dtype, tuple]] = []
         self._index: dict[str, int] = {}
+        padded = padded or {}
 
         def add(path, t):
             self._index[path] = len(self.entries)
-            self.entries.append((path, t.dtype, tuple(t.shape)))
+            self.entries.append((path, t.dtype, padded.get(id(t), tuple(t.shape))))
             return 0
 
         tree = self._split({"model": model_sd, "optim": optim_sd}, add)
@@ -420,11 +442,12 @@ class Protected:
         had_state = bool(self.optimizer.state)
         if not had_state:
             self._dry_step(self.optimizer)
-        model_sd = _locals(get_model_state_dict(self.model))
-        optim_sd = _locals(get_optimizer_state_dict(self.model, self.optimizer))
+        padded: dict = {}
+        model_sd = _locals(get_model_state_dict(self.model), padded)
+        optim_sd = _locals(get_optimizer_state_dict(self.model, self.optimizer), padded)
         if not had_state:
             self.optimizer.state.clear()
-        self._fix_layout(model_sd, optim_sd, unique=lambda path: True)
+        self._fix_layout(model_sd, optim_sd, unique=lambda path: True, padded=padded)
 
     def _install_fsdp_comms(self) -> None:
         from ..dataplane.fsdp import PollableAllGather, PollableReduceScatter, fsdp_modules
@@ -507,12 +530,24 @@ class Protected:
             out = list(out)
         for i in self._unique:
             t = found.get(i)
-            out.append(t.detach() if t is not None else torch.zeros(self.entries[i][2], dtype=self.entries[i][1]))
+            shape = self.entries[i][2]
+            if t is None:
+                out.append(torch.zeros(shape, dtype=self.entries[i][1]))
+            elif tuple(t.shape) != shape:   # an FSDP2 shard shorter than the largest rank's: padded with zeros
+                out.append(_pad_pieces(t, shape, self._zero_bytes))
+            else:
+                out.append(t.detach())
         # the JSON region: the document's length and the document, then zeros (a view of one tensor kept for it)
         head = torch.frombuffer(bytearray(self._hdr.pack(len(doc)) + doc), dtype=torch.uint8)
         if self._zeros is None or self._zeros.numel() != self.blob_nbytes:
             self._zeros = torch.zeros(self.blob_nbytes, dtype=torch.uint8)
         return out + [[head, self._zeros[head.numel():]]]
+
+    def _zero_bytes(self, n: int) -> torch.Tensor:
+        """A view of ``n`` zero bytes (one buffer kept for the padding of short shards)."""
+        if self._pad is None or self._pad.numel() < n:
+            self._pad = torch.zeros(max(n, 4096), dtype=torch.uint8)
+        return self._pad[:n]
 
     def _share(self, r: int, found: dict) -> list[torch.Tensor]:
         """Bytes [r * shard_nbytes, (r + 1) * shard_nbytes) of the common state: 1-D uint8 pieces, views of the
@@ -575,7 +610,8 @@ class Protected:
                                  "layout; the optimizer's state must be the one its first step creates")
                 # (e.g. an optimizer whose state grows later is not supported)
             _, dtype, shape = self.entries[i]
-            if t.dtype != dtype or tuple(t.shape) != shape:
+            if t.dtype != dtype or (tuple(t.shape) != shape and not (
+                    self.sharded and t.dim() and t.shape[1:] == shape[1:] and t.shape[0] <= shape[0])):
                 raise ValueError(f"protect: the state tensor {path} changed from {dtype} {list(shape)} to "
                                  f"{t.dtype} {list(t.shape)} after protect() fixed the snapshot layout")
             found[i] = t
@@ -654,7 +690,7 @@ class Protected:
             for name, saved in tree["model"].items():
                 if name not in live:
                     raise ReplicaError(f"protect: the snapshot has a model tensor {name} the model does not have")
-                _local(live[name]).copy_(saved)
+                _fit_copy(_local(live[name]), saved)
             if tree["optim_empty"]:
                 self.optimizer.state.clear()
             else:
@@ -665,7 +701,7 @@ class Protected:
                     st = self.optimizer.state[by_name[fqn]]
                     for k, v in saved.items():
                         if isinstance(v, torch.Tensor) and isinstance(st.get(k), torch.Tensor):
-                            _local(st[k]).copy_(v)
+                            _fit_copy(_local(st[k]), v)
                         else:
                             st[k] = v
         _set_groups(self.optimizer, osd["param_groups"])
@@ -771,7 +807,9 @@ class Protected:
         if self.sharded:
             from ..dataplane.fsdp import rebind
 
-            rebind(self.model, rank)
+            if rebind(self.model, rank):   # uneven shards: this rank's have other shapes than the ones it had
+                self.optimizer.state.clear()   # made again, with the new shapes, by the restore's dry step
+                self._cache_sig, self._cache, self._pieces = None, None, None
         if self.k:
             P, nodes, k = self.ring
             self.held = held_by(rank, P, nodes, k)
@@ -843,6 +881,14 @@ class Protected:
         every = torch.empty(32 * self.world_size, dtype=torch.uint8)
         collectives.all_gather(every, mine, self.watch)
         self._digest = hashlib.sha256(every.numpy().tobytes()).hexdigest()
+
+
+def _fit_copy(live: torch.Tensor, saved: torch.Tensor) -> None:
+    """Copy a saved shard into the live one; a saved shard padded to the largest rank's shape (``_padded_shape``)
+    gives its first ``live.shape[0]`` rows."""
+    if live.dim() and saved.dim() and live.shape[0] < saved.shape[0]:
+        saved = saved.narrow(0, 0, live.shape[0])
+    live.copy_(saved)
 
 
 def _distributed_sampler(loader):
