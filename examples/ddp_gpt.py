@@ -43,7 +43,7 @@ class Settings:
         known = {f.name: f.type for f in dataclasses.fields(cls)}
         for k, v in args.items():
             if k not in known:
-                raise ValueError(f"--train-arg {k}: not a setting of examples.ddp_gpt; accepted: {', '.join(known)}")
+                raise ValueError(f"--train-arg {k}: not a setting of {cls.__module__}; accepted: {', '.join(known)}")
             if isinstance(v, bool) or not isinstance(v, (int, float)) or (known[k] == "int" and not isinstance(v, int)):
                 raise ValueError(f"--train-arg {k}={v!r}: accepted: a number ({known[k]})")
         return cls(**{k: float(v) if known[k] == "float" else v for k, v in args.items()})

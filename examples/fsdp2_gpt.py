@@ -1,7 +1,10 @@
 """Your own FSDP2 loop, first plain torch, then surviving node loss (docs/your-loop.md).
 
-The micro GPT (deadpool_hpc.train.model) on Shakespeare (deadpool_hpc.train.corpus), every block and the root
-sharded with ``torch.distributed.fsdp.fully_shard``, torch.optim.AdamW and a cosine schedule.
+The micro GPT (deadpool_hpc.train.model) on Shakespeare (deadpool_hpc.train.corpus), written as LLM loops are:
+every block and the root sharded with ``torch.distributed.fsdp.fully_shard`` under a ``MixedPrecisionPolicy`` (bf16
+parameters in compute, fp32 gradient reduction), gradient accumulation over micro-batches
+(``set_requires_gradient_sync``), ``torch.nn.utils.clip_grad_norm_`` over the sharded gradients (a collective over the
+mesh), torch.optim.AdamW and a cosine schedule; activation checkpointing of every block with ``--train-arg ac=1``.
 
 Plain (torchrun, no fault tolerance; GPUs with nccl, or CPU with gloo):
 
@@ -19,67 +22,108 @@ shows. Settings come from ``--train-arg KEY=VALUE`` (examples.ddp_gpt.Settings).
 from __future__ import annotations
 
 import argparse
+import json
 import os
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
 
 from deadpool_hpc.train.corpus import Batches, load_tokens
 from deadpool_hpc.train.model import GPT, GPTConfig
-from examples.ddp_gpt import Settings
+from examples.ddp_gpt import Settings as _Settings
+
+
+@dataclass(frozen=True)
+class Settings(_Settings):
+    max_norm: float = 1.0      # clip_grad_norm_'s bound
+    bf16: int = 1              # 1: MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32); 0: fp32
+    micro_batches: int = 2     # gradient accumulation: the batch in this many micro-batches
+    ac: int = 0                # 1: activation checkpointing of every block (torch.utils.checkpoint)
+
+
+class Checkpointed(nn.Module):
+    """A block whose activations are recomputed in backward (torch.utils.checkpoint, non-reentrant)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return checkpoint(self.block, x, use_reentrant=False)
 
 
 def build(s: Settings, steps: int, mesh=None, device: str = "cpu"):
     """Model, optimizer, schedule and data: the same in the plain and the surviving version."""
+    if s.micro_batches < 1 or s.batch_size % s.micro_batches:
+        raise ValueError(f"--train-arg micro_batches={s.micro_batches}: accepted: a divisor of batch_size="
+                         f"{s.batch_size}")
     torch.manual_seed(s.seed)                                  # every rank builds the same model, then shards it
     model = GPT(GPTConfig(n_layer=s.n_layer, n_head=s.n_head, d_model=s.d_model, context=s.context)).to(device)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if s.bf16 else \
+        MixedPrecisionPolicy()
+    for i, block in enumerate(model.blocks):
+        if s.ac:
+            block = model.blocks[i] = Checkpointed(block)
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
     data = Batches(load_tokens(), s.batch_size, s.context, s.seed)   # batch = f(step, rank)
     return model, opt, sched, data
 
 
+def train_step(model, opt, sched, s: Settings, x, y) -> float:
+    """One optimizer step over ``s.micro_batches`` micro-batches of (x, y); returns the mean loss."""
+    total = 0.0
+    for i, (xb, yb) in enumerate(zip(x.chunk(s.micro_batches), y.chunk(s.micro_batches))):
+        model.set_requires_gradient_sync(i == s.micro_batches - 1)   # reduce the gradients once, at the last
+        _, loss = model(xb, yb)
+        (loss / s.micro_batches).backward()
+        total += loss.item() / s.micro_batches
+    torch.nn.utils.clip_grad_norm_(model.parameters(), s.max_norm)   # the norm: an all-reduce over the mesh
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+    return total
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200)
-    steps = p.parse_args().steps
+    p.add_argument("--train-arg", action="append", default=[], metavar="KEY=VALUE")
+    args = p.parse_args()
+    steps = args.steps
     torch.set_num_threads(1)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if cuda else "gloo")
     device = "cuda" if cuda else "cpu"
-    model, opt, sched, data = build(Settings(), steps, device=device)
+    s = Settings.from_args({k: json.loads(v) for k, v in (a.split("=", 1) for a in args.train_arg)})
+    model, opt, sched, data = build(s, steps, device=device)
 
     for step in range(steps):
         x, y = data.get(step, dist.get_rank())
-        _, loss = model(x.to(device), y.to(device))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
-        if dist.get_rank() == 0 and step % 10 == 0:
-            print(f"step {step} loss {loss.item():.4f}", flush=True)
+        loss = train_step(model, opt, sched, s, x.to(device), y.to(device))
+        if dist.get_rank() == 0 and (step % 10 == 0 or step == steps - 1):
+            print(f"step {step} loss {loss:.4f}", flush=True)
     dist.destroy_process_group()
 
 
 def train(ctx) -> None:
-    model, opt, sched, data = build(Settings.from_args(ctx.config.train_args), ctx.config.steps,
-                                    mesh=ctx.device_mesh, device=ctx.device)   # shard over the job's ranks
-    ctx.protect(model, opt, sched)                      # snapshot, replicate, restore; pollable FSDP2 collectives
+    s = Settings.from_args(ctx.config.train_args)
+    model, opt, sched, data = build(s, ctx.config.steps, mesh=ctx.device_mesh, device=ctx.device)
+    ctx.protect(model, opt, sched)            # snapshot, replicate, restore; the mesh's collectives pollable
 
     def step_fn(step):
         x, y = data.get(step, ctx.rank)
-        _, loss = model(x.to(ctx.device), y.to(ctx.device))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
-        return {"loss": loss.item()}
+        loss = train_step(model, opt, sched, s, x.to(ctx.device), y.to(ctx.device))
+        return {"loss": loss}
 
     ctx.run(step_fn)
 
