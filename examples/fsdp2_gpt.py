@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
@@ -44,6 +45,16 @@ class Settings(_Settings):
     bf16: int = 1              # 1: MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32); 0: fp32
     micro_batches: int = 2     # gradient accumulation: the batch in this many micro-batches
     ac: int = 0                # 1: activation checkpointing of every block (torch.utils.checkpoint)
+    replicate: int = 1         # > 1: HSDP, a (replicate, world // replicate) mesh: replicate across, shard within
+
+
+def hsdp(s: Settings, world_size: int):
+    """(shape, names) of the HSDP mesh, or None for plain FSDP (a 1-D mesh of every rank)."""
+    if s.replicate == 1:
+        return None
+    if s.replicate < 1 or world_size % s.replicate:
+        raise ValueError(f"--train-arg replicate={s.replicate}: accepted: a divisor of the world size {world_size}")
+    return (s.replicate, world_size // s.replicate), ("replicate", "shard")
 
 
 class Checkpointed(nn.Module):
@@ -105,7 +116,9 @@ def main() -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     device = "cuda" if cuda else "cpu"
     s = Settings.from_args({k: json.loads(v) for k, v in (a.split("=", 1) for a in args.train_arg)})
-    model, opt, sched, data = build(s, steps, device=device)
+    layout = hsdp(s, dist.get_world_size())
+    mesh = init_device_mesh(device, layout[0], mesh_dim_names=layout[1]) if layout else None
+    model, opt, sched, data = build(s, steps, mesh=mesh, device=device)
 
     for step in range(steps):
         x, y = data.get(step, dist.get_rank())
@@ -117,7 +130,9 @@ def main() -> None:
 
 def train(ctx) -> None:
     s = Settings.from_args(ctx.config.train_args)
-    model, opt, sched, data = build(s, ctx.config.steps, mesh=ctx.device_mesh, device=ctx.device)
+    layout = hsdp(s, ctx.world_size)
+    mesh = ctx.init_device_mesh(*layout) if layout else ctx.device_mesh
+    model, opt, sched, data = build(s, ctx.config.steps, mesh=mesh, device=ctx.device)
     ctx.protect(model, opt, sched)            # snapshot, replicate, restore; the mesh's collectives pollable
 
     def step_fn(step):

@@ -4,8 +4,8 @@
 run) kept alive by ``ctx.protect``.
 
 End to end: real MPI processes, real gloo groups, real signals, running ``examples/fsdp2_gpt.py``'s ``train`` on 4
-ranks (even shards) and on 3 (uneven: the last rank's shards are shorter, and the spare that replaces it reshapes its
-own at promotion): a node killed at step 30 and a rank frozen at step 40 end bitwise equal to the failure-free run
+ranks (even shards), on 3 (uneven: the last rank's shards are shorter, and the spare that replaces it reshapes its
+own at promotion) and as HSDP on a (2, 2) mesh (replicate x shard): a node killed at step 30 and a rank frozen at step 40 end bitwise equal to the failure-free run
 with at most one step recomputed, with one and two ranks per node; each failure-free run has the losses of the plain
 FSDP2 script under torchrun. In process: the snapshot round trip of sharded state, the torch internals the uneven
 reshape uses, and FSDP2 models protect() cannot keep refused.
@@ -60,6 +60,14 @@ def baseline_p2(failure_free):
 AC = dict(train_fn="examples.fsdp2_gpt:train", train_args=dict(SMALL, ac=1))   # activation checkpointing
 
 
+HSDP = dict(train_fn="examples.fsdp2_gpt:train", train_args=dict(SMALL, replicate=2))   # a (2, 2) mesh
+
+
+@pytest.fixture(scope="module")
+def baseline_hsdp(failure_free):
+    return failure_free(nodes=4, steps=STEPS, **HSDP)["param_digest"]
+
+
 @pytest.fixture(scope="module")
 def baseline3(failure_free):
     return failure_free(nodes=3, steps=STEPS, **EXAMPLE)
@@ -97,14 +105,24 @@ def test_fsdp2_example_no_spare_left_requeues_from_the_checkpoint(tmp_path, base
     assert s["completed"] and s["param_digest"] == baseline, s
 
 
-@pytest.mark.parametrize("ranks", [4, 3])
-def test_fsdp2_example_trains_like_the_plain_script_under_torchrun(ranks, failure_free):
+def test_hsdp_2x2_kill_node1_at_30_and_hang_rank2_at_40(tmp_path, baseline_hsdp):
+    """HSDP on ctx.init_device_mesh((2, 2), ("replicate", "shard")): FSDP2's reduce-scatter runs on the shard
+    dimension's group and its all-reduce on the replicate dimension's, each a sub-group of the generation built at
+    its join (dataplane/groups.build_subgroups); the promoted spares take rank 1's and rank 2's coordinates on both
+    dimensions."""
+    s = run(tmp_path, "hsdp", "kill node1@30", "hang rank2@40", spares=2, train_args=HSDP["train_args"])
+    check_recovered(s, baseline_hsdp, ["node1", "rank2"], [[1], [2]])
+
+
+@pytest.mark.parametrize("ranks,extra", [(4, {}), (3, {}), (4, {"replicate": 2})], ids=["fsdp4", "fsdp3", "hsdp2x2"])
+def test_fsdp2_example_trains_like_the_plain_script_under_torchrun(ranks, extra, failure_free):
     """The same losses as ``torchrun examples/fsdp2_gpt.py`` (plain FSDP2 on its own default mesh and collectives,
     the same settings) at the first and the last step of the failure-free runs above: the mesh group and the
     pollable collectives change nothing in the arithmetic."""
-    want = failure_free(nodes=ranks, steps=STEPS, **EXAMPLE)   # the baselines of the rows above, shared
+    settings = dict(SMALL, **extra)
+    want = failure_free(nodes=ranks, steps=STEPS, train_fn=EXAMPLE["train_fn"], train_args=settings)   # shared
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    args = [a for k, v in SMALL.items() for a in ("--train-arg", f"{k}={v}")]
+    args = [a for k, v in settings.items() for a in ("--train-arg", f"{k}={v}")]
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                              str(ranks), os.path.join(ROOT, "examples", "fsdp2_gpt.py"), "--steps", str(STEPS),
                              *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
@@ -224,7 +242,6 @@ def test_fully_shard_without_ctx_device_mesh_is_refused(local_group):
 
 def _cut_short_worker(rank: int, store_path: str, out_dir: str) -> None:
     """One of two real processes (gloo over a FileStore): see test_a_step_cut_short_inside_fsdp2_recomputes_exactly."""
-    from deadpool_hpc.dataplane import collectives
     from deadpool_hpc.errors import PeerFailure
 
     torch.set_num_threads(1)
@@ -237,15 +254,15 @@ def _cut_short_worker(rank: int, store_path: str, out_dir: str) -> None:
     train_steps(model, opt, sched, 2, 2)
     want = local_digest(model)
     restore(prot, layout, slot)
-    real, calls = collectives.all_gather, []
+    real, calls = MeshGroup.all_gather_single, []
 
-    def failing(out, inp, watch):
+    def failing(group, out, inp, opts=None):
         calls.append(1)
         if len(calls) == 3:   # root and block gathered in forward; the block's re-gather in backward fails
             raise PeerFailure("a peer failed during a collective (test)")
-        real(out, inp, watch)
+        return real(group, out, inp, opts)
 
-    collectives.all_gather = failing
+    MeshGroup.all_gather_single = failing
     try:
         train_steps(model, opt, sched, 2, 1)
         raised = False

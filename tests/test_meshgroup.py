@@ -133,3 +133,35 @@ def test_a_collective_before_the_first_generation_is_refused_with_the_reason():
             group.send([torch.ones(2)], 1)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_2d_mesh_group_follows_its_rank_to_its_coordinate_and_line():
+    """HSDP's (2, 2) mesh [[0, 1], [2, 3]]: dimension 0 (replicate) groups (0, 2) and (1, 3), dimension 1 (shard)
+    (0, 1) and (2, 3); a spare built as rank 0 and promoted to rank 3 takes rank 3's coordinates and lines."""
+    from deadpool_hpc.dataplane.meshgroup import mesh_lines
+
+    layout = torch.arange(4).view(2, 2)
+    assert mesh_lines(layout, 0) == [(0, 2), (1, 3)] and mesh_lines(layout, 1) == [(0, 1), (2, 3)]
+    watch = Watch(threading.Event(), 5.0)
+    rep, shard = (MeshGroup(0, 2, watch, name=f"t{d}", layout=layout, dim=d) for d in (0, 1))
+    assert (rep.rank(), rep.ranks, shard.rank(), shard.ranks) == (0, (0, 2), 0, (0, 1))
+    for g in (rep, shard):
+        g.rebind(3)
+    assert (rep.rank(), rep.ranks, shard.rank(), shard.ranks) == (1, (1, 3), 1, (2, 3))
+    with pytest.raises(ValueError, match=r"rank 4 is not in the mesh \[\[0, 1\], \[2, 3\]\]"):
+        rep.rebind(4)
+
+
+@pytest.mark.parametrize("shape,names,match", [
+    ((3, 2), ("replicate", "shard"), r"mesh_shape=\(3, 2\).*product is the world size 4"),
+    ((4, 0), ("a", "b"), r"mesh_shape=\(4, 0\).*positive sizes"),
+    ("abc", None, r"mesh_shape='abc'"),
+    ((2, 2), None, r"mesh_dim_names=None.*2 distinct names"),
+    ((2, 2), ("x", "x"), r"mesh_dim_names=\('x', 'x'\)"),
+])
+def test_a_mesh_that_does_not_hold_the_job_s_ranks_is_refused(shape, names, match):
+    from deadpool_hpc.dataplane.meshgroup import check_mesh_shape
+
+    with pytest.raises(ValueError, match=match):
+        check_mesh_shape(shape, names, 4)
+    assert check_mesh_shape([2, 2], ("replicate", "shard"), 4) == (2, 2)

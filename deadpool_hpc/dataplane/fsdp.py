@@ -25,8 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import collectives
-from .meshgroup import MeshGroup
+from .meshgroup import MeshGroup, set_mesh_rank
 
 
 def fsdp_modules(model) -> list:
@@ -55,15 +54,21 @@ def rebind(model, rank: int) -> bool:
     (the optimizer's state, shaped like the shards, must then be made again)."""
 
     changed = False
+    meshes = {id(info.mesh): info.mesh for info in mesh_infos(model)}
+    meshes.update({id(p.device_mesh): p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")})
+    for mesh in meshes.values():   # torch internals: DeviceMesh._dim_group_names, _pg_registry
+        groups = [mesh._pg_registry.get(name) for name in mesh._dim_group_names]
+        if groups and all(isinstance(g, MeshGroup) for g in groups):
+            for g in groups:
+                g.rebind(rank)
+            if mesh.ndim == groups[0].layout.dim():
+                set_mesh_rank(mesh, groups[0].layout, rank)
     for info in mesh_infos(model):
-        group = info.shard_process_group
-        if isinstance(group, MeshGroup):
-            group._rank = rank
-        info.mesh._rank = rank
-        info.mesh._coordinate_on_dim = (rank,)
-        info.shard_mesh_rank = rank
+        info.shard_mesh_rank = info.shard_process_group.rank()
+        if getattr(info, "replicate_process_group", None) is not None:
+            info.replicate_mesh_rank = info.replicate_process_group.rank()
     for fp in fsdp_params(model):
-        changed |= _reshape_shard(fp, rank)
+        changed |= _reshape_shard(fp, fp.mesh_info.shard_mesh_rank)
     return changed
 
 
@@ -74,7 +79,7 @@ def fsdp_params(model) -> list:
 
 
 def _reshape_shard(fp, rank: int) -> bool:
-    """Point ``fp``'s sharded parameter at rank ``rank``'s rows of its padded buffer (dim-0 sharding, as FSDP2's
+    """Point ``fp``'s sharded parameter at shard rank ``rank``'s rows of its padded buffer (dim-0 sharding, as FSDP2's
     ``_init_sharded_param`` does). Torch internals: ``padded_sharded_param_size``, ``_sharded_param_data``,
     ``sharded_size``, ``contiguous_sharded_stride``, ``DTensor._local_tensor``; tests/test_fsdp2.py pins them."""
     padded = fp.padded_sharded_param_size
@@ -116,30 +121,33 @@ class _Comm:
 
 
 class PollableAllGather(_Comm):
-    """FSDP2's all-gather (``set_custom_all_gather``), on the current generation's group, waited on pollably.
-    Raises PeerFailure (collectives.wait). Returns None: the collective is done when it returns."""
+    """FSDP2's all-gather (``set_custom_all_gather``) over ``group`` (the mesh's shard group, a MeshGroup: on the
+    current generation's group, waited on pollably). Raises PeerFailure. Returns None: the collective is done when
+    it returns."""
 
     def __call__(self, output_tensor, input_tensor, group=None, async_op=False):
         # FSDP2's input is a view of the output at this rank's place: gather from a copy
-        collectives.all_gather(output_tensor, input_tensor.clone(), self.owner.watch)
+        _mesh_group(group).all_gather_single(output_tensor, input_tensor.clone())
         return None
 
 
 class PollableReduceScatter(_Comm):
-    """FSDP2's reduce-scatter (``set_custom_reduce_scatter``): an all-reduce of the whole input, pollable, of which
-    this rank keeps its chunk (module docstring). Raises PeerFailure."""
+    """FSDP2's reduce-scatter (``set_custom_reduce_scatter``) over ``group`` (a MeshGroup): an all-reduce of the
+    whole input, pollable, of which this rank keeps its chunk (meshgroup.py). Raises PeerFailure."""
 
     def __call__(self, output_tensor, input_tensor, group=None, op=dist.ReduceOp.SUM, async_op=False):
-        # FSDP2 asks for an average of fp32/bf16 gradients; gloo sums, so the sum is divided here
-        avg = op == dist.ReduceOp.AVG
-        if not avg and op != dist.ReduceOp.SUM:
+        if op != dist.ReduceOp.AVG and op != dist.ReduceOp.SUM:
             raise NotImplementedError(f"FSDP2 asked for a reduce-scatter with {op}; supported: SUM, AVG (no "
                                       "gradient_divide_factor, no fp16 reduce_dtype)")
-        collectives.all_reduce(input_tensor, self.owner.watch)
-        if avg:
-            input_tensor.div_(dist.get_world_size())
-        n = output_tensor.numel()
-        r = dist.get_rank()
-        output_tensor.copy_(input_tensor[r * n:(r + 1) * n])
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = op
+        _mesh_group(group).reduce_scatter_single(output_tensor, input_tensor, opts)
         self.owner.on_reduced()
         return None
+
+
+def _mesh_group(group) -> MeshGroup:
+    if not isinstance(group, MeshGroup):
+        raise RuntimeError(f"FSDP2 issued a collective on a {type(group).__name__}, not on a mesh of ctx.device_mesh "
+                           "or ctx.init_device_mesh (ctx.protect checks this before the first step)")
+    return group

@@ -49,6 +49,7 @@ class GenerationGroups:
         self.rendezvous_timeout = dt.timedelta(seconds=rendezvous_timeout)
         self.generation: int | None = None
         self._graveyard: list = []   # abandoned groups with the works they may still run (gloo)
+        self._sub: dict[tuple[int, ...], object] = {}   # this generation's sub-groups by their ranks (subgroup)
 
     def join(self, generation: int, store, rank: int, world_size: int, timeout: float | None = None):
         """Initialise the default process group of ``generation`` as ``rank`` of ``world_size``, rendezvousing
@@ -72,10 +73,36 @@ class GenerationGroups:
             raise PeerFailure(f"joining generation {generation}'s process group failed after "
                               f"{time.monotonic() - t0:.1f} s (limit {limit:.0f} s): {str(exc).splitlines()[0][:200]}") from exc
         self._release_graveyard()
+        self._sub = {}
         pg = c10d._get_default_group()
         c10d._set_pg_timeout(self.timeout, pg)  # the rendezvous deadline was short; collectives get theirs
         self.generation = generation
         return pg
+
+    def build_subgroups(self, lines: list[tuple[int, ...]]) -> None:
+        """Build this generation's sub-groups, one per tuple of ranks in ``lines`` (a mesh dimension's lines, e.g.
+        HSDP's replicate and shard groups), with ``torch.distributed.new_group``: every rank calls this with the same
+        lines in the same order, after ``join``; gloo connects each within the rendezvous deadline. A line of every
+        rank is the default group itself. Raises PeerFailure if one fails."""
+        from ..errors import PeerFailure
+
+        world = dist.get_world_size()
+        for line in lines:
+            line = tuple(line)
+            if line in self._sub:
+                continue
+            if len(line) == world:
+                self._sub[line] = c10d._get_default_group()
+                continue
+            try:
+                self._sub[line] = dist.new_group(list(line), timeout=self.rendezvous_timeout)
+            except (RuntimeError, ValueError) as exc:
+                raise PeerFailure(f"building the sub-group of ranks {list(line)} failed: "
+                                  f"{str(exc).splitlines()[0][:200]}") from exc
+
+    def subgroup(self, ranks) -> object | None:
+        """This generation's group of ``ranks`` (``build_subgroups``), None if there is none."""
+        return self._sub.get(tuple(ranks))
 
     def abandon(self) -> None:
         """Leave the current group without waiting for its pending ops (see module docstring)."""
@@ -83,6 +110,8 @@ class GenerationGroups:
             return
         pg = c10d._get_default_group()
         self._graveyard.append(pg)
+        self._graveyard.extend(g for g in self._sub.values() if g is not pg)
+        self._sub = {}
         if self.backend == "nccl":
             try:
                 pg.abort()

@@ -34,6 +34,8 @@ then raises ``RuntimeError`` saying so.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
@@ -47,17 +49,58 @@ def _default_group():
     return c10d._get_default_group() if dist.is_initialized() else None
 
 
-class MeshGroup(dist.ProcessGroup):
-    """A process group of ``size`` ranks in which this process is ``rank``, for the life of the run; each collective
-    runs on ``current()`` (default: the generation's default group; it must have ``size`` ranks) and is waited on
-    under ``watch`` (collectives.Watch). Raises PeerFailure (a peer lost, the collective failed or timed out) and
-    RuntimeError (no generation's group of ``size`` ranks exists yet; an unsupported call)."""
+def check_mesh_shape(mesh_shape, mesh_dim_names, world_size: int) -> tuple[int, ...]:
+    """``mesh_shape`` as a tuple of ints, checked: positive sizes whose product is ``world_size``, and for more than
+    one dimension as many distinct ``mesh_dim_names``. Raises ValueError naming the bad value."""
+    try:
+        shape = tuple(int(n) for n in mesh_shape)
+    except (TypeError, ValueError):
+        shape = ()
+    if not shape or min(shape) < 1 or math.prod(shape) != world_size:
+        raise ValueError(f"ctx.init_device_mesh(mesh_shape={mesh_shape!r}): the mesh must hold every training rank "
+                         f"once; accepted: positive sizes whose product is the world size {world_size}")
+    if len(shape) > 1 and (mesh_dim_names is None or len(mesh_dim_names) != len(shape)
+                           or len(set(mesh_dim_names)) != len(shape)):
+        raise ValueError(f"ctx.init_device_mesh(mesh_dim_names={mesh_dim_names!r}): accepted: {len(shape)} distinct "
+                         "names, one per dimension of the mesh")
+    return shape
 
-    def __init__(self, rank: int, size: int, watch, name: str = MESH_GROUP_NAME, current=_default_group):
-        super().__init__(rank, size)
-        self._rank, self._size, self._name = rank, size, name
+
+def mesh_lines(layout: torch.Tensor, dim: int) -> list[tuple[int, ...]]:
+    """The lines of ``layout`` (a mesh's global ranks, shape = the mesh's shape) along dimension ``dim``: the ranks
+    of each of that dimension's groups, in a fixed order."""
+    return [tuple(r.tolist()) for r in layout.movedim(dim, -1).reshape(-1, layout.shape[dim])]
+
+
+class MeshGroup(dist.ProcessGroup):
+    """The group of dimension ``dim`` of a mesh whose global ranks are ``layout`` (default: a 1-D mesh of ``size``
+    ranks) for the process of global training rank ``rank``, for the life of the run; each collective runs on
+    ``current(ranks)`` (default: the generation's default group; it must have ``size`` ranks), ``ranks`` being this
+    process's line of the mesh along ``dim``, and is waited on under ``watch`` (collectives.Watch). Raises PeerFailure
+    (a peer lost, the collective failed or timed out) and RuntimeError (no generation's group of ``size`` ranks
+    exists yet; an unsupported call)."""
+
+    def __init__(self, rank: int, size: int, watch, name: str = MESH_GROUP_NAME, current=None,
+                 layout: torch.Tensor | None = None, dim: int = 0):
+        self.layout = layout if layout is not None else torch.arange(size)
+        self.dim = dim
+        self._size, self._name = size, name
+        if self.layout.shape[dim] != size:
+            raise ValueError(f"MeshGroup: dimension {dim} of the mesh {list(self.layout.shape)} has "
+                             f"{self.layout.shape[dim]} ranks, not {size}")
+        self.rebind(rank)
+        super().__init__(self._rank, size)
         self.watch = watch
-        self._current = current
+        self._current = current if current is not None else (lambda ranks: _default_group())
+
+    def rebind(self, rank: int) -> None:
+        """This process is global training rank ``rank`` now (a promoted spare): its coordinate along the group's
+        dimension and its line of the mesh follow. Raises ValueError if ``rank`` is not in the mesh."""
+        coords = (self.layout == rank).nonzero()
+        if coords.size(0) != 1:
+            raise ValueError(f"rank {rank} is not in the mesh {self.layout.tolist()}")
+        self._rank = int(coords[0, self.dim])
+        self.ranks = next(line for line in mesh_lines(self.layout, self.dim) if rank in line)
 
     # ---- identity ------------------------------------------------------------------------------------------------
     def rank(self) -> int:  # noqa: D102 - ProcessGroup's
@@ -79,7 +122,7 @@ class MeshGroup(dist.ProcessGroup):
         w = c10d._world
         w.pg_map[self] = ("deadpool", None)
         w.pg_names[self] = self._name
-        w.pg_group_ranks[self] = {i: i for i in range(self._size)}
+        w.pg_group_ranks[self] = {g: i for i, g in enumerate(self.ranks)}
         w.pg_backend_config[self] = "deadpool"
         try:
             c10d._unregister_process_group(self._name)   # an earlier registration (another mesh, a test)
@@ -89,7 +132,7 @@ class MeshGroup(dist.ProcessGroup):
 
     # ---- forwarding ----------------------------------------------------------------------------------------------
     def _target(self, call: str):
-        pg = self._current()
+        pg = self._current(self.ranks)
         if pg is None or pg.size() != self._size:
             have = "none" if pg is None else f"{pg.size()} rank(s)"
             raise RuntimeError(f"{call} over ctx.device_mesh ({self._size} ranks) outside ctx.run: this process has "
@@ -196,9 +239,36 @@ class MeshGroup(dist.ProcessGroup):
         return self._done(self._target("a coalesced collective").barrier(dist.BarrierOptions()))
 
 
-def device_mesh(group: MeshGroup, device_type: str = "cpu"):
-    """A 1-D DeviceMesh of ``device_type`` ("cpu", "cuda") over ``group`` (every training rank)."""
+def device_mesh(group: MeshGroup | list[MeshGroup], device_type: str = "cpu", mesh_dim_names=None):
+    """A DeviceMesh of ``device_type`` ("cpu", "cuda") over ``group`` (1-D: every training rank) or over one
+    MeshGroup per dimension (N-D, ``mesh_dim_names`` required), whose coordinate is this process's training rank's
+    (torch computes it from the default group's rank, which before the first generation is a placeholder's).
+    Raises ValueError from DeviceMesh for a bad layout."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    group.register()
-    return DeviceMesh.from_group(group, device_type)
+    groups = group if isinstance(group, list) else [group]
+    for g in groups:
+        g.register()
+    if isinstance(group, list):
+        mesh = DeviceMesh.from_group(groups, device_type, mesh=groups[0].layout, mesh_dim_names=mesh_dim_names)
+    else:
+        mesh = DeviceMesh.from_group(group, device_type)
+    set_mesh_rank(mesh, groups[0].layout, _global_rank(groups))
+    return mesh
+
+
+def _global_rank(groups: list[MeshGroup]) -> int:
+    """The global rank whose coordinates the groups hold (each group's rank is its coordinate along its dimension)."""
+    layout = groups[0].layout
+    index = [0] * layout.dim()
+    for g in groups:
+        index[g.dim] = g.rank()
+    return int(layout[tuple(index)])
+
+
+def set_mesh_rank(mesh, layout: torch.Tensor, rank: int) -> None:
+    """Make ``mesh`` (a DeviceMesh over MeshGroups) see this process as global rank ``rank``: its rank and coordinate
+    (torch internals ``DeviceMesh._rank``, ``_coordinate_on_dim``; tests/test_fsdp2.py pins them)."""
+    mesh._rank = rank
+    coords = (layout == rank).nonzero()
+    mesh._coordinate_on_dim = tuple(coords[0].tolist()) if coords.size(0) else None

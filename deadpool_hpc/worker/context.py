@@ -88,7 +88,9 @@ class Context(Recovering):
         self.attached = False   # ctx.run has attached this process to its agent's slots (start-up is over for it)
         self.refusal = None     # what ctx.protect / zero_adamw / run refused (a job-wide error, not a node's)
         self.writer: SnapshotWriter | None = None   # the snapshot protocol's side of this process (``run``)
-        self._mesh = self._mesh_group = None   # ctx.device_mesh
+        self._mesh = None   # ctx.device_mesh
+        self._meshes: dict = {}      # ctx.init_device_mesh's, by shape
+        self._mesh_groups: list = []   # every mesh's groups (dataplane/meshgroup.py)
         self.wait_s = 0.0   # seconds waited for commits
         client.on("failure", self._on_failure)
         client.on("preflight", lambda body: preflight.answer(client, self.device, body))   # worker/preflight.py
@@ -111,17 +113,37 @@ class Context(Recovering):
         """The 1-D DeviceMesh of the training ranks, for ``fully_shard(module, mesh=ctx.device_mesh)`` (FSDP2).
         Its group (dataplane/meshgroup.py) outlives the generations: every collective over the mesh (FSDP2's, a
         DTensor's such as ``clip_grad_norm_``'s norm or ``full_tensor()``) runs on the current generation's group,
-        pollably, inside ``ctx.run``. Before the run's first role this process is the rank the
-        job's first generation gives it (a spare: rank 0 until its promotion, when its state is restored)."""
+        pollably, inside ``ctx.run``. Before the run's first role this process is the rank the job's first
+        generation gives it (a spare: rank 0 until its promotion, when its state is restored)."""
         if self._mesh is None:
-            from ..dataplane.meshgroup import MeshGroup, device_mesh
-
-            P = self.config.ranks_per_node
-            first = self.node * P + self.local if self.node < self.config.nodes else 0
-            rank = self.rank if self.rank is not None else first
-            self._mesh_group = MeshGroup(rank, self.world_size, self.watch)
-            self._mesh = device_mesh(self._mesh_group, self.device.type)
+            self._mesh = self.init_device_mesh((self.world_size,), None)
         return self._mesh
+
+    def init_device_mesh(self, mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, ...] | None = None):
+        """An N-D DeviceMesh of the training ranks in row-major order (as
+        ``torch.distributed.device_mesh.init_device_mesh``), e.g. ``(2, 2), ("replicate", "shard")`` for HSDP
+        (``fully_shard(module, mesh=mesh)``: replicate across dimension 0, shard within dimension 1). Each dimension's
+        group outlives the generations and runs its collectives on that dimension's sub-group of the current
+        generation, pollably. One mesh per shape. Raises ValueError if the shape's product is not the world size or
+        the names do not match it."""
+        from ..dataplane.meshgroup import MESH_GROUP_NAME, MeshGroup, check_mesh_shape, device_mesh
+
+        shape = check_mesh_shape(mesh_shape, mesh_dim_names, self.world_size)
+        if shape in self._meshes:
+            return self._meshes[shape]
+        P = self.config.ranks_per_node
+        first = self.node * P + self.local if self.node < self.config.nodes else 0
+        rank = self.rank if self.rank is not None else first
+        layout = torch.arange(self.world_size).view(shape)
+        if len(shape) == 1:
+            groups = MeshGroup(rank, self.world_size, self.watch)
+        else:
+            groups = [MeshGroup(rank, n, self.watch, name=f"{MESH_GROUP_NAME}_{name}", layout=layout, dim=d,
+                                current=self.groups.subgroup)
+                      for d, (n, name) in enumerate(zip(shape, mesh_dim_names))]
+        self._mesh_groups += groups if isinstance(groups, list) else [groups]
+        self._meshes[shape] = device_mesh(groups, self.device.type, mesh_dim_names=mesh_dim_names)
+        return self._meshes[shape]
 
     @property
     def process_group(self):

@@ -312,12 +312,14 @@ class Protected:
             raise ValueError(f"protect(model={type(model).__name__}): only some of its submodules are sharded with "
                              "fully_shard; accepted: fully_shard on the root module too (it drives the others)")
         infos = mesh_infos(model)
-        groups = {type(getattr(info, "shard_process_group", None)).__name__ for info in infos
-                  if not isinstance(getattr(info, "shard_process_group", None), MeshGroup)}
-        if groups or any(getattr(info, "replicate_process_group", None) is not None for info in infos):
-            raise ValueError("protect(model=...): fully_shard was called with another mesh than ctx.device_mesh "
-                             f"(its groups: {sorted(groups) or 'a 2-D HSDP mesh'}); accepted: fully_shard(module, "
-                             "mesh=ctx.device_mesh) on every sharded module")
+        used = [g for info in infos for g in (getattr(info, "shard_process_group", None),
+                                              getattr(info, "replicate_process_group", None)) if g is not None]
+        groups = {type(g).__name__ for g in used if not isinstance(g, MeshGroup)}
+        if groups:
+            raise ValueError("protect(model=...): fully_shard was called with another mesh than ctx.device_mesh or "
+                             f"ctx.init_device_mesh(...)'s (its groups: {sorted(groups)}); accepted: "
+                             "fully_shard(module, mesh=ctx.device_mesh), or mesh=ctx.init_device_mesh((R, S), "
+                             "(\"replicate\", \"shard\")) for HSDP, on every sharded module")
 
     @staticmethod
     def _check_loader(loader) -> None:

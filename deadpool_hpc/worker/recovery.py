@@ -181,6 +181,7 @@ class Recovering:
         self.log.emit("fresh_start", rank=self.rank, generation=self.generation, node=self.node)
 
     def _join(self, first: bool = False) -> None:
+        from ..dataplane.meshgroup import mesh_lines
         from .client import AgentStore
 
         g = self.generation
@@ -189,8 +190,11 @@ class Recovering:
         limit = self.config.startup_timeout if first else self.config.rendezvous_timeout
         store = AgentStore(self.client, g, timeout=limit)
         self.groups.join(g, store, self.rank, self.world_size, timeout=limit)
-        if self._mesh_group is not None:
-            self._mesh_group.register()   # the join cleared torch's registry of groups (dataplane/groups.py)
+        for group in self._mesh_groups:
+            group.register()   # the join cleared torch's registry of groups (dataplane/groups.py)
+        lines = [line for g in self._mesh_groups for line in mesh_lines(g.layout, g.dim)]
+        if lines:   # N-D meshes: this generation's sub-group of each line of each dimension
+            self.groups.build_subgroups(lines)
 
     def _load_checkpoint(self, meta: dict) -> None:
         root = self.config.run_dir + "/checkpoint"
