@@ -5,7 +5,8 @@ run) kept alive by ``ctx.protect``.
 
 End to end: real MPI processes, real gloo groups, real signals, running ``examples/fsdp2_gpt.py``'s ``train`` on 4
 ranks (even shards), on 3 (uneven: the last rank's shards are shorter, and the spare that replaces it reshapes its
-own at promotion) and as HSDP on a (2, 2) mesh (replicate x shard): a node killed at step 30 and a rank frozen at step 40 end bitwise equal to the failure-free run
+own at promotion), as HSDP on a (2, 2) mesh (replicate x shard), and ``examples/llama_tp.py`` (a Llama-style
+decoder, tensor parallel x FSDP2 on a (dp 2, tp 2) mesh): a node killed at step 30 and a rank frozen at step 40 end bitwise equal to the failure-free run
 with at most one step recomputed, with one and two ranks per node; each failure-free run has the losses of the plain
 FSDP2 script under torchrun. In process: the snapshot round trip of sharded state, the torch internals the uneven
 reshape uses, and FSDP2 models protect() cannot keep refused.
@@ -68,6 +69,14 @@ def baseline_hsdp(failure_free):
     return failure_free(nodes=4, steps=STEPS, **HSDP)["param_digest"]
 
 
+TP = dict(train_fn="examples.llama_tp:train", train_args={})   # Llama-style, (dp 2, tp 2)
+
+
+@pytest.fixture(scope="module")
+def baseline_tp(failure_free):
+    return failure_free(nodes=4, steps=STEPS, **TP)["param_digest"]
+
+
 @pytest.fixture(scope="module")
 def baseline3(failure_free):
     return failure_free(nodes=3, steps=STEPS, **EXAMPLE)
@@ -114,17 +123,27 @@ def test_hsdp_2x2_kill_node1_at_30_and_hang_rank2_at_40(tmp_path, baseline_hsdp)
     check_recovered(s, baseline_hsdp, ["node1", "rank2"], [[1], [2]])
 
 
-@pytest.mark.parametrize("ranks,extra", [(4, {}), (3, {}), (4, {"replicate": 2})], ids=["fsdp4", "fsdp3", "hsdp2x2"])
+def test_tp2_x_fsdp2_kill_node1_at_30_and_hang_rank2_at_40(tmp_path, baseline_tp):
+    """examples/llama_tp.py: a Llama-style decoder with attention and feed-forward split by parallelize_module inside
+    each tp group of a (dp 2, tp 2) mesh and fully_shard across dp; TP's all-reduces and FSDP2's collectives run on
+    the generation's sub-groups. The spare built as rank 0 takes rank 1's tp coordinate, then rank 2's dp one."""
+    s = run(tmp_path, "tp", "kill node1@30", "hang rank2@40", spares=2, **TP)
+    check_recovered(s, baseline_tp, ["node1", "rank2"], [[1], [2]])
+
+
+@pytest.mark.parametrize("ranks,extra", [(4, {}), (3, {}), (4, {"replicate": 2}), (4, None)],
+                         ids=["fsdp4", "fsdp3", "hsdp2x2", "tp2xfsdp2"])
 def test_fsdp2_example_trains_like_the_plain_script_under_torchrun(ranks, extra, failure_free):
     """The same losses as ``torchrun examples/fsdp2_gpt.py`` (plain FSDP2 on its own default mesh and collectives,
     the same settings) at the first and the last step of the failure-free runs above: the mesh group and the
     pollable collectives change nothing in the arithmetic."""
-    settings = dict(SMALL, **extra)
-    want = failure_free(nodes=ranks, steps=STEPS, train_fn=EXAMPLE["train_fn"], train_args=settings)   # shared
+    example = TP if extra is None else dict(EXAMPLE, train_args=dict(SMALL, **extra))
+    want = failure_free(nodes=ranks, steps=STEPS, **example)   # the baselines of the rows above, shared
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    args = [a for k, v in settings.items() for a in ("--train-arg", f"{k}={v}")]
+    args = [a for k, v in example["train_args"].items() for a in ("--train-arg", f"{k}={v}")]
+    script = example["train_fn"].split(":")[0].split(".")[1] + ".py"
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                             str(ranks), os.path.join(ROOT, "examples", "fsdp2_gpt.py"), "--steps", str(STEPS),
+                             str(ranks), os.path.join(ROOT, "examples", script), "--steps", str(STEPS),
                              *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
                             start_new_session=True)
     try:

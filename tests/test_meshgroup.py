@@ -76,10 +76,13 @@ def _worker(rank: int, store_path: str, out_dir: str, mode: str) -> None:
             out["failed"] = f"{type(exc).__name__}: {exc}"
         out["failed_in"] = calls[before:]
     torch.save(out, os.path.join(out_dir, f"{mode}{rank}.pt"))
-    if mode == "plain":
-        dist.destroy_process_group()
-    else:
-        os._exit(0)   # rank 0's abandoned all-reduce would abort the interpreter's teardown (dataplane/groups.py)
+    if mode == "mesh" and rank == 1:   # stay until rank 0 has given up its all-reduce (it must see the flag, not us go)
+        import time
+
+        end = time.monotonic() + 30
+        while not os.path.exists(os.path.join(out_dir, "mesh0.pt")) and time.monotonic() < end:
+            time.sleep(0.05)
+    os._exit(0)   # no teardown: rank 0's abandoned all-reduce would abort it (dataplane/groups.py)
 
 
 def test_clip_grad_norm_and_full_tensor_run_on_the_generation_group_bitwise_and_pollably(tmp_path):
@@ -165,3 +168,29 @@ def test_a_mesh_that_does_not_hold_the_job_s_ranks_is_refused(shape, names, matc
     with pytest.raises(ValueError, match=match):
         check_mesh_shape(shape, names, 4)
     assert check_mesh_shape([2, 2], ("replicate", "shard"), 4) == (2, 2)
+
+
+def test_a_slice_of_a_mesh_knows_the_training_rank_before_the_first_generation():
+    """Before ctx.run the default group is a placeholder of the process alone (rank 0), from which torch computes a
+    mesh slice's coordinate; tensor parallelism picks each parameter's piece by it at build time. A mesh built here
+    (RankedMesh) gives its slices this process's training rank (3 of a (dp 2, tp 2) mesh: dp 1, tp 1), records them
+    for a promotion's rebind, and set_mesh_rank moves them all to another rank. Pins DeviceMesh._create_sub_mesh,
+    _rank, _coordinate_on_dim, _layout, _rank_map."""
+    from deadpool_hpc.dataplane.meshgroup import meshes_of, set_mesh_rank
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)   # the placeholder group
+    try:
+        layout = torch.arange(4).view(2, 2)
+        watch = Watch(threading.Event(), 5.0)
+        groups = [MeshGroup(3, 2, watch, name=f"pin_{n}", layout=layout, dim=d) for d, n in enumerate(("dp", "tp"))]
+        mesh = device_mesh(groups, "cpu", mesh_dim_names=("dp", "tp"))
+        assert list(mesh.get_coordinate()) == [1, 1]
+        tp, dp = mesh["tp"], mesh["dp"]
+        assert list(tp.get_coordinate()) == [1] and list(dp.get_coordinate()) == [1] and tp._rank == 3
+        assert meshes_of(tp) == [mesh, tp, dp]
+        for m in meshes_of(tp):
+            set_mesh_rank(m, 1)   # a spare promoted to rank 1: dp 0, tp 1
+        assert [list(m.get_coordinate()) for m in (mesh, tp, dp)] == [[0, 1], [1], [0]]
+    finally:
+        dist.destroy_process_group()

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .meshgroup import MeshGroup, set_mesh_rank
+from .meshgroup import MeshGroup, meshes_of, set_mesh_rank
 
 
 def fsdp_modules(model) -> list:
@@ -54,15 +54,15 @@ def rebind(model, rank: int) -> bool:
     (the optimizer's state, shaped like the shards, must then be made again)."""
 
     changed = False
-    meshes = {id(info.mesh): info.mesh for info in mesh_infos(model)}
-    meshes.update({id(p.device_mesh): p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")})
+    seen = [info.mesh for info in mesh_infos(model)] + [p.device_mesh for p in model.parameters()
+                                                         if hasattr(p, "device_mesh")]
+    meshes = {id(m): m for mesh in seen for m in meshes_of(mesh)}   # roots and their slices (meshgroup.py)
     for mesh in meshes.values():   # torch internals: DeviceMesh._dim_group_names, _pg_registry
-        groups = [mesh._pg_registry.get(name) for name in mesh._dim_group_names]
+        groups = [mesh._get_root_mesh()._pg_registry.get(name) for name in mesh._dim_group_names]
         if groups and all(isinstance(g, MeshGroup) for g in groups):
             for g in groups:
                 g.rebind(rank)
-            if mesh.ndim == groups[0].layout.dim():
-                set_mesh_rank(mesh, groups[0].layout, rank)
+            set_mesh_rank(mesh, rank)
     for info in mesh_infos(model):
         info.shard_mesh_rank = info.shard_process_group.rank()
         if getattr(info, "replicate_process_group", None) is not None:

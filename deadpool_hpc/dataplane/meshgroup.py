@@ -241,9 +241,10 @@ class MeshGroup(dist.ProcessGroup):
 
 def device_mesh(group: MeshGroup | list[MeshGroup], device_type: str = "cpu", mesh_dim_names=None):
     """A DeviceMesh of ``device_type`` ("cpu", "cuda") over ``group`` (1-D: every training rank) or over one
-    MeshGroup per dimension (N-D, ``mesh_dim_names`` required), whose coordinate is this process's training rank's
-    (torch computes it from the default group's rank, which before the first generation is a placeholder's).
-    Raises ValueError from DeviceMesh for a bad layout."""
+    MeshGroup per dimension (N-D, ``mesh_dim_names`` required), whose coordinate is this process's training rank's,
+    and so are its slices' (``mesh["tp"]``): torch computes a mesh's coordinate from the default group's rank, which
+    before the first generation is a placeholder's (``RankedMesh``). Raises ValueError from DeviceMesh for a bad
+    layout."""
     from torch.distributed.device_mesh import DeviceMesh
 
     groups = group if isinstance(group, list) else [group]
@@ -253,7 +254,8 @@ def device_mesh(group: MeshGroup | list[MeshGroup], device_type: str = "cpu", me
         mesh = DeviceMesh.from_group(groups, device_type, mesh=groups[0].layout, mesh_dim_names=mesh_dim_names)
     else:
         mesh = DeviceMesh.from_group(group, device_type)
-    set_mesh_rank(mesh, groups[0].layout, _global_rank(groups))
+    mesh.__class__ = _ranked_mesh()
+    set_mesh_rank(mesh, _global_rank(groups))
     return mesh
 
 
@@ -266,9 +268,42 @@ def _global_rank(groups: list[MeshGroup]) -> int:
     return int(layout[tuple(index)])
 
 
-def set_mesh_rank(mesh, layout: torch.Tensor, rank: int) -> None:
-    """Make ``mesh`` (a DeviceMesh over MeshGroups) see this process as global rank ``rank``: its rank and coordinate
-    (torch internals ``DeviceMesh._rank``, ``_coordinate_on_dim``; tests/test_fsdp2.py pins them)."""
+def set_mesh_rank(mesh, rank: int) -> None:
+    """Make ``mesh`` (a DeviceMesh over MeshGroups, or a slice of one) see this process as global rank ``rank``: its
+    rank and its coordinate in the slice holding ``rank`` (torch internals ``DeviceMesh._rank``,
+    ``_coordinate_on_dim``, ``_layout.remap_to_tensor(_rank_map)``; tests/test_fsdp2.py and tests/test_meshgroup.py
+    pin them)."""
+    full = mesh._layout.remap_to_tensor(mesh._rank_map)   # (slices, *mesh shape): every slice's global ranks
+    coords = (full == rank).nonzero()
     mesh._rank = rank
-    coords = (layout == rank).nonzero()
-    mesh._coordinate_on_dim = tuple(coords[0].tolist()) if coords.size(0) else None
+    mesh._coordinate_on_dim = tuple(coords[0, 1:].tolist()) if coords.size(0) else None
+
+
+def meshes_of(mesh) -> list:
+    """``mesh``'s root and every slice taken of it through ``RankedMesh`` (``mesh["tp"]``)."""
+    root = mesh._get_root_mesh()
+    return [root] + list(root.__dict__.get("_deadpool_slices", []))
+
+
+_RANKED = None
+
+
+def _ranked_mesh():
+    """The DeviceMesh subclass of the meshes built here: a slice of one (``mesh["tp"]``, ``mesh["dp"]``) gets this
+    process's training rank and coordinate, not the placeholder default group's, and is recorded on its root so a
+    promotion can rebind it (``meshes_of``). torch internal: ``DeviceMesh._create_sub_mesh``, pinned by
+    tests/test_meshgroup.py."""
+    global _RANKED
+    if _RANKED is None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        class RankedMesh(DeviceMesh):
+            def _create_sub_mesh(self, layout, submesh_dim_names):
+                sub = super()._create_sub_mesh(layout, submesh_dim_names)
+                sub.__class__ = RankedMesh
+                set_mesh_rank(sub, self._rank)
+                self._get_root_mesh().__dict__.setdefault("_deadpool_slices", []).append(sub)
+                return sub
+
+        _RANKED = RankedMesh
+    return _RANKED
