@@ -325,7 +325,7 @@ def test_ddp_state_stays_local_and_a_lost_rank_gets_its_share_from_its_holder(lo
     shares each rank has, with their CRC-32C, an all-to-all of the missing ones) are played by the test; a share
     that arrives with other bytes than its sender checksummed is refused."""
     from deadpool_hpc.errors import ReplicaError
-    from deadpool_hpc.worker import protect as protect_mod
+    from deadpool_hpc.dataplane import collectives
 
     model, opt, sched, prot = setup(world_size=3, ddp=True, ring=(1, 3, 1))
     prot.world_size = 1
@@ -368,8 +368,8 @@ def test_ddp_state_stays_local_and_a_lost_rank_gets_its_share_from_its_holder(lo
             out.copy_(torch.cat([payloads[0][0], payloads[2][1], payloads[2][0]]))
             if flip is not None:
                 out[flip] ^= 1   # one bit changed on the way
-        monkeypatch.setattr(protect_mod.collectives, "all_gather", all_gather)
-        monkeypatch.setattr(protect_mod.collectives, "all_to_all", all_to_all)
+        monkeypatch.setattr(collectives, "all_gather", all_gather)
+        monkeypatch.setattr(collectives, "all_to_all", all_to_all)
         prot.bind(1, None, pulled=True)
         torch.set_rng_state(layout.read(slot, prot.restore_targets()))
         return calls

@@ -1,0 +1,176 @@
+"""The state sharded by FSDP2 (1-D FSDP, HSDP, tensor parallel x FSDP): every tensor is this rank's shard.
+
+Owns: the checks of an FSDP2 model (the mesh groups of ctx.device_mesh / ctx.init_device_mesh), its layout (a dry step
+of the real optimizer, undone; shard shapes padded to the largest rank's, ``_padded_shape``, so the layout is the same
+on every rank), FSDP2's pollable collectives and the commit wait before the forward, loading saved shards in place
+(a padded saved shard gives its first rows, ``_fit_copy``) and the digest over every rank's shards. Does not own: the
+mesh's groups (dataplane/meshgroup.py), FSDP2's internals (dataplane/fsdp.py).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+
+from ...dataplane import collectives
+from ...errors import ReplicaError
+from .document import _set_groups
+
+
+def _is_fsdp1(model) -> bool:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch without FSDP
+        return False
+    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+
+
+def _is_fsdp2(model) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _local(t):
+    """A DTensor's local shard (FSDP2's parameters and their optimizer state), else ``t``."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None and isinstance(t, torch.Tensor) else t
+
+
+def _locals(obj, padded: dict | None = None):
+    """``obj`` (nested dicts/lists of a state dict) with every DTensor replaced by its local shard; ``padded``: filled
+    with id(local shard) -> the shard's padded shape (``_padded_shape``)."""
+    if isinstance(obj, torch.Tensor):
+        t = _local(obj)
+        if padded is not None and t is not obj:
+            padded[id(t)] = _padded_shape(obj)
+        return t
+    if isinstance(obj, dict):
+        return {k: _locals(v, padded) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_locals(v, padded) for v in obj]
+    return obj
+
+
+def _padded_shape(dt) -> tuple:
+    """The shape of a DTensor's local shard on the rank with the largest one (mesh coordinate 0 on every sharded
+    dimension): torch.chunk's split, ``ceil(size / mesh size)`` along each ``Shard(d)``, which FSDP2 pads every
+    rank's shard to (torch's ``_chunk_with_empty``). The same on every rank, so the snapshot layout is."""
+    from torch.distributed.tensor import Shard
+
+    shape = list(dt.shape)
+    for mesh_dim, placement in enumerate(dt.placements):
+        if isinstance(placement, Shard):
+            shape[placement.dim] = -(-shape[placement.dim] // dt.device_mesh.size(mesh_dim))
+    return tuple(shape)
+
+
+def _pad_pieces(t: torch.Tensor, shape: tuple, zeros) -> list[torch.Tensor]:
+    """``t`` (a shard shorter than ``shape`` along dim 0) as 1-D uint8 pieces filling ``shape``'s bytes: its own
+    bytes, then ``zeros(n)`` (a view of n zero bytes)."""
+    own = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    rest = math.prod(shape) * t.element_size() - own.numel()
+    return [own, zeros(rest)] if rest else [own]
+
+
+def _fit_copy(live: torch.Tensor, saved: torch.Tensor) -> None:
+    """Copy a saved shard into the live one; a saved shard padded to the largest rank's shape (``_padded_shape``)
+    gives its first ``live.shape[0]`` rows."""
+    if live.dim() and saved.dim() and live.shape[0] < saved.shape[0]:
+        saved = saved.narrow(0, 0, live.shape[0])
+    live.copy_(saved)
+
+
+class ShardedState:
+    """FSDP2's sharded state (mixed into worker/protect.Protected)."""
+
+    def _check_fsdp2(self, model) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        from ...dataplane.fsdp import mesh_infos
+        from ...dataplane.meshgroup import MeshGroup
+
+        if not isinstance(model, FSDPModule):
+            raise ValueError(f"protect(model={type(model).__name__}): only some of its submodules are sharded with "
+                             "fully_shard; accepted: fully_shard on the root module too (it drives the others)")
+        infos = mesh_infos(model)
+        used = [g for info in infos for g in (getattr(info, "shard_process_group", None),
+                                              getattr(info, "replicate_process_group", None)) if g is not None]
+        groups = {type(g).__name__ for g in used if not isinstance(g, MeshGroup)}
+        if groups:
+            raise ValueError("protect(model=...): fully_shard was called with another mesh than ctx.device_mesh or "
+                             f"ctx.init_device_mesh(...)'s (its groups: {sorted(groups)}); accepted: "
+                             "fully_shard(module, mesh=ctx.device_mesh), or mesh=ctx.init_device_mesh((R, S), "
+                             "(\"replicate\", \"shard\")) for HSDP, on every sharded module")
+
+    def _layout_from_real_dry_run(self) -> None:
+        """FSDP2's layout: a sharded module cannot be deep-copied with its process group, so the dry step runs on the
+        real optimizer, whose state is then emptied again (its first real step is bitwise a plain run's). Every
+        tensor is this rank's shard: all per rank, none shared."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        had_state = bool(self.optimizer.state)
+        if not had_state:
+            self._dry_step(self.optimizer)
+        padded: dict = {}
+        model_sd = _locals(get_model_state_dict(self.model), padded)
+        optim_sd = _locals(get_optimizer_state_dict(self.model, self.optimizer), padded)
+        if not had_state:
+            self.optimizer.state.clear()
+        self._fix_layout(model_sd, optim_sd, unique=lambda path: True, padded=padded)
+
+    def _install_fsdp_comms(self) -> None:
+        from ...dataplane.fsdp import PollableAllGather, PollableReduceScatter, fsdp_modules
+
+        for m in fsdp_modules(self.model):
+            m.set_custom_all_gather(PollableAllGather(self))
+            m.set_custom_reduce_scatter(PollableReduceScatter(self))
+        # the first collective of a step is the forward's all-gather: wait for the replica's commit before it
+        self.model.register_forward_pre_hook(self._forward_starts_sharded, prepend=True)
+
+    def on_reduced(self) -> None:
+        """(FSDP2) A gradient reduce-scatter of this step completed (dataplane/fsdp.py)."""
+        self._reduced = True
+
+    def _forward_starts_sharded(self, module, args) -> None:
+        self._reduced = False
+        if self.rank is not None and not self._restoring:
+            self.before_update()
+
+    def _load_shards(self, tree: dict) -> None:
+        """(FSDP2) Copy the saved shards into the live ones, in place: DCP's set_*_state_dict would treat the local
+        tensors as whole ones and redistribute them over the mesh, whose group carries no traffic
+        (dataplane/fsdp.py). A spare's optimizer gets its state from a dry step first."""
+        osd = tree["optim"]
+        with torch.no_grad():
+            live = self.model.state_dict()
+            for name, saved in tree["model"].items():
+                if name not in live:
+                    raise ReplicaError(f"protect: the snapshot has a model tensor {name} the model does not have")
+                _fit_copy(_local(live[name]), saved)
+            if tree["optim_empty"]:
+                self.optimizer.state.clear()
+            else:
+                if not self.optimizer.state:
+                    self._dry_step(self.optimizer)
+                by_name = dict(self.model.named_parameters())
+                for fqn, saved in osd["state"].items():
+                    st = self.optimizer.state[by_name[fqn]]
+                    for k, v in saved.items():
+                        if isinstance(v, torch.Tensor) and isinstance(st.get(k), torch.Tensor):
+                            _fit_copy(_local(st[k]), v)
+                        else:
+                            st[k] = v
+        _set_groups(self.optimizer, osd["param_groups"])
+
+    def gather_digests(self) -> None:
+        """(FSDP2, every rank, at the end of the run) Make ``param_digest`` cover the whole model: all-gather every
+        rank's digest of its shards, pollably. Raises PeerFailure."""
+        self._digest = None
+        mine = torch.frombuffer(bytearray(bytes.fromhex(self.param_digest())), dtype=torch.uint8)
+        every = torch.empty(32 * self.world_size, dtype=torch.uint8)
+        collectives.all_gather(every, mine, self.watch)
+        self._digest = hashlib.sha256(every.numpy().tobytes()).hexdigest()
