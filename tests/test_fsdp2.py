@@ -114,13 +114,26 @@ def test_fsdp2_example_no_spare_left_requeues_from_the_checkpoint(tmp_path, base
     assert s["completed"] and s["param_digest"] == baseline, s
 
 
+def test_hsdp_no_spare_left_requeues_and_the_lost_rank_gets_its_shards_from_its_replicate_group(tmp_path,
+                                                                                               baseline_hsdp):
+    """HSDP keeps the shards in each rank's own snapshot and never sends them (its replicate group holds the same).
+    No spare: rank 1's checkpoint is written by its replica's holder, which has no copy of rank 1's shards and says so
+    (``kept``: False); after the requeue rank 1 takes them from rank 3, the other rank of its replicate group, and the
+    run ends bitwise equal to the failure-free one."""
+    s = run(tmp_path, "requeue-hsdp", "kill node1@40", spares=0, requeue=True, train_args=HSDP["train_args"])
+    assert s["completed"] and s["param_digest"] == baseline_hsdp, s
+
+
 def test_hsdp_2x2_kill_node1_at_30_and_hang_rank2_at_40(tmp_path, baseline_hsdp):
     """HSDP on ctx.init_device_mesh((2, 2), ("replicate", "shard")): FSDP2's reduce-scatter runs on the shard
     dimension's group and its all-reduce on the replicate dimension's, each a sub-group of the generation built at
     its join (dataplane/groups.build_subgroups); the promoted spares take rank 1's and rank 2's coordinates on both
-    dimensions."""
+    dimensions and their shards from the other rank of their replicate group (never replicated)."""
     s = run(tmp_path, "hsdp", "kill node1@30", "hang rank2@40", spares=2, train_args=HSDP["train_args"])
     check_recovered(s, baseline_hsdp, ["node1", "rank2"], [[1], [2]])
+    # the shards (131,968 bytes per rank here) stay in each rank's own snapshot: only the JSON region and the RNG
+    # (70,592 bytes) are sent; the promoted spares took their shards from their replicate groups
+    assert s["bytes_replicated_per_rank_per_step"] < 100_000, s["bytes_replicated_per_rank_per_step"]
 
 
 def test_tp2_x_fsdp2_kill_node1_at_30_and_hang_rank2_at_40(tmp_path, baseline_tp):

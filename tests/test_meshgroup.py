@@ -111,7 +111,7 @@ def test_the_calls_torch_forwards_to_a_python_process_group_are_overridden():
     renames one fails here, not in a user's run."""
     names = ["allreduce", "allreduce_coalesced", "allgather", "allgather_into_tensor_coalesced", "reduce_scatter",
              "reduce_scatter_tensor_coalesced", "alltoall_base", "broadcast", "barrier", "all_gather_single",
-             "reduce_scatter_single", "all_to_all_single", "send", "recv"]
+             "reduce_scatter_single", "all_to_all_single", "send", "recv", "scatter", "gather", "reduce"]
     for name in names:
         assert hasattr(dist.ProcessGroup, name), f"torch's ProcessGroup has no {name} any more"
         assert name in vars(MeshGroup), f"MeshGroup does not forward {name}"

@@ -219,7 +219,12 @@ class Recovery:
                     # replica (Slot.pulled) kept none (the record says which are)
                     n = layout.local_nbytes // shard[0].numel()   # the shares: equal uint8 tensors
                     kept = [not slot.pulled] * n
-                    if rank != r:
+                    if rank != r and n == 1:
+                        # one kept region (HSDP: the replicate group's shards, whole; DDP keeps 1 + K >= 2 shares
+                        # where there are replicas to hold): not the lost rank's to give, its group's ranks restore
+                        # it from theirs
+                        kept = [False]
+                    elif rank != r:
                         own = rep.own.get(cut)
                         held = held_by(r, P, cfg.nodes, cfg.replica_holders)
                         shard[0].copy_(layout.views(own)[1 + held.index(rank)])

@@ -27,7 +27,7 @@ whose backend is swapped at each generation) that
 Overridable from C++ (torch 2.13, ``torch/csrc/distributed/c10d/PyProcessGroup.hpp``): allreduce,
 allreduce_coalesced, allgather, allgather_into_tensor_coalesced, reduce_scatter, reduce_scatter_tensor_coalesced,
 alltoall_base, broadcast, barrier; from Python (``distributed_c10d``) also all_gather_single, reduce_scatter_single,
-all_to_all_single. A test pins the list (tests/test_meshgroup.py).
+all_to_all_single, scatter, gather, reduce. A test pins the list (tests/test_meshgroup.py).
 
 Before ``ctx.run`` joins the run's first generation there is no group of the world size: a collective over the mesh
 then raises ``RuntimeError`` saying so.
@@ -224,6 +224,17 @@ class MeshGroup(dist.ProcessGroup):
 
     def barrier(self, opts=None):  # noqa: D102
         return self._done(self._target("barrier").barrier(opts if opts is not None else dist.BarrierOptions()))
+
+    def scatter(self, output_tensors, input_tensors, opts=None):  # noqa: D102 - e.g. distribute_tensor's
+        return self._done(self._target("scatter").scatter(output_tensors, input_tensors,
+                                                          opts if opts is not None else dist.ScatterOptions()))
+
+    def gather(self, output_tensors, input_tensors, opts=None):  # noqa: D102
+        return self._done(self._target("gather").gather(output_tensors, input_tensors,
+                                                        opts if opts is not None else dist.GatherOptions()))
+
+    def reduce(self, tensors, opts=None):  # noqa: D102
+        return self._done(self._target("reduce").reduce(tensors, opts if opts is not None else dist.ReduceOptions()))
 
     def send(self, tensors, dst, tag=0):  # noqa: D102
         raise RuntimeError(f"send to rank {dst} over ctx.device_mesh: point-to-point operations cannot be polled "

@@ -69,7 +69,7 @@ from ..errors import ReplicaError
 from ..placement import held_by
 from .state.document import RankDocument, _decode, _distributed_sampler, _name, _stateful
 from .state.layout import SnapshotLayout
-from .state.shards import ShardedState, _is_fsdp1, _is_fsdp2, _local
+from .state.shards import ShardedState, _is_fsdp1, _is_fsdp2, _local, replicate_group
 from .state.shares import DataParallelShares, _ddp_class
 
 
@@ -87,7 +87,6 @@ class Protected(SnapshotLayout, DataParallelShares, ShardedState, RankDocument):
         self.ring = ring
         self.k = ring[2] if world_size > 1 else 0
         self.held: list[int] = []
-        self._have = [True] * (1 + self.k)   # which kept shares the next restore has (bind)
         self._plans: dict[int, tuple] = {}
         self._hdr = struct.Struct("<Q")   # the JSON region starts with the document's length
         self._check(model, optimizer, scheduler, dataloader, extra)
@@ -98,6 +97,11 @@ class Protected(SnapshotLayout, DataParallelShares, ShardedState, RankDocument):
         # FSDP2 over ctx.device_mesh: every tensor of the state is this rank's shard, unique to it (replicated
         # whole, no shares); FSDP2's collectives run pollably on the generation's group (dataplane/fsdp.py)
         self.sharded = _is_fsdp2(model)
+        # HSDP: the shards are the same on every rank of a replicate group (a *column* of the mesh), so they are kept
+        # in the rank's own snapshot and never sent, like DDP's shares, whole: one kept region (state/shares.py)
+        self.column = replicate_group(model) if self.sharded else None
+        self.m = 1 if self.column is not None else 1 + self.k   # kept regions in the payload's local prefix
+        self._have = [True] * self.m   # which kept regions the next restore has (bind)
         self._digest: str | None = None
         self.python_rng, self.numpy_rng = python_rng, numpy_rng
         self.cuda = torch.cuda.is_available()
@@ -220,7 +224,7 @@ class Protected(SnapshotLayout, DataParallelShares, ShardedState, RankDocument):
         blob = scratch[-1]
         (n,) = self._hdr.unpack(bytes(blob[:self._hdr.size].numpy()))
         doc = json.loads(bytes(blob[self._hdr.size:self._hdr.size + n].numpy()))
-        kept = scratch[:1 + self.k]
+        kept = scratch[:self.m]
         # this process restored its own snapshot (stamped with the cut step once complete): its shares are there;
         # a replica pulled from a holder carries none; a checkpoint's record says which are (bind)
         full = self._exchange_shares(kept, self._have)
@@ -230,7 +234,7 @@ class Protected(SnapshotLayout, DataParallelShares, ShardedState, RankDocument):
             _, dtype, shape = self.entries[i]
             tensors[i] = full[off:off + n].view(dtype).reshape(shape)
         for pos, i in enumerate(self._unique):
-            tensors[i] = scratch[1 + self.k + pos]
+            tensors[i] = scratch[self.m + pos]
         tree = _decode(doc["tree"], tensors)
         small = _decode(doc["small"], None)
         self._restoring = True
@@ -255,17 +259,17 @@ class Protected(SnapshotLayout, DataParallelShares, ShardedState, RankDocument):
         else, which of the 1 + K shares in it are this rank's (a checkpoint's record: ``persist.save_shard``;
         default all)."""
         self.rank, self.watch = rank, watch
-        self._have = [False] * (1 + self.k) if pulled else [bool(x) for x in (kept or [True] * (1 + self.k))]
-        if len(self._have) != 1 + self.k:
+        self._have = [False] * self.m if pulled else [bool(x) for x in (kept or [True] * self.m)]
+        if len(self._have) != self.m:
             raise ReplicaError(f"protect: the snapshot to restore says {len(self._have)} shares were kept; this "
-                               f"layout keeps {1 + self.k}")
+                               f"layout keeps {self.m}")
         if self.sharded:
             from ..dataplane.fsdp import rebind
 
             if rebind(self.model, rank):   # uneven shards: this rank's have other shapes than the ones it had
                 self.optimizer.state.clear()   # made again, with the new shapes, by the restore's dry step
                 self._cache_sig, self._cache, self._pieces = None, None, None
-        if self.k:
+        if self.k and self.column is None:
             P, nodes, k = self.ring
             self.held = held_by(rank, P, nodes, k)
         self._queued = False

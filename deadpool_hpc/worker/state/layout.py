@@ -57,14 +57,16 @@ class SnapshotLayout:
             self._span[i] = (off, n)
             off += n
         self.common_nbytes = off
-        self.shard_nbytes = max(8, -(-off // (self.world_size * 8)) * 8)
-        self.local_nbytes = (1 + self.k) * self.shard_nbytes   # the shares kept, never sent
+        # DDP: cut into world_size shares; HSDP: the column's state whole, one share (state/shares.py)
+        parts = 1 if self.column is not None else self.world_size
+        self.shard_nbytes = max(8, -(-off // (parts * 8)) * 8)
+        self.local_nbytes = self.m * self.shard_nbytes   # the shares kept, never sent
 
     def layout_tensors(self) -> list[torch.Tensor]:
         """Meta tensors describing the payload's state tensors, in payload order: this rank's share of the common
         state (bytes) and the K shares it keeps for the ranks whose replica it holds (the local prefix,
         ``local_nbytes``), the per-rank tensors, the JSON region."""
-        return [torch.empty(self.shard_nbytes, dtype=torch.uint8, device="meta") for _ in range(1 + self.k)] + \
+        return [torch.empty(self.shard_nbytes, dtype=torch.uint8, device="meta") for _ in range(self.m)] + \
             [torch.empty(self.entries[i][2], dtype=self.entries[i][1], device="meta") for i in self._unique] + \
             [torch.empty(self.blob_nbytes, dtype=torch.uint8, device="meta")]
 
@@ -94,7 +96,7 @@ class SnapshotLayout:
         # this rank's share of the common state and the shares it keeps for others: byte ranges of the live tensors
         # (the background copy reads them before the update, which waits for the commit); the same views while the
         # state's tensors are the same ones (``_signature``)
-        owners = [self.rank] + self.held
+        owners = [0] if self.column is not None else [self.rank] + self.held   # byte shares kept (shares.py)
         if sig is not None and self._pieces is not None and self._pieces[0] == (sig, owners):
             out = list(self._pieces[1])
         else:

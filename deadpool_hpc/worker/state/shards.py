@@ -84,8 +84,32 @@ def _fit_copy(live: torch.Tensor, saved: torch.Tensor) -> None:
     live.copy_(saved)
 
 
+def replicate_group(model):
+    """HSDP's replicate group (a MeshGroup of more than one rank) if every FSDP2 module of ``model`` has the same
+    one, else None (1-D FSDP, or tensor parallel x FSDP: nothing is held twice)."""
+    from ...dataplane.fsdp import mesh_infos
+    from ...dataplane.meshgroup import MeshGroup
+
+    groups = [getattr(info, "replicate_process_group", None) for info in mesh_infos(model)]
+    first = groups[0] if groups else None
+    if not isinstance(first, MeshGroup) or first.size() < 2:
+        return None
+    same = all(isinstance(g, MeshGroup) and g.dim == first.dim and torch.equal(g.layout, first.layout)
+               for g in groups)
+    return first if same else None
+
+
 class ShardedState:
     """FSDP2's sharded state (mixed into worker/protect.Protected)."""
+
+    def _columns(self) -> list[tuple[int, ...]]:
+        """HSDP: the replicate groups' ranks (a column of the mesh each: the same shards), in a fixed order."""
+        from ...dataplane.meshgroup import mesh_lines
+
+        return mesh_lines(self.column.layout, self.column.dim)
+
+    def _column_index(self, r: int) -> int:
+        return next(i for i, line in enumerate(self._columns()) if r in line)
 
     def _check_fsdp2(self, model) -> None:
         from torch.distributed.fsdp import FSDPModule
@@ -120,7 +144,12 @@ class ShardedState:
         optim_sd = _locals(get_optimizer_state_dict(self.model, self.optimizer), padded)
         if not had_state:
             self.optimizer.state.clear()
-        self._fix_layout(model_sd, optim_sd, unique=lambda path: True, padded=padded)
+        if self.column is None:   # every tensor is this rank's alone: replicated whole
+            unique = lambda path: True  # noqa: E731
+        else:   # HSDP: the shards are the replicate group's (kept, never sent); buffers are per rank
+            buffers = {f"/model/{n}" for n, _ in self.inner.named_buffers()}
+            unique = lambda path: path in buffers  # noqa: E731
+        self._fix_layout(model_sd, optim_sd, unique=unique, padded=padded)
 
     def _install_fsdp_comms(self) -> None:
         from ...dataplane.fsdp import PollableAllGather, PollableReduceScatter, fsdp_modules

@@ -77,7 +77,7 @@ class DataParallelShares:
         lacks: share j comes from rank j, else from a holder of rank j's replica, and goes to every rank that kept no
         copy of it (a survivor lacks W - 1 - K shares, a promoted spare all W). Raises ReplicaError naming the share
         no live rank kept, or one that arrived with another checksum than its sender's."""
-        W, m, shard = self.world_size, 1 + self.k, self.shard_nbytes
+        W, m, shard = self.world_size, self.m, self.shard_nbytes
         if W == 1:
             if not have[0]:
                 raise ReplicaError("protect: the restored snapshot carries no share of the parameters and "
@@ -89,31 +89,31 @@ class DataParallelShares:
         collectives.all_gather(info, mine_info, self.watch)
         info = info.view(W, 2 * m).tolist()
         flags, crcs = [row[:m] for row in info], [row[m:] for row in info]
-        P, nodes, k = self.ring
-        keeps = [[r] + held_by(r, P, nodes, k) for r in range(W)]   # the shares rank r keeps, in its kept order
+        keeps = [self._kept_ids(r) for r in range(W)]   # the shares rank r keeps, in its kept order
+        needs = [self._needs(q) for q in range(W)]      # the shares rank q restores from
 
         def good_copy(r: int, j: int) -> int | None:
             """Where in rank r's kept shares a copy of share j is (None: r has none)."""
             return next((i for i, jj in enumerate(keeps[r]) if jj == j and flags[r][i]), None)
 
-        out = torch.empty(W * shard, dtype=torch.uint8)
+        pos_of = {j: i for i, j in enumerate(needs[self.rank])}
+        out = torch.empty(len(pos_of) * shard, dtype=torch.uint8)
         to, frm = [[] for _ in range(W)], [[] for _ in range(W)]   # share ids sent to / received from each rank
         sent_from = {}  # share id this rank sends -> where in its kept shares its copy is
-        for j in range(W):
-            src = next((r for r in [j] + holders_of(j, P, nodes, k) if good_copy(r, j) is not None), None)
+        for j in sorted({j for n in needs for j in n}):
+            src = next((r for r in self._sources(j) if good_copy(r, j) is not None), None)
             if src is None:
-                raise ReplicaError(f"protect: rank {j}'s share of the parameters and optimizer state is lost: "
-                                   f"neither rank {j} nor a holder of its replica ({holders_of(j, P, nodes, k)}) "
-                                   "kept a copy")
+                raise ReplicaError(self._lost(j))
             mine = good_copy(self.rank, j)
-            if mine is not None:
-                out[j * shard:(j + 1) * shard] = kept[mine]
-            elif src != self.rank:
-                frm[src].append(j)
+            if j in pos_of:
+                if mine is not None:
+                    out[pos_of[j] * shard:(pos_of[j] + 1) * shard] = kept[mine]
+                elif src != self.rank:
+                    frm[src].append(j)
             if src == self.rank:
                 sent_from[j] = mine
                 for q in range(W):
-                    if q != src and good_copy(q, j) is None:
+                    if q != src and j in needs[q] and good_copy(q, j) is None:
                         to[q].append(j)
         send = [kept[sent_from[j]] for q in range(W) for j in to[q]]
         inp = torch.cat(send) if send else torch.empty(0, dtype=torch.uint8)
@@ -125,12 +125,41 @@ class DataParallelShares:
                 piece = got[pos:pos + shard]
                 want, crc = crcs[q][good_copy(q, j)], checksum(piece.numpy())
                 if crc != want:
-                    raise ReplicaError(f"protect: rank {j}'s share of the parameters and optimizer state arrived "
-                                       f"from rank {q} with CRC-32C {crc:#010x}, not the {want:#010x} rank {q} "
-                                       "took before sending it")
-                out[j * shard:(j + 1) * shard] = piece
+                    raise ReplicaError(f"protect: {self._what(j)} arrived from rank {q} with CRC-32C {crc:#010x}, "
+                                       f"not the {want:#010x} rank {q} took before sending it")
+                out[pos_of[j] * shard:(pos_of[j] + 1) * shard] = piece
                 pos += shard
         return out
+
+    # which shares exist, who keeps them, who needs them: DDP's ring (held_by), or HSDP's columns (one share each,
+    # kept whole by every rank of the column, shards.py)
+    def _kept_ids(self, r: int) -> list[int]:
+        if self.column is not None:
+            return [self._column_index(r)]
+        P, nodes, k = self.ring
+        return [r] + held_by(r, P, nodes, k)
+
+    def _needs(self, q: int) -> list[int]:
+        return [self._column_index(q)] if self.column is not None else list(range(self.world_size))
+
+    def _sources(self, j: int) -> list[int]:
+        if self.column is not None:
+            return list(self._columns()[j])
+        P, nodes, k = self.ring
+        return [j] + holders_of(j, P, nodes, k)
+
+    def _what(self, j: int) -> str:
+        if self.column is not None:
+            return f"the shards of replicate group {j} (ranks {list(self._columns()[j])})"
+        return f"rank {j}'s share of the parameters and optimizer state"
+
+    def _lost(self, j: int) -> str:
+        if self.column is not None:
+            return (f"protect: {self._what(j)} are lost: no rank of the group restored its own snapshot (each keeps "
+                    "them whole, none sends them)")
+        P, nodes, k = self.ring
+        return (f"protect: rank {j}'s share of the parameters and optimizer state is lost: neither rank {j} nor a "
+                f"holder of its replica ({holders_of(j, P, nodes, k)}) kept a copy")
 
     def _load_full(self, tree: dict) -> None:
         """The model and optimizer state through DCP's set_*_state_dict (DDP and plain modules)."""
