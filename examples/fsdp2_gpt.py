@@ -46,6 +46,7 @@ class Settings(_Settings):
     micro_batches: int = 2     # gradient accumulation: the batch in this many micro-batches
     ac: int = 0                # 1: activation checkpointing of every block (torch.utils.checkpoint)
     replicate: int = 1         # > 1: HSDP, a (replicate, world // replicate) mesh: replicate across, shard within
+    compile: int = 0           # 1: torch.compile every block (nn.Module.compile, as torchtitan does)
 
 
 def hsdp(s: Settings, world_size: int):
@@ -80,6 +81,8 @@ def build(s: Settings, steps: int, mesh=None, device: str = "cpu"):
     for i, block in enumerate(model.blocks):
         if s.ac:
             block = model.blocks[i] = Checkpointed(block)
+        if s.compile:
+            block.compile()
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.1)

@@ -137,7 +137,9 @@ class MeshGroup(dist.ProcessGroup):
             have = "none" if pg is None else f"{pg.size()} rank(s)"
             raise RuntimeError(f"{call} over ctx.device_mesh ({self._size} ranks) outside ctx.run: this process has "
                                f"no training generation's group yet (it has {have}); accepted: collectives over the "
-                               "mesh inside the step function ctx.run calls (docs/your-loop.md)")
+                               "mesh inside the step function ctx.run calls; a model built before ctx.run must not "
+                               "communicate (e.g. parallelize_module(..., src_data_rank=None): every rank builds the "
+                               "same model from the same seed and keeps its piece; docs/your-loop.md)")
         return pg
 
     def _done(self, work):
