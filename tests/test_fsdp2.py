@@ -322,3 +322,23 @@ def test_a_step_cut_short_inside_fsdp2_recomputes_exactly(tmp_path):
         assert got["raised"], "the injected failure did not interrupt the step"
         assert got["gathers"] == 6, f"rank {rank}: FSDP2 gathered {got['gathers']} times in 2 steps (3 per step)"
         assert got["equal"], f"rank {rank}: the recomputed steps differ from uninterrupted ones"
+
+
+def test_an_hsdp_mesh_whose_replicate_group_lives_on_one_node_is_refused(local_group):
+    """HSDP (2, 2) on one node of four ranks: each replicate group, (0, 2) and (1, 3), lives on that node, whose loss
+    would take every copy of its shards (kept only in the group's own snapshots). Refused before the first step. (A
+    row-major (replicate, shard) mesh over two nodes or more always spans nodes.)"""
+    from deadpool_hpc.dataplane.meshgroup import device_mesh as nd_mesh
+
+    torch.manual_seed(0)
+    layout = torch.arange(4).view(2, 2)
+    watch = Watch(threading.Event(), 30.0)
+    groups = [MeshGroup(0, 2, watch, name=f"refuse_{n}", layout=layout, dim=d) for d, n in enumerate(("r", "s"))]
+    mesh = nd_mesh(groups, "cpu", mesh_dim_names=("replicate", "shard"))
+    model = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, context=8))
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match=r"replicate group of ranks \[0, 2\] lives on one node \(node 0, 4 ranks per "
+                                         r"node\).*accepted: a mesh whose replicate dimension spans nodes"):
+        Protected(4, model, opt, ring=(4, 1, 1))
+    Protected(4, model, opt, ring=(2, 2, 1))   # two ranks per node: (0, 2) on nodes 0 and 1

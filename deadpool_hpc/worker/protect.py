@@ -100,6 +100,8 @@ class Protected(SnapshotLayout, DataParallelShares, ShardedState, RankDocument):
         # HSDP: the shards are the same on every rank of a replicate group (a *column* of the mesh), so they are kept
         # in the rank's own snapshot and never sent, like DDP's shares, whole: one kept region (state/shares.py)
         self.column = replicate_group(model) if self.sharded else None
+        if self.column is not None:
+            self._check_columns_span_nodes()
         self.m = 1 if self.column is not None else 1 + self.k   # kept regions in the payload's local prefix
         self._have = [True] * self.m   # which kept regions the next restore has (bind)
         self._digest: str | None = None

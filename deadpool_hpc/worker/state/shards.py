@@ -108,6 +108,18 @@ class ShardedState:
 
         return mesh_lines(self.column.layout, self.column.dim)
 
+    def _check_columns_span_nodes(self) -> None:
+        """HSDP keeps the shards only in the snapshots of their replicate group's ranks: a group whose ranks all
+        live on one node would lose them with that node. Raises ValueError naming the group."""
+        P = self.ring[0]
+        for line in self._columns():
+            if len({r // P for r in line}) < 2:
+                raise ValueError(f"protect(model=...): the replicate group of ranks {list(line)} lives on one node "
+                                 f"(node {line[0] // P}, {P} ranks per node), so losing that node would lose its "
+                                 "shards, which HSDP keeps only in its ranks' own snapshots; accepted: a mesh whose "
+                                 "replicate dimension spans nodes, e.g. ctx.init_device_mesh((nodes, ranks per "
+                                 "node), (\"replicate\", \"shard\"))")
+
     def _column_index(self, r: int) -> int:
         return next(i for i, line in enumerate(self._columns()) if r in line)
 
