@@ -40,13 +40,18 @@ class Settings:
 
     @classmethod
     def from_args(cls, args: dict) -> "Settings":
-        known = {f.name: f.type for f in dataclasses.fields(cls)}
-        for k, v in args.items():
-            if k not in known:
-                raise ValueError(f"--train-arg {k}: not a setting of {cls.__module__}; accepted: {', '.join(known)}")
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or (known[k] == "int" and not isinstance(v, int)):
-                raise ValueError(f"--train-arg {k}={v!r}: accepted: a number ({known[k]})")
-        return cls(**{k: float(v) if known[k] == "float" else v for k, v in args.items()})
+        return settings_from_args(cls, args)
+
+
+def settings_from_args(cls, args: dict):
+    """``cls`` (a dataclass of int and float fields) from ``--train-arg`` values; ValueError names a bad one."""
+    known = {f.name: f.type for f in dataclasses.fields(cls)}
+    for k, v in args.items():
+        if k not in known:
+            raise ValueError(f"--train-arg {k}: not a setting of {cls.__module__}; accepted: {', '.join(known)}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (known[k] == "int" and not isinstance(v, int)):
+            raise ValueError(f"--train-arg {k}={v!r}: accepted: a number ({known[k]})")
+    return cls(**{k: float(v) if known[k] == "float" else v for k, v in args.items()})
 
 
 def build(s: Settings, steps: int):

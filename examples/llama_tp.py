@@ -23,7 +23,6 @@ key/value heads and the hidden sizes.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from deadpool_hpc.train.corpus import Batches, load_tokens
+from examples.ddp_gpt import settings_from_args
 
 
 @dataclass(frozen=True)
@@ -55,13 +55,7 @@ class Settings:
 
     @classmethod
     def from_args(cls, args: dict) -> "Settings":
-        known = {f.name: f.type for f in dataclasses.fields(cls)}
-        for k, v in args.items():
-            if k not in known:
-                raise ValueError(f"--train-arg {k}: not a setting of {cls.__module__}; accepted: {', '.join(known)}")
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or (known[k] == "int" and not isinstance(v, int)):
-                raise ValueError(f"--train-arg {k}={v!r}: accepted: a number ({known[k]})")
-        s = cls(**{k: float(v) if known[k] == "float" else v for k, v in args.items()})
+        s = settings_from_args(cls, args)
         for name in ("n_heads", "n_kv_heads", "ffn_hidden"):
             if s.tp < 1 or getattr(s, name) % s.tp:
                 raise ValueError(f"--train-arg tp={s.tp}: accepted: a divisor of {name}={getattr(s, name)}")
