@@ -69,7 +69,7 @@ def baseline_hsdp(failure_free):
     return failure_free(nodes=4, steps=STEPS, **HSDP)["param_digest"]
 
 
-TP = dict(train_fn="examples.llama_tp:train", train_args={})   # Llama-style, (dp 2, tp 2)
+TP = dict(train_fn="examples.llama_tp:train", train_args={"n_layers": 1})   # Llama-style, (dp 2, tp 2)
 
 
 @pytest.fixture(scope="module")
