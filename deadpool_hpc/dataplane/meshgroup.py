@@ -101,6 +101,9 @@ class MeshGroup(dist.ProcessGroup):
             raise ValueError(f"rank {rank} is not in the mesh {self.layout.tolist()}")
         self._rank = int(coords[0, self.dim])
         self.ranks = next(line for line in mesh_lines(self.layout, self.dim) if rank in line)
+        ranks = c10d._world.pg_group_ranks
+        if self in ranks:   # registered already: torch's global -> group rank map follows (dist.get_rank(group))
+            ranks[self] = {g: i for i, g in enumerate(self.ranks)}
 
     # ---- identity ------------------------------------------------------------------------------------------------
     def rank(self) -> int:  # noqa: D102 - ProcessGroup's
