@@ -98,7 +98,7 @@ def build_summary(events: list[dict], config=None) -> dict:  # noqa: C901
         "bytes_replicated_per_rank_per_step": fin.get("bytes_per_rank_per_step"),
         # rank 0's snapshots, by how they were copied: inline after the update, or by the background copier
         "snapshots": fin.get("snapshots"),
-        "errors": [e.get("error") for e in by["error"]],
+        "errors": list(dict.fromkeys(e.get("error") for e in by["error"])),   # each once (every rank may say it)
     }
 
 

@@ -6,18 +6,18 @@ parameters in compute, fp32 gradient reduction), gradient accumulation over micr
 (``set_requires_gradient_sync``), ``torch.nn.utils.clip_grad_norm_`` over the sharded gradients (a collective over the
 mesh), torch.optim.AdamW and a cosine schedule; activation checkpointing of every block with ``--train-arg ac=1``.
 
-Plain (torchrun, no fault tolerance; GPUs with nccl, or CPU with gloo):
+Plain (torchrun, no fault tolerance; GPUs with nccl, or CPU with gloo; from the repository root, as a module):
 
-    torchrun --nproc-per-node 4 examples/fsdp2_gpt.py --steps 200
+    torchrun --nproc-per-node 4 -m examples.fsdp2_gpt --steps 200
 
 Surviving (from the repository root; the spare replaces node1, the run ends bitwise equal to a failure-free one):
 
-    deadpool run --train-fn examples.fsdp2_gpt:train --nodes 4 --spares 1 --steps 200 --kill node1@40
+    deadpool run --train-fn examples.fsdp2_gpt:train --nodes 3 --spares 1 --steps 200 --kill node1@40
 
-Every sharded dimension must divide by the world size (a spare builds its model before it knows its rank, so all
-ranks' shards must have the same shapes; ``ctx.protect`` says which parameter does not). The micro GPT's do for 1,
-2, 4 and 8 ranks. Both versions share ``build``; ``main`` and ``train`` differ by the lines docs/your-loop.md
-shows. Settings come from ``--train-arg KEY=VALUE`` (examples.ddp_gpt.Settings).
+Any world size: where a dimension does not divide by it (3 ranks) the shards are uneven, and a spare that replaces
+a rank with shorter shards reshapes its own at promotion. HSDP with ``--train-arg replicate=2`` (a (2, world / 2)
+mesh from ``ctx.init_device_mesh``). Both versions share ``build`` and ``train_step``; ``main`` and ``train`` differ
+by the lines docs/your-loop.md shows. Settings come from ``--train-arg KEY=VALUE`` (``Settings``).
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 from deadpool_hpc.train.corpus import Batches, load_tokens
 from deadpool_hpc.train.model import GPT, GPTConfig
-from examples.ddp_gpt import Settings as _Settings
+from examples.ddp_gpt import Settings as _Settings, settings_from_args
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,17 @@ class Settings(_Settings):
     ac: int = 0                # 1: activation checkpointing of every block (torch.utils.checkpoint)
     replicate: int = 1         # > 1: HSDP, a (replicate, world // replicate) mesh: replicate across, shard within
     compile: int = 0           # 1: torch.compile every block (nn.Module.compile, as torchtitan does)
+
+    @classmethod
+    def from_args(cls, args: dict) -> "Settings":
+        s = settings_from_args(cls, args)
+        if s.micro_batches < 1 or s.batch_size % s.micro_batches:
+            raise ValueError(f"--train-arg micro_batches={s.micro_batches}: accepted: a divisor of batch_size="
+                             f"{s.batch_size}")
+        if s.replicate < 1:
+            raise ValueError(f"--train-arg replicate={s.replicate}: accepted: 1 (FSDP) or a divisor of the world "
+                             "size greater than 1 (HSDP)")
+        return s
 
 
 def hsdp(s: Settings, world_size: int):
@@ -71,9 +82,6 @@ class Checkpointed(nn.Module):
 
 def build(s: Settings, steps: int, mesh=None, device: str = "cpu"):
     """Model, optimizer, schedule and data: the same in the plain and the surviving version."""
-    if s.micro_batches < 1 or s.batch_size % s.micro_batches:
-        raise ValueError(f"--train-arg micro_batches={s.micro_batches}: accepted: a divisor of batch_size="
-                         f"{s.batch_size}")
     torch.manual_seed(s.seed)                                  # every rank builds the same model, then shards it
     model = GPT(GPTConfig(n_layer=s.n_layer, n_head=s.n_head, d_model=s.d_model, context=s.context)).to(device)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if s.bf16 else \

@@ -7,9 +7,9 @@ attention and feed-forward are split with ``parallelize_module`` (``ColwiseParal
 sharded with ``fully_shard``. torch.optim.AdamW, a cosine schedule, ``clip_grad_norm_`` over the 2-D DTensor
 gradients.
 
-Plain (torchrun, no fault tolerance; GPUs with nccl, or CPU with gloo):
+Plain (torchrun, no fault tolerance; GPUs with nccl, or CPU with gloo; from the repository root, as a module):
 
-    torchrun --nproc-per-node 4 examples/llama_tp.py --steps 200
+    torchrun --nproc-per-node 4 -m examples.llama_tp --steps 200
 
 Surviving (from the repository root; the spare replaces node1, the run ends bitwise equal to a failure-free one):
 

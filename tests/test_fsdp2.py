@@ -342,3 +342,14 @@ def test_an_hsdp_mesh_whose_replicate_group_lives_on_one_node_is_refused(local_g
                                          r"node\).*accepted: a mesh whose replicate dimension spans nodes"):
         Protected(4, model, opt, ring=(4, 1, 1))
     Protected(4, model, opt, ring=(2, 2, 1))   # two ranks per node: (0, 2) on nodes 0 and 1
+
+
+def test_a_bad_setting_met_while_building_the_model_is_named_in_the_run_s_error(tmp_path):
+    """The training function raises before ctx.run on every node (HSDP's replicate=3 does not divide 2 ranks): the
+    run ends before training, and its error says what the function raised, not only that a process died."""
+    cfg = RunConfig(nodes=2, spares=0, steps=5, run_dir=str(tmp_path / "bad"), train_fn=EXAMPLE["train_fn"],
+                    train_args=dict(SMALL, replicate=3)).validate()
+    s = launch_reaped(cfg, 120)
+    assert not s["completed"]
+    assert any("failed at start-up on node(s) [0, 1]: ValueError: --train-arg replicate=3: accepted: a divisor of "
+               "the world size 2" in e for e in s["errors"]), s["errors"]

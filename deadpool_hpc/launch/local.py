@@ -154,8 +154,15 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
                                      f"{signal.Signals(-rc).name}; the run's processes were ended with it")
         elif rc and not summary["completed"] and not summary["errors"] and not signum and \
                 not any(e["event"] in ("started", "recovered") for e in events):
-            summary["errors"].append(f"the job ended before training started (mpiexec exit status {rc}): a process "
-                                     f"died during MPI start-up; see {rd.launcher_log}")
+            failed = [e for e in events if e["event"] == "startup_failed" and e.get("error")]
+            if failed:   # the training function raised before ctx.run (e.g. a bad setting in the model's build)
+                nodes = sorted({e.get("node") for e in failed if e.get("node") is not None})
+                summary["errors"].append(f"the job ended before training started (mpiexec exit status {rc}): the "
+                                         f"training function failed at start-up on node(s) {nodes}: "
+                                         f"{failed[0]['error']} (events: {rd.events})")
+            else:
+                summary["errors"].append(f"the job ended before training started (mpiexec exit status {rc}): a "
+                                         f"process died during MPI start-up; see {rd.launcher_log}")
         if signum and not summary["completed"]:
             name = signal.Signals(signum).name
             log.emit("interrupted", signal=name, step=summary["steps_completed"])
