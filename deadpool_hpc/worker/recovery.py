@@ -192,7 +192,7 @@ class Recovering:
         self.groups.join(g, store, self.rank, self.world_size, timeout=limit)
         for group in self._mesh_groups:
             group.register()   # the join cleared torch's registry of groups (dataplane/groups.py)
-        lines = [line for g in self._mesh_groups for line in mesh_lines(g.layout, g.dim)]
+        lines = [line for mg in self._mesh_groups for line in mesh_lines(mg.layout, mg.dim)]
         if lines:   # N-D meshes: this generation's sub-group of each line of each dimension
             self.groups.build_subgroups(lines)
 
