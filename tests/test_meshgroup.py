@@ -189,6 +189,7 @@ def test_a_slice_of_a_mesh_knows_the_training_rank_before_the_first_generation()
         tp, dp = mesh["tp"], mesh["dp"]
         assert list(tp.get_coordinate()) == [1] and list(dp.get_coordinate()) == [1] and tp._rank == 3
         assert meshes_of(tp) == [mesh, tp, dp]
+        assert mesh["tp"] is tp   # slicing again (e.g. in every step) gives the same slice: nothing grows
         for m in meshes_of(tp):
             set_mesh_rank(m, 1)   # a spare promoted to rank 1: dp 0, tp 1
         assert [list(m.get_coordinate()) for m in (mesh, tp, dp)] == [[0, 1], [1], [0]]

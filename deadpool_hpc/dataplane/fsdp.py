@@ -114,7 +114,7 @@ def reset_after_failure(model) -> None:
 
 class _Comm:
     def __init__(self, owner):
-        self.owner = owner   # has .watch (collectives.Watch) and .on_reduced()
+        self.owner = owner   # ctx.protect's state: .on_reduced() (the mesh group waits under its own watch)
 
     def allocate(self, size, *, dtype, device) -> torch.Tensor:  # FSDP2's Comm.allocate
         return torch.empty(size, dtype=dtype, device=device)
@@ -139,9 +139,8 @@ class PollableReduceScatter(_Comm):
         if op != dist.ReduceOp.AVG and op != dist.ReduceOp.SUM:
             raise NotImplementedError(f"FSDP2 asked for a reduce-scatter with {op}; supported: SUM, AVG (no "
                                       "gradient_divide_factor, no fp16 reduce_dtype)")
-        opts = dist.ReduceScatterOptions()
-        opts.reduceOp = op
-        _mesh_group(group).reduce_scatter_single(output_tensor, input_tensor, opts)
+        # FSDP2's input is its own padded gradient buffer, dropped after: reduced in place, as before the mesh group
+        _mesh_group(group).reduce_scatter_in_place(output_tensor, input_tensor, op)
         self.owner.on_reduced()
         return None
 

@@ -39,6 +39,7 @@ import math
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from torch.distributed.device_mesh import DeviceMesh
 
 from . import collectives
 
@@ -99,6 +100,7 @@ class MeshGroup(dist.ProcessGroup):
         coords = (self.layout == rank).nonzero()
         if coords.size(0) != 1:
             raise ValueError(f"rank {rank} is not in the mesh {self.layout.tolist()}")
+        self.global_rank = rank
         self._rank = int(coords[0, self.dim])
         self.ranks = next(line for line in mesh_lines(self.layout, self.dim) if rank in line)
         ranks = c10d._world.pg_group_ranks
@@ -189,15 +191,19 @@ class MeshGroup(dist.ProcessGroup):
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     def reduce_scatter_single(self, output, input, opts=None):  # noqa: D102, A002
-        """An all-reduce of ``input`` (``size`` chunks along dim 0, flat), of which this rank keeps chunk ``rank``
-        (module docstring)."""
-        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        """An all-reduce of a copy of ``input`` (``size`` chunks along dim 0, flat), of which this rank keeps chunk
+        ``rank`` (module docstring); ``input`` is left as it was."""
+        return self.reduce_scatter_in_place(output, input.clone(), opts.reduceOp if opts is not None else
+                                            dist.ReduceOp.SUM)
+
+    def reduce_scatter_in_place(self, output, input, op=dist.ReduceOp.SUM):  # noqa: A002
+        """``reduce_scatter_single`` that all-reduces ``input`` itself (a buffer its caller drops after, as FSDP2's
+        reduce-scatter input): no copy of it."""
         o = dist.AllreduceOptions()
         o.reduceOp = op
-        whole = input.clone()
-        work = self.allreduce([whole], o)
+        work = self.allreduce([input], o)
         n = output.numel()
-        output.copy_(whole.reshape(-1)[self._rank * n:(self._rank + 1) * n].view_as(output))
+        output.copy_(input.reshape(-1)[self._rank * n:(self._rank + 1) * n].view_as(output))
         return work
 
     _reduce_scatter_base = reduce_scatter_single
@@ -261,8 +267,6 @@ def device_mesh(group: MeshGroup | list[MeshGroup], device_type: str = "cpu", me
     and so are its slices' (``mesh["tp"]``): torch computes a mesh's coordinate from the default group's rank, which
     before the first generation is a placeholder's (``RankedMesh``). Raises ValueError from DeviceMesh for a bad
     layout."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     groups = group if isinstance(group, list) else [group]
     for g in groups:
         g.register()
@@ -270,18 +274,9 @@ def device_mesh(group: MeshGroup | list[MeshGroup], device_type: str = "cpu", me
         mesh = DeviceMesh.from_group(groups, device_type, mesh=groups[0].layout, mesh_dim_names=mesh_dim_names)
     else:
         mesh = DeviceMesh.from_group(group, device_type)
-    mesh.__class__ = _ranked_mesh()
-    set_mesh_rank(mesh, _global_rank(groups))
+    mesh.__class__ = RankedMesh
+    set_mesh_rank(mesh, groups[0].global_rank)
     return mesh
-
-
-def _global_rank(groups: list[MeshGroup]) -> int:
-    """The global rank whose coordinates the groups hold (each group's rank is its coordinate along its dimension)."""
-    layout = groups[0].layout
-    index = [0] * layout.dim()
-    for g in groups:
-        index[g.dim] = g.rank()
-    return int(layout[tuple(index)])
 
 
 def set_mesh_rank(mesh, rank: int) -> None:
@@ -298,28 +293,21 @@ def set_mesh_rank(mesh, rank: int) -> None:
 def meshes_of(mesh) -> list:
     """``mesh``'s root and every slice taken of it through ``RankedMesh`` (``mesh["tp"]``)."""
     root = mesh._get_root_mesh()
-    return [root] + list(root.__dict__.get("_deadpool_slices", []))
+    return [root] + list(root.__dict__.get("_deadpool_slices", {}).values())
 
 
-_RANKED = None
+class RankedMesh(DeviceMesh):
+    """The DeviceMesh of the meshes built here: a slice of one (``mesh["tp"]``, ``mesh["dp"]``) gets this process's
+    training rank and coordinate, not the placeholder default group's, and is kept on its root, one per set of
+    dimension names (slicing again, e.g. in every step, returns it), so a promotion can rebind it (``meshes_of``).
+    torch internal: ``DeviceMesh._create_sub_mesh``, pinned by tests/test_meshgroup.py."""
 
-
-def _ranked_mesh():
-    """The DeviceMesh subclass of the meshes built here: a slice of one (``mesh["tp"]``, ``mesh["dp"]``) gets this
-    process's training rank and coordinate, not the placeholder default group's, and is recorded on its root so a
-    promotion can rebind it (``meshes_of``). torch internal: ``DeviceMesh._create_sub_mesh``, pinned by
-    tests/test_meshgroup.py."""
-    global _RANKED
-    if _RANKED is None:
-        from torch.distributed.device_mesh import DeviceMesh
-
-        class RankedMesh(DeviceMesh):
-            def _create_sub_mesh(self, layout, submesh_dim_names):
-                sub = super()._create_sub_mesh(layout, submesh_dim_names)
-                sub.__class__ = RankedMesh
-                set_mesh_rank(sub, self._rank)
-                self._get_root_mesh().__dict__.setdefault("_deadpool_slices", []).append(sub)
-                return sub
-
-        _RANKED = RankedMesh
-    return _RANKED
+    def _create_sub_mesh(self, layout, submesh_dim_names):
+        slices = self._get_root_mesh().__dict__.setdefault("_deadpool_slices", {})
+        key = tuple(submesh_dim_names)
+        if key not in slices:
+            sub = super()._create_sub_mesh(layout, submesh_dim_names)
+            sub.__class__ = RankedMesh
+            set_mesh_rank(sub, self._rank)
+            slices[key] = sub
+        return slices[key]

@@ -90,7 +90,8 @@ class DataParallelShares:
         info = info.view(W, 2 * m).tolist()
         flags, crcs = [row[:m] for row in info], [row[m:] for row in info]
         keeps = [self._kept_ids(r) for r in range(W)]   # the shares rank r keeps, in its kept order
-        needs = [self._needs(q) for q in range(W)]      # the shares rank q restores from
+        needs = [self._needs(q) for q in range(W)]      # the shares rank q restores from, in its order
+        wants = [set(n) for n in needs]                 # the same, for membership (W ranks x W shares)
 
         def good_copy(r: int, j: int) -> int | None:
             """Where in rank r's kept shares a copy of share j is (None: r has none)."""
@@ -100,7 +101,7 @@ class DataParallelShares:
         out = torch.empty(len(pos_of) * shard, dtype=torch.uint8)
         to, frm = [[] for _ in range(W)], [[] for _ in range(W)]   # share ids sent to / received from each rank
         sent_from = {}  # share id this rank sends -> where in its kept shares its copy is
-        for j in sorted({j for n in needs for j in n}):
+        for j in sorted(set().union(*wants)):
             src = next((r for r in self._sources(j) if good_copy(r, j) is not None), None)
             if src is None:
                 raise ReplicaError(self._lost(j))
@@ -113,7 +114,7 @@ class DataParallelShares:
             if src == self.rank:
                 sent_from[j] = mine
                 for q in range(W):
-                    if q != src and j in needs[q] and good_copy(q, j) is None:
+                    if q != src and j in wants[q] and good_copy(q, j) is None:
                         to[q].append(j)
         send = [kept[sent_from[j]] for q in range(W) for j in to[q]]
         inp = torch.cat(send) if send else torch.empty(0, dtype=torch.uint8)
