@@ -1,15 +1,15 @@
-"""Replica transport on loopback: checksum speed, push and fetch throughput, and what a heartbeat-like
+"""Replica transport on loopback: checksum speed, push and restore throughput, and what a heartbeat-like
 thread sees meanwhile. Numbers are medians of ``--reps`` runs (the machine is shared: compare side by side).
 
 1. CRC of 200 MB: zlib.crc32 vs google-crc32c (via snapshot.checksum), and the ratio; alone, then with
    a pure-Python thread spinning alongside (a thread that gives the GIL back between pieces waits for it).
 2. For each payload size: local snapshot only (copy + CRC-32C into a slot, K=0), push to a holder in
    another process (the path of a run, tests/snapnode.py: the training process's SnapshotWriter claims, copies and
-   says written, the agent's desk and Replicator checksum, push; the holder's CRC check, ack, commit), and fetch
-   from that holder (connect, header, payload, CRC check), in MB/s (1 MB = 1e6 bytes).
+   says written, the agent's desk and Replicator checksum, push; the holder's CRC check, ack, commit), and a restore
+   that holder sends back as a recovery's source (connect, header, payload, CRC check), in MB/s (1 MB = 1e6 bytes).
 3. The longest gap seen by a thread that sleeps 5 ms in a loop (it stands in for the control plane's
-   heartbeat thread), in the sender/fetcher process and in the holder process, while a push and a
-   fetch of the largest payload run; and the same thread's longest gap with nothing running.
+   heartbeat thread), in the sender/restoring process and in the holder process, while a push and a
+   restore of the largest payload run; and the same thread's longest gap with nothing running.
 
     .venv/bin/python benchmarks/transport.py --sizes 1 20 200 --reps 5
 """
@@ -72,7 +72,8 @@ def layout_of(nbytes: int) -> StateLayout:
 
 
 def peer(nbytes: int) -> None:
-    """Holder process: holds rank 0, answers 'gap' (ticker's longest gap, then reset) until stdin closes."""
+    """Holder process: holds rank 0, answers 'gap' (ticker's longest gap, then reset) and 'send {json}' (sends a
+    restore of rank 0, then says "ok") until stdin closes."""
     torch.set_num_threads(1)
     rep = Replicator(SECRET, layout_of(nbytes), NullLog(), host="127.0.0.1")
     rep.configure(0, None, [], [0])
@@ -82,6 +83,10 @@ def peer(nbytes: int) -> None:
         if line.strip() == "gap":
             print(json.dumps(ticker.max_gap), flush=True)
             ticker.reset()
+        elif line.startswith("send "):
+            r = json.loads(line[5:])
+            rep.send_restore(r["to"], 0, r["step"], r["generation"], threading.Event(), 60)
+            print(json.dumps("ok"), flush=True)
     rep.close()
 
 
@@ -134,7 +139,7 @@ def main() -> None:
     torch.set_num_threads(1)
     bench_crc(int(max(a.sizes) * 1e6), a.reps)
     failure = threading.Event()
-    print(f"{'payload':>9} {'local copy+CRC':>15} {'push (commit)':>14} {'fetch':>10}   (MB/s, median of {a.reps})")
+    print(f"{'payload':>9} {'local copy+CRC':>15} {'push (commit)':>14} {'restore':>10}   (MB/s, median of {a.reps})")
     for size in a.sizes:
         nbytes = int(size * 1e6) // 4 * 4
         layout = layout_of(nbytes)
@@ -144,38 +149,44 @@ def main() -> None:
                                  stdout=subprocess.PIPE, text=True)
         sender = Replicator(SECRET, layout, NullLog(), host="127.0.0.1")
         node = SnapNode(sender, grant_timeout=60)
-        fetcher = Replicator(SECRET, layout, NullLog(), host="127.0.0.1")
+        restorer = Replicator(SECRET, layout, NullLog(), host="127.0.0.1")
         ticker = Ticker()
         try:
             holder = json.loads(child.stdout.readline())
-            local, push, fetch = [], [], []
+            local, push, restore = [], [], []
             sender.configure(0, 0, [], [])
             for i in range(a.reps):
                 t = time.perf_counter(); node.submit(i, state, rng); node.wait_committed(i, failure, 60)
                 local.append(time.perf_counter() - t)
             sender.quiesce()
             sender.configure(1, 0, [holder], [])
-            fetcher.configure(1, None, [], [])
+            restorer.configure(1, None, [], [])
             child.stdin.write("gap\n"); child.stdin.flush(); child.stdout.readline()  # reset the holder's ticker
             ticker.reset()
             for i in range(a.reps):
                 step = 100 + i
                 t = time.perf_counter(); node.submit(step, state, rng); node.wait_committed(step, failure, 60)
                 push.append(time.perf_counter() - t)
-                t = time.perf_counter(); slot = fetcher.fetch(holder, 0, step, failure, 60)
-                fetch.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                restorer.expect_restore(0, step, 2 + i)
+                child.stdin.write("send " + json.dumps({"to": restorer.address, "step": step, "generation": 2 + i})
+                                  + "\n")
+                child.stdin.flush()
+                slot = restorer.wait_restore(failure, 60)
+                restore.append(time.perf_counter() - t)
+                assert json.loads(child.stdout.readline()) == "ok"
                 assert slot.step == step and np.array_equal(slot.buf, sender.own.get(step).buf)
             gap_here = ticker.max_gap
             child.stdin.write("gap\n"); child.stdin.flush()
             gap_holder = json.loads(child.stdout.readline())
             print(f"{size:>7g}MB {mbps(nbytes, statistics.median(local)):>15.0f} "
-                  f"{mbps(nbytes, statistics.median(push)):>14.0f} {mbps(nbytes, statistics.median(fetch)):>10.0f}"
+                  f"{mbps(nbytes, statistics.median(push)):>14.0f} {mbps(nbytes, statistics.median(restore)):>10.0f}"
                   f"   5 ms ticker's longest gap: {gap_here * 1e3:.1f} ms here, {gap_holder * 1e3:.1f} ms in the holder")
         finally:
             ticker.stop()
             node.close()
             sender.close()
-            fetcher.close()
+            restorer.close()
             child.stdin.close()
             try:
                 child.wait(10)

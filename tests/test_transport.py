@@ -112,8 +112,15 @@ def slow(kind):  # a slow transfer that says once when it is under way
 if a.get("slow_serve"): rep.serve_hook = slow("mid_serve")
 if a.get("slow_receive"): rep.receive_hook = slow("mid_push")
 say(address=rep.address)
+def send(r):  # as a rank's source in a recovery: send a restore
+    try:
+        rep.send_restore(r["to"], r["rank"], r["step"], r["generation"], threading.Event(), r["timeout"])
+        say(sent="ok")
+    except Exception as exc:
+        say(sent=f"{type(exc).__name__}: {exc}")
 for line in sys.stdin:
     if line.strip() == "report": say(report=rep.report())
+    elif line.startswith("send "): threading.Thread(target=send, args=(json.loads(line[5:]),), daemon=True).start()
 rep.close()
 """
 
@@ -156,6 +163,12 @@ class Peer:
         self.proc.stdin.flush()
         return self.wait_for("report", 10)
 
+    def send_restore(self, to, rank: int, step: int, generation: int, timeout: float) -> None:
+        """Start sending a restore (the peer's own thread says ``sent``: "ok" or the error)."""
+        req = {"to": list(to), "rank": rank, "step": step, "generation": generation, "timeout": timeout}
+        self.proc.stdin.write("send " + json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+
     def signal(self, sig) -> float:
         os.kill(self.proc.pid, sig)
         return time.monotonic()
@@ -180,6 +193,30 @@ def peers():
     yield start
     for p in started:
         p.reap()
+
+
+def restore(src, dst, rank: int, step: int, generation: int = 1, failure=None, timeout: float = 10.0):
+    """A restore as a recovery makes it: ``dst`` expects it, its source ``src`` (a Replicator, on a thread here, or a
+    Peer) sends it, ``dst`` waits for it. Returns the slot; raises what ``wait_restore`` raises."""
+    failure = failure or threading.Event()
+    dst.expect_restore(rank, step, generation)
+    if isinstance(src, Peer):
+        src.send_restore(dst.address, rank, step, generation, timeout)
+        return dst.wait_restore(failure, timeout)
+    th = threading.Thread(target=lambda: _quiet(src.send_restore, dst.address, rank, step, generation, failure,
+                                                timeout))
+    th.start()
+    try:
+        return dst.wait_restore(failure, timeout)
+    finally:
+        th.join(timeout + 2)
+
+
+def _quiet(fn, *args):
+    try:
+        fn(*args)
+    except (PeerFailure, ReplicaError):
+        pass   # the target's wait says what went wrong
 
 
 # ---- push, ack, commit -------------------------------------------------------------------------
@@ -389,8 +426,8 @@ def test_holder_frozen_mid_push_and_quiesce_is_prompt(reps, peers):
     assert me.report()["own"] == [1]        # the local copy is complete and verified, only the push was dropped
 
 
-# ---- restore: fetch -----------------------------------------------------------------------------
-def test_fetch_round_trip_is_bit_for_bit_and_calls_serve_hook(reps):
+# ---- restore: the source sends, the target expects ------------------------------------------------------
+def test_restore_round_trip_is_bit_for_bit_and_calls_serve_hook(reps):
     n = 3 << 20
     state = state_of(n, 11)
     rng = torch.get_rng_state()
@@ -406,9 +443,9 @@ def test_fetch_round_trip_is_bit_for_bit_and_calls_serve_hook(reps):
         calls = []
         server.serve_hook = lambda *a: calls.append(a)
         spare.configure(1, None, [], [])
-        slot = spare.fetch(server.address, 2, 6, threading.Event(), 10)
+        slot = restore(server, spare, 2, 6)
         assert slot.step == 6 and slot.crc == server.own.get(6).crc
-        assert slot.pulled and not server.own.get(6).pulled   # a fetched payload: no kept shares of its own
+        assert slot.pulled and not server.own.get(6).pulled   # a restored payload: no kept shares of its own
         assert np.array_equal(slot.buf, server.own.get(6).buf)
         out = [torch.empty_like(state[0])]
         got_rng = layout.read(slot, out)
@@ -417,52 +454,78 @@ def test_fetch_round_trip_is_bit_for_bit_and_calls_serve_hook(reps):
         sent = [c[2] for c in calls]
         assert calls[0][:2] == (2, 6) and sent == sorted(sent) and sent[-1] == calls[-1][3] == layout.nbytes
         with pytest.raises(ReplicaError, match=r"rank 2 step 7 .*no verified copy.*own rank 2: \[6\]"):
-            spare.fetch(server.address, 2, 7, threading.Event(), 10)
+            restore(server, spare, 2, 7)      # the source says why, the target's wait raises it
         with pytest.raises(ReplicaError, match="no verified copy of rank 5"):
-            spare.fetch(server.address, 5, 6, threading.Event(), 10)
+            restore(server, spare, 5, 6)
+        # a source that comes before the target read the decision is asked again until it expects the restore
+        sent = []
+        early = threading.Thread(target=lambda: sent.append(server.send_restore(spare.address, 2, 6, 4,
+                                                                                threading.Event(), 10)))
+        early.start()
+        time.sleep(0.3)
+        assert early.is_alive() and spare.report()["own"] == [6]
+        spare.expect_restore(2, 6, 4)
+        assert spare.wait_restore(threading.Event(), 10).step == 6
+        early.join(5)
+        assert sent == [None]
+        # the restore of an older generation, or of another rank, than the one expected is refused for good
+        spare.expect_restore(2, 6, 5)
+        with pytest.raises(ReplicaError, match="refused: this process expects rank 2 step 6 for generation 5, not "
+                                               "rank 2 step 6 for generation 4"):
+            server.send_restore(spare.address, 2, 6, 4, threading.Event(), 10)
+        with pytest.raises(PeerFailure, match=r"rank 2 step 6 .*generation 5\): it did not arrive within 0\.3 s"):
+            spare.wait_restore(threading.Event(), 0.3)
     finally:
         server.close()
         spare.close()
 
 
-def test_fetch_from_a_killed_server_fails_fast(reps, peers):
+def test_restore_from_a_killed_source_fails_fast(reps, peers):
     n = 32 << 20
     srv = peers(nbytes=n, rank=1, own_step=4, seed=12, slow_serve=True).start()
     me = reps(n)
     me.configure(1, None, [], [])
     killed = []
     threading.Thread(target=lambda: (srv.wait_for("mid_serve"), killed.append(srv.signal(signal.SIGKILL)))).start()
-    with pytest.raises(PeerFailure, match=r"rank 1 step 4 from 127\.0\.0\.1:\d+ failed: .*closed the connection after"):
-        me.fetch(srv.address, 1, 4, threading.Event(), 30)
+    with pytest.raises(PeerFailure, match=r"rank 1 step 4 from 127\.0\.0\.1:\d+ .*failed: .*closed the connection "
+                                          r"after"):
+        restore(srv, me, 1, 4, timeout=30)
     assert killed and time.monotonic() - killed[0] < 1.5
     assert me.report()["own"] == []          # the half-written slot is never reported
-    srv.proc.wait(5)                         # gone for good (its listening socket too): refused at once
+    srv.proc.wait(5)                         # gone for good (its listening socket too): a send to it fails at once
     t = time.monotonic()
     with pytest.raises(PeerFailure, match="cannot connect.*ECONNREFUSED"):
-        me.fetch(srv.address, 1, 4, threading.Event(), 30)
+        me.send_restore(srv.address, 1, 4, 1, threading.Event(), 30)
     assert time.monotonic() - t < 1.0
 
 
-def test_fetch_from_a_frozen_server_respects_timeout_and_failure_flag(reps, peers):
+def test_restore_from_a_frozen_source_respects_timeout_and_failure_flag(reps, peers):
     n = 32 << 20
     srv = peers(nbytes=n, rank=1, own_step=4, seed=13, slow_serve=True).start()
     me = reps(n)
     me.configure(1, None, [], [])
     threading.Thread(target=lambda: (srv.wait_for("mid_serve"), srv.signal(signal.SIGSTOP))).start()
     t = time.monotonic()
-    with pytest.raises(PeerFailure, match="deadline passed"):
-        me.fetch(srv.address, 1, 4, threading.Event(), 2.0)
+    with pytest.raises(PeerFailure, match="did not arrive within 2 s"):
+        restore(srv, me, 1, 4, timeout=2.0)
     assert 1.9 < time.monotonic() - t < 3.5
+    # the receiving thread let go of the own slot with the wait: the next restore is not held up behind it
+    src = reps(n)
+    src.configure(1, 1, [], [])
+    src.node.submit(4, state_of(n, 13))
+    src.node.wait_committed(4, threading.Event(), 10)
+    assert restore(src, me, 1, 4, generation=2).crc == src.own.get(4).crc
     flag = threading.Event()
     threading.Timer(0.3, flag.set).start()
     t = time.monotonic()
     with pytest.raises(PeerFailure, match="failure flag set"):
-        me.fetch(srv.address, 1, 4, flag, 30)   # connects (the kernel answers for it), then nothing comes
+        me.expect_restore(1, 4, 3)
+        me.wait_restore(flag, 30)             # nothing comes: the frozen source stays frozen
     assert 0.25 < time.monotonic() - t < 1.5   # the flag, not the 30 s timeout
 
 
 # ---- quiesce and configure on the receiving side -------------------------------------------------
-def test_quiesce_drops_an_incoming_push_but_keeps_serving(reps):
+def test_quiesce_drops_an_incoming_push_but_restores_go_on(reps):
     n = 1 << 20
     holder, me, spare = reps(n), reps(n), reps(n)
     holder.configure(0, None, [], [0])
@@ -487,7 +550,7 @@ def test_quiesce_drops_an_incoming_push_but_keeps_serving(reps):
     wait_until(lambda: holder.log_.named("replica_transfer_abandoned"), 1.0, "the holder to drop the push")
     assert "quiesced" in holder.log_.named("replica_transfer_abandoned")[0]["reason"]
     assert holder.report()["held"] == {"0": [1]}      # step 2's slot stays invalid
-    slot = spare.fetch(holder.address, 0, 1, threading.Event(), 10)   # serving goes on while quiesced
+    slot = restore(holder, spare, 0, 1)   # sending restores goes on while quiesced
     assert np.array_equal(slot.buf, payload)
     me.configure(1, 0, [holder.address], [])  # the next generation (a recovery reconfigures every process)
     me.node.submit(3, state)          # a new push to a quiesced holder is refused ("retry") ...
@@ -539,7 +602,7 @@ def test_configure_keeps_still_held_ranks_and_frees_the_others(reps):
 
 
 # ---- real size: 200 MB never starves a heartbeat-like thread ----------------------------------------
-def test_200mb_push_and_fetch_leave_a_5ms_ticker_alone(reps, peers):
+def test_200mb_push_and_restore_leave_a_5ms_ticker_alone(reps, peers):
     n = 200_000_000
     h = peers(nbytes=n, held=[0]).start()
     me, spare = reps(n), reps(n)
@@ -567,19 +630,19 @@ def test_200mb_push_and_fetch_leave_a_5ms_ticker_alone(reps, peers):
         me.node.wait_committed(1, threading.Event(), 30)
         t_push = time.monotonic() - t
         t = time.monotonic()
-        slot = spare.fetch(h.address, 0, 1, threading.Event(), 30)
+        slot = restore(h, spare, 0, 1, timeout=30)
         t_fetch = time.monotonic() - t
     finally:
         stop.set()
         ticker.join()
     assert np.array_equal(slot.buf, state[0].numpy().view(np.uint8))
-    print(f"200 MB: push {n / t_push / 1e6:.0f} MB/s, fetch {n / t_fetch / 1e6:.0f} MB/s, "
+    print(f"200 MB: push {n / t_push / 1e6:.0f} MB/s, restore {n / t_fetch / 1e6:.0f} MB/s, "
           f"ticker's longest gap {max(gaps) * 1e3:.1f} ms (idle: {idle * 1e3:.1f} ms)")
     assert max(gaps) < 0.25 + idle, f"a 5 ms ticker waited {max(gaps):.3f} s (idle machine: {idle:.3f} s)"
 
 
 
-def test_memory_stays_flat_across_generations_of_pushes_and_fetches(reps):
+def test_memory_stays_flat_across_generations_of_pushes_and_restores(reps):
     """No per-transfer payload buffers and no graveyard: resident memory does not grow per generation."""
     def rss_mb() -> float:
         with open("/proc/self/statm") as fh:
@@ -598,16 +661,16 @@ def test_memory_stays_flat_across_generations_of_pushes_and_fetches(reps):
             step += 1
             me.node.submit(step, state)
             me.node.wait_committed(step, flag, 10)
-            assert spare.fetch(holder.address, 0, step, flag, 10).step == step
+            assert restore(holder, spare, 0, step, generation=gen, failure=flag).step == step
         gc.collect()
         after.append(rss_mb())
     assert max(after[1:]) - after[0] < 5, f"resident MB after each generation: {after}"
 
 
 # ---- the transport extension point (replica/transports.py) ---------------------------------------
-def test_unix_transport_pushes_commits_and_serves_bit_for_bit(reps):
+def test_unix_transport_pushes_commits_and_restores_bit_for_bit(reps):
     """The built-in ``unix`` transport under the same protocol: a push is committed once the holder acked it, and a
-    fetch returns the same bytes; the addresses are abstract Unix socket names, not TCP ports."""
+    restore sends the same bytes; the addresses are abstract Unix socket names, not TCP ports."""
     from deadpool_hpc.replica.transports import check_transport
 
     unix = check_transport("unix")
@@ -621,10 +684,10 @@ def test_unix_transport_pushes_commits_and_serves_bit_for_bit(reps):
     me.node.wait_committed(3, threading.Event(), 20)
     assert holder.report()["held"] == {"4": [3]} and me.committed_step == 3
     spare.configure(1, None, [], [])
-    slot = spare.fetch(holder.address, 4, 3, threading.Event(), 10)
+    slot = restore(holder, spare, 4, 3)
     assert slot.crc == me.own.get(3).crc and np.array_equal(slot.buf, me.own.get(3).buf)
     with pytest.raises(PeerFailure, match="unix:nobody"):
-        spare.fetch(["unix", "nobody"], 4, 3, threading.Event(), 2)
+        holder.send_restore(["unix", "nobody"], 4, 3, 1, threading.Event(), 2)
 
 
 def test_an_unknown_or_broken_transport_is_refused_by_name():

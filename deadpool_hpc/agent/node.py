@@ -382,9 +382,8 @@ class NodeAgent:
         self.faults.on_message(body)
 
     def _serve_hook(self, rank: int, step: int, sent: int, total: int) -> None:
-        """(replica server thread) A replica is pulled only by a recovery's restore: halfway through one, the
-        "restore" phase is reached (a fault planned there fires). It does not wait for this agent to have read the
-        decision itself: the puller may read it first and be served before."""
+        """(a restore's send thread, agent/recovery.py) A replica is sent only for a recovery's restore: halfway
+        through one, the "restore" phase is reached (a fault planned there fires)."""
         if 2 * sent >= total:
             self.recovery.phase("restore")
 

@@ -149,7 +149,7 @@ class Persister:
                 shard = [torch.empty(shape, dtype=dtype) for shape, dtype in zip(layout.shapes, layout.dtypes)]
                 rng = layout.read(slot, shard)   # verifies the CRC the agent took when the snapshot was written
                 kept = None
-                if layout.local_nbytes:   # ctx.protect: the shares this rank kept (none in a fetched replica)
+                if layout.local_nbytes:   # ctx.protect: the shares this rank kept (none in a restored replica)
                     kept = [not slot.pulled] * (layout.local_nbytes // shard[0].numel())
                 persist.save_shard(self.root, step, ranks[local], shard, rng, kept=kept)
                 nbytes += layout.nbytes

@@ -3,8 +3,9 @@ new roles (docs/architecture.md, "Recovery", and "One failure through the code")
 
 Each round: tell the node's training processes (``Failure``) and wait until each has left the failed generation
 (``Left``: how far it got); pause the replicas (``Replicator.quiesce``) and drop the desk's pending claims; report
-to the coordinator and get the decision (``ControlPlane.recover``: control/plane.py, agreement.py); pull the
-replica of each rank this node takes over (``Replicator.fetch``); meet the new generation's other agents
+to the coordinator and get the decision (``ControlPlane.recover``: control/plane.py, agreement.py); send the
+replicas this node is the source of (``Replicator.send_restore``, on threads) and receive those of the ranks it takes
+over (``expect_restore``, ``wait_restore``: replica/restore.py); meet the new generation's other agents
 (``ControlPlane.barrier``), open its store, and send each training process its role (``Train`` with a ``Restore``,
 or ``Spare``: ipc/messages.py). A failure at any moment (``PeerFailure``) ends the round and starts the next;
 ``MAX_FAILED_ROUNDS`` in a row end the run. A training process whose join or restore fails says so
@@ -19,10 +20,11 @@ Runs on the agent's main thread; uses the NodeAgent's public parts (agent/node.p
 """
 from __future__ import annotations
 
+import threading
 import time
 
 from ..control.decision import Decision
-from ..errors import PeerFailure, RecoveryTimeout, RunFinished
+from ..errors import PeerFailure, RecoveryTimeout, ReplicaError, RunFinished
 from ..ipc.messages import Exit, Failure, Left, Restore, RoundFailed, Spare, Train
 from ..placement import held_by
 from ..replica import persist
@@ -142,6 +144,10 @@ class Recovery:
             self._save_checkpoint(decision)
             return
         ranks = {local: a.cp.train_rank(local) for local in range(P)}
+        for local, r in ranks.items():
+            if r is not None and r in decision.sources:
+                a.reps[local].expect_restore(r, decision.cut_step, g)
+        self._send_restores(decision)
         a.retarget_watch()
         if ranks[0] is None:  # still a spare
             for local in range(P):
@@ -153,15 +159,12 @@ class Recovery:
         serving = any(src // P == a.node for src in decision.sources.values())
         slots = {}
         for local, r in ranks.items():
-            src = decision.sources.get(r)
-            rep = a.reps[local]
             if r in decision.fresh:
-                slot = None   # a fresh start: the training process takes its own initial state
-            elif src is not None:
-                slot = rep.fetch(a.replica_address(src), r, decision.cut_step, a.cp.failure, cfg.wait_timeout)
+                slots[local] = None   # a fresh start: the training process takes its own initial state
+            elif r in decision.sources:
+                slots[local] = a.reps[local].wait_restore(a.cp.failure, cfg.wait_timeout)   # (expected above)
             else:
-                slot = rep.own.get(decision.cut_step)
-            slots[local] = slot
+                slots[local] = a.reps[local].own.get(decision.cut_step)
         trainers = sorted({decision.assignment[r] // P for r in range(cfg.world_size)})
         a.cp.barrier(f"rebuild{g}.{decision.coordinator}", trainers, cfg.rendezvous_timeout, tick=a.tick)
         self.phase("rebuild")
@@ -172,13 +175,33 @@ class Recovery:
             plan = Restore(
                 cut_step=decision.cut_step, slot=-1 if slot is None else rep.own.slots.index(slot),
                 crc=0 if slot is None else slot.crc, fresh=slot is None,
-                # pulled: fetched (this round for decision.sources, or an earlier round of this recovery): no kept
-                # shares in the slot
+                # pulled: sent by its source (this round for decision.sources, or an earlier round of this
+                # recovery): no kept shares in the slot
                 pulled=slot is not None and slot.pulled, promoted=r in decision.promoted, serving=serving,
                 recomputed_steps=decision.recomputed_steps, failed_nodes=tuple(decision.failed_nodes),
                 round=self.rounds, t_fail=t_fail, t_agreed=time.time())
             a.send_role(local, Train(a.view(), r, cfg.world_size, self.high_water, a.resume, plan))
         a.state = "training"
+
+    def _send_restores(self, decision: Decision) -> None:
+        """Send every replica this node is the source of (``decision.sources``) to the process that restores it, one
+        thread each: the sources do not wait for each other, nor this agent for them (the rebuild barrier comes after
+        every restore arrived). A send that fails is logged; the restoring agent's wait raises, and its round fails."""
+        a, P = self.agent, self.agent.P
+        for r, src in sorted(decision.sources.items()):
+            if src // P != a.node:
+                continue
+            to = a.replica_address(decision.assignment[r])
+            threading.Thread(target=self._send_restore, args=(a.reps[src % P], to, r, decision),
+                             name=f"deadpool-restore-rank{r}", daemon=True).start()
+
+    def _send_restore(self, rep, to, r: int, decision: Decision) -> None:
+        a = self.agent
+        try:
+            rep.send_restore(to, r, decision.cut_step, decision.generation, a.cp.failure, a.cfg.wait_timeout)
+        except (PeerFailure, ReplicaError) as exc:
+            a.log.emit("restore_not_sent", rank=r, step=decision.cut_step, generation=decision.generation,
+                       to=list(to), error=str(exc)[:300])
 
     # ---- no spare left, or preempted -----------------------------------------------------------------------
     def _save_checkpoint(self, decision: Decision) -> None:
@@ -215,7 +238,7 @@ class Recovery:
                 if layout.local_nbytes:
                     # a replica carries no share of the data-parallel state (worker/protect.py): the lost rank's
                     # share is the one this rank kept for it, in its own snapshot of the cut step; the other shares
-                    # of the saved local prefix are not the lost rank's, and a snapshot that is itself a fetched
+                    # of the saved local prefix are not the lost rank's, and a snapshot that is itself a restored
                     # replica (Slot.pulled) kept none (the record says which are)
                     n = layout.local_nbytes // shard[0].numel()   # the shares: equal uint8 tensors
                     kept = [not slot.pulled] * n

@@ -140,7 +140,7 @@ class Restore:
       (the agent pulled it there, or it is the process's own snapshot), -1 when ``fresh``; crc: its CRC-32C
       (0 when fresh), checked as it is read.
     - fresh: the state exists nowhere and nobody trained a step: the process takes its own initial state.
-    - pulled: the slot was fetched from a holder (no kept shares in it); promoted: a spare takes the rank over.
+    - pulled: the slot was sent by the rank's source (no kept shares in it); promoted: a spare takes the rank over.
     - serving: this node serves a replica to a puller in this round (the "restore" fault phase fires there).
     - recomputed_steps, failed_nodes (sorted), round (the agent's round count): from the decision, for the events.
     - t_fail, t_agreed: wall-clock times the agent's recovery began and its round agreed.

@@ -2,8 +2,9 @@
 
 Owns: accepting connections on the replica address (*accept* thread; at most ``MAX_CONNECTIONS`` at once, each
 must send its first message within ``HELLO_S``), one handler thread per connection, which receives pushes (one
-after another, for as long as the pusher keeps the connection) or serves one fetch (replica/fetch.py ``serve``);
-the holder's side of a push. Does not own: the slots (replica/slots.py), the sender's side (replica/pusher.py).
+after another, for as long as the pusher keeps the connection) or receives one restore (replica/restore.py
+``receive``); the holder's side of a push. Does not own: the slots (replica/slots.py), the sender's side
+(replica/pusher.py).
 
 A push is checked before its payload moves: the signature first (replica/stream.py), then the header. A holder
 refuses a rank it does not hold (``configure``), a wrong size, a quiesced state, or a rank already being written
@@ -19,7 +20,7 @@ import threading
 import time
 
 from ..errors import WireError
-from .fetch import serve
+from .restore import receive
 from .slots import ReplicaState
 from .snapshot import RunningCrc
 from .stream import KEEP_S, POLL_S, Link, LinkError, PeerGone, Stalled
@@ -88,8 +89,8 @@ class Holder:
                 if kind == "push":
                     if not self._receive(link, body):
                         return
-                elif kind == "fetch":
-                    return serve(st, link, body)
+                elif kind == "restore":
+                    return receive(st, link, body)
                 else:
                     st.log.emit("replica_rejected", role="receiver", peer=link.peer,
                                 reason=f"unexpected message {kind!r}")
@@ -128,7 +129,7 @@ class Holder:
             elif rank not in st.held:
                 reason, retry = f"rank {rank} is not held here (held ranks: {sorted(st.held)})", True
             elif rank in st.writing or st.held[rank].target(step).readers:
-                reason, retry = f"rank {rank}'s slot is busy (another push, or a fetch being served)", True
+                reason, retry = f"rank {rank}'s slot is busy (another push, or a restore being sent)", True
             else:
                 reason = None
                 pair = st.held[rank]

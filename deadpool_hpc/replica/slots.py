@@ -1,15 +1,16 @@
 """The replica plane's state in one process, shared by its roles: slots and who may write them.
 
 Owns, under one lock: this process's own snapshot slots (``own``: shared with its training process) and who is
-writing one of them (``own_write``: a training process's claim, its checksum under way, or a restore's fetch; one at
-a time); the slots of the replicas it holds for other training ranks (``held``) and which of them a push is
-being received into (``writing``); the configuration (generation, this process's rank, its holders) and its
-*epoch* (raised by every ``configure``, ``quiesce`` and ``close``: a transfer begun in an older epoch never stamps a
-slot nor commits a step); the open links, so that a quiesce or a close can cut them.
+writing one of them (``own_write``: a training process's claim, its checksum under way, or a restore arriving; one
+at a time); the restore this process expects (``expected``: replica/restore.py); the slots of the replicas it holds
+for other training ranks (``held``) and which of them a push is being received into (``writing``); the
+configuration (generation, this process's rank, its holders) and its *epoch* (raised by every ``configure``,
+``quiesce`` and ``close``: a transfer begun in an older epoch never stamps a slot nor commits a step); the open
+links, so that a quiesce or a close can cut them.
 
 Does not own: the transfers themselves (replica/pusher.py pushes and commits, replica/holder.py receives,
-replica/fetch.py serves and fetches), the payload's layout and checksum (replica/snapshot.py), the assembly and the
-public interface (replica/transport.py ``Replicator``).
+replica/restore.py sends and receives restores), the payload's layout and checksum (replica/snapshot.py), the
+assembly and the public interface (replica/transport.py ``Replicator``).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ class Writer(enum.Enum):
     """Who is writing an own slot."""
     CLAIM = "a training process's claim"       # granted: the training process writes the slot
     STAMP = "the checksum of a written slot"   # written: this process checksums and stamps it
-    FETCH = "a restore's fetch"                # a replica pulled from a holder lands in it
+    RESTORE = "a restore"                      # a replica sent by a rank's source lands in it
 
 
 @dataclass
@@ -62,7 +63,8 @@ class ReplicaState:
         self.my_rank: int | None = None
         self.holders: list[tuple[str, int]] = []
         self.links: set[Link] = set()             # pushes in either direction (a quiesce cuts them)
-        self.other_links: set[Link] = set()       # fetches and serves (only a close cuts them)
+        self.other_links: set[Link] = set()       # restores sent and received (only a close cuts them)
+        self.expected = None                      # the restore this process waits for (replica/restore.py Expected)
 
     def stop_for(self, epoch: int):
         """A link's ``stop``: why a transfer of ``epoch`` must end ("quiesced", "closed"), or None."""
@@ -82,7 +84,7 @@ class ReplicaState:
         another rank invalidated, held ranks no longer listed freed (once no transfer reads them), new ones
         allocated. Resumes pushes."""
         self.epoch += 1
-        if self.own_write is not None and self.own_write.who is not Writer.FETCH:
+        if self.own_write is not None and self.own_write.who is not Writer.RESTORE:
             self.own_write = None    # a training process's claim of the previous configuration
         self.generation = generation
         self.my_rank = my_rank
@@ -100,11 +102,13 @@ class ReplicaState:
         self.cv.notify_all()
 
     def quiesce(self) -> list[Link]:
-        """Pause pushes in a new epoch: a claim is released (its slot stays invalid). Returns the links to cut."""
+        """Pause pushes in a new epoch: a claim is released (its slot stays invalid), an expected restore dropped (a
+        new round expects its own). Returns the links to cut."""
         with self.lock:
             self.paused = True
+            self.expected = None
             self.epoch += 1
-            if self.own_write is not None and self.own_write.who is not Writer.FETCH:
+            if self.own_write is not None and self.own_write.who is not Writer.RESTORE:
                 self.own_write = None
             self.cv.notify_all()
             return list(self.links)
@@ -187,13 +191,13 @@ class ReplicaState:
             self.cv.notify_all()
         return w.epoch == self.epoch
 
-    def claim_for_fetch(self, step: int, give_up) -> OwnWrite | None:
+    def claim_for_restore(self, step: int, give_up) -> OwnWrite | None:
         """Wait until no one writes an own slot and the one to write ``step`` into has no readers, then begin it
-        for a fetch; None once ``give_up()`` is true."""
+        for an arriving restore; None once ``give_up()`` is true."""
         with self.lock:
             while self.own_write is not None or self.own.target(step).readers:
                 if give_up():
                     return None
                 self.cv.wait(0.01)
-            self.own_write = OwnWrite(Writer.FETCH, self.own.begin(step), self.epoch)
+            self.own_write = OwnWrite(Writer.RESTORE, self.own.begin(step), self.epoch)
             return self.own_write

@@ -62,9 +62,9 @@ class Slot:
 
     ``step``/``crc`` are set only once the whole payload is in place and verified. ``rank`` is the
     training rank whose state it holds (set by whoever writes it). ``readers`` counts the transfers
-    reading it (a push or a served fetch): a slot with readers is never rewritten. ``pulled``: its payload is a
-    replica fetched from a holder, which carries only the wire part (``StateLayout.wire``): the local prefix (a
-    ``ctx.protect`` rank's kept shares) is not this rank's; reset when the slot is invalidated.
+    reading it (a push or a restore being sent): a slot with readers is never rewritten. ``pulled``: its payload is
+    a replica its source sent for a restore, which carries only the wire part (``StateLayout.wire``): the local
+    prefix (a ``ctx.protect`` rank's kept shares) is not this rank's; reset when the slot is invalidated.
 
     tensor: an existing buffer of ``nbytes`` bytes to use instead of a new one: a 1-D uint8 CPU tensor, or a 1-D
     uint8 numpy array (a node agent's slot in memory shared with its training process, see ipc/shm.py); it is

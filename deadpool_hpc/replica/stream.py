@@ -18,7 +18,7 @@ Moving a whole chunk per call matters: each call gives the GIL back and must tak
 costs up to a switch interval (5 ms) when another thread runs Python code. Python's own socket
 timeouts (non-blocking socket + poll) release the GIL twice per call (poll, then send/recv) and
 return after whatever the kernel had buffered. Measured here (200 MB, a pure-Python thread spinning
-in the sending/fetching process, medians of 9): fetch 510 MB/s with 4 MiB chunks, 920 MB/s with
+in the sending/receiving process, medians of 9): a restore received 510 MB/s with 4 MiB chunks, 920 MB/s with
 16 MiB; push 420 and 570 MB/s.
 """
 from __future__ import annotations

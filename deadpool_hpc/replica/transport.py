@@ -6,12 +6,13 @@ A node agent makes one Replicator per local training rank (agent/node.py). Its r
 - replica/pusher.py ``Sender``: a slot the training process wrote (``claim``, ``written``: the snapshot protocol,
   replica/writer.py) is checksummed, pushed to the K holders by one push thread per holder over a connection kept
   between steps, and committed once every holder acked a verified copy (``on_commit``);
-- replica/holder.py ``Holder``: the server thread; receives pushes into held slots, hands fetches to ``serve``;
-- replica/fetch.py: serving a verified copy, and pulling one into an own slot for a restore (``fetch``).
+- replica/holder.py ``Holder``: the server thread; receives pushes into held slots, hands restores to ``receive``;
+- replica/restore.py: a restore, sent by the rank's source (``send_restore``) to the process that expects it
+  (``expect_restore``) into an own slot (``wait_restore``).
 
-Does not own: who holds whom and whom to fetch from (the recovery decision, ``control/``; the caller passes
-addresses to ``configure`` and ``fetch``), failure detection (a dead or frozen peer here only ends a transfer; the
-caller's failure flag and timeouts end the waits), the payload layout and checksum (``snapshot.py``), the socket
+Does not own: who holds whom and who restores from whom (the recovery decision, ``control/``; the caller passes
+addresses to ``configure`` and ``send_restore``), failure detection (a dead or frozen peer here only ends a transfer;
+the caller's failure flag and timeouts end the waits), the payload layout and checksum (``snapshot.py``), the socket
 mechanics (``stream.py``). No MPI: the control plane's heartbeats never wait behind a replica, whatever its size.
 No thread holds the GIL for long (socket I/O releases it; the CRC-32C takes it for about 0.1 ms per MiB piece).
 
@@ -25,16 +26,17 @@ straight into their slot and checksummed there). With K replicas per rank spread
 ranks: memory per rank = (2 + 2K) x payload bytes (pages become resident as slots are first written).
 
 Technique learned from torchft's ``HTTPTransport`` (pytorch/torchft, torchft/checkpointing/http_transport.py): a
-restore is a pull from a server thread in the process that has the state, at an address exchanged out of band, with
-a timeout on every socket operation, and a checkpoint still being staged is never served. Here instead: no pickle, a
-signed header and an end-to-end checksum, pushes for replication, abort flags checked between chunks.
+restore moves between threads that exist for it in the processes at both ends, at addresses exchanged out of band,
+with a timeout on every socket operation, and a checkpoint still being staged is never sent. Here instead: no pickle,
+a signed header and an end-to-end checksum, pushes for replication and for restores (torchft's is a pull: the
+recovering replica asks), abort flags checked between chunks.
 """
 from __future__ import annotations
 
 import threading
 import time
 
-from . import fetch as _fetch
+from . import restore as _restore
 from .holder import Holder
 from .pusher import Sender
 from .slots import ReplicaState
@@ -61,7 +63,7 @@ class Replicator:
     on_commit = _state_attr("on_commit", "on_commit(generation, step), under the lock (must not block): the "
                                          "committed step grew (agent/node.py stores the committed word).")
     serve_hook = _state_attr("serve_hook", "Test hook: serve_hook(rank, step, sent_bytes, total) after each piece "
-                                           "served.")
+                                           "of a restore sent.")
     receive_hook = _state_attr("receive_hook", "Test hook: receive_hook(rank, step, received_bytes, total) after "
                                                "each piece of a push.")
 
@@ -146,17 +148,30 @@ class Replicator:
         push it to the holders (``Sender.written``). False for a claim a ``quiesce``/``configure`` dropped."""
         return self.sender.written(step, index)
 
-    # ---- restore ---------------------------------------------------------------------------------
-    def fetch(self, address, rank: int, step: int, failure: threading.Event, timeout: float) -> Slot:
-        """Pull training rank ``rank``'s verified copy of ``step`` from the process at ``address`` into an own slot
-        (replica/fetch.py ``fetch``: what it checks, what it raises, how long it takes)."""
-        return _fetch.fetch(self.state, address, rank, step, failure, timeout)
+    # ---- restore (replica/restore.py: the wire, what is checked, what is raised) --------------------------------
+    def expect_restore(self, rank: int, step: int, generation: int) -> None:
+        """Accept from now on the copy of training rank ``rank``'s ``step`` that its source sends for ``generation``
+        (``wait_restore`` takes it)."""
+        _restore.expect(self.state, rank, step, generation)
+
+    def wait_restore(self, failure: threading.Event, timeout: float) -> Slot:
+        """The expected copy, verified, in an own slot; raises ReplicaError (no such copy at the source, a mismatch)
+        or PeerFailure (the transfer broke off, ``failure`` set, ``timeout`` seconds passed)."""
+        return _restore.wait(self.state, failure, timeout)
+
+    def send_restore(self, address, rank: int, step: int, generation: int, failure: threading.Event,
+                     timeout: float) -> None:
+        """As the source of training rank ``rank``: send this process's verified copy of ``step`` to the process at
+        ``address``, which restores it for ``generation``; returns once it acknowledged a verified copy. Raises
+        ReplicaError (no such copy here, refused) or PeerFailure (connection, ``failure``, ``timeout``)."""
+        _restore.send(self.state, address, rank, step, generation, failure, timeout)
 
     # ---- pause and end ----------------------------------------------------------------------------
     def quiesce(self) -> None:
         """Stop replicating: drop a claim (its slot stays invalid), the written slots not yet checksummed and every
         push in flight in either direction (their target slots stay invalid), and refuse new pushes until
-        ``configure``. Serving fetches goes on. Returns at once (the links are shut down here)."""
+        ``configure``; an expected restore is dropped, restores being sent go on. Returns at once (the links are shut
+        down here)."""
         links = self.state.quiesce()
         self.sender.quiesce()
         for link in links:
