@@ -32,6 +32,17 @@ from ..replica import persist
 MAX_FAILED_ROUNDS = 8
 
 
+class _RoundOver:
+    """A send's failure flag: ``is_set()`` once a failure ends the round of ``generation``'s decision, or a newer
+    decision replaced it (the control plane clears its flag when it applies one)."""
+
+    def __init__(self, cp, generation: int):
+        self.cp, self.generation = cp, generation
+
+    def is_set(self) -> bool:
+        return self.cp.failure.is_set() or self.cp.generation != self.generation
+
+
 class Recovery:
     """The recovery state of one node agent (``agent``: its NodeAgent). ``wanted()``: a training process asks for a
     round; ``run()``: rounds until one succeeds (from the agent's loop)."""
@@ -198,7 +209,8 @@ class Recovery:
     def _send_restore(self, rep, to, r: int, decision: Decision) -> None:
         a = self.agent
         try:
-            rep.send_restore(to, r, decision.cut_step, decision.generation, a.cp.failure, a.cfg.wait_timeout)
+            rep.send_restore(to, r, decision.cut_step, decision.generation, _RoundOver(a.cp, decision.generation),
+                             a.cfg.wait_timeout)
         except (PeerFailure, ReplicaError) as exc:
             a.log.emit("restore_not_sent", rank=r, step=decision.cut_step, generation=decision.generation,
                        to=list(to), error=str(exc)[:300])
