@@ -101,6 +101,7 @@ class NodeFaults:
         self.pids = pids
         self.rank_local = rank_local
         self.fired: set = set()
+        self._lock = threading.Lock()   # at_phase's check-and-mark: a restore's send threads reach "restore" at once
         self.slowdown = None   # Slowdown, once --slow fired
         self.tell_local = tell_local   # tell_local(kind, body): a message to every training process of this node
 
@@ -108,11 +109,13 @@ class NodeFaults:
         return any(f.phase == phase and f.nth == nth and f not in self.fired and self._mine(f) for f in self.phases)
 
     def at_phase(self, phase: str, nth: int) -> None:
-        """This agent reached ``phase`` of its ``nth`` round (``restore``: half-way through serving a replica)."""
+        """This agent reached ``phase`` of its ``nth`` round (``restore``: half-way through sending a replica, on a
+        send thread: several may reach it at once, and each fault fires once)."""
         for f in self.phases:
-            if f.phase != phase or f.nth != nth or f in self.fired or not self._mine(f):
-                continue
-            self.fired.add(f)
+            with self._lock:
+                if f.phase != phase or f.nth != nth or f in self.fired or not self._mine(f):
+                    continue
+                self.fired.add(f)
             if f.target_kind == "node":
                 self.fire_node({"kind": f.kind, "target": f.target, "phase": f.when, "factor": f.factor})
             else:
@@ -121,7 +124,10 @@ class NodeFaults:
                 self.log.emit("fault_injected", kind=f.kind, target=f.target, step=None, phase=f.when, node=self.node,
                               pids=[pid], signal=sig.name)
                 self.log.sync()
-                os.kill(pid, sig)
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass   # gone already (another fault of this phase, or its own exit)
 
     def _mine(self, f) -> bool:
         if f.target_kind == "node":

@@ -3,8 +3,9 @@ can rebuild it after the fact. One failure per recovery decision that lost a nod
 made); phase boundaries per failure (seconds, DESIGN.md "Recovery"):
 
 - detect:    the fault                -> first suspicion by any survivor
-- agree:     first suspicion          -> last member holds the decision
-- rebuild:   decision                 -> last rank joined the new process group
+- agree:     first suspicion          -> last agent gave its training processes their roles (``t_agreed``: the
+                                         decision, the restores its sources sent, the agents' rebuild barrier)
+- rebuild:   roles given              -> last rank joined the new process group
 - restore:   process group built      -> last rank restored its state at the cut step
 - recompute: restored                 -> last rank completed its first step after the swap
 

@@ -468,6 +468,17 @@ def test_restore_round_trip_is_bit_for_bit_and_calls_serve_hook(reps):
         assert spare.wait_restore(threading.Event(), 10).step == 6
         early.join(5)
         assert sent == [None]
+        # a source without the copy that comes before the target expects it still tells the target why
+        early = threading.Thread(target=lambda: _quiet(server.send_restore, spare.address, 2, 9, 5,
+                                                       threading.Event(), 10))
+        early.start()
+        time.sleep(0.2)
+        t = time.monotonic()
+        spare.expect_restore(2, 9, 5)
+        with pytest.raises(ReplicaError, match=r"rank 2 step 9 from 127\.0\.0\.1:\d+ .*no verified copy"):
+            spare.wait_restore(threading.Event(), 10)
+        assert time.monotonic() - t < 1.0
+        early.join(5)
         # the restore of an older generation, or of another rank, than the one expected is refused for good
         spare.expect_restore(2, 6, 5)
         with pytest.raises(ReplicaError, match="refused: this process expects rank 2 step 6 for generation 5, not "
@@ -478,6 +489,33 @@ def test_restore_round_trip_is_bit_for_bit_and_calls_serve_hook(reps):
     finally:
         server.close()
         spare.close()
+
+
+def test_an_ack_sent_after_the_target_took_its_copy_still_reaches_the_source(reps, monkeypatch):
+    """The target's agent takes the copy (its wait ends) before the receiving thread sends the ack: the ack must
+    still go (it went nowhere once, and the source reported a restore that had succeeded as failed)."""
+    n = 1 << 16
+    src, dst = reps(n), reps(n)
+    src.configure(0, 3, [], [])
+    src.node.submit(2, state_of(n, 3))
+    src.node.wait_committed(2, threading.Event(), 10)
+    send_msg = Link.send_msg
+
+    def late_ack(self, kind, body, secret):
+        if kind == "ack":
+            time.sleep(0.3)   # the target's wait has returned by now
+        return send_msg(self, kind, body, secret)
+
+    monkeypatch.setattr(Link, "send_msg", late_ack)
+    assert restore(src, dst, 3, 2).step == 2
+    assert not src.log_.named("replica_transfer_abandoned") and not dst.log_.named("replica_transfer_abandoned")
+    done = []
+    t = threading.Thread(target=lambda: done.append(src.send_restore(dst.address, 3, 2, 2, threading.Event(), 5)))
+    dst.expect_restore(3, 2, 2)
+    t.start()
+    dst.wait_restore(threading.Event(), 5)
+    t.join(5)
+    assert done == [None]   # acknowledged
 
 
 def test_restore_from_a_killed_source_fails_fast(reps, peers):

@@ -84,6 +84,8 @@ def receive(st: ReplicaState, link: Link, hdr: dict) -> None:
     """(a replica server's handler thread) The restore ``hdr`` announced on ``link``: accept it if expected and
     receive it, else say why (and whether to try again)."""
     gen, rank, step, nbytes, crc = (hdr.get(k) for k in ("generation", "rank", "step", "nbytes", "crc"))
+    src = hdr.get("source")
+    peer = fmt(src) if isinstance(src, list) and len(src) == 2 else link.peer   # its replica address, not a port
     retry, e = False, None
     with st.lock:
         cur = st.expected
@@ -99,11 +101,11 @@ def receive(st: ReplicaState, link: Link, hdr: dict) -> None:
         elif cur.slot is not None or cur.error is not None:
             reason = "the expected restore has ended already"
         elif not hdr["ok"]:
-            cur.error = ReplicaError(f"{cur.what(link.peer)}: {str(hdr.get('reason'))[:500]}")
+            cur.error = ReplicaError(f"{cur.what(peer)}: {str(hdr.get('reason'))[:500]}")
             st.cv.notify_all()
             reason = "noted"
         elif nbytes != st.layout.wire_nbytes or not isinstance(crc, int):
-            cur.error = ReplicaError(f"{cur.what(link.peer)}: announced {nbytes} bytes (crc {crc!r}); expected "
+            cur.error = ReplicaError(f"{cur.what(peer)}: announced {nbytes} bytes (crc {crc!r}); expected "
                                      f"{st.layout.wire_nbytes} bytes")
             st.cv.notify_all()
             reason = cur.error.args[0]
@@ -115,7 +117,8 @@ def receive(st: ReplicaState, link: Link, hdr: dict) -> None:
         return
     w = None
     # the transfer ends with the wait for it (a frozen source must not keep the own slot from the next restore)
-    link.stop = lambda: ("closed" if st.closed else None) or (None if st.expected is e else "its wait ended")
+    link.stop = lambda: (("closed" if st.closed else None)
+                         or (None if st.expected is e or e.slot is not None else "its wait ended"))
     try:
         w = st.claim_for_restore(step, lambda: st.closed or st.expected is not e)
         if w is None:
@@ -130,7 +133,7 @@ def receive(st: ReplicaState, link: Link, hdr: dict) -> None:
         with st.lock:
             if got.value != crc:
                 ok, reason = False, f"checksum mismatch: header {crc}, payload {got.value}"
-                e.error = ReplicaError(f"{e.what(link.peer)} fails its checksum (header {crc}, payload {got.value})")
+                e.error = ReplicaError(f"{e.what(peer)} fails its checksum (header {crc}, payload {got.value})")
             elif st.expected is not e:
                 ok, reason = False, "the expected restore has ended"   # its wait gave up: never stamped
             else:
@@ -139,13 +142,13 @@ def receive(st: ReplicaState, link: Link, hdr: dict) -> None:
                 slot.stamp(step, crc)
                 e.slot = slot
         if not ok and e.error is not None:
-            st.log.emit("replica_rejected", role="restore", peer=link.peer, rank=rank, step=step, reason=reason)
+            st.log.emit("replica_rejected", role="restore", peer=peer, rank=rank, step=step, reason=reason)
         link.send_msg("ack", {"ok": ok, "reason": reason}, st.secret)
     except LinkError as exc:
         with st.lock:
             if e.slot is None and e.error is None:
-                e.error = PeerFailure(f"{e.what(link.peer)} failed: {exc}")
-        st.log.emit("replica_transfer_abandoned", kind="restore_receive", peer=link.peer, rank=rank, step=step,
+                e.error = PeerFailure(f"{e.what(peer)} failed: {exc}")
+        st.log.emit("replica_transfer_abandoned", kind="restore_receive", peer=peer, rank=rank, step=step,
                     done_bytes=exc.done, nbytes=nbytes, reason=f"{type(exc).__name__}: {exc}"[:300])
     finally:
         with st.lock:
@@ -184,19 +187,19 @@ def send(st: ReplicaState, address, rank: int, step: int, generation: int, failu
                               f"{st.own.steps()}; held: {({str(r): p.steps() for r, p in st.held.items()})})")
                 else:
                     slot.readers += 1
-            hdr = {"generation": generation, "rank": rank, "step": step, "ok": slot is not None,
+            hdr = {"generation": generation, "rank": rank, "step": step, "ok": slot is not None, "source": st.address,
                    "reason": "" if slot is not None else reason, "nbytes": total,
                    "crc": slot.crc if slot is not None else 0}
             link.send_msg("restore", hdr, st.secret)
             kind, go = link.recv_msg(st.secret)
             if kind != "go":
                 raise ReplicaError(f"{what}: expected 'go', got {kind!r}")
+            if not go.get("ok") and go.get("retry"):
+                again = True   # not expected yet: ask again, with the copy or with why there is none
+                continue
             if slot is None:
-                raise ReplicaError(reason)
+                raise ReplicaError(reason)   # (the target was told why)
             if not go.get("ok"):
-                if go.get("retry"):
-                    again = True
-                    continue
                 raise ReplicaError(f"{what}: refused: {go.get('reason')}")
             hook = st.serve_hook
             link.send(st.layout.wire(slot), None if hook is None else (lambda sent: hook(rank, step, sent, total)))

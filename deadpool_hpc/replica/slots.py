@@ -65,6 +65,7 @@ class ReplicaState:
         self.links: set[Link] = set()             # pushes in either direction (a quiesce cuts them)
         self.other_links: set[Link] = set()       # restores sent and received (only a close cuts them)
         self.expected = None                      # the restore this process waits for (replica/restore.py Expected)
+        self.address = None                       # this process's replica address (a restore it sends names it)
 
     def stop_for(self, epoch: int):
         """A link's ``stop``: why a transfer of ``epoch`` must end ("quiesced", "closed"), or None."""

@@ -77,6 +77,7 @@ class Replicator:
         self.own = self.state.own
         self.sender = Sender(self.state)
         self.holder = Holder(self.state, sock)
+        self.state.address = list(self.holder.address)
 
     # ---- configuration and state ---------------------------------------------------------------
     @property
