@@ -131,9 +131,7 @@ class Context(Recovering):
         shape = check_mesh_shape(mesh_shape, mesh_dim_names, self.world_size)
         if shape in self._meshes:
             return self._meshes[shape]
-        P = self.config.ranks_per_node
-        first = self.node * P + self.local if self.node < self.config.nodes else 0
-        rank = self.rank if self.rank is not None else first
+        rank = self.rank if self.rank is not None else (self.first_rank or 0)   # (a spare: rank 0)
         layout = torch.arange(self.world_size).view(shape)
         if len(shape) == 1:
             groups = MeshGroup(rank, self.world_size, self.watch)
@@ -181,11 +179,15 @@ class Context(Recovering):
         self.opt.claim_next = self._claim_next
         self._built()
 
+    @property
+    def first_rank(self) -> int | None:
+        """The training rank the job's first generation gives this process (None: a spare's)."""
+        cfg = self.config
+        return self.node * cfg.ranks_per_node + self.local if self.node < cfg.nodes else None
+
     def _built(self) -> None:
         """The user's function built its model and handed it over: the start-up's ``build`` moment (faults)."""
-        cfg = self.config
-        first_rank = self.node * cfg.ranks_per_node + self.local if self.node < cfg.nodes else None
-        self.faults.at_phase("build", 1, first_rank)
+        self.faults.at_phase("build", 1, self.first_rank)
 
     @contextlib.contextmanager
     def _refusing(self):

@@ -165,8 +165,7 @@ class Recovering:
         if role.resume:
             self._load_checkpoint(role.resume)
             return
-        cfg = self.config
-        built_as = self.node * cfg.ranks_per_node + self.local if self.node < cfg.nodes else 0   # (a spare: rank 0)
+        built_as = self.first_rank or 0   # (a spare: rank 0)
         if self._trained or (getattr(self.opt, "sharded", False) and self.rank != built_as):
             why = ("this process has trained a step since" if self._trained else
                    "with FSDP2 a spare's model holds rank 0's shards of the initial model, not this rank's")
