@@ -3,6 +3,7 @@ and that it left no MPI shared-memory segment in /dev/shm (which is memory)."""
 import glob
 import os
 import shutil
+import threading
 import warnings
 
 from deadpool_hpc.config import RunConfig, parse_fault
@@ -56,19 +57,52 @@ SMALL_RUN_STEPS = 24   # the fault tests' runs (test_never_hang, test_startup) a
 HYDRA_COLLAPSE = "unable to forward PMI response to MPI process"
 
 
-def run_faults(tmp_path, name, *specs, timeout=240, **kw) -> dict:
+def hydra_collapsed(s: dict, run_dir) -> bool:
+    """Whether hydra ended the run ``s`` of ``run_dir`` (HYDRA_COLLAPSE), rather than the run itself."""
+    log = os.path.join(str(run_dir), "launcher.log")
+    return not s.get("completed") and os.path.exists(log) and HYDRA_COLLAPSE in open(log, errors="replace").read()
+
+
+def _collapse_warning(name: str) -> None:
+    warnings.warn(f"run {name!r}: a hydra proxy could not write a PMI answer to a killed process and mpiexec ended "
+                  f"the job (the local emulation's process manager); started once more")
+
+
+def run_faults(tmp_path, name, *specs, timeout=240, again=True, **kw) -> dict:
     """A 3 + 2 node demo run of SMALL_RUN_STEPS steps in ``tmp_path/name`` with ``specs`` ("kill node1@10", ...) and
-    ``kw`` (RunConfig fields) on top, launched with ``launch_reaped`` (again once if hydra ended it: HYDRA_COLLAPSE)."""
+    ``kw`` (RunConfig fields) on top, launched with ``launch_reaped`` (``again``: once more if hydra ended it,
+    HYDRA_COLLAPSE)."""
     cfg = RunConfig(**{**dict(nodes=3, spares=2, steps=SMALL_RUN_STEPS, run_dir=str(tmp_path / name),
                               faults=faults(*specs), rendezvous_timeout=4.0), **kw}).validate()
     s = launch_reaped(cfg, timeout)
-    log = os.path.join(cfg.run_dir, "launcher.log")
-    if not s.get("completed") and os.path.exists(log) and HYDRA_COLLAPSE in open(log, errors="replace").read():
-        warnings.warn(f"run {name!r}: a hydra proxy could not write a PMI answer to a killed process and mpiexec "
-                      f"ended the job (the local emulation's process manager); started once more")
+    if again and hydra_collapsed(s, cfg.run_dir):
+        _collapse_warning(name)
         shutil.rmtree(cfg.run_dir)
         s = launch_reaped(cfg, timeout)
     return s
+
+
+def run_driven(tmp_path, name, drive, *specs, join_s=240, **kw):
+    """``run_faults`` in a thread while ``drive(run_dir, thread)``, in the caller's thread, acts on the run from
+    outside (real signals to its processes) and returns what the test needs to know of it; returns (the summary, or
+    None if the launch raised; what ``drive`` returned). A run hydra ended is started *and driven* once more
+    (run_faults' own second start would run without the outside faults: seen, a run that lost two nodes' state
+    completed). Fails the test if the run outlives ``join_s`` seconds after ``drive`` returned."""
+    run_dir = tmp_path / name
+    for attempt in (1, 2):
+        out: dict = {}
+        th = threading.Thread(target=lambda: out.update(s=run_faults(tmp_path, name, *specs, again=False, **kw)),
+                              daemon=True)
+        th.start()
+        got = drive(run_dir, th)
+        th.join(join_s)
+        assert not th.is_alive(), f"run {name!r} did not end within {join_s} s of what the test did to it"
+        s = out.get("s")
+        if attempt == 1 and s is not None and hydra_collapsed(s, run_dir):
+            _collapse_warning(name)
+            shutil.rmtree(run_dir)
+            continue
+        return s, got
 
 
 def run_events(run_dir) -> list[dict]:

@@ -8,14 +8,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
 from deadpool_hpc.config import RunConfig
 
-from runs import SMALL_RUN_STEPS as STEPS, run_events, run_faults  # tests/runs.py
+from runs import SMALL_RUN_STEPS as STEPS, run_driven, run_events, run_faults  # tests/runs.py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -94,18 +93,14 @@ def test_two_adjacent_losses_with_one_replica_are_refused_before_start(tmp_path)
 def test_state_lost_with_every_holder_ends_clearly_and_lists_the_failures(tmp_path):
     """Two adjacent nodes SIGKILLed together by someone else (not our injection) with one replica: the run
     cannot go on; it must end promptly with the reason, and the summary must list both failures."""
-    run_dir = tmp_path / "lost"
-    out = {}
-    th = threading.Thread(target=lambda: out.update(s=run(tmp_path, "lost", spares=2, steps=200)), daemon=True)
-    th.start()
-    victims = _wait_for_step(run_dir, th, 8, lambda e: e["node"] in (0, 1))
-    for e in victims:
-        os.kill(e["pid"], signal.SIGKILL)
-    t = time.monotonic()
-    th.join(120)
-    assert not th.is_alive(), "the run hung after losing a rank's state"
+    def drive(run_dir, th):
+        victims = _wait_for_step(run_dir, th, 8, lambda e: e["node"] in (0, 1))
+        for e in victims:
+            os.kill(e["pid"], signal.SIGKILL)
+        return time.monotonic()
+
+    s, t = run_driven(tmp_path, "lost", drive, spares=2, steps=200, join_s=120)   # (it must not hang)
     assert time.monotonic() - t < 60
-    s = out["s"]
     assert not s["completed"]
     assert any("ReplicaError" in (e or "") for e in s["errors"]), s["errors"]
     # one round, or two when one loss was seen before the other (a loaded machine: a first round that found only
@@ -120,15 +115,13 @@ def test_a_fault_we_did_not_inject_is_timed_from_what_was_seen(tmp_path, baselin
     """A SIGKILL nobody injected. To node 1's training process: its agent sees the exit at once, and the fault is
     timed from that exit. To node 1's agent (its training processes die with it): nobody saw it, and the fault
     time is estimated from the last heartbeat the survivors heard."""
+    def drive(run_dir, th):
+        (victim,) = _wait_for_step(run_dir, th, 10, lambda e: e["node"] == 1 and e.get("role") == role)
+        os.kill(victim["pid"], signal.SIGKILL)
+        return time.time()
+
     run_dir = tmp_path / "ext"
-    out = {}
-    th = threading.Thread(target=lambda: out.update(s=run(tmp_path, "ext", spares=1)), daemon=True)
-    th.start()
-    (victim,) = _wait_for_step(run_dir, th, 10, lambda e: e["node"] == 1 and e.get("role") == role)
-    os.kill(victim["pid"], signal.SIGKILL)
-    t_kill = time.time()
-    th.join(240)
-    s = out["s"]
+    s, t_kill = run_driven(tmp_path, "ext", drive, spares=1)
     assert s["completed"] and s["param_digest"] == baseline, s
     (f,) = s["failures"]
     est = f["phases"]["detect"]

@@ -19,7 +19,7 @@ import pytest
 from deadpool_hpc.agent.preflight import RETIMES
 
 
-from runs import SMALL_RUN_STEPS as STEPS, run_events, run_faults  # tests/runs.py
+from runs import SMALL_RUN_STEPS as STEPS, run_driven, run_events, run_faults  # tests/runs.py
 
 
 
@@ -110,22 +110,20 @@ def test_a_failed_import_and_a_frozen_start_up_are_each_their_nodes_failure(tmp_
     for the import)."""
     monkeypatch.setenv("DEADPOOL_TEST_BROKEN_NODE", "1")   # tests/trainfns_startup.py
     run_dir = tmp_path / "import"
-    out = {}
+
+    def drive(run_dir, th):
+        t0 = time.monotonic()
+        victim = None
+        while th.is_alive() and victim is None and time.monotonic() - t0 < 120:
+            victim = next(iter(_workers_of(run_dir, nodes={2})), None)
+            time.sleep(0.005)
+        assert victim is not None, "no training process of node2 appeared before the run ended"
+        os.kill(victim, signal.SIGSTOP)
+
     # fresh interpreters (no fork server): node2's process is found by its command line and parent (its agent) as
     # it appears, before it could say hello; a forked one would be the fork server's child, named like it
-    th = threading.Thread(target=lambda: out.update(s=run(tmp_path, "import", train_fn="trainfns_startup:train",
-                                                          startup_timeout=30.0, fork_server=False)), daemon=True)
-    t0 = time.monotonic()
-    th.start()
-    victim = None
-    while th.is_alive() and victim is None and time.monotonic() - t0 < 120:
-        victim = next(iter(_workers_of(run_dir, nodes={2})), None)
-        time.sleep(0.005)
-    assert victim is not None, f"no training process of node2 appeared; the run ended with {out.get('s')}"
-    os.kill(victim, signal.SIGSTOP)
-    th.join(180)
-    assert not th.is_alive(), "the run hung at start-up"
-    s = out["s"]
+    s, _ = run_driven(tmp_path, "import", drive, train_fn="trainfns_startup:train", startup_timeout=30.0,
+                      fork_server=False, join_s=180)   # (it must not hang at start-up)
     assert s["completed"] and s["param_digest"] == baseline, (s["errors"], [(f["cause"], f["failed_nodes"], f["promoted"]) for f in s["failures"]])
     # one recovery or two (node2's agent reports only once it gives up, so usually one decision covers both)
     assert sorted(n for f in s["failures"] for n in f["failed_nodes"]) == [1, 2], s["failures"]
