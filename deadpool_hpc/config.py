@@ -180,7 +180,11 @@ class RunConfig:
     requeue: bool = False          # no spare left: save a checkpoint and start again from it
     max_requeues: int = 3
     heartbeat_period: float = 0.2    # seconds; 5 per deadline (issue 8: an idle agent's CPU is its heartbeat rate)
-    heartbeat_deadline: float = 1.0
+    heartbeat_deadline: float = 1.0  # seconds of silence after which a watched peer is probed (control/suspicion.py)
+    # seconds: the longest a frozen node may go unnoticed. A silent peer is suspected only after a confirmation (a
+    # direct ping and indirect ones through other agents, unanswered); its deadline and the confirmation's window
+    # follow the jitter and load each watcher observes, up to this ceiling. At least 2 x heartbeat_deadline
+    heartbeat_ceiling: float = 4.0
     collective_timeout: float = 60.0
     hang_timeout: float = 60.0       # a rank whose training thread makes no progress this long is fenced (0: off)
     # seconds between two background writes of every rank's newest committed snapshot to RUN_DIR/checkpoint by the
@@ -244,14 +248,14 @@ class RunConfig:
         """Seconds a rank waits for its peers in one collective or replica commit before it gives up (and the run
         rebuilds its process group): ``--collective-timeout``, but never less than a peer's step may legitimately
         take (``--hang-timeout``) plus two heartbeat deadlines, so a slow step is waited for, not replayed."""
-        return max(self.collective_timeout, self.hang_timeout + 2 * self.heartbeat_deadline)
+        return max(self.collective_timeout, self.hang_timeout + self.heartbeat_ceiling)
 
     @property
     def ready_timeout(self) -> float:
         """Seconds the recovery coordinator waits for a live process's report before it suspects it: a process
         whose heartbeats go on but whose training thread never reaches the recovery is stuck; its own watchdog
         (``hang_timeout``) or, without one, the collective timeout bounds how long it may legitimately take."""
-        return (self.hang_timeout or self.wait_timeout) + 2 * self.heartbeat_deadline
+        return (self.hang_timeout or self.wait_timeout) + self.heartbeat_ceiling
 
     @property
     def recovery_timeout(self) -> float:
@@ -280,6 +284,10 @@ class RunConfig:
         need(self.heartbeat_period > 0, f"heartbeat period {self.heartbeat_period!r} s: must be > 0")
         need(self.heartbeat_deadline > 2 * self.heartbeat_period,
              f"heartbeat deadline {self.heartbeat_deadline!r} s: must exceed twice the period ({self.heartbeat_period} s)")
+        need(isinstance(self.heartbeat_ceiling, (int, float)) and math.isfinite(self.heartbeat_ceiling)
+             and self.heartbeat_ceiling >= 2 * self.heartbeat_deadline,
+             f"--heartbeat-ceiling {self.heartbeat_ceiling!r}: accepted: seconds >= 2 x the heartbeat deadline "
+             f"({2 * self.heartbeat_deadline:g} s: the deadline, then as long again for the confirmation)")
         need(self.log_every >= 1, f"--log-every {self.log_every!r}: accepted: 1 or more")
         need(isinstance(self.replicas, int) and self.replicas >= 0,
              f"--replicas {self.replicas!r}: accepted: 0 or more")

@@ -92,6 +92,7 @@ def main(argv=None) -> None:
     channel = ChannelServer(secret, log=log)
     cp = ControlPlane(secret=secret, ranks_per_node=cfg.ranks_per_node, active_nodes=cfg.nodes,
                       period=cfg.heartbeat_period, deadline=cfg.heartbeat_deadline, log=log,
+                      ceiling=cfg.heartbeat_ceiling,
                       ready_timeout=cfg.ready_timeout, recovery_timeout=cfg.recovery_timeout,
                       replicas=cfg.replicas if cfg.replicate else 0,
                       host=host,

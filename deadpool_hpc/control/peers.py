@@ -36,7 +36,9 @@ from collections import deque
 import numpy as np
 
 from ..ipc import wire
+from .suspicion import Suspicion, helpers_for
 from .topology import ring_neighbours, tree_children
+from .waker import ACK, NACK, PING, PING_REQ
 
 TAG_CONTROL = 7
 TREE_KINDS = ("suspect", "teardown")  # notices disseminated along a tree (topology.py), not sent to every peer
@@ -53,7 +55,12 @@ class Peers(threading.Thread):
     """Heartbeat failure detector and message pump for one process.
 
     comm: an MPI communicator used for nothing else (a Dup of COMM_WORLD). secret: the per-job key.
-    period / deadline: heartbeat interval and silence that makes a peer suspected (seconds).
+    period / deadline: heartbeat interval and the silence after which a peer is probed (seconds; control/suspicion.py:
+    adapted to the jitter observed and this agent's own health); ceiling: the longest a silent peer goes unconfirmed
+    (seconds). A silent peer is suspected only once a probe (a direct ping and ``probe_k`` indirect ones through other
+    agents) went unanswered for its window. on_probe(event, **fields): called from this thread when a probe starts
+    (``probe_started``), is answered (``probe_refuted``) or would confirm while ``last_resort`` holds suspicions back
+    (``suspicion_held``).
     on_suspect(rank, reason, t, last_heard): called (in whichever thread suspects) when a peer becomes
     suspected; t and last_heard are wall times (last_heard: when this process last heard from it, None
     when the suspicion was reported by another process that did not say). watch_k: how many agents watch
@@ -64,15 +71,23 @@ class Peers(threading.Thread):
     """
 
     def __init__(self, comm, secret: bytes, period: float, deadline: float, *, waker, wake_addresses: list,
-                 heartbeat_addresses: list, on_suspect=None, watch_k: int = 2):
+                 heartbeat_addresses: list, on_suspect=None, watch_k: int = 2, ceiling: float = 4.0,
+                 probe_k: int = 3):
         super().__init__(name="deadpool-peers", daemon=True)
         self.comm = comm
         self.me = comm.Get_rank()
         self.size = comm.Get_size()
         self.secret = secret
         self.period = period
-        self.deadline = deadline
+        self.sus = Suspicion(deadline, period, ceiling, k=probe_k, seed=self.me)
         self.on_suspect = on_suspect
+        self.on_probe = None                # on_probe(event, **fields), from this thread (see the class docstring)
+        # no spare left: the survivors write the checkpoint that the job's requeue resumes from; a member slow in that
+        # round may hold the last copy of some rank's state, so silence alone suspects nobody (a closed connection
+        # still does, and a truly dead member fails the round's barrier, which names it)
+        self.last_resort = False
+        self._held: set[int] = set()        # peers a suspicion_held event was written for
+        self._relays: dict[tuple, tuple] = {}  # (target, nonce) -> (origin, monotonic start): pings asked of us
         self.lock = threading.RLock()
         self.suspected: dict[int, float] = {}
         self._alive: list[int] | None = None  # cache of alive(), dropped by suspect()
@@ -111,6 +126,15 @@ class Peers(threading.Thread):
         self._ctl_seen = 0.0            # monotonic time of the last message other than a heartbeat
         self.on_notice = None           # called (from this thread) after anything the main thread must act on
 
+    @property
+    def deadline(self) -> float:
+        """Seconds of silence after which a steady watched peer is probed (the start-up raises it, agent/node.py)."""
+        return self.sus.base
+
+    @deadline.setter
+    def deadline(self, value: float) -> None:
+        self.sus.base = value
+
     # ---- views -------------------------------------------------------------------------
     def alive(self) -> list[int]:
         """MPI ranks (this one included) not suspected, in increasing order (a copy of a list kept up to date by
@@ -133,6 +157,7 @@ class Peers(threading.Thread):
             self._alive = None
             self._topology_dirty = True
             self._last_seen[rank] = time.monotonic()
+            self.sus.forget(rank)
 
     def rejoined(self, suspected) -> None:
         """(the returning agent) This agent is a peer again: take the readmitting agent's ``suspected`` ranks as its
@@ -145,6 +170,7 @@ class Peers(threading.Thread):
             self._topology_dirty = True
             for p in self._last_seen:
                 self._last_seen[p] = now
+                self.sus.forget(p)
             self.fenced = None
         self._watch = True
         self.failure.clear()
@@ -217,6 +243,7 @@ class Peers(threading.Thread):
                 return
             t = time.time()
             self.suspected[rank] = t
+            self.sus.forget(rank)
             self._alive = None
             self._topology_dirty = True
             now = time.monotonic()
@@ -313,12 +340,20 @@ class Peers(threading.Thread):
                 # now see is its own, so peers get the time back instead of being suspected
                 for p in self._last_seen:
                     self._last_seen[p] += stalled
+                with self.lock:
+                    self.sus.shift(stalled)
                 self.stalls += 1
+            if stalled > 2 * self.period + 0.05:   # this loop itself runs late: its judgement of others is too
+                with self.lock:
+                    self.sus.degrade(now)
             rung, beats = self._wake.drain(bell)
             for src in beats:
                 if src in self._last_seen and src not in self.suspected:  # a fenced agent is never trusted again
                     self._last_seen[src] = now
+                    self._alive_sign(src, now, beat=True)
             self.received += len(beats)
+            if self._wake.probes:
+                self._on_probes(now)
             if rung:
                 self._rung = now
                 self._owed += rung  # messages announced by bells, not received yet
@@ -366,13 +401,99 @@ class Peers(threading.Thread):
                 self._preempt(self.me)
             self._flush_outbox()
             if self._watch:
-                for p in [p for p in self.watched if now - self._last_seen[p] > self.deadline]:
-                    if not self.is_suspected(p):
-                        self.suspect(p, f"no heartbeat for {now - self._last_seen[p]:.2f} s")
+                self._check_silence(now)
+            elif self.sus.probes:
+                with self.lock:
+                    self.sus.probes.clear()
             # sleep until the next heartbeat or MPI poll is due, or a bell: a control message for this agent, or a
             # send queued by another thread (issue 7: < 2 % of a core; issue 8: 256 idle agents under half a core)
             idle = max(0.0, min(next_hb, next_mpi) - time.monotonic())
             bell = self._wake.wait(FAST_POLL_S if fast or self._outbox else idle)
+
+    # ---- confirming a silent peer (control/suspicion.py) -------------------------------------------------------
+    def _probe_event(self, event: str, **fields) -> None:
+        if self.on_probe is not None:
+            self.on_probe(event, **fields)
+
+    def _alive_sign(self, src: int, now: float, beat: bool) -> None:
+        """``src`` showed a sign of life: a heartbeat (``beat``), an ack, or a control message."""
+        with self.lock:
+            probe = self.sus.heard(src, now, beat=beat)
+            health = self.sus.health
+        if probe is not None:
+            self._probe_event("probe_refuted", suspect=src, after_s=round(now - probe.t0, 3),
+                              silence_s=round(probe.silence + now - probe.t0, 3), nacks=sorted(probe.nacks),
+                              how="heartbeat" if beat else "answer", health=health)
+
+    def _check_silence(self, now: float) -> None:
+        """Probe the watched peers silent past their deadline; suspect those whose probe's window ended unanswered."""
+        with self.lock:
+            watched = [p for p in self.watched if p not in self.suspected]
+            silences = {p: now - self._last_seen[p] for p in watched}
+            due = self.sus.due(silences, now)
+        for p in due:
+            helpers = helpers_for(p, self.me, self.alive(), self.sus.k)
+            with self.lock:
+                probe = self.sus.start(p, now, silences[p], helpers)
+                health = self.sus.health
+            self._wake.probe(PING, self.me, self.me, p, probe.nonce, self._hb_to[p])
+            for h in probe.helpers:
+                self._wake.probe(PING_REQ, self.me, self.me, p, probe.nonce, self._hb_to[h])
+            self._probe_event("probe_started", suspect=p, silence_s=round(silences[p], 3), helpers=list(probe.helpers),
+                              window_s=[round(probe.w_min, 3), round(probe.w_max, 3)], health=health)
+        with self.lock:
+            expired = self.sus.expired(now) if self.sus.probes else []
+        for probe in expired:
+            p = probe.target
+            if p not in silences:
+                continue   # no longer watched, or suspected meanwhile
+            silence = now - self._last_seen[p]
+            if self.last_resort:
+                if p not in self._held:
+                    self._held.add(p)
+                    self._probe_event("suspicion_held", suspect=p, silence_s=round(silence, 3),
+                                      why="no spare left: the checkpoint round needs every member's copies; only a "
+                                          "closed connection or the round's own timeout ends a member now")
+                continue
+            self.suspect(p, f"no heartbeat for {silence:.2f} s, confirmed: no answer to a direct ping and "
+                            f"{len(probe.helpers)} indirect ones ({len(probe.nacks)} helpers heard nothing) within "
+                            f"{now - probe.t0:.2f} s")
+        if self._relays:
+            wait = self.sus.helper_wait()
+            for key, (origin, t0) in list(self._relays.items()):
+                if now - t0 > wait:
+                    del self._relays[key]
+                    self._wake.probe(NACK, self.me, origin, key[0], key[1], self._hb_to[origin])
+
+    def _on_probes(self, now: float) -> None:
+        """Answer and relay the probe datagrams that arrived (SWIM's ping, ping-req, ack; Lifeguard's nack)."""
+        got, self._wake.probes = self._wake.probes, []
+        for kind, sender, origin, target, nonce in got:
+            if not (0 <= sender < self.size and 0 <= origin < self.size and 0 <= target < self.size):
+                continue
+            if kind == PING and target == self.me:
+                # somebody doubts this agent: answer (the refutation), and take it as a sign of its own slowness
+                self._wake.probe(ACK, self.me, origin, self.me, nonce, self._hb_to[sender])
+                with self.lock:
+                    self.sus.degrade(now)
+            elif kind == PING_REQ and sender == origin and target != self.me:
+                if self.is_suspected(target):
+                    self._wake.probe(NACK, self.me, origin, target, nonce, self._hb_to[origin])
+                else:
+                    self._relays[(target, nonce)] = (origin, now)
+                    self._wake.probe(PING, self.me, origin, target, nonce, self._hb_to[target])
+            elif kind == ACK and sender == target and not self.is_suspected(target):
+                if origin == self.me:
+                    self._last_seen[target] = now
+                    self._alive_sign(target, now, beat=False)
+                elif self._relays.pop((target, nonce), None) is not None:
+                    self._wake.probe(ACK, self.me, origin, target, nonce, self._hb_to[origin])
+            elif kind == ACK and origin == self.me and sender != target and not self.is_suspected(target):
+                self._last_seen[target] = now   # relayed by a helper
+                self._alive_sign(target, now, beat=False)
+            elif kind == NACK and origin == self.me:
+                with self.lock:
+                    self.sus.nack(target, nonce, sender)
 
     def _retopology(self, now: float) -> None:
         """Recompute the watched and heartbeat peers from the live ring (topology.ring_neighbours); a newly
@@ -401,6 +522,7 @@ class Peers(threading.Thread):
                 self._notice()
             return
         self._last_seen[src] = now
+        self._alive_sign(src, now, beat=False)
         self.received += 1
         self._ctl_seen = now
         try:

@@ -65,7 +65,7 @@ class ControlPlane:
     """
 
     def __init__(self, *, secret: bytes, ranks_per_node: int, active_nodes: int, period: float, deadline: float,
-                 log, settle: float = 0.02, ready_timeout: float = 60.0, recovery_timeout: float = 120.0,
+                 log, ceiling: float = 4.0, settle: float = 0.02, ready_timeout: float = 60.0, recovery_timeout: float = 120.0,
                  replicas: int = 1, extra_identity: dict | None = None, handlers: dict | None = None,
                  watch_k: int = 2, host: str = "127.0.0.1"):
         MPI = import_mpi()
@@ -126,8 +126,9 @@ class ControlPlane:
         self.peers = Peers(self.ctrl, secret, period, deadline, waker=self.waker,
                            wake_addresses=[ident["wake"] for ident in self.idents],
                            heartbeat_addresses=[ident["hb"] for ident in self.idents], on_suspect=self._on_suspect,
-                           watch_k=watch_k)
+                           watch_k=watch_k, ceiling=ceiling)
         self.peers.on_preempt = self._on_preempt
+        self.peers.on_probe = self._on_probe
 
     def start(self) -> None:
         """Start the control thread. From here on only it calls MPI (see peers.py)."""
@@ -196,6 +197,9 @@ class ControlPlane:
             self.on_member_lost()
         self.log.emit("suspect", t=t, generation=self.generation, suspect=rank, node=rank, reason=reason,
                       last_heard=last_heard)
+
+    def _on_probe(self, event: str, **fields) -> None:
+        self.log.emit(event, generation=self.generation, **fields)
 
     def _on_preempt(self, source: int) -> None:
         if source == self.me:  # the processes that got the signal say so; the others just follow
@@ -440,6 +444,8 @@ class ControlPlane:
         self.assignment = list(decision.assignment)
         self.spare_nodes = list(decision.spare_nodes)
         self.members = list(decision.members)  # first: fencing the failed below is no loss of a member
+        if decision.exhausted:   # no spare left: the checkpoint round must not lose a slow member's copies
+            self.peers.last_resort = True
         for n in sorted({m // self.P for m in decision.fenced}):
             self.peers.suspect(n, "fenced by decision", notify=False)
             if n not in self.peers.returning:   # a returning agent ended its processes itself, and lives on

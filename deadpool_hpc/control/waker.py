@@ -29,7 +29,12 @@ import struct
 BELL = b"!"    # another agent sent this one an MPI control message
 LOCAL = b"."   # a thread of this process queued something for the control thread (peers.py)
 HEARTBEAT = b"H"
+# the confirmation of a silent peer (control/suspicion.py, SWIM's probes): a ping, a ping request to a helper, an
+# ack and a helper's nack; each ``kind`` + four big-endian uint32 (sender, origin, target, nonce) + 16-byte MAC
+PING, PING_REQ, ACK, NACK = b"P", b"Q", b"A", b"N"
+PROBE_KINDS = (PING, PING_REQ, ACK, NACK)
 _MAC_BYTES = 16
+_PROBE = struct.Struct(">IIII")
 
 
 class Waker:
@@ -52,6 +57,7 @@ class Waker:
         self._secret = secret
         self._beats: dict[int, bytes] = {}  # rank -> its heartbeat datagram (fixed bytes per sender)
         self.rejected = 0                   # datagrams dropped: not a bell, not a heartbeat of this job
+        self.probes: list[tuple] = []       # verified probe datagrams read by drain, not taken yet
 
     def heartbeat(self, rank: int) -> bytes:
         """The heartbeat datagram of MPI rank ``rank``: ``H`` + rank (4 bytes, big-endian) + 16-byte MAC."""
@@ -69,9 +75,21 @@ class Waker:
         except OSError:
             pass
 
+    def probe(self, kind: bytes, sender: int, origin: int, target: int, nonce: int, address) -> None:
+        """Send a probe datagram (``kind``: one of PROBE_KINDS) to ``address``, another agent's ``hb_address``:
+        ``sender`` sends it, on behalf of ``origin`` (the watcher that opened the probe), about ``target``. Never
+        blocks or raises (a datagram to a frozen agent waits in its socket buffer, to a dead one is dropped)."""
+        body = kind + _PROBE.pack(sender, origin, target, nonce & 0xFFFFFFFF)
+        try:
+            self._out.sendto(body + hmac.new(self._secret, body, hashlib.sha256).digest()[:_MAC_BYTES],
+                             (address[0], int(address[1])))
+        except OSError:
+            pass
+
     def drain(self, bell: bool = True) -> tuple[int, list[int]]:
         """Read every datagram that has arrived (the bell's only when ``bell``: ``wait`` said it rang). Returns
-        (how many other agents rang: messages on their way, the MPI ranks whose verified heartbeats came)."""
+        (how many other agents rang: messages on their way, the MPI ranks whose verified heartbeats came). Verified
+        probe datagrams are appended to ``probes`` as (kind, sender, origin, target, nonce), for the caller to take."""
         rung, beats = 0, []
         if bell:
             try:
@@ -84,7 +102,14 @@ class Waker:
                 data = self.hb_sock.recv(64)
             except (BlockingIOError, InterruptedError, OSError):
                 return rung, beats
-            if len(data) == 5 + _MAC_BYTES and data[:1] == HEARTBEAT:
+            if len(data) == 1 + _PROBE.size + _MAC_BYTES and data[:1] in PROBE_KINDS:
+                body = data[:-_MAC_BYTES]
+                if hmac.compare_digest(data[-_MAC_BYTES:],
+                                       hmac.new(self._secret, body, hashlib.sha256).digest()[:_MAC_BYTES]):
+                    self.probes.append((data[:1], *_PROBE.unpack(body[1:])))
+                else:
+                    self.rejected += 1
+            elif len(data) == 5 + _MAC_BYTES and data[:1] == HEARTBEAT:
                 rank = struct.unpack(">I", data[1:5])[0]
                 if hmac.compare_digest(data, self.heartbeat(rank)):
                     beats.append(rank)

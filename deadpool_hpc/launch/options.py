@@ -108,6 +108,10 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, type=kind, help=f"shorthand for --train-arg {flag[2:].replace('-', '_')}=VALUE")
     p.add_argument("--heartbeat-deadline", type=float, default=d.heartbeat_deadline, help="seconds")
     p.add_argument("--heartbeat-period", type=float, default=d.heartbeat_period, help="seconds")
+    p.add_argument("--heartbeat-ceiling", type=float, default=d.heartbeat_ceiling, metavar="SECONDS",
+                   help="the longest a frozen node may go unnoticed: a silent node is probed after the deadline and "
+                        "suspected once other nodes confirm it (deadlines follow the observed load, up to this; "
+                        f"default {d.heartbeat_ceiling:g}, at least 2 x --heartbeat-deadline)")
     p.add_argument("--requeue", action="store_true",
                    help="when no spare is left: save a checkpoint, then restart the job from it (as Slurm requeues)")
     p.add_argument("--no-fork-server", action="store_true",
@@ -169,6 +173,7 @@ def config_from_args(a) -> RunConfig:
     return RunConfig(nodes=a.nodes, spares=a.spares, ranks_per_node=a.ranks_per_node, steps=a.steps, faults=faults,
                      train_args=train_args,
                      heartbeat_deadline=a.heartbeat_deadline, heartbeat_period=a.heartbeat_period,
+                     heartbeat_ceiling=a.heartbeat_ceiling,
                      replicas=a.replicas, replica_transport=a.replica_transport, hang_timeout=a.hang_timeout,
                      rendezvous_timeout=a.rendezvous_timeout,
                      startup_timeout=a.startup_timeout, collective_timeout=a.collective_timeout,
