@@ -28,7 +28,7 @@ ROOT = os.path.dirname(HERE)
 
 # RunConfig fields that do not change a run's parameters: a baseline is keyed and launched without them
 NOT_IN_KEY = frozenset({"spares", "faults", "hang_timeout", "rendezvous_timeout", "startup_timeout",
-                        "collective_timeout", "heartbeat_deadline", "replicas", "replica_transport", "requeue",
+                        "collective_timeout", "heartbeat_deadline", "heartbeat_ceiling", "replicas", "replica_transport", "requeue",
                         "log_every", "run_dir", "summary_path", "replicate", "heartbeat_period",
                         "max_requeues", "interleave_replication", "persist_every", "health_check", "fork_server"})
 # training functions whose arithmetic is the demo's (trainfns.py: they only sleep or freeze one rank once)

@@ -19,10 +19,11 @@ def test_eight_agents_sparse_heartbeats_crash_and_freeze_recovered(tmp_path):
     assert row["n"] == 8 and "error" not in row and row["false_suspicions"] == 0, row
     # k = 2 watchers, one heartbeat each per period (0.2 s): 10 per second, whatever the size
     assert 8 <= row["sent_per_s"] <= 13, row
-    # a crash is seen at once through the ring watch's closed socket; a freeze after the heartbeat deadline (1 s)
+    # a crash is seen at once through the ring watch's closed socket; a freeze after the heartbeat deadline (1 s) and
+    # its confirmation (as long again: control/suspicion.py), within the ceiling (4 s)
     assert row["crash_detect_s"] < 0.5 and row["crash_agents"] == 7 and row["crash_knew"] == 7, row
     assert row["crash_total_s"] < 2.0, row
-    assert 0.7 <= row["freeze_detect_s"] < 3.0 and row["freeze_agents"] == 6, row
+    assert 1.7 <= row["freeze_detect_s"] < 4.5 and row["freeze_agents"] == 6, row
     # the frozen agent was the coordinator (MPI rank 0): the next lowest took over
     recs = [json.load(open(f)) for f in glob.glob(str(tmp_path / "ring-8" / "recovery-*-2.json"))]
     assert recs and {r["coordinator"] for r in recs} == {1} and all(r["failed_nodes"] == [0] for r in recs), recs

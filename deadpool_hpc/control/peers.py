@@ -88,6 +88,7 @@ class Peers(threading.Thread):
         self.last_resort = False
         self._held: set[int] = set()        # peers a suspicion_held event was written for
         self._relays: dict[tuple, tuple] = {}  # (target, nonce) -> (origin, monotonic start): pings asked of us
+        self.beat_gaps: deque = deque(maxlen=100_000)   # seconds between this agent's heartbeat sends (its jitter)
         self.lock = threading.RLock()
         self.suspected: dict[int, float] = {}
         self._alive: list[int] | None = None  # cache of alive(), dropped by suspect()
@@ -263,6 +264,16 @@ class Peers(threading.Thread):
         if notify:
             self.disseminate("suspect", {"ranks": [rank], "reason": reason, "last_heard": last_heard})
 
+    def heartbeat_stats(self) -> dict:
+        """This agent's heartbeat send gaps (seconds: p50, p99, max, count; the period is the ideal) and its probe
+        counters (started, refuted, confirmed) and loop stalls: the ``heartbeat_stats`` event at its exit."""
+        gaps = sorted(self.beat_gaps)
+        q = (lambda f: round(gaps[min(len(gaps) - 1, int(f * len(gaps)))], 4)) if gaps else (lambda f: None)
+        return {"period_s": self.period, "send_gap_p50_s": q(0.5), "send_gap_p99_s": q(0.99),
+                "send_gap_max_s": round(gaps[-1], 4) if gaps else None, "beats": len(gaps),
+                "probes_started": self.sus.started, "probes_refuted": self.sus.refuted,
+                "probes_confirmed": self.sus.confirmed_n, "loop_stalls": self.stalls, "health": self.sus.health}
+
     def request_preempt(self) -> None:
         """Ask every live process to save a persistent checkpoint and leave (preemption or time limit).
         Safe to call from a signal handler: it only sets a flag that this thread acts on."""
@@ -391,6 +402,8 @@ class Peers(threading.Thread):
             if self._topology_dirty:
                 self._retopology(now)
             if now >= next_hb:
+                if next_hb:
+                    self.beat_gaps.append(now - next_hb + self.period)
                 next_hb = now + self.period
                 with self.lock:
                     peers = [p for p in self.heartbeat_to if p not in self.suspected]
