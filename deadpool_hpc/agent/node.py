@@ -307,6 +307,7 @@ class NodeAgent:
                                       transport=self.transport,
                                       timeout=self.cfg.collective_timeout, own=slot_pair(bufs))
         self.reps[local].serve_hook = self._serve_hook
+        self.reps[local].receive_hook = self._receive_hook
         self.desk.attach(local, self.reps[local])   # its update waits for the committed word (agent/desk.py)
         self.channel.send(local, "slots", {"nbytes": nbytes, "count": len(bufs), "bell": True},
                           fds=[b.fd for b in bufs] + [self.desk.bell.fd])
@@ -386,6 +387,14 @@ class NodeAgent:
         through one, the "restore" phase is reached (a fault planned there fires)."""
         if 2 * sent >= total:
             self.recovery.phase("restore")
+
+    def _receive_hook(self, rank: int, step: int, received: int, total: int) -> None:
+        """(a replica server thread) A piece of rank ``rank``'s replica arrived: its node's agent is alive, whatever
+        its heartbeats say (control/peers.py, heard_from)."""
+        try:
+            self.peers.heard_from(self.cp.assignment[rank] // self.P)
+        except (IndexError, TypeError):
+            pass
 
     def finish(self) -> None:
         """The run is complete: tell the training processes, let them leave, leave."""

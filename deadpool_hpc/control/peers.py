@@ -428,7 +428,7 @@ class Peers(threading.Thread):
         if self.on_probe is not None:
             self.on_probe(event, **fields)
 
-    def _alive_sign(self, src: int, now: float, beat: bool) -> None:
+    def _alive_sign(self, src: int, now: float, beat: bool, how: str = "answer") -> None:
         """``src`` showed a sign of life: a heartbeat (``beat``), an ack, or a control message."""
         with self.lock:
             probe = self.sus.heard(src, now, beat=beat)
@@ -436,7 +436,13 @@ class Peers(threading.Thread):
         if probe is not None:
             self._probe_event("probe_refuted", suspect=src, after_s=round(now - probe.t0, 3),
                               silence_s=round(probe.silence + now - probe.t0, 3), nacks=sorted(probe.nacks),
-                              how="heartbeat" if beat else "answer", health=health)
+                              how="heartbeat" if beat else how, health=health)
+
+    def heard_from(self, rank: int) -> None:
+        """(any thread) ``rank``'s agent did something only a live agent does (it pushed this node a replica): as
+        good as a heartbeat for its silence, and an open probe of it ends refuted at its next look."""
+        if rank in self._last_seen and rank not in self.suspected:
+            self._last_seen[rank] = time.monotonic()
 
     def _check_silence(self, now: float) -> None:
         """Probe the watched peers silent past their deadline; suspect those whose probe's window ended unanswered."""
@@ -454,6 +460,11 @@ class Peers(threading.Thread):
                 self._wake.probe(PING_REQ, self.me, self.me, p, probe.nonce, self._hb_to[h])
             self._probe_event("probe_started", suspect=p, silence_s=round(silences[p], 3), helpers=list(probe.helpers),
                               window_s=[round(probe.w_min, 3), round(probe.w_max, 3)], health=health)
+        with self.lock:
+            # heard of since its probe started by other means (heard_from: a replica it pushed us)
+            pushed = [p for p, probe in self.sus.probes.items() if self._last_seen.get(p, 0.0) > probe.t0]
+        for p in pushed:
+            self._alive_sign(p, now, beat=False, how="replica")
         with self.lock:
             expired = self.sus.expired(now) if self.sus.probes else []
         for probe in expired:
