@@ -41,6 +41,7 @@ to ``protect``: ``check_no_stray_iterators``).
 from __future__ import annotations
 
 import gc
+import warnings
 
 import torch
 
@@ -58,7 +59,9 @@ def _loader_iterators() -> list:
         from torch.utils.data.dataloader import _BaseDataLoaderIter
     except ImportError:   # pragma: no cover
         return []
-    return [o for o in gc.get_objects() if isinstance(o, _BaseDataLoaderIter)]
+    with warnings.catch_warnings():   # isinstance on some modules' lazy objects warns
+        warnings.simplefilter("ignore")
+        return [o for o in gc.get_objects() if isinstance(o, _BaseDataLoaderIter)]
 
 
 def _guarded_class(cls: type) -> type:
