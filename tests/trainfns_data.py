@@ -8,12 +8,16 @@ A small DDP MLP with AdamW, fed by a loader made the way training scripts make i
 - ``workers``: the loader's ``num_workers`` (0, 2, ...);
 - ``shape``: ``once`` (one iterator made before ``ctx.run``, ``next(it)`` in every step: torchtitan's loop) or
   ``epoch`` (a new iterator at every epoch's end, the epoch taken from the sampler: ``set_epoch(epoch + 1)``);
-- ``samples``: the dataset's length (default: enough for every step in one epoch).
+- ``samples``: the dataset's length (default: enough for every step in one epoch);
+- ``pace``: seconds each step after step 40 sleeps first (default 0): time for a node whose rank was killed at step
+  40 to come back to the spare pool before the run ends, whatever the machine's load (the arithmetic is unchanged).
 
 Every rank's loss is reported; the parameters' digest at the end tells whether the data order was the
 failure-free run's.
 """
 from __future__ import annotations
+
+import time
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -77,6 +81,7 @@ def train(ctx) -> None:
     a = ctx.config.train_args
     kind, workers, shape = a.get("loader", "sdl"), int(a.get("workers", 2)), a.get("shape", "once")
     n = int(a.get("samples", ctx.world_size * BATCH * ctx.config.steps))
+    pace = float(a.get("pace", 0))
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -86,6 +91,8 @@ def train(ctx) -> None:
 
     def step_fn(s: int) -> dict:
         nonlocal it
+        if pace and s > 40:
+            time.sleep(pace)
         try:
             x, y = next(it)
         except StopIteration:
