@@ -68,3 +68,12 @@ def test_iterator_per_epoch_with_a_cut_behind_the_epoch_s_end_and_the_returned_n
     pool, takes over."""
     check(tmp_path, failure_free, "epoch", {"loader": "dl", "workers": 2, "shape": "epoch", "samples": 264, "pace": 0.3},
           ["kill node1@22", "kill rank2@44", "kill rank0@54"], promoted_last={"0": 2})
+
+
+def test_a_hugging_face_iterable_dataset_split_by_node(tmp_path, failure_free):
+    """A ``datasets.IterableDataset`` (12 shards) split with ``split_dataset_by_node(rank=ctx.rank or 0, ...)`` in
+    a StatefulDataLoader with 2 workers: the split follows the training rank (a promoted spare built its dataset as
+    rank 0), the position is the loader's state. Skipped where ``datasets`` is not installed (not a dependency)."""
+    pytest.importorskip("datasets")
+    check(tmp_path, failure_free, "hfiter", {"loader": "hfiter", "workers": 2, "shape": "once", "pace": 0.3},
+          ["kill node1@20", "kill rank2@40"])

@@ -4,7 +4,8 @@ A small DDP MLP with AdamW, fed by a loader made the way training scripts make i
 
 - ``loader``: ``sdl`` (torchdata's ``StatefulDataLoader`` with a shuffled ``StatefulDistributedSampler``), ``dl``
   (torch's ``DataLoader`` with a shuffled ``DistributedSampler``), ``hf`` (a Hugging Face ``datasets`` map-style
-  dataset in a ``StatefulDataLoader``);
+  dataset in a ``StatefulDataLoader``), ``hfiter`` (a ``datasets.IterableDataset`` split with
+  ``split_dataset_by_node``, in a ``StatefulDataLoader``);
 - ``workers``: the loader's ``num_workers`` (0, 2, ...);
 - ``shape``: ``once`` (one iterator made before ``ctx.run``, ``next(it)`` in every step: torchtitan's loop) or
   ``epoch`` (a new iterator at every epoch's end, the epoch taken from the sampler: ``set_epoch(epoch + 1)``);
@@ -53,6 +54,13 @@ def make_loader(ctx, kind: str, workers: int, n: int):
     from torchdata.stateful_dataloader import StatefulDataLoader
     from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
+    if kind == "hfiter":   # a datasets.IterableDataset split by node, in a StatefulDataLoader
+        import datasets
+        from datasets.distributed import split_dataset_by_node
+
+        ds = datasets.Dataset.from_dict({"i": list(range(n))}).to_iterable_dataset(num_shards=12)
+        ds = split_dataset_by_node(ds, rank=ctx.rank or 0, world_size=ctx.world_size)
+        return StatefulDataLoader(ds, **common), None
     if kind == "hf":
         import datasets
 
@@ -94,13 +102,18 @@ def train(ctx) -> None:
         if pace and s > 40:
             time.sleep(pace)
         try:
-            x, y = next(it)
+            batch = next(it)
         except StopIteration:
             if shape != "epoch":
                 raise
             sampler.set_epoch(sampler.epoch + 1)
             it = iter(loader)
-            x, y = next(it)
+            batch = next(it)
+        if isinstance(batch, dict):   # rows of a datasets.IterableDataset: {"i": tensor of row numbers}
+            rows = [Squares(n)[int(i)] for i in batch["i"]]
+            x, y = torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+        else:
+            x, y = batch
         loss = (model(x) - y).pow(2).mean()
         opt.zero_grad()
         loss.backward()

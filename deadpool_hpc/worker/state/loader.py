@@ -142,8 +142,20 @@ class LoaderGuard:
         (before ``ctx.run``, ``ctx.rank`` is None and torch's default group is the process alone, so a sampler built
         with ``rank=ctx.rank`` or none says rank 0 of 1, and a loader with workers draws its first indices at
         ``iter()``), and at every ``bind``. ``rank`` None (a spare): left as it is."""
+        if rank is None:
+            return
+        # a Hugging Face datasets.IterableDataset split with split_dataset_by_node reads its node's part at iteration
+        # time from its DistributedConfig: it follows the rank too (given as the loader, or as its dataset)
+        for ds in (self.loader, getattr(self.loader, "dataset", None)):
+            dist_cfg = getattr(ds, "_distributed", None)
+            if dist_cfg is not None and hasattr(dist_cfg, "rank") and hasattr(dist_cfg, "world_size"):
+                if dist_cfg.world_size != world_size:
+                    raise ValueError(f"protect(dataloader=...): the datasets.IterableDataset was split with "
+                                     f"split_dataset_by_node(world_size={dist_cfg.world_size}); accepted: "
+                                     f"world_size=ctx.world_size ({world_size})")
+                dist_cfg.rank = rank
         s = self.sampler
-        if s is None or rank is None:
+        if s is None:
             return
         s.rank = rank
         if s.num_replicas != world_size:
