@@ -494,6 +494,24 @@ def test_a_loader_iterator_made_before_protect_or_unknown_to_it_is_refused(local
     assert next(mine) is not None
 
 
+def test_a_hugging_face_iterable_dataset_split_by_node_follows_the_rank(local_group):
+    """A ``datasets.IterableDataset`` split with ``split_dataset_by_node`` reads its node's part at iteration time:
+    its rank follows the training rank (a spare built it as rank 0); another world size is refused."""
+    datasets = pytest.importorskip("datasets")
+    from datasets.distributed import split_dataset_by_node
+
+    model = small_model()
+    ds = datasets.Dataset.from_dict({"i": list(range(12))}).to_iterable_dataset(num_shards=3)
+    want = [r["i"] for r in split_dataset_by_node(ds, rank=1, world_size=3)]
+    spare_ds = split_dataset_by_node(ds, rank=0, world_size=3)
+    prot = Protected(1, model, torch.optim.AdamW(model.parameters()), dataloader=spare_ds)
+    prot.loader_guard.follow_rank(1, 3)
+    assert [r["i"] for r in iter(spare_ds)] == want
+    with pytest.raises(ValueError, match=r"split_dataset_by_node\(world_size=2\); accepted: world_size=ctx.world_size "
+                                         r"\(3\)"):
+        prot.loader_guard.__class__(split_dataset_by_node(ds, rank=0, world_size=2), True, None).follow_rank(0, 3)
+
+
 def test_a_snapshot_reads_the_live_state_every_step_even_for_a_non_contiguous_parameter(local_group):
     """The shares are handed to the copy as views of the live tensors, reused while the tensors stay the same; a
     non-contiguous parameter's piece is a copy, so it must be taken afresh: a change made in place between two
