@@ -214,6 +214,16 @@ elif mode == "slots":
         except OSError:
             pass
     say(left=left)
+elif mode == "forks":   # a training process whose child (a loader worker) outlives it unless ended with it
+    if a.get("install"):
+        from deadpool_hpc.process import children as ch
+        ch.install()   # as worker/entry.py does
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    say(forked=pid, sock=c.sock.fileno())
+    time.sleep(60)
 elif mode == "chatter":
     i = 0
     while True:
@@ -669,3 +679,48 @@ def test_round_trip_and_beat_costs(agents, children):
     assert child.wait() == 0
     print(f"channel round trip median {out['rtt_us']:.0f} us (1000), beat() {out['beat_ns']:.0f} ns")
     assert out["rtt_us"] < 5000 and out["beat_ns"] < 2000
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def test_a_dead_process_is_dead_whatever_its_children_hold(agents, children):
+    """Issue 43: a training process SIGKILLed while a child it forked (without the at-fork handler: the agent's
+    side alone) still holds the channel's socket is reported closed at once (its pidfd), and a fresh process is
+    admitted as the same local rank, instead of 'local rank 0 is already connected (pid ...)'."""
+    agent = agents()
+    child = children("forks", agent.srv.name)
+    got = child.said("forked")
+    grandchild = got["forked"]
+    assert not _gone(grandchild)
+    t = time.monotonic()
+    os.kill(child.pid, signal.SIGKILL)
+    lr, body = agent.expect("closed", 5)
+    assert lr == 0 and "pidfd" in body["why"] and time.monotonic() - t < 1.0, body
+    fresh = children("echo", agent.srv.name)
+    assert fresh.said("connected")["connected"] == fresh.pid
+    assert agent.log.named("agent_refused") == []
+    assert not _gone(grandchild)   # it still holds the socket: the pidfd judged, not the EOF
+    os.killpg(child.pid, signal.SIGKILL)   # the grandchild: our child's own process group (start_new_session)
+    wait_until(lambda: _gone(grandchild), 5, "the grandchild's end")
+
+
+def test_a_training_process_s_children_hold_none_of_the_agent_s_fds_and_die_with_it(agents, children):
+    """Issue 43: with the at-fork handler a training process installs (process/children.py), a child it forks
+    holds /dev/null where the channel's socket was, and dies when the training process is SIGKILLed."""
+    agent = agents()
+    child = children("forks", agent.srv.name, install=True)
+    got = child.said("forked")
+    grandchild, fd = got["forked"], got["sock"]
+    # the child's at-fork handler runs after the fork returned in the parent, which may speak first
+    wait_until(lambda: os.readlink(f"/proc/{grandchild}/fd/{fd}") == "/dev/null", 5, "/dev/null in the child")
+    assert os.readlink(f"/proc/{child.pid}/fd/{fd}").startswith("socket:")
+    os.kill(child.pid, signal.SIGKILL)
+    lr, body = agent.expect("closed", 5)
+    assert lr == 0, body
+    wait_until(lambda: _gone(grandchild), 5, "the grandchild's end with its parent (parent-death signal)")

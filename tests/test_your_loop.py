@@ -406,6 +406,112 @@ def test_a_stateful_dataloader_resumes_where_it_was(local_group):
     assert [next(it).tolist() for _ in range(4)] == want
 
 
+def _loader(kind: str, workers: int, n: int = 96):
+    """A shuffled loader of ``n`` numbers as scripts make it (issue 43): torchdata's StatefulDataLoader with a
+    StatefulDistributedSampler, or torch's DataLoader with a DistributedSampler; rank 1 of 3."""
+    kw = dict(batch_size=2, num_workers=workers, **(dict(prefetch_factor=2) if workers else {}))
+    data = list(range(n))
+    if kind == "sdl":
+        sdl = pytest.importorskip("torchdata.stateful_dataloader")
+        from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+        return sdl.StatefulDataLoader(data, sampler=StatefulDistributedSampler(data, 3, 1, shuffle=True), **kw)
+    return torch.utils.data.DataLoader(data, sampler=torch.utils.data.DistributedSampler(data, 3, 1, shuffle=True),
+                                       **kw)
+
+
+def bind_rank1_of_3(prot):
+    """Bound as training rank 1 of 3 (the snapshot layout here is one rank's: the loader's sampler alone says 3)."""
+    prot.bind(0, None)
+    prot.loader_guard.follow_rank(1, 3)
+
+
+@pytest.mark.parametrize("kind,workers", [("sdl", 2), ("sdl", 0), ("dl", 2), ("dl", 0)])
+def test_the_iterator_made_once_resumes_where_the_restored_step_expects(local_group, kind, workers):
+    """Issue 43: ``it = iter(loader)`` made once after protect, as torchtitan's loop does; after a restore the *same*
+    iterator object gives the batches that followed the snapshot (a cut behind it), with loader workers or not, and
+    the torch RNG is the restored one (re-arming the iterator draws no base seed from it)."""
+    model = small_model()
+    opt = torch.optim.AdamW(model.parameters())
+    loader = _loader(kind, workers)
+    prot = Protected(1, model, opt, dataloader=loader)
+    bind_rank1_of_3(prot)
+    it = iter(loader)
+    [next(it) for _ in range(3)]
+    layout, slot = snapshot(prot)
+    want = [next(it).tolist() for _ in range(4)]
+    rng = torch.get_rng_state()
+    [next(it) for _ in range(2)]   # on past the snapshot, then back to it
+    restore(prot, layout, slot)
+    assert [next(it).tolist() for _ in range(4)] == want
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_a_promoted_spare_s_iterator_resumes_at_its_predecessor_s_position(local_group):
+    """A spare built its loader and iterator as rank 0 (ctx.rank is None before ctx.run); promoted to rank 1, the
+    restored state moves its iterator to rank 1's position."""
+    model = small_model()
+    opt = torch.optim.AdamW(model.parameters())
+    src = _loader("dl", 2)
+    prot = Protected(1, model, opt, dataloader=src)
+    bind_rank1_of_3(prot)
+    it = iter(src)
+    [next(it) for _ in range(5)]
+    layout, slot = snapshot(prot)
+    want = [next(it).tolist() for _ in range(3)]
+    spare_loader = _loader("dl", 2)
+    spare_loader.sampler.rank = 0
+    spare_model = small_model()
+    spare = Protected(1, spare_model, torch.optim.AdamW(spare_model.parameters()), dataloader=spare_loader)
+    mine = iter(spare_loader)
+    next(mine)
+    bind_rank1_of_3(spare)
+    restore(spare, layout, slot)
+    assert [next(mine).tolist() for _ in range(3)] == want
+
+
+def test_a_loader_iterator_made_before_protect_or_unknown_to_it_is_refused(local_group):
+    """Issue 43: what no restore can move is refused before step 0, naming what was found and what is accepted."""
+    from deadpool_hpc.worker.state.loader import check_no_stray_iterators
+
+    model = small_model()
+    for kind in ("sdl", "dl"):
+        loader = _loader(kind, 0)
+        early = iter(loader)
+        with pytest.raises(ValueError, match=r"an iterator of this loader was made before ctx.protect.*accepted: "
+                                             r"call iter\(loader\) after ctx.protect"):
+            Protected(1, model, torch.optim.AdamW(model.parameters()), dataloader=loader)
+        del early
+    other = iter(_loader("dl", 0))
+    loader = _loader("sdl", 0)
+    prot = Protected(1, model, torch.optim.AdamW(model.parameters()), dataloader=loader)
+    mine = iter(loader)
+    with pytest.raises(ValueError, match=r"1 DataLoader iterator\(s\) \(torch.utils.data.dataloader."
+                                         r"_SingleProcessDataLoaderIter\) exist that ctx.protect does not know"):
+        check_no_stray_iterators([prot.loader_guard])
+    del other
+    check_no_stray_iterators([prot.loader_guard])
+    assert next(mine) is not None
+
+
+def test_a_hugging_face_iterable_dataset_split_by_node_follows_the_rank(local_group):
+    """A ``datasets.IterableDataset`` split with ``split_dataset_by_node`` reads its node's part at iteration time:
+    its rank follows the training rank (a spare built it as rank 0); another world size is refused."""
+    datasets = pytest.importorskip("datasets")
+    from datasets.distributed import split_dataset_by_node
+
+    model = small_model()
+    ds = datasets.Dataset.from_dict({"i": list(range(12))}).to_iterable_dataset(num_shards=3)
+    want = [r["i"] for r in split_dataset_by_node(ds, rank=1, world_size=3)]
+    spare_ds = split_dataset_by_node(ds, rank=0, world_size=3)
+    prot = Protected(1, model, torch.optim.AdamW(model.parameters()), dataloader=spare_ds)
+    prot.loader_guard.follow_rank(1, 3)
+    assert [r["i"] for r in iter(spare_ds)] == want
+    with pytest.raises(ValueError, match=r"split_dataset_by_node\(world_size=2\); accepted: world_size=ctx.world_size "
+                                         r"\(3\)"):
+        prot.loader_guard.__class__(split_dataset_by_node(ds, rank=0, world_size=2), True, None).follow_rank(0, 3)
+
+
 def test_a_snapshot_reads_the_live_state_every_step_even_for_a_non_contiguous_parameter(local_group):
     """The shares are handed to the copy as views of the live tensors, reused while the tensors stay the same; a
     non-contiguous parameter's piece is a copy, so it must be taken afresh: a change made in place between two

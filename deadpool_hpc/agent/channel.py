@@ -14,10 +14,12 @@ Admission, checked in order, any failure answered with a ``refused {why}`` frame
 secret), an ``agent_refused`` event (``reason``, ``peer_pid``, ``peer_uid``) and a closed socket:
 SO_PEERCRED shows this uid; the first frame arrives within ``hello_timeout`` seconds, passes its HMAC and is
 ``hello {local_rank: int >= 0 (< ranks when given), pid: int}`` with ``pid`` the connecting process's (per
-SO_PEERCRED); no open connection has this local rank. Accepted: the agent answers ``welcome {local_rank,
+SO_PEERCRED); no open connection has this local rank (one whose process has exited is not open: a process is
+judged by its pidfd, not by its socket's EOF, which its forked children, e.g. DataLoader workers, could delay).
+Accepted: the agent answers ``welcome {local_rank,
 agent_pid, page_bytes}`` with the progress page's fd, and ``poll`` reports ``(local_rank, "hello", {local_rank,
-pid, uid})``. When a connection ends, for whatever reason, ``poll`` reports ``(local_rank, "closed", {why})``
-once. A local rank may connect again once its previous connection is closed (the agent decides whether to
+pid, uid})``. When a connection ends, for whatever reason (its process's exit, seen on its pidfd, included),
+``poll`` reports ``(local_rank, "closed", {why})`` once. A local rank may connect again once its previous connection is closed (the agent decides whether to
 allow that; by the design a training process's exit ends its agent).
 
 Threads: ``poll`` is called by one thread (the agent's channel loop); ``send``, ``closed``, ``progress`` and
@@ -36,6 +38,7 @@ import array
 import logging
 import os
 import secrets
+import select
 import selectors
 import socket
 import struct
@@ -59,7 +62,8 @@ def peer_cred(sock: socket.socket) -> tuple[int, int, int]:
 
 
 class _Conn:
-    __slots__ = ("sock", "reader", "out", "out_bytes", "local_rank", "pid", "uid", "t0", "doomed", "writing")
+    __slots__ = ("sock", "reader", "out", "out_bytes", "local_rank", "pid", "uid", "t0", "doomed", "writing",
+                 "pidfd")
 
     def __init__(self, sock, reader, pid, uid):
         self.sock = sock
@@ -72,6 +76,31 @@ class _Conn:
         self.t0 = time.monotonic()
         self.doomed: str | None = None  # set (any thread) when the connection must go; poll closes it
         self.writing = False            # registered for EVENT_WRITE
+        self.pidfd: int | None = None   # the accepted process's pidfd: readable once it has exited
+
+
+class _Exited:
+    """Selector data of an accepted process's pidfd."""
+    __slots__ = ("conn",)
+
+    def __init__(self, conn: _Conn):
+        self.conn = conn
+
+
+def _open_pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):   # gone already, or no pidfd here (Linux < 5.3): the socket's EOF only
+        return None
+
+
+def _exited(fd: int | None) -> bool:
+    """Whether the process of pidfd ``fd`` has exited (a pidfd is readable from then on)."""
+    if fd is None:
+        return False
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    return bool(p.poll(0))
 
 
 class ChannelServer:
@@ -263,6 +292,11 @@ class ChannelServer:
                             pass
                     except (BlockingIOError, OSError):
                         pass
+                elif isinstance(key.data, _Exited):   # the process exited: its children may still hold the socket
+                    c = key.data.conn
+                    with self._lock:
+                        if c.doomed is None:
+                            c.doomed = f"training process pid {c.pid} exited (its pidfd)"
                 else:
                     c = key.data
                     if mask & selectors.EVENT_WRITE:
@@ -339,6 +373,10 @@ class ChannelServer:
             return self._refuse(c, f"hello's pid {pid!r} is not the connecting process's pid {c.pid}")
         with self._lock:
             other = self._by_rank.get(lr)
+            if other is not None and other.doomed is None and _exited(other.pidfd):
+                # the old process is dead; what still holds its socket open is a child it forked (the pidfd is the
+                # judge, not the socket's EOF)
+                other.doomed = f"training process pid {other.pid} exited (its pidfd)"
             if other is not None and other.doomed is None:
                 busy = other.pid
             else:
@@ -350,6 +388,9 @@ class ChannelServer:
                     self._events.append((lr, "closed", {"why": other.doomed}))
                 self._by_rank[lr] = c
                 self._closed_ranks.discard(lr)
+                c.pidfd = _open_pidfd(c.pid)
+                if c.pidfd is not None:
+                    self._sel.register(c.pidfd, selectors.EVENT_READ, _Exited(c))
                 old = self._pages.pop(lr, None)
                 page = self._pages[lr] = ProgressPage.create()
                 self._queue(c, encode_frame("welcome", {"local_rank": lr, "agent_pid": os.getpid(),
@@ -401,6 +442,13 @@ class ChannelServer:
             pass
         c.sock.close()
         c.reader.close()
+        if c.pidfd is not None:
+            try:
+                self._sel.unregister(c.pidfd)
+            except (KeyError, ValueError):
+                pass
+            os.close(c.pidfd)
+            c.pidfd = None
         for _, fds in c.out:
             for fd in fds:
                 os.close(fd)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ..errors import AgentLost, ChannelError, ChannelTimeout, PeerFailure
 from ..ipc.frames import ENV, FD_KEY, MAX_FDS, RESERVED, FrameReader, address_of, encode_frame
+from ..process import children
 from ..ipc.shm import Doorbell, ProgressPage, SharedBuffer
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class AgentClient:
     def __init__(self, sock: socket.socket, secret: bytes, local_rank: int, reader: FrameReader, welcome: dict,
                  page: ProgressPage, on_lost=None, send_timeout: float = 10.0):
         self.sock = sock
+        children.keep_from_children(sock.fileno())   # a forked child (loader worker) must not hold our channel
         self.secret = secret
         self.local_rank = local_rank
         self.agent_pid = welcome.get("agent_pid")
@@ -276,6 +278,7 @@ class AgentClient:
             fd = fds.pop()
             os.set_inheritable(fd, False)   # SCM_RIGHTS fds come without close-on-exec: the user's programs never get it
             self.bell = Doorbell(fd)        # agent/desk.py: rung after each claim and written word
+            children.keep_from_children(fd)
         bufs = []
         try:
             for fd in fds:
@@ -384,6 +387,7 @@ class AgentClient:
         for fut in replies:
             if not fut.done():
                 fut.set_exception(AgentLost(self.lost_why))
+        children.release(self.sock.fileno())
         self.sock.close()
         self._reader.close()
         with self._cond:
@@ -396,6 +400,8 @@ class AgentClient:
             self.progress.close()
             self.progress = None
         if self.bell is not None:
+            if self.bell.fd is not None:
+                children.release(self.bell.fd)
             self.bell.close()
 
 

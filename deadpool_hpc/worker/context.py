@@ -174,7 +174,8 @@ class Context(Recovering):
         with self._refusing():
             self.opt = Protected(self.world_size, model, optimizer, scheduler, dataloader, extra,
                                  python_rng=python_rng, numpy_rng=numpy_rng,
-                                 ring=(cfg.ranks_per_node, cfg.nodes, cfg.replica_holders))
+                                 ring=(cfg.ranks_per_node, cfg.nodes, cfg.replica_holders),
+                                 first_rank=self.first_rank)
         self.opt.before_update = self._before_update
         self.opt.claim_next = self._claim_next
         self._built()
@@ -214,6 +215,11 @@ class Context(Recovering):
             self.refusal = True
             raise RuntimeError("Context.run needs the state to protect: call ctx.protect(model, optimizer, ...) or "
                                "ctx.zero_adamw(model) first")
+        from .state.loader import check_no_stray_iterators
+
+        guard = getattr(self.opt, "loader_guard", None)
+        with self._refusing():   # a loader iterator no restore would move: refused before step 0 (state/loader.py)
+            check_no_stray_iterators([guard] if guard is not None else [])
         rng = self._rng0 = torch.get_rng_state()   # the initial state's RNG (a fresh start restores it)
         shapes = self._shard_shapes()
         local_nbytes = getattr(self.opt, "local_nbytes", 0)   # ctx.protect's shares: kept, never sent

@@ -56,6 +56,9 @@ def main(argv=None) -> None:
     log = EventLog(RunDir(run_dir).events, node=node, local=local)
     if os.environ.get(RUN_ENV):
         log.base["run"] = os.environ[RUN_ENV]
+    from ..process import children
+
+    children.install()   # its children (loader workers) hold none of the agent's fds and die with it
     client = AgentClient.connect(None, bytes.fromhex(os.environ["DEADPOOL_JOB_SECRET"]), local,
                                  timeout=min(60.0, cfg.startup_timeout), on_lost=lambda *_: os._exit(1))
     log.emit("hello", role="trainer", **identity())

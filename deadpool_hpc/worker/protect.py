@@ -69,6 +69,7 @@ from ..errors import ReplicaError
 from ..placement import held_by
 from .state.document import RankDocument, _decode, _distributed_sampler, _name, _stateful
 from .state.layout import SnapshotLayout
+from .state.loader import LoaderGuard
 from .state.shards import ShardedState, _is_fsdp1, _is_fsdp2, _local, replicate_group
 from .state.shares import DataParallelShares, _ddp_class
 
@@ -81,7 +82,8 @@ class Protected(SnapshotLayout, DataParallelShares, ShardedState, RankDocument):
     ``before_update`` (set by the context: wait for the replica's commit), ``param_digest()``."""
 
     def __init__(self, world_size: int, model, optimizer, scheduler=None, dataloader=None, extra=None, *,
-                 python_rng: bool = False, numpy_rng: bool = False, ring: tuple[int, int, int] = (1, 1, 0)):
+                 python_rng: bool = False, numpy_rng: bool = False, ring: tuple[int, int, int] = (1, 1, 0),
+                 first_rank: int | None = None):
         self.world_size = world_size
         # (ranks per node, active nodes, K replicas): whose shares this rank keeps (module docstring)
         self.ring = ring
@@ -92,6 +94,11 @@ class Protected(SnapshotLayout, DataParallelShares, ShardedState, RankDocument):
         self._check(model, optimizer, scheduler, dataloader, extra)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.dataloader, self.extra = dataloader, extra
+        # every iter(loader) from now on is re-armed by a restore (state/loader.py); refuses an iterator made before
+        self.loader_guard = None if dataloader is None else LoaderGuard(
+            dataloader, _stateful(dataloader), _distributed_sampler(dataloader))
+        if self.loader_guard is not None:
+            self.loader_guard.follow_rank(first_rank, world_size)
         self.ddp = isinstance(model, _ddp_class())
         self.inner = model.module if self.ddp else model
         # FSDP2 over ctx.device_mesh: every tensor of the state is this rank's shard, unique to it (replicated
@@ -275,9 +282,8 @@ class Protected(SnapshotLayout, DataParallelShares, ShardedState, RankDocument):
             P, nodes, k = self.ring
             self.held = held_by(rank, P, nodes, k)
         self._queued = False
-        sampler = _distributed_sampler(self.dataloader) if self.dataloader is not None else None
-        if sampler is not None:
-            sampler.rank, sampler.num_replicas = rank, self.world_size
+        if self.loader_guard is not None:
+            self.loader_guard.follow_rank(rank, self.world_size)
 
 
     def _pre_step(self, optimizer, args, kwargs) -> None:

@@ -100,12 +100,8 @@ class RankDocument:
         out: dict = {}
         if self.scheduler is not None:
             out["scheduler"] = self.scheduler.state_dict()
-        loader = self.dataloader
-        if loader is not None:
-            if _stateful(loader):
-                out["dataloader"] = loader.state_dict()
-            else:
-                out["sampler_epoch"] = _distributed_sampler(loader).epoch
+        if self.loader_guard is not None:
+            out["loader"] = self.loader_guard.state()   # state/loader.py: the position, the iterators re-armed
         if self.extra is not None:
             out["extra"] = self.extra.state_dict()
         rng: dict = {}
@@ -128,11 +124,8 @@ class RankDocument:
             p.grad = None
         if self.scheduler is not None:
             self.scheduler.load_state_dict(small["scheduler"])
-        if self.dataloader is not None:
-            if "dataloader" in small:
-                self.dataloader.load_state_dict(small["dataloader"])
-            else:
-                _distributed_sampler(self.dataloader).set_epoch(small["sampler_epoch"])
+        if self.loader_guard is not None:
+            self.loader_guard.load(small["loader"])
         if self.extra is not None:
             self.extra.load_state_dict(small["extra"])
         rng = small["rng"]
