@@ -81,6 +81,8 @@ RUN_PARAMETERS: tp.Dict[str, tp.Tuple[tp.Callable[[tp.Any], bool], str]] = {
     "max_requeues": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
     "heartbeat_period": (lambda v: _is_seconds(v) and v > 0, "seconds > 0"),
     "heartbeat_deadline": (lambda v: _is_seconds(v) and v > 0, "seconds > 0, more than twice heartbeat_period"),
+    "heartbeat_ceiling": (lambda v: _is_seconds(v) and v > 0, "seconds > 0, at least twice heartbeat_deadline (the "
+                                                              "longest a frozen node goes unnoticed)"),
     "collective_timeout": (lambda v: _is_seconds(v) and v > 0, "seconds > 0"),
     "hang_timeout": (lambda v: _is_seconds(v) and v >= 0, "seconds >= 0 (0: no hang detection)"),
     "rendezvous_timeout": (lambda v: _is_seconds(v) and v > 0, "seconds > 0"),
