@@ -117,10 +117,51 @@ def load_shard(root: str, meta: dict, rank: int, tensors: list[torch.Tensor]) ->
 
 
 def _write_json(path: str, obj: dict) -> None:
+    """Write ``obj`` to ``path``: temp file, fsync, rename. Raises OSError; a failed write leaves no temp file."""
     tmp = f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as fh:
+            json.dump(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+
+def discard_shard(root: str, step: int, rank: int) -> None:
+    """Remove what a failed ``save_shard`` of ``rank`` at ``step`` may have left (its record first: without it the
+    shard is never committed nor read). Never raises (the directory may be read-only or gone)."""
+    import shutil
+
+    d = os.path.join(root, f"step{step}")
+    try:
+        os.unlink(os.path.join(d, f"rank{rank}.json"))
+    except OSError:
+        pass
+    shutil.rmtree(os.path.join(d, f"rank{rank}"), ignore_errors=True)
+
+
+def failure_reason(exc: BaseException) -> str:
+    """What a failed write says, as ``ENAME: text`` when an OSError is anywhere in ``exc``'s chain (torch's
+    CheckpointException wraps the writer's), else ``Type: message``; at most 300 characters."""
+    import errno as _errno
+
+    seen, e = set(), exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno:
+            return f"{_errno.errorcode.get(e.errno, 'EIO')}: {e.strerror or e}"[:300]
+        e = e.__cause__ or e.__context__
+    text = f"{type(exc).__name__}: {exc}"
+    for code in ("ENOSPC", "EDQUOT", "EROFS", "ESTALE", "EIO"):   # an errno only in the text of a wrapped error
+        import os as _os
+
+        num = getattr(_errno, code, None)
+        if num and (_os.strerror(num) in text or code in text):
+            return f"{code}: {_os.strerror(num)} ({text[:200]})"[:300]
+    return text[:300]
 
