@@ -167,10 +167,11 @@ class Persister:
                 nbytes += layout.nbytes
             self._done = (g, step, time.perf_counter() - t0, nbytes)
         except Exception as exc:  # noqa: BLE001 - a failed background write costs this round only
+            reason = persist.failure_reason(exc, self.root)   # (before the removal frees the room it lacked)
             for r in ranks.values():
                 persist.discard_shard(self.root, step, r)
             self.agent.log.emit("persist_failed", step=step, generation=g, phase="write", path=self.root,
-                                reason=persist.failure_reason(exc), ranks=sorted(ranks.values()))
+                                reason=reason, ranks=sorted(ranks.values()))
         finally:
             self._thread = None
             self.agent.channel.wake()
@@ -197,7 +198,7 @@ class Persister:
             persist.commit(self.root, step, self.agent.cfg.world_size, g, self.agent.recovery.high_water)
         except Exception as exc:  # noqa: BLE001 - an uncommitted round; the next one tries again
             self.agent.log.emit("persist_failed", step=step, generation=g, phase="commit", path=self.root,
-                                reason=persist.failure_reason(exc))
+                                reason=persist.failure_reason(exc, self.root))
             return
         self.agent.log.emit("checkpoint_persisted", step=step, generation=g, path=self.root)
         self._clean(step)

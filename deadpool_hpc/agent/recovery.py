@@ -271,7 +271,7 @@ class Recovery:
             a.tick(0.02)
         if out.get("done") and "error" not in out:
             return
-        reason = persist.failure_reason(out["error"]) if "error" in out else \
+        reason = persist.failure_reason(out["error"], a.checkpoint_dir) if "error" in out else \
             f"the {phase} did not complete within {cfg.collective_timeout:.0f} s (the file system does not answer)"
         for rank in written:
             persist.discard_shard(a.checkpoint_dir, decision.cut_step, rank)

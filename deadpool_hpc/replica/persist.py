@@ -145,23 +145,35 @@ def discard_shard(root: str, step: int, rank: int) -> None:
     shutil.rmtree(os.path.join(d, f"rank{rank}"), ignore_errors=True)
 
 
-def failure_reason(exc: BaseException) -> str:
-    """What a failed write says, as ``ENAME: text`` when an OSError is anywhere in ``exc``'s chain (torch's
-    CheckpointException wraps the writer's), else ``Type: message``; at most 300 characters."""
+def failure_reason(exc: BaseException, path: str | None = None) -> str:
+    """What a failed write says, as ``ENAME: text``: an OSError anywhere in ``exc``'s chain (or in a torch
+    CheckpointException's per-rank failures); else, for a write under ``path``, what its file system says now
+    (read-only: EROFS; under 1 MiB free: ENOSPC; torch's writer turns a full disk into "unexpected pos"); else
+    ``Type: first line of the message``. At most 300 characters."""
     import errno as _errno
 
-    seen, e = set(), exc
-    while e is not None and id(e) not in seen:
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno:
             return f"{_errno.errorcode.get(e.errno, 'EIO')}: {e.strerror or e}"[:300]
-        e = e.__cause__ or e.__context__
-    text = f"{type(exc).__name__}: {exc}"
-    for code in ("ENOSPC", "EDQUOT", "EROFS", "ESTALE", "EIO"):   # an errno only in the text of a wrapped error
-        import os as _os
-
-        num = getattr(_errno, code, None)
-        if num and (_os.strerror(num) in text or code in text):
-            return f"{code}: {_os.strerror(num)} ({text[:200]})"[:300]
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)   # torch.distributed.checkpoint's CheckpointException
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values() if f is not None]
+    first = (str(exc).strip().splitlines() or [""])[0]
+    text = f"{type(exc).__name__}: {first}"[:200]
+    if path is not None:
+        try:
+            st = os.statvfs(path)
+            if st.f_flag & os.ST_RDONLY:
+                return f"EROFS: {os.strerror(_errno.EROFS)} ({text})"[:300]
+            if st.f_bavail * st.f_frsize < (1 << 20):
+                return f"ENOSPC: {os.strerror(_errno.ENOSPC)} ({st.f_bavail * st.f_frsize} bytes free; {text})"[:300]
+        except OSError as probe:
+            if probe.errno:
+                return f"{_errno.errorcode.get(probe.errno, 'EIO')}: {probe.strerror} ({text})"[:300]
     return text[:300]
-
