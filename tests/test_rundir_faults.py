@@ -5,7 +5,7 @@ mounted by the test (root only; skipped where mount is not permitted), with real
 
 - full with ``--persist-every 1``: the run completes bitwise equal to its failure-free run, every failed round is a
   ``persist_failed`` event with its reason, and ``deadpool run`` prints the summary it could not write (exit 3);
-- remounted read-only mid-run: the same, with EROFS;
+- turned read-only mid-run (an ext4 error with errors=remount-ro, on a loop device): the same, with EROFS;
 - a no-spare checkpoint on a full disk: the run ends, with that reason named (``checkpoint_failed`` and the error).
 
 And the event log's rules on /dev/full (every write fails with ENOSPC): counted, spilled, never raised.
@@ -27,6 +27,12 @@ from runs import SMALL_RUN_STEPS as STEPS, run_driven, run_events, run_faults  #
 # the first persist round imports torch.distributed.checkpoint in each agent: on 2 busy cores that starved the
 # heartbeats past the default 1 s deadline (seen with and without this change); these runs are about the disk
 SLOW_OK = dict(heartbeat_deadline=5.0)
+PACE_S = "0.6"   # trainfns:paced: 24 steps last >= 14 s, so that several persist rounds (one a second) start
+
+
+@pytest.fixture(autouse=True)
+def paced(monkeypatch):
+    monkeypatch.setenv("DEADPOOL_TEST_STEP_S", PACE_S)
 
 
 @pytest.fixture
@@ -39,6 +45,37 @@ def tmpfs(tmp_path):
         pytest.skip(f"cannot mount a tmpfs here ({p.stderr.strip() or p.returncode}): needs root")
     try:
         yield mnt
+    finally:
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+@pytest.fixture
+def ext4(tmp_path):
+    """A 16 MB ext4 file system (a loop device) mounted with ``errors=remount-ro`` at tmp_path/ext4; yields (mount
+    point, ``make_read_only()``). ``make_read_only`` does what the kernel does on a file-system error: the file system
+    turns read-only at once, under open files too (``mount -o remount,ro`` refuses while a run holds files open for
+    writing: EBUSY). Unmounted at the end; skips where loop mounts or ext4's trigger_fs_error are not available."""
+    img, mnt = tmp_path / "ext4.img", tmp_path / "ext4"
+    mnt.mkdir()
+    with open(img, "wb") as fh:
+        fh.truncate(16 << 20)
+    p = subprocess.run(["mkfs.ext4", "-q", "-F", str(img)], capture_output=True, text=True)
+    if p.returncode == 0:
+        p = subprocess.run(["mount", "-o", "loop,errors=remount-ro", str(img), str(mnt)], capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip(f"cannot make and loop-mount an ext4 file system here ({p.stderr.strip()}): needs root")
+    dev = subprocess.run(["findmnt", "-no", "SOURCE", str(mnt)], capture_output=True, text=True).stdout.strip()
+    trigger = f"/sys/fs/ext4/{os.path.basename(dev)}/trigger_fs_error"
+
+    def make_read_only() -> None:
+        with open(trigger, "w") as fh:
+            fh.write("1")
+
+    try:
+        if not os.path.exists(trigger):
+            pytest.skip(f"{trigger} does not exist (a kernel without ext4's trigger_fs_error)")
+        yield mnt, make_read_only
     finally:
         if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
@@ -77,7 +114,7 @@ def _cli_run(run_dir, *args, timeout=300):
     """``deadpool run`` as a user runs it; returns (exit status, stdout, the summary it printed or wrote)."""
     p = subprocess.run([sys.executable, "-m", "deadpool_hpc.launch.cli", "run", "--run-dir", str(run_dir), *args],
                        capture_output=True, text=True, timeout=timeout,
-                       env=dict(os.environ, COLUMNS="200", OMP_NUM_THREADS="1"))
+                       env=dict(os.environ, COLUMNS="200", OMP_NUM_THREADS="1", DEADPOOL_TEST_STEP_S=PACE_S))
     out = p.stdout
     if "--- deadpool summary" in out:
         body = out.split("--- deadpool summary", 1)[1].split("\n", 1)[1].split("--- end of deadpool summary", 1)[0]
@@ -91,7 +128,7 @@ def test_full_run_dir_persist_every_1_completes_bitwise(tmpfs, base_digest):
     written, training goes on to the end, bitwise the failure-free run; the summary is written or printed in full
     with exit status 3; no process is left behind."""
     rc, out, s = _cli_run(tmpfs / "run", "--nodes", "3", "--spares", "1", "--steps", str(STEPS), "--persist-every",
-                          "1", "--heartbeat-deadline", "5")
+                          "1", "--heartbeat-deadline", "5", "--train-fn", "trainfns:paced")
     assert s["completed"] and s["steps_completed"] == STEPS, (rc, out[-3000:])
     assert s["param_digest"] == base_digest, "a run whose persist rounds failed diverged from the failure-free run"
     assert s["persist"]["failed"] >= 1 and s["persist"]["committed"] == [], s["persist"]
@@ -103,30 +140,31 @@ def test_full_run_dir_persist_every_1_completes_bitwise(tmpfs, base_digest):
             assert not is_alive(e), f"pid {e['pid']} ({e.get('role')}) outlived the run"
 
 
-def test_run_dir_remounted_read_only_mid_run(tmpfs, base_digest):
-    """The run directory becomes read-only at step 6: every write fails with EROFS from then on (events, persist
-    rounds, launcher.log, the summary); the run still completes, bitwise, and says what failed."""
+def test_run_dir_turns_read_only_mid_run(ext4, base_digest):
+    """The run directory's file system turns read-only at step 6 (an ext4 error with errors=remount-ro): every write
+    fails with EROFS from then on (events, persist rounds, launcher.log, the summary); the run still completes,
+    bitwise, and says what failed: the event log's failures counted, the summary not written and why."""
+    mnt, make_read_only = ext4
+
     def drive(run_dir, th):
-        end = time.monotonic() + 240
+        steps, end = [], time.monotonic() + 240
         while th.is_alive() and time.monotonic() < end:
             steps = [e for e in run_events(run_dir) if e["event"] == "step"] \
                 if os.path.exists(run_dir / "events.jsonl") else []
             if steps and steps[-1]["step"] >= 6:
                 break
             time.sleep(0.2)
-        p = subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], capture_output=True, text=True)
-        assert p.returncode == 0, p.stderr
+        make_read_only()
         return steps[-1]["step"] if steps else None
 
-    s, at = run_driven(tmpfs, "run", drive, spares=1, persist_every=1, **SLOW_OK)
-    subprocess.run(["mount", "-o", "remount,rw", str(tmpfs)], capture_output=True)
+    s, at = run_driven(mnt, "run", drive, spares=1, persist_every=1, train_fn="trainfns:paced", **SLOW_OK)
     assert at is not None and at < STEPS, at
     assert s["completed"] and s["steps_completed"] == STEPS, s["errors"]
     assert s["param_digest"] == base_digest
     assert s["summary_written"] is False and "EROFS" in s["summary_error"], s.get("summary_error")
     assert s["event_log"]["failed"] >= 1 and any("EROFS" in e for e in s["event_log"]["errors"]), s["event_log"]
-    reasons = s["persist"]["reasons"]
-    assert not reasons or any(r.startswith(("EROFS", "ENOSPC")) for r in reasons), reasons
+    assert s["persist"]["failed"] >= 1 and all(r.startswith("EROFS") for r in s["persist"]["reasons"]), s["persist"]
+    assert s["launcher_log"]["dropped_bytes"] > 0 or s["launcher_log"]["error"] is None, s["launcher_log"]
 
 
 def test_no_spare_checkpoint_on_a_full_disk_ends_the_run_with_the_reason(tmpfs):
