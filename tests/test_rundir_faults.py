@@ -184,3 +184,36 @@ def test_no_spare_checkpoint_on_a_full_disk_ends_the_run_with_the_reason(tmpfs):
     assert failed and all(f["reason"].startswith("ENOSPC") for f in failed), failed
     assert any("CheckpointFailed" in e and "ENOSPC" in e for e in s["errors"]), s["errors"]
     assert not os.path.exists(tmpfs / "run" / "checkpoint" / "LATEST")
+
+
+def test_slurm_summary_that_cannot_be_written_is_printed_not_raised(tmp_path, capsys):
+    """The Slurm path's summary writer (batch script, headless finisher, submitit): an output that refuses the write
+    (/dev/full: ENOSPC) leaves summary_written False with the reason, and the whole summary on stdout."""
+    from deadpool_hpc.config import RunConfig
+    from deadpool_hpc.launch.slurm_common import write_summary
+    from deadpool_hpc.rundir import write_config
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    write_config(str(run_dir), RunConfig(nodes=2, steps=3, run_dir=str(run_dir)))
+    s = write_summary(str(run_dir), out="/dev/full")
+    assert s["summary_written"] is False and "/dev/full: ENOSPC" in s["summary_error"], s.get("summary_error")
+    printed = capsys.readouterr().out
+    body = printed.split("--- deadpool summary", 1)[1].split("\n", 1)[1].split("--- end of deadpool summary", 1)[0]
+    assert json.loads(body)["summary_error"] == s["summary_error"]
+    assert os.path.exists(run_dir / "summary.json")   # the one that could be written was
+
+
+def test_a_failed_write_names_its_errno():
+    """persist.failure_reason: an OSError anywhere in the chain (torch wraps the writer's), else the first line of the
+    message (the file system's state, which the end-to-end tests check, comes between)."""
+    from deadpool_hpc.replica.persist import failure_reason
+
+    try:
+        try:
+            open("/dev/full", "wb", buffering=0).write(b"x")
+        except OSError as inner:
+            raise RuntimeError("the writer failed") from inner
+    except RuntimeError as exc:
+        assert failure_reason(exc).startswith("ENOSPC"), failure_reason(exc)
+    assert failure_reason(RuntimeError("boom\nmore")) == "RuntimeError: boom"
