@@ -37,6 +37,7 @@ SPILL_ENV = "DEADPOOL_EVENT_SPILL"   # the launcher's spill socket (abstract nam
 QUEUE_MAX = 10_000                  # lines a background log holds before it drops (about 3 MB at most)
 STUCK_S = 1.0                       # a write blocked this long: new lines are spilled as well as queued
 SPILL_MAX = 60_000                  # bytes of one spilled datagram (a longer line is cut to its first fields)
+SPILL_WAIT_S = 0.5                  # how long the writer thread waits for room in the launcher's socket queue
 
 
 def _errname(exc: OSError) -> str:
@@ -191,7 +192,7 @@ class EventLog:
             return True
         except OSError as exc:
             self.failed += 1
-            self._spill(line)
+            self._spill(line, wait=True)
             self._report(exc)
             return False
 
@@ -201,19 +202,22 @@ class EventLog:
         except OSError as exc:
             self.last_error = _errname(exc)
 
-    def _spill(self, line: bytes) -> None:
-        """Send ``line`` to the launcher (one datagram, never blocking); counted in ``spilled``, else ``dropped``
-        when there is no launcher to tell or its socket's queue is full."""
+    def _spill(self, line: bytes, wait: bool = False) -> None:
+        """Send ``line`` to the launcher (one datagram); counted in ``spilled``, else ``dropped`` when there is no
+        launcher to tell or its socket's queue stays full. ``wait``: up to SPILL_WAIT_S for room (the writer
+        thread, or a synchronous log: a Unix datagram queue holds only net.unix.max_dgram_qlen datagrams, 10 by
+        default, until the launcher's receiving thread takes them); else never waits (emit's own thread)."""
         if self._spill_addr is None:
             return
         try:
             if self._spill_sock is None:
                 self._spill_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+                self._spill_sock.settimeout(SPILL_WAIT_S)
             if len(line) > SPILL_MAX:
                 rec = json.loads(line)
                 line = (json.dumps({k: rec[k] for k in ("t", "event", "pid", "run", "node", "mpi_rank") if k in rec}
                                    | {"truncated": True}) + "\n").encode()
-            self._spill_sock.sendto(line, socket.MSG_DONTWAIT, self._spill_addr)
+            self._spill_sock.sendto(line, 0 if wait else socket.MSG_DONTWAIT, self._spill_addr)
             self.spilled += 1
         except (OSError, ValueError):
             self.dropped += 1
@@ -261,26 +265,40 @@ class EventSpill:
         self.name = name
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         self.sock.bind("\0" + name)
-        self.sock.setblocking(False)
+        self._got: list[dict] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        # a thread takes each datagram as it comes: the kernel queues only max_dgram_qlen (10 by default)
+        threading.Thread(target=self._receive, name="deadpool-spill", daemon=True).start()
 
     def env(self) -> dict[str, str]:
         return {SPILL_ENV: self.name}
 
-    def poll(self) -> list[dict]:
-        out = []
-        while True:
+    def _receive(self) -> None:
+        while not self._closed:
             try:
                 data = self.sock.recv(1 << 17)
-            except (BlockingIOError, InterruptedError):
-                return out
             except OSError:
-                return out
+                return
             try:
-                out.append(json.loads(data))
+                rec = json.loads(data)
             except ValueError:
                 continue
+            with self._lock:
+                self._got.append(rec)
+
+    def poll(self) -> list[dict]:
+        """The records received since the last call."""
+        with self._lock:
+            out, self._got = self._got, []
+        return out
 
     def close(self) -> None:
+        self._closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.sock.close()
 
 
