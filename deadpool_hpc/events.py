@@ -65,7 +65,8 @@ class EventLog:
         self._fd: int | None = None
         self._torn = False            # a short write left a partial line: the next line starts with "\n"
         self._next_open = 0.0
-        self._open()
+        if not background:   # (a background log opens the file on its writer thread: an open may block too)
+            self._open()
         spill = os.environ.get(SPILL_ENV, "") if spill is None else spill
         self._spill_addr = ("\0" + spill) if spill else None
         self._spill_sock: socket.socket | None = None

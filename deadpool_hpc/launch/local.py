@@ -34,7 +34,7 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 
 from ..config import RunConfig
 from ..process.fence import descendants, fence, is_alive
@@ -117,7 +117,9 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
 
     run_id = secrets.token_hex(8)
     rd = RunDir(run_dir)
-    with _StopSignals() as stop, rd.locked(run_id):  # the lock comes before anything in the directory is touched
+    # spill: the lines a process could not write to events.jsonl (a full, read-only or hung run directory) come here
+    with _StopSignals() as stop, rd.locked(run_id), closing(EventSpill(f"deadpool-events-{run_id}")) as spill:
+        # (the lock comes before anything in the directory is touched)
         if cfg.train_fn.startswith("deadpool_hpc.train."):
             try:
                 with stop.raising():  # the first build of the corpus cache takes a while: stop at once there
@@ -128,8 +130,6 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
             raise Interrupted(stop.signum)
         rd.prepare()
         rd.write_config(cfg)
-        # the lines a process could not write to events.jsonl (a full, read-only or hung run directory) come here
-        spill = EventSpill(f"deadpool-events-{run_id}")
         env = dict(os.environ, DEADPOOL_JOB_SECRET=secrets.token_hex(32), DEADPOOL_STORE_HOST="127.0.0.1",
                    OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", **emulated_node_env(cfg),
                    **launcher_env(run_id), **spill.env())
