@@ -89,7 +89,10 @@ class Persister:
         if self._scheduler() and time.monotonic() >= self.next_t:
             self.next_t = time.monotonic() + self.every
             rep = self.agent.reps.get(0)
-            if rep is not None and rep.committed_step >= 0:
+            # a round does not overtake the previous one before its step is reached: with steps longer than half
+            # --persist-every, each round's request replaced the last before any node got to write it, and nothing
+            # was ever persisted (seen with --persist-every 1 and 0.6 s steps)
+            if rep is not None and rep.committed_step >= 0 and (self._asked is None or rep.committed_step >= self._asked):
                 body = {"g": cp.generation, "step": rep.committed_step + 2}
                 if self._asked is not None:   # what rounds before the previous one left (failed) frees room
                     self._in_background("clean", self._clean, self._asked)
@@ -166,7 +169,9 @@ class Persister:
                 persist.save_shard(self.root, step, ranks[local], shard, rng, kept=kept)
                 nbytes += layout.nbytes
             self._done = (g, step, time.perf_counter() - t0, nbytes)
-        except Exception as exc:  # noqa: BLE001 - a failed background write costs this round only
+        except BaseException as exc:  # noqa: BLE001 - costs this round only. BaseException: torch's
+            # CheckpointException (a full disk inside dcp.save) is one, and escaped ``except Exception``: the thread
+            # died without a word
             reason = persist.failure_reason(exc, self.root)   # (before the removal frees the room it lacked)
             for r in ranks.values():
                 persist.discard_shard(self.root, step, r)
@@ -196,7 +201,7 @@ class Persister:
             if latest is not None and latest["step"] >= step:
                 return
             persist.commit(self.root, step, self.agent.cfg.world_size, g, self.agent.recovery.high_water)
-        except Exception as exc:  # noqa: BLE001 - an uncommitted round; the next one tries again
+        except BaseException as exc:  # noqa: BLE001 - an uncommitted round; the next one tries again
             self.agent.log.emit("persist_failed", step=step, generation=g, phase="commit", path=self.root,
                                 reason=persist.failure_reason(exc, self.root))
             return
