@@ -10,7 +10,9 @@ such a requeue resumes from at most that many seconds back.
 How, per round (one every ``persist_every`` seconds, none before the first period has passed):
 
 1. the agent of training rank 0 (the *scheduler*) picks ``S`` = its rank 0's committed step + 2, a step every rank
-   commits soon, and sends ``persist`` {step, generation} to every training node (itself included);
+   commits soon, and sends ``persist`` {step, generation} to every training node (itself included); not before its
+   rank 0 has reached the previous round's ``S`` (a round that overtook the last one before any node could write it
+   left nothing persisted when steps took longer than half the period);
 2. each training node's agent, once a local rank's committed step reaches ``S``, copies that rank's own slot of
    ``S`` (pinned while copied: ``Replicator.copy_own``; about a memcpy of the payload, on the agent's loop) and a
    background thread writes it with torch.distributed.checkpoint (``persist.save_shard``: the same layout as the
