@@ -21,6 +21,12 @@ class WireError(ValueError):
     """A control message failed its authentication tag or could not be decoded."""
 
 
+class CheckpointFailed(RuntimeError):
+    """A checkpoint the run needs now (no spare left, preempted) could not be written (ENOSPC, EDQUOT, EROFS, EIO,
+    a write that did not complete in time): the run ends with this reason; checkpoint/LATEST still names the
+    previous complete checkpoint, if any."""
+
+
 class JobAborted(RuntimeError):
     """Another process hit an error in user code and asked the whole job to stop."""
 

@@ -171,7 +171,8 @@ def write_json(path: str, obj) -> None:
 def write_atomic(path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` crash-safely: a temp file in the same directory, fsync, rename (a reader sees
     the old file or the new one, never a part). A path that exists and is not a regular file (``/dev/stdout``,
-    a FIFO) is written in place."""
+    a FIFO) is written in place. Raises OSError (ENOSPC, EDQUOT, EROFS, EIO, ...) if it cannot be written; the
+    old file, if any, is then left as it was and the temp file is removed."""
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
@@ -188,8 +189,10 @@ def write_atomic(path: str, data: bytes) -> None:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        try:
+            os.unlink(tmp)   # a write that failed (a full disk: ENOSPC at flush or fsync) leaves no part behind
+        except OSError:
+            pass
 
 
 class RunDir:
@@ -283,10 +286,16 @@ class RunDir:
         return write_config(self.path, cfg)
 
     def write_summary(self, summary: dict, also: str | None = None) -> None:
-        """Write ``summary`` to summary.json and, if given, to ``also`` (the user's --summary), each atomically."""
-        write_json(self.summary, summary)
-        if also:
-            write_json(also, summary)
+        """Write ``summary`` to summary.json and, if given, to ``also`` (the user's --summary), each atomically.
+        Both are tried; raises the first OSError if either could not be written (the launcher then prints it)."""
+        errors = []
+        for path in (self.summary, also) if also else (self.summary,):
+            try:
+                write_json(path, summary)
+            except OSError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
 
 def prepare_run_dir(path: str, resume: bool = False) -> dict | None:
@@ -319,6 +328,22 @@ def latest_checkpoint(path: str) -> dict | None:
             return json.load(fh)
     except (OSError, ValueError):
         return None
+
+
+def discard_uncommitted(path: str) -> list[str]:
+    """Remove ``checkpoint/step{T}`` directories of run directory ``path`` that LATEST does not name: the rounds of
+    background persistence a run's end cut short, or that failed (a full disk). Only once no process of the run is
+    left (the local launcher, after the run). Returns what was removed; never raises."""
+    root = os.path.join(path, "checkpoint")
+    keep = (latest_checkpoint(path) or {}).get("step")
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    gone = [n for n in names if n.startswith("step") and n[4:].isdigit() and int(n[4:]) != keep]
+    for name in gone:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return gone
 
 
 def write_config(path: str, cfg) -> str:

@@ -100,7 +100,27 @@ def build_summary(events: list[dict], config=None) -> dict:  # noqa: C901
         # rank 0's snapshots, by how they were copied: inline after the update, or by the background copier
         "snapshots": fin.get("snapshots"),
         "errors": list(dict.fromkeys(e.get("error") for e in by["error"])),   # each once (every rank may say it)
+        # background persistence (agent/persister.py) and a run directory that fails writes (issue 42)
+        "persist": {"committed": [e.get("step") for e in by["checkpoint_persisted"]],
+                    "failed": len(by["persist_failed"]),
+                    "reasons": list(dict.fromkeys(e.get("reason") for e in by["persist_failed"]))[:8]},
+        "checkpoint_failed": [{k: e.get(k) for k in ("step", "reason", "error", "node")} for e in by["checkpoint_failed"]],
+        "event_log": event_log_health(by["event_log_failed"]),
     }
+
+
+def event_log_health(reports: list[dict]) -> dict:
+    """What the processes' ``event_log_failed`` reports say (events.py): lines not written (``failed``), dropped
+    (a full queue, or nothing to spill to), the processes concerned, the distinct errors. Each process's reports
+    carry running counts: its largest counts."""
+    per: dict = {}
+    for e in reports:
+        key = (e.get("pid"), e.get("path"))
+        old = per.get(key, {})
+        per[key] = {k: max(old.get(k, 0), e.get(k) or 0) for k in ("failed", "dropped")}
+    return {"failed": sum(v["failed"] for v in per.values()), "dropped": sum(v["dropped"] for v in per.values()),
+            "processes": len({pid for pid, _ in per}),
+            "errors": list(dict.fromkeys(e.get("error") for e in reports if e.get("error")))[:8]}
 
 
 def _failures(d: dict, by, steps, faults, used: set, t_next_attempt, P: int) -> list[dict]:

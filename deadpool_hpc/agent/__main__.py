@@ -78,7 +78,7 @@ def main(argv=None) -> None:
     from .supervisor import Supervisor
     from .watch import RingWatch
 
-    log = EventLog(events)
+    log = EventLog(events, background=True)   # a blocked write never holds the agent's loop (events.py)
     if os.environ.get(lifeline.RUN_ENV):  # in every line, hello included: a launcher reaps only its own run
         log.base["run"] = os.environ[lifeline.RUN_ENV]
     host = store_host()

@@ -10,7 +10,9 @@ such a requeue resumes from at most that many seconds back.
 How, per round (one every ``persist_every`` seconds, none before the first period has passed):
 
 1. the agent of training rank 0 (the *scheduler*) picks ``S`` = its rank 0's committed step + 2, a step every rank
-   commits soon, and sends ``persist`` {step, generation} to every training node (itself included);
+   commits soon, and sends ``persist`` {step, generation} to every training node (itself included); not before its
+   rank 0 has reached the previous round's ``S`` (a round that overtook the last one before any node could write it
+   left nothing persisted when steps took longer than half the period);
 2. each training node's agent, once a local rank's committed step reaches ``S``, copies that rank's own slot of
    ``S`` (pinned while copied: ``Replicator.copy_own``; about a memcpy of the payload, on the agent's loop) and a
    background thread writes it with torch.distributed.checkpoint (``persist.save_shard``: the same layout as the
@@ -21,6 +23,13 @@ How, per round (one every ``persist_every`` seconds, none before the first perio
 A node that misses ``S`` (its ranks already two steps past it when it looked: a slow loop) or a round cut by a
 recovery leaves that round uncommitted; the next round tries again. LATEST is only written once every shard of
 ``S`` is on disk, so a half-written round is never read back as good. The training processes do nothing for it.
+
+A run directory that fails writes (issue 42: full, over quota, read-only, EIO, a stale NFS handle) costs the round
+only: the node logs ``persist_failed`` with the reason, removes what it wrote of the round, and sends no
+``persisted``; LATEST keeps naming the previous complete checkpoint, and the next round tries again. Nothing here
+touches the disk on the agent's loop: the shards are written by the ``persist`` thread, LATEST and the removal of
+older or abandoned rounds by the scheduler's ``persist-commit`` thread; a write that blocks (a file system that
+stopped answering) holds that thread only, and no new round starts on that node while it does.
 """
 from __future__ import annotations
 
@@ -63,6 +72,8 @@ class Persister:
         self.want: tuple[int, int] | None = None      # (generation, step) this node is asked to write
         self.acks: dict[tuple[int, int], set[int]] = {}  # (generation, step) -> nodes done (the scheduler)
         self._thread: threading.Thread | None = None
+        self._house: threading.Thread | None = None    # the scheduler's commit / clean-up thread
+        self._asked: int | None = None                  # the step of the scheduler's last round
         self._done: tuple[int, int, float, int] | None = None   # (generation, step, seconds, bytes) written
         agent.cp.handlers["persist"] = self._on_persist
         agent.cp.handlers["persisted"] = self._on_persisted
@@ -80,8 +91,14 @@ class Persister:
         if self._scheduler() and time.monotonic() >= self.next_t:
             self.next_t = time.monotonic() + self.every
             rep = self.agent.reps.get(0)
-            if rep is not None and rep.committed_step >= 0:
+            # a round does not overtake the previous one before its step is reached: with steps longer than half
+            # --persist-every, each round's request replaced the last before any node got to write it, and nothing
+            # was ever persisted (seen with --persist-every 1 and 0.6 s steps)
+            if rep is not None and rep.committed_step >= 0 and (self._asked is None or rep.committed_step >= self._asked):
                 body = {"g": cp.generation, "step": rep.committed_step + 2}
+                if self._asked is not None:   # what rounds before the previous one left (failed) frees room
+                    self._in_background("clean", self._clean, self._asked)
+                self._asked = body["step"]
                 cp.peers.send_many(self._trainers(), "persist", body)
         if self.want is not None and self._thread is None:
             self._copy()
@@ -114,7 +131,7 @@ class Persister:
         done.add(src)
         if set(self._trainers()) <= done:
             self.acks = {}
-            self._commit(*key)
+            self._in_background("commit", self._commit, *key)
 
     def _copy(self) -> None:
         """Copy each local rank's own slot of the wanted step once committed, then write them in the background."""
@@ -154,18 +171,53 @@ class Persister:
                 persist.save_shard(self.root, step, ranks[local], shard, rng, kept=kept)
                 nbytes += layout.nbytes
             self._done = (g, step, time.perf_counter() - t0, nbytes)
-        except Exception as exc:  # noqa: BLE001 - a failed background write costs this round only
-            self.agent.log.emit("persist_failed", step=step, generation=g, error=f"{type(exc).__name__}: {exc}"[:300])
+        except BaseException as exc:  # noqa: BLE001 - costs this round only. BaseException: torch's
+            # CheckpointException (a full disk inside dcp.save) is one, and escaped ``except Exception``: the thread
+            # died without a word
+            reason = persist.failure_reason(exc, self.root)   # (before the removal frees the room it lacked)
+            for r in ranks.values():
+                persist.discard_shard(self.root, step, r)
+            self.agent.log.emit("persist_failed", step=step, generation=g, phase="write", path=self.root,
+                                reason=reason, ranks=sorted(ranks.values()))
         finally:
             self._thread = None
             self.agent.channel.wake()
 
-    def _commit(self, g: int, step: int) -> None:
-        latest = latest_checkpoint(self.agent.cfg.run_dir)
-        if latest is not None and latest["step"] >= step:
+    def _in_background(self, what: str, fn, *args) -> None:
+        """Run ``fn(*args)`` on the scheduler's disk thread, off the loop; skipped (``persist_failed`` for a commit)
+        while the previous one still runs: a write blocked in a file system that stopped answering."""
+        house = self._house
+        if house is not None and house.is_alive():
+            if what == "commit":
+                self.agent.log.emit("persist_failed", step=args[1], generation=args[0], phase="commit", path=self.root,
+                                    reason=f"the previous {house.name} is still blocked in the file system")
             return
-        persist.commit(self.root, step, self.agent.cfg.world_size, g, self.agent.recovery.high_water)
+        self._house = threading.Thread(target=fn, args=args, name=f"persist-{what}", daemon=True)
+        self._house.start()
+
+    def _commit(self, g: int, step: int) -> None:
+        """Write LATEST for ``step`` (only if newer than the one there) and remove older rounds. A failure leaves
+        LATEST as it was (persist.commit writes it by rename) and is logged."""
+        try:
+            latest = latest_checkpoint(self.agent.cfg.run_dir)
+            if latest is not None and latest["step"] >= step:
+                return
+            persist.commit(self.root, step, self.agent.cfg.world_size, g, self.agent.recovery.high_water)
+        except BaseException as exc:  # noqa: BLE001 - an uncommitted round; the next one tries again
+            self.agent.log.emit("persist_failed", step=step, generation=g, phase="commit", path=self.root,
+                                reason=persist.failure_reason(exc, self.root))
+            return
         self.agent.log.emit("checkpoint_persisted", step=step, generation=g, path=self.root)
-        for name in os.listdir(self.root):
-            if name.startswith("step") and name[4:].isdigit() and int(name[4:]) < step:
+        self._clean(step)
+
+    def _clean(self, before: int) -> None:
+        """Remove every ``step{T}`` directory with T < ``before`` that LATEST does not name: older committed rounds
+        and what rounds that failed left on the disk. Never raises."""
+        keep = (latest_checkpoint(self.agent.cfg.run_dir) or {}).get("step")
+        try:
+            names = os.listdir(self.root)
+        except OSError:
+            return
+        for name in names:
+            if name.startswith("step") and name[4:].isdigit() and int(name[4:]) < before and int(name[4:]) != keep:
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)

@@ -24,10 +24,11 @@ import threading
 import time
 
 from ..control.decision import Decision
-from ..errors import PeerFailure, RecoveryTimeout, ReplicaError, RunFinished
+from ..errors import CheckpointFailed, PeerFailure, RecoveryTimeout, ReplicaError, RunFinished
 from ..ipc.messages import Exit, Failure, Left, Restore, RoundFailed, Spare, Train
 from ..placement import held_by
 from ..replica import persist
+from ..rundir import latest_checkpoint
 
 MAX_FAILED_ROUNDS = 8
 
@@ -232,8 +233,63 @@ class Recovery:
                            why=f"no rank has trained a step yet: a new attempt starts again from step {cut}"
                                + (" (the checkpoint this attempt resumed from)" if a.resume else ""))
             return self._leave_for_requeue()
-        import torch
+        written: list[int] = []
 
+        def write() -> None:
+            import torch
+
+            self._write_shards(decision, written, torch)
+
+        self._on_disk(decision, "write", write, written)
+        a.cp.barrier(f"saved{g}.{decision.coordinator}", a.cp.member_nodes, cfg.collective_timeout, tick=a.tick)
+        self._on_disk(decision, "commit",
+                      lambda: persist.commit(a.checkpoint_dir, cut, cfg.world_size, g, self.high_water),
+                      [])   # every shard is written: another member's LATEST may name them, none is removed
+        if a.node == decision.coordinator:
+            a.log.emit("checkpoint_saved", step=cut, generation=g, path=a.checkpoint_dir, reason=decision.reason)
+        self._leave_for_requeue()
+
+    def _on_disk(self, decision: Decision, phase: str, fn, written: list[int]) -> None:
+        """Run ``fn`` (a write of the no-spare checkpoint) on a thread, the agent's loop ticking meanwhile, for at most
+        the collective timeout. A write that fails or does not end in time ends the run (CheckpointFailed, which the
+        agent reports as its ``error`` and the others are told to stop): the run needs this checkpoint now and there
+        is none to go on without. What this node wrote of it is removed first; LATEST is left as it was."""
+        a, cfg = self.agent, self.agent.cfg
+        out: dict = {}
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - reported below, on the loop
+                out["error"] = exc
+            out["done"] = True
+
+        th = threading.Thread(target=run, name=f"checkpoint-{phase}", daemon=True)
+        th.start()
+        end = time.monotonic() + cfg.collective_timeout
+        while not out.get("done") and time.monotonic() < end:
+            a.tick(0.02)
+        if out.get("done") and "error" not in out:
+            return
+        reason = persist.failure_reason(out["error"], a.checkpoint_dir) if "error" in out else \
+            f"the {phase} did not complete within {cfg.collective_timeout:.0f} s (the file system does not answer)"
+        for rank in written:
+            persist.discard_shard(a.checkpoint_dir, decision.cut_step, rank)
+        latest = latest_checkpoint(cfg.run_dir)
+        a.log.emit("checkpoint_failed", step=decision.cut_step, generation=decision.generation, phase=phase,
+                   reason=reason, why=decision.reason, path=a.checkpoint_dir,
+                   latest=None if latest is None else latest.get("step"))
+        raise CheckpointFailed(
+            f"the checkpoint of step {decision.cut_step} ({decision.reason}) could not be written to "
+            f"{a.checkpoint_dir}: {reason}; the run ends here (" +
+            (f"checkpoint/LATEST still names step {latest['step']}" if latest else "no complete checkpoint exists")
+            + ")")
+
+    def _write_shards(self, decision: Decision, written: list[int], torch) -> None:
+        """Write every shard of the cut step this node holds (its ranks' own, the lost ranks whose source it is);
+        ``written`` gets each rank whose write began."""
+        a, cfg, P = self.agent, self.agent.cfg, self.agent.P
+        cut = decision.cut_step
         for local, rep in a.reps.items():
             r = a.cp.train_rank(local)
             mine = []
@@ -264,12 +320,8 @@ class Recovery:
                         held = held_by(r, P, cfg.nodes, cfg.replica_holders)
                         shard[0].copy_(layout.views(own)[1 + held.index(rank)])
                         kept = [not own.pulled] + [False] * (n - 1)
+                written.append(rank)
                 persist.save_shard(a.checkpoint_dir, cut, rank, shard, rng, kept=kept)
-        a.cp.barrier(f"saved{g}.{decision.coordinator}", a.cp.member_nodes, cfg.collective_timeout, tick=a.tick)
-        persist.commit(a.checkpoint_dir, cut, cfg.world_size, g, self.high_water)
-        if a.node == decision.coordinator:
-            a.log.emit("checkpoint_saved", step=cut, generation=g, path=a.checkpoint_dir, reason=decision.reason)
-        self._leave_for_requeue()
 
     def _leave_for_requeue(self) -> None:
         a = self.agent

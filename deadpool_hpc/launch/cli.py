@@ -7,7 +7,9 @@
 - ``deadpool swap JOBID|RUN_DIR NODE``: a planned swap of NODE at the next step boundary (launch/swap.py).
 
 Exit 2 on bad input (a run directory in use by another run included), before any process starts or any
-job is submitted; 1 if the run did not complete; 128 + N if signal N (SIGINT, SIGTERM, SIGHUP) stopped it.
+job is submitted; 1 if the run did not complete; 3 if its summary could not be written (a full or read-only run
+directory: the summary is printed to stdout in full instead, between marker lines); 128 + N if signal N (SIGINT,
+SIGTERM, SIGHUP) stopped it (the summary printed too if it could not be written).
 """
 from __future__ import annotations
 
@@ -53,6 +55,12 @@ def cmd_run(a) -> int:
     except OSError:  # the terminal is gone (SIGHUP): the summary files are written already
         pass
     where = f"{summary['run_dir']}/summary.json" + (f" and {cfg.summary_path}" if cfg.summary_path else "")
+    unwritten = not summary.get("summary_written", True)
+    if unwritten:   # a full or read-only run directory: the summary in full on stdout, and exit 3 says so
+        where = "the JSON above (stdout)"
+        _print_summary_json(summary)
+        say(f"[bold red]the summary could not be written ({summary.get('summary_error')}): it is printed above, in "
+            f"full; exit status {SUMMARY_UNWRITTEN}[/]")
     if summary.get("processes_left"):
         say(f"[bold red]processes of the run still alive after SIGKILL: {summary['processes_left']}[/]")
     if summary.get("interrupted"):
@@ -62,7 +70,24 @@ def cmd_run(a) -> int:
         say(f"\ninterrupted by {sig} at step {summary['steps_completed']}: {stopped}; "
             f"summary in {where}, events in {summary['run_dir']}/events.jsonl")
         return 128 + int(signal.Signals[sig])
+    if unwritten:
+        return SUMMARY_UNWRITTEN
     return 0 if summary["completed"] else 1
+
+
+SUMMARY_UNWRITTEN = 3   # deadpool run's exit status when summary.json (or --summary) could not be written
+
+
+def _print_summary_json(summary: dict) -> None:
+    """The whole summary as one JSON document between marker lines on stdout (a closed stdout: nothing to do)."""
+    import json
+
+    try:
+        print("--- deadpool summary (not written: see summary_error) ---", flush=True)
+        print(json.dumps(summary, indent=1), flush=True)
+        print("--- end of deadpool summary ---", flush=True)
+    except (OSError, ValueError):
+        pass
 
 
 def _sayer(console):

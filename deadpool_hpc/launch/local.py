@@ -25,6 +25,7 @@ The run's own lifecycle:
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import secrets
 import shutil
@@ -33,15 +34,16 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 
 from ..config import RunConfig
 from ..process.fence import descendants, fence, is_alive
 from ..errors import ConfigError
-from ..events import EventLog, EventTail, read_events
-from ..rundir import RunDir, check_output_file, check_run_dir, emit_requeued, latest_checkpoint
+from ..events import EventLog, EventSpill, EventTail, merge, read_events
+from ..rundir import RunDir, check_output_file, check_run_dir, discard_uncommitted, emit_requeued, latest_checkpoint
 from .options import check_extensions
-from ..summary import build_summary
+from .outpump import OutputPump
+from ..summary import build_summary, event_log_health
 from ..process import forkserver
 from ..process.lifeline import launcher_env
 
@@ -115,7 +117,9 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
 
     run_id = secrets.token_hex(8)
     rd = RunDir(run_dir)
-    with _StopSignals() as stop, rd.locked(run_id):  # the lock comes before anything in the directory is touched
+    # spill: the lines a process could not write to events.jsonl (a full, read-only or hung run directory) come here
+    with _StopSignals() as stop, rd.locked(run_id), closing(EventSpill(f"deadpool-events-{run_id}")) as spill:
+        # (the lock comes before anything in the directory is touched)
         if cfg.train_fn.startswith("deadpool_hpc.train."):
             try:
                 with stop.raising():  # the first build of the corpus cache takes a while: stop at once there
@@ -128,23 +132,23 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
         rd.write_config(cfg)
         env = dict(os.environ, DEADPOOL_JOB_SECRET=secrets.token_hex(32), DEADPOOL_STORE_HOST="127.0.0.1",
                    OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", **emulated_node_env(cfg),
-                   **launcher_env(run_id))
-        log = EventLog(rd.events, run=run_id)
+                   **launcher_env(run_id), **spill.env())
+        log = EventLog(rd.events, spill=spill.name, run=run_id)
         start = time.monotonic()
-        tail = EventTail(rd.events)
-        rc, left = None, []
+        tail = _Tail(rd.events, spill, run_id)
+        rc, left, output = None, [], []   # output: each attempt's launcher.log figures (outpump.py)
         for attempt in range(cfg.max_requeues + 1 if cfg.requeue else 1):
             if stop.signum:
                 break
             if attempt:
                 emit_requeued(log, attempt, checkpoint=latest_checkpoint(rd.path))
-            rc, new, left = _run_once(cfg, rd, env, tail, on_poll, poll_s, timeout, start, stop, run_id)
+            rc, new, left = _run_once(cfg, rd, env, tail, on_poll, poll_s, timeout, start, stop, run_id, log, output)
             this = {e["event"] for e in new}
             if "finished" in this or "checkpoint_saved" not in this:
                 break
         signum = stop.signum  # what came later (while the summary is written) changes nothing
-        events = [e for e in read_events(rd.events) if e.get("run", run_id) == run_id] \
-            if os.path.exists(rd.events) else []
+        tail.poll()   # the last spilled lines
+        events = merge(_read_run(rd.events, run_id), tail.spilled)
         summary = build_summary(events, cfg)
         summary["run_dir"] = run_dir
         summary["mpiexec_rc"] = rc  # non-zero whenever a rank was killed; "completed" says how the run went
@@ -167,9 +171,51 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
             name = signal.Signals(signum).name
             log.emit("interrupted", signal=name, step=summary["steps_completed"])
             summary["interrupted"] = name
-        rd.write_summary(summary, also=cfg.summary_path)
         log.close()
+        spill.close()
+        if log.failed or log.dropped:   # the launcher's own lines, with the workers' reports (their largest counts)
+            summary["event_log"] = event_log_health(
+                [e for e in events if e["event"] == "event_log_failed"] +
+                [{"pid": os.getpid(), "path": log.path, "error": log.last_error, **log.counts()}])
+        summary["launcher_log"] = {"dropped_bytes": sum(o["dropped_bytes"] for o in output),
+                                   "error": next((o["error"] for o in output if o["error"]), None)}
+        discard_uncommitted(rd.path)   # what cut-short or failed persist rounds left (room for the summary)
+        summary["summary_written"] = True
+        try:
+            rd.write_summary(summary, also=cfg.summary_path)
+        except OSError as exc:   # a full or read-only run directory: the caller prints it (deadpool run: exit 3)
+            summary["summary_written"] = False
+            summary["summary_error"] = f"{exc.filename or rd.summary}: {errno.errorcode.get(exc.errno, 'EIO')}: " \
+                                       f"{exc.strerror or exc}"
     return summary
+
+
+def _read_run(path: str, run_id: str) -> list[dict]:
+    """The records of run ``run_id`` in the event log at ``path`` ([] if it cannot be read)."""
+    try:
+        return [e for e in read_events(path) if e.get("run", run_id) == run_id]
+    except OSError:
+        return []
+
+
+class _Tail:
+    """The launcher's view of the run's events: the new lines of events.jsonl (EventTail) and those spilled to its
+    socket (EventSpill: lines a process could not write), each once, of this run only. ``spilled``: every
+    spilled record so far (the summary merges them with the file)."""
+
+    def __init__(self, path: str, spill: EventSpill, run_id: str):
+        self.file, self.spill, self.run_id = EventTail(path), spill, run_id
+        self.spilled: list[dict] = []
+        self._keys: set = set()
+
+    def poll(self) -> list[dict]:
+        mine = lambda e: e.get("run", self.run_id) == self.run_id   # noqa: E731
+        got = [e for e in self.spill.poll() if mine(e)]
+        self.spilled += got
+        keys = {(e.get("t"), e.get("pid"), e.get("event")) for e in got}
+        self._keys |= keys
+        return [e for e in self.file.poll() if mine(e) and (e.get("t"), e.get("pid"), e.get("event"))
+                not in self._keys] + got
 
 
 class _Interrupted(BaseException):
@@ -235,12 +281,16 @@ def _die_with_parent(sig: int = signal.SIGKILL):
     return preexec
 
 
-def _run_once(cfg, rd, env, tail, on_poll, poll_s, timeout, start, stop, run_id):
+def _run_once(cfg, rd, env, tail, on_poll, poll_s, timeout, start, stop, run_id, log, output):
     """One mpiexec of the whole job; returns (its exit status, the events it added, the processes of the
     run still alive after they were killed). Returns early, with every process of the run killed, once
     ``stop`` has recorded a signal."""
     new: list[dict] = []
-    with open(rd.launcher_log, "ab") as out:
+    # the run's output reaches launcher.log through the launcher (outpump.py): a full, read-only or hung run
+    # directory drops output, it never fails nor blocks a process of the run (hydra ended the job on ENOSPC)
+    pump = OutputPump(rd.launcher_log)
+    try:
+        out = pump.fd
         t_spawn = time.monotonic()
         server = None
         if cfg.fork_server:   # torch imported once for every training process of this attempt (worker/forkserver.py)
@@ -252,16 +302,17 @@ def _run_once(cfg, rd, env, tail, on_poll, poll_s, timeout, start, stop, run_id)
         except BaseException:
             _stop_server(server)
             raise
+        pump.handed_over()
         t_error = None
         started = False
         try:
             while True:
                 done = proc.poll() is not None
-                batch = [e for e in tail.poll() if e.get("run", run_id) == run_id]
+                batch = tail.poll()
                 new += batch
                 started = started or any(e["event"] in ("started", "spare_ready") for e in batch)
                 if not started and time.monotonic() - t_spawn > cfg.startup_timeout + 10:
-                    EventLog(rd.events, run=run_id).emit(
+                    log.emit(
                         "error", error=f"StartupTimeout: the job did not start within {cfg.startup_timeout:.0f} s "
                                        f"(--startup-timeout): a process died or froze during MPI start-up; the stacks "
                                        f"where each one waited are in {rd.launcher_log}")
@@ -269,7 +320,7 @@ def _run_once(cfg, rd, env, tail, on_poll, poll_s, timeout, start, stop, run_id)
                 if server is not None and server.poll() is not None:   # only this launcher kills it, after the loop
                     # every training process it forked died with it (parent-death signal): name the cause, or the
                     # summary would only see the agents' failures and mpiexec's end
-                    EventLog(rd.events, run=run_id).emit(
+                    log.emit(
                         "error", error=f"ForkServerLost: the fork server (pid {server.pid}) exited with status "
                                        f"{server.returncode}; every training process of this attempt died with it "
                                        f"(worker/forkserver.py; --no-fork-server starts them without it)")
@@ -289,8 +340,11 @@ def _run_once(cfg, rd, env, tail, on_poll, poll_s, timeout, start, stop, run_id)
                     raise TimeoutError(f"run exceeded {timeout} s")
                 time.sleep(poll_s)
         finally:
-            left = _stop_run(proc, rd.events, run_id)
+            left = _stop_run(proc, rd.events, run_id, also=tail.spilled)
             _stop_server(server)   # after the run's processes: it kills nothing itself
+    finally:
+        pump.close()
+        output.append(pump.stats())
     return proc.returncode, new, left
 
 
@@ -301,7 +355,8 @@ def _stop_server(server: subprocess.Popen | None) -> None:
         server.wait()
 
 
-def _stop_run(proc: subprocess.Popen, events_path: str, run_id: str, wait_s: float = 5.0) -> list[dict]:
+def _stop_run(proc: subprocess.Popen, events_path: str, run_id: str, wait_s: float = 5.0,
+              also: list[dict] = ()) -> list[dict]:
     """Kill what is left of one mpiexec's run: mpiexec's process tree (the hydra proxies are in sessions
     of their own, so its process group is not enough) and the workers of this run id that logged hello
     (a worker whose proxy died is no longer in the tree). Each process is checked by pid + start time
@@ -310,7 +365,7 @@ def _stop_run(proc: subprocess.Popen, events_path: str, run_id: str, wait_s: flo
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    targets = tree + _hellos(events_path, run_id)
+    targets = tree + _hellos(events_path, run_id) + [e for e in also if e.get("event") == "hello"]
     for ident in targets:
         fence(ident)
     end = time.monotonic() + wait_s
@@ -321,6 +376,4 @@ def _stop_run(proc: subprocess.Popen, events_path: str, run_id: str, wait_s: flo
 
 def _hellos(events_path: str, run_id: str) -> list[dict]:
     """The identities in the ``hello`` events of run ``run_id`` (other runs' processes are never ours)."""
-    if not os.path.exists(events_path):
-        return []
-    return [e for e in read_events(events_path) if e.get("event") == "hello" and e.get("run") == run_id]
+    return [e for e in _read_run(events_path, run_id) if e.get("event") == "hello" and e.get("run") == run_id]

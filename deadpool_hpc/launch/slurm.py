@@ -439,6 +439,8 @@ def main(argv=None) -> int:
                   f"final_loss={s['final_loss']} swaps={s['swaps']} "
                   f"recovery_s={[round(x['recovery_s'], 2) if x['recovery_s'] else None for x in f]} "
                   f"digest={s['param_digest']}")
+            if not s.get("summary_written", True):
+                return 3   # printed above in full: the run directory refused it
             return 0 if s["completed"] else 1
         elif a.cmd == "scaling":
             rows = scaling_table(a.out_dir)

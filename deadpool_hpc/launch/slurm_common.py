@@ -7,6 +7,8 @@ module, so both of those can import it.
 """
 from __future__ import annotations
 
+import errno
+import json
 import os
 
 from ..config import RunConfig
@@ -67,9 +69,23 @@ def summary_out(run_dir: str) -> str | None:
 
 
 def write_summary(run_dir: str, out: str | None = None, extra: dict | None = None) -> dict:
-    """make_summary (plus ``extra``) to RUN_DIR/summary.json and, if given, ``out``; both written atomically."""
+    """make_summary (plus ``extra``) to RUN_DIR/summary.json and, if given, ``out``; both written atomically.
+    A file that cannot be written (a full or read-only run directory) does not raise: the summary gets
+    ``summary_written`` False and ``summary_error``, and is printed in full on stdout (the job's output) between
+    the same marker lines as ``deadpool run``'s."""
     s = make_summary(run_dir)
     s.update(extra or {})
+    s["summary_written"] = True
     for path in [RunDir(run_dir).summary] + ([out] if out else []):
-        write_json(path, s)
+        try:
+            write_json(path, s)
+        except OSError as exc:
+            s["summary_written"] = False
+            s.setdefault("summary_error", f"{path}: {errno.errorcode.get(exc.errno or 0, 'EIO')}: {exc.strerror or exc}")
+    if not s["summary_written"]:
+        try:
+            print("--- deadpool summary (not written: see summary_error) ---\n" + json.dumps(s, indent=1) +
+                  "\n--- end of deadpool summary ---", flush=True)
+        except (OSError, ValueError):
+            pass
     return s

@@ -86,9 +86,10 @@ class Lifeline:
             if log is None:
                 from ..events import EventLog
 
-                log = EventLog(self.events_path, **({"run": self.run_id} if self.run_id else {}))
+                # (background: a run directory that stopped answering must not keep the run from ending)
+                log = EventLog(self.events_path, background=True, **({"run": self.run_id} if self.run_id else {}))
             log.emit("launcher_lost", launcher=self.launcher["pid"], targets=[int(t["pid"]) for t in targets])
-            log.sync()
+            log.sync(timeout=1.0)
         except Exception:  # noqa: BLE001 - the run must end even if the log cannot be written
             pass
         for ident in targets:

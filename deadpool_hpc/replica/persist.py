@@ -117,10 +117,63 @@ def load_shard(root: str, meta: dict, rank: int, tensors: list[torch.Tensor]) ->
 
 
 def _write_json(path: str, obj: dict) -> None:
+    """Write ``obj`` to ``path``: temp file, fsync, rename. Raises OSError; a failed write leaves no temp file."""
     tmp = f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as fh:
+            json.dump(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
 
+
+def discard_shard(root: str, step: int, rank: int) -> None:
+    """Remove what a failed ``save_shard`` of ``rank`` at ``step`` may have left (its record first: without it the
+    shard is never committed nor read). Never raises (the directory may be read-only or gone)."""
+    import shutil
+
+    d = os.path.join(root, f"step{step}")
+    try:
+        os.unlink(os.path.join(d, f"rank{rank}.json"))
+    except OSError:
+        pass
+    shutil.rmtree(os.path.join(d, f"rank{rank}"), ignore_errors=True)
+
+
+def failure_reason(exc: BaseException, path: str | None = None) -> str:
+    """What a failed write says, as ``ENAME: text``: an OSError anywhere in ``exc``'s chain (or in a torch
+    CheckpointException's per-rank failures); else, for a write under ``path``, what its file system says now
+    (read-only: EROFS; under 1 MiB free: ENOSPC; torch's writer turns a full disk into "unexpected pos"); else
+    ``Type: first line of the message``. At most 300 characters."""
+    import errno as _errno
+
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno:
+            return f"{_errno.errorcode.get(e.errno, 'EIO')}: {e.strerror or e}"[:300]
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)   # torch.distributed.checkpoint's CheckpointException
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values() if f is not None]
+    first = (str(exc).strip().splitlines() or [""])[0]
+    text = f"{type(exc).__name__}: {first}"[:200]
+    if path is not None:
+        try:
+            st = os.statvfs(path)
+            if st.f_flag & os.ST_RDONLY:
+                return f"EROFS: {os.strerror(_errno.EROFS)} ({text})"[:300]
+            if st.f_bavail * st.f_frsize < (1 << 20):
+                return f"ENOSPC: {os.strerror(_errno.ENOSPC)} ({st.f_bavail * st.f_frsize} bytes free; {text})"[:300]
+        except OSError as probe:
+            if probe.errno:
+                return f"{_errno.errorcode.get(probe.errno, 'EIO')}: {probe.strerror} ({text})"[:300]
+    return text[:300]

@@ -53,7 +53,7 @@ def main(argv=None) -> None:
         cfg = RunConfig.from_json(fh.read())
     node = int(os.environ.get("DEADPOOL_NODE", "0"))
     setup_logging(f"node{node}.local{local}")  # its training rank changes with promotions: the event log has it
-    log = EventLog(RunDir(run_dir).events, node=node, local=local)
+    log = EventLog(RunDir(run_dir).events, background=True, node=node, local=local)   # never holds a step
     if os.environ.get(RUN_ENV):
         log.base["run"] = os.environ[RUN_ENV]
     from ..process import children
