@@ -152,6 +152,19 @@ def parse_train_arg(spec: str) -> tuple[str, object]:
     return key, text
 
 
+def textfile_dir_problem(path) -> str | None:
+    """Why ``--metrics-textfile`` ``path`` cannot be used, or None: it must be a directory this user may write."""
+    import os
+
+    if not isinstance(path, str) or not path:
+        return "not a path"
+    if not os.path.isdir(path):
+        return "not a directory" if os.path.exists(path) else "no such directory"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return "not writable by this user"
+    return None
+
+
 @dataclass
 class RunConfig:
     """Everything one run needs. Times are in seconds, sizes in tokens unless named otherwise.
@@ -220,6 +233,11 @@ class RunConfig:
     # the local launcher forks the training processes from one process that imported torch once (worker/forkserver.py)
     # instead of starting a fresh interpreter for each; Slurm launches ignore it
     fork_server: bool = True
+    # Prometheus metrics (deadpool_hpc/metrics.py), off by default: the job's view on an HTTP endpoint of the
+    # coordinator at ``metrics_port``, each node agent's own at ``metrics_port + 1 + node index`` (0: no endpoint);
+    # ``metrics_textfile``: a directory where the same views are written in node_exporter's textfile form ("": none)
+    metrics_port: int = 0
+    metrics_textfile: str = ""
     # output
     run_dir: str = "deadpool-run"
     summary_path: str | None = None
@@ -288,6 +306,14 @@ class RunConfig:
              and self.heartbeat_ceiling >= 2 * self.heartbeat_deadline,
              f"--heartbeat-ceiling {self.heartbeat_ceiling!r}: accepted: seconds >= 2 x the heartbeat deadline "
              f"({2 * self.heartbeat_deadline:g} s: the deadline, then as long again for the confirmation)")
+        need(isinstance(self.metrics_port, int) and not isinstance(self.metrics_port, bool)
+             and (self.metrics_port == 0 or 1 <= self.metrics_port <= 65535 - self.total_nodes),
+             f"--metrics-port {self.metrics_port!r}: accepted: a TCP port 1..{65535 - self.total_nodes} (the job's "
+             f"endpoint; node I's is that + 1 + I, for {self.total_nodes} nodes)")
+        if self.metrics_textfile:
+            why = textfile_dir_problem(self.metrics_textfile)
+            need(why is None, f"--metrics-textfile {self.metrics_textfile!r}: {why}; accepted: a directory this user "
+                              f"may write (node_exporter's --collector.textfile.directory)")
         need(self.log_every >= 1, f"--log-every {self.log_every!r}: accepted: 1 or more")
         need(isinstance(self.replicas, int) and self.replicas >= 0,
              f"--replicas {self.replicas!r}: accepted: 0 or more")

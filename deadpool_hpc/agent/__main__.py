@@ -156,6 +156,8 @@ def main(argv=None) -> None:
         if check is not None and check.result is None:
             check.kill()   # the site's check must not outlive its node's agent
         sup.kill_all(2.0)
+        if agent is not None and agent.metrics is not None:
+            agent.metrics.close()   # the textfiles once more (the run's end in them), the endpoints closed
         if cp.peers.is_alive():
             log.emit("heartbeat_stats", **cp.peers.heartbeat_stats())
         log.sync()

@@ -33,6 +33,7 @@ from ..placement import held_by, holders_of
 from ..rundir import RunDir, latest_checkpoint
 from .comeback import Comeback
 from .desk import SnapshotDesk
+from .metrics import NodeMetrics
 from .persister import Persister
 from .planned import PlannedSwaps
 from .preflight import SpeedCheck
@@ -90,6 +91,8 @@ class NodeAgent:
         self.stragglers = Stragglers(cp, self)   # agent/stragglers.py: each node's own work per step, judged job-wide
         self.comeback = Comeback(self)     # agent/comeback.py: after its training processes failed, back as a spare
         self.spare_checks = SpareChecks(self)   # agent/sparecheck.py: an idle spare checks itself again
+        # agent/metrics.py: --metrics-port / --metrics-textfile (None: off)
+        self.metrics = NodeMetrics(self) if cfg.metrics_port or cfg.metrics_textfile else None
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -170,6 +173,8 @@ class NodeAgent:
         self.persister.tick()
         if self.state == "spare" and self.cfg.spare_check_every:
             self.spare_checks.tick()
+        if self.metrics is not None:
+            self.metrics.tick()
 
     # ---- start-up --------------------------------------------------------------------------------------------
     def _start(self) -> None:

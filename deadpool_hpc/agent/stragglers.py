@@ -197,6 +197,7 @@ class Stragglers:
         self._next = float("inf")
         self._generation = None
         self._next_table = 0.0
+        self.last_figure = None   # this node's newest (own, wall) seconds per step (agent/metrics.py shows it)
         cp.handlers["straggler_summary"] = self.on_summary
         cp.handlers["straggler"] = self.on_verdict
 
@@ -217,6 +218,7 @@ class Stragglers:
         fig = self.meter.read()
         if fig is None:
             return
+        self.last_figure = fig
         ranks = [r for lo in range(a.P) if (r := self.cp.train_rank(lo)) is not None]
         site = a.health.slowness() if a.health is not None else None
         self.cp.peers.send(min(self.cp.peers.alive()), "straggler_summary",

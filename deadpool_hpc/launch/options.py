@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 from ..agent.health import check_plugins
 from ..config import RunConfig, parse_fault, parse_train_arg
@@ -27,6 +28,18 @@ def hang_timeout(text: str) -> float:
         v = None
     if v is None or not math.isfinite(v) or v <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: accepted: seconds > 0 (e.g. 120), or off (no hang detection)")
+    return v
+
+
+def metrics_port(text: str) -> int:
+    """``--metrics-port``: a TCP port 1..65535 (an argparse ``type``: anything else exits 2 naming the value)."""
+    try:
+        v = int(text)
+    except ValueError:
+        v = None
+    if v is None or not 1 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r}: accepted: a TCP port 1..65535 (the job's metrics endpoint; node "
+                                         f"I's is that + 1 + I)")
     return v
 
 
@@ -99,6 +112,13 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-check-timeout", type=float, default=d.health_check_timeout, metavar="SECONDS",
                    help="a returning node's --health-check still running after SECONDS is killed and the node stays "
                         f"out (default {d.health_check_timeout:g})")
+    p.add_argument("--metrics-port", type=metrics_port, default=None, metavar="PORT",
+                   help="serve Prometheus metrics over HTTP: the job's view on PORT (the coordinator: the lowest live "
+                        "node agent), node I's on PORT + 1 + I (default: off)")
+    p.add_argument("--metrics-textfile", default="", metavar="DIR",
+                   help="write the same metrics in node_exporter's textfile form to DIR, every 5 s and at the end: "
+                        "deadpool_<job>_job.prom and deadpool_<job>_node<I>.prom (<job>: Slurm's job id, else the "
+                        "run directory's name); DIR must exist on every node (default: off)")
     p.add_argument("--summary", metavar="PATH", help="write the run summary JSON here")
     p.add_argument("--run-dir", default=d.run_dir, help="event log, config and logs of the run")
     p.add_argument("--train-arg", action="append", default=[], metavar="KEY=VALUE",
@@ -182,5 +202,7 @@ def config_from_args(a) -> RunConfig:
                      straggler_factor=a.straggler_factor, straggler_window=a.straggler_window,
                      straggler_action=a.straggler_action, spare_return=not a.no_spare_return,
                      quarantine=a.quarantine, health_check_timeout=a.health_check_timeout,
+                     metrics_port=a.metrics_port or 0,
+                     metrics_textfile=os.path.abspath(a.metrics_textfile) if a.metrics_textfile else "",
                      replicate=not a.no_replicate, requeue=a.requeue, fork_server=not a.no_fork_server,
                      run_dir=a.run_dir, summary_path=a.summary, log_every=a.log_every, train_fn=a.train_fn).validate()

@@ -107,6 +107,11 @@ RUN_PARAMETERS: tp.Dict[str, tp.Tuple[tp.Callable[[tp.Any], bool], str]] = {
                                                                  "still running then counts as unhealthy)"),
     "persist_every": (lambda v: _is_seconds(v) and v >= 0, "seconds >= 0 (0: the agents never persist snapshots in "
                                                            "the background)"),
+    "metrics_port": (lambda v: _is_int(v) and 0 <= v <= 65535, "an integer 1..65535 (Prometheus: the job's endpoint "
+                                                               "on the coordinator; node I's on that + 1 + I), or 0 "
+                                                               "(off)"),
+    "metrics_textfile": (lambda v: isinstance(v, str), "a directory (str) every node may write, for node_exporter's "
+                                                       "textfile collector; empty: off"),
     "run_dir": (lambda v: isinstance(v, str) and v != "", "a directory path (str) on a filesystem the nodes share"),
     "summary_path": (lambda v: v is None or (isinstance(v, str) and v != ""), "None or a file path (str)"),
     "log_every": (lambda v: _is_int(v) and v >= 1, "an integer >= 1 (steps between step events)"),
