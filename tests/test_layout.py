@@ -162,3 +162,14 @@ def test_no_circle_of_rooms():
                for a, b in zip(cycle, cycle[1:])]
         pytest.fail("the package's rooms import each other in a circle (a shared piece belongs in a room below "
                     "both):\n" + "\n".join(why))
+
+
+def test_metrics_sit_between_the_event_log_and_the_agent():
+    """deadpool_hpc/metrics.py (the metric names, the job's view, the exporter) reads the event log and the summary
+    and nothing of a plane; only the node agent's wiring (agent/metrics.py) and the launchers use it."""
+    graph = import_graph(_modules())
+    deps = {room(d) for d in graph[f"{PKG}.metrics"]}
+    assert deps <= {f"{PKG}.events", f"{PKG}.summary", f"{PKG}.rundir", f"{PKG}.process"}, deps
+    users = {room(m) for m, ds in graph.items() if f"{PKG}.metrics" in ds}
+    assert users <= {f"{PKG}.agent", f"{PKG}.launch"}, users
+    assert f"{PKG}.agent.metrics" in {m for m, ds in graph.items() if f"{PKG}.metrics" in ds}

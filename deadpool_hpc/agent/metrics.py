@@ -32,6 +32,7 @@ class NodeMetrics:
         self._live: dict = {}
         self._last = (time.monotonic(), 0)
         self._next = 0.0
+        self._failed = self._job_port_failed = False
         where = cfg.metrics_textfile
         self.node = metrics.Exporter(lambda: metrics.node_samples(self._node),
                                      {"deadpool_job": self.job, "node": str(me)},
@@ -53,10 +54,21 @@ class NodeMetrics:
         return bool(alive) and min(alive) == self.a.cp.me and not self.a.peers.fenced
 
     def tick(self) -> None:
+        """(the agent's loop) At most once every GATHER_S seconds: a snapshot of the agent's state for both views,
+        and the job's endpoint opened or closed as this agent becomes or stops being the coordinator. Never raises:
+        a metrics failure is logged once (``metrics_failed``) and training goes on."""
         now = time.monotonic()
         if now < self._next:
             return
         self._next = now + GATHER_S
+        try:
+            self._gather(now)
+        except Exception as exc:  # noqa: BLE001 - the metrics must never end a node agent
+            if not self._failed:
+                self._failed = True
+                self.a.log.emit("metrics_failed", what="gathering the node's state", error=f"{type(exc).__name__}: {exc}")
+
+    def _gather(self, now: float) -> None:
         a, cp = self.a, self.a.cp
         total = sum(rep.bytes_sent for rep in list(a.reps.values()))
         t0, b0 = self._last
@@ -80,8 +92,11 @@ class NodeMetrics:
                                              if a.cfg.metrics_textfile else None)
             try:
                 self.jobx.start_http()
-            except OSError:
-                pass   # the old coordinator's socket is not closed yet: again at the next tick
+            except OSError as exc:   # the old coordinator's socket is not closed yet: again at the next tick
+                if not self._job_port_failed:
+                    self._job_port_failed = True
+                    a.log.emit("metrics_failed", what=f"job endpoint on port {self.jobx.port} (tried again every "
+                                                      f"{GATHER_S:g} s)", error=str(exc))
         elif self.jobx is not None:   # (a fenced agent) another one coordinates now
             self.jobx.close(final=False)
             self.jobx = None
