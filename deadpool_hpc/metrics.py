@@ -277,12 +277,12 @@ class Exporter:
 
     def write(self) -> None:
         """The textfile, now: written to a temporary file beside it and renamed (prometheus-client's
-        write_to_textfile). A failed write is tried again at the next refresh."""
+        write_to_textfile). A failed write (or a view that raised) is tried again at the next refresh."""
         if self.textfile:
             try:
                 self.samples(max_age=0.0)
                 self._pc.write_to_textfile(self.textfile, self.registry)
-            except OSError:
+            except Exception:  # noqa: BLE001 - a full disk, or a view that failed: the next refresh tries again
                 pass
 
     def _write_loop(self) -> None:
