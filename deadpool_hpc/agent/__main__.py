@@ -157,6 +157,7 @@ def main(argv=None) -> None:
             check.kill()   # the site's check must not outlive its node's agent
         sup.kill_all(2.0)
         if agent is not None and agent.metrics is not None:
+            log.sync()              # its own last lines (a checkpoint persisted) on disk, for the job's view
             agent.metrics.close()   # the textfiles once more (the run's end in them), the endpoints closed
         if cp.peers.is_alive():
             log.emit("heartbeat_stats", **cp.peers.heartbeat_stats())
