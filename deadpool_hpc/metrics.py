@@ -108,7 +108,9 @@ class JobView:
     """The job's view, from ``RUN_DIR/events.jsonl`` read incrementally and ``summary.build_summary`` over it.
     ``refresh(live)`` returns the samples: {metric: [(labels, value)]}, and for a histogram [(labels, buckets, sum,
     count)]. ``live``: what the coordinator knows better than its log (``spares_left``, ``generation``,
-    ``own_work``: node -> own seconds per step, the straggler check's fresh figures), each optional."""
+    ``own_work``: node -> own seconds per step, the straggler check's fresh figures; ``running``: True while the run
+    goes on, so that a failure whose recovery has not resumed training yet is "recovering", not the summary's "not
+    recovered"), each optional."""
 
     def __init__(self, cfg):
         from .rundir import RunDir
@@ -157,7 +159,10 @@ class JobView:
         out["deadpool_generation"] = [((), live.get("generation", max(gens, default=0)))]
         by: dict = {}
         for f in s["failures"]:
-            key = (f.get("cause") or "unknown", _outcome(f.get("outcome")))
+            outcome = _outcome(f.get("outcome"))
+            if outcome == "not recovered" and live.get("running"):   # the summary's word for a run that ended there
+                outcome = "recovering"
+            key = (f.get("cause") or "unknown", outcome)
             by[key] = by.get(key, 0) + 1
         out["deadpool_failures_total"] = [(k, v) for k, v in sorted(by.items())]
         hist = []
@@ -289,13 +294,17 @@ class Exporter:
         while not self._stop.wait(0 if not self._t else REFRESH_S):
             self.write()
 
-    def close(self, final: bool = True) -> None:
-        """Stop the endpoint and the refresh thread; ``final``: write the textfile once more."""
+    def close(self, final: bool = True, timeout: float = 5.0) -> None:
+        """Stop the endpoint and the refresh thread; ``final``: write the textfile once more. Waits at most about
+        2 x ``timeout`` seconds: a run directory or textfile directory that stopped answering (a blocked read or
+        write) leaves a daemon thread behind, never a process that cannot exit."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=5.0)
-        if final:
-            self.write()
+            self._thread.join(timeout=timeout)
+        if final and self.textfile:
+            last = threading.Thread(target=self.write, name="deadpool-metrics-last", daemon=True)
+            last.start()
+            last.join(timeout=timeout)
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()

@@ -32,7 +32,7 @@ class NodeMetrics:
         self._live: dict = {}
         self._last = (time.monotonic(), 0)
         self._next = 0.0
-        self._failed = self._job_port_failed = False
+        self._failed = self._job_port_failed = self._closing = False
         where = cfg.metrics_textfile
         self.node = metrics.Exporter(lambda: metrics.node_samples(self._node),
                                      {"deadpool_job": self.job, "node": str(me)},
@@ -82,7 +82,7 @@ class NodeMetrics:
                       "written": {r: a.written[lo] for lo, r in ranks.items() if r is not None and lo in a.written},
                       "step_s": fig[1] if fig else None}
         judge = a.stragglers.judge
-        self._live = {"generation": cp.generation, "spares_left": len(cp.spare_nodes),
+        self._live = {"running": not self._closing, "generation": cp.generation, "spares_left": len(cp.spare_nodes),
                       "own_work": ({n: f[0] for n, f in judge.table(now).items()} or None) if judge else None}
         if self._coordinator():
             if self.jobx is None:
@@ -104,6 +104,7 @@ class NodeMetrics:
     def close(self) -> None:
         """The agent leaves: a last snapshot, the textfiles once more, the endpoints closed."""
         self._next = 0.0
+        self._closing = True
         try:
             self.tick()
         except Exception:  # noqa: BLE001 - the agent is leaving; its metrics are the least of it
