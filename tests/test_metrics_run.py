@@ -85,19 +85,20 @@ def test_live_run_is_scraped_and_its_metrics_match_the_summary(tmp_path, monkeyp
     s = result["summary"]
     assert s["completed"] and s["steps_completed"] == STEPS, s
     (f,) = s["failures"]
-    assert f["outcome"] == "hot swap" and f["cause"] == "exit" and f["recovery_s"] > 0
+    # a whole node lost (its agent too): no agent saw a cause; the label says "unknown"
+    assert f["outcome"] == "hot swap" and f["cause"] is None and f["recovery_s"] > 0
     # while it ran: the job's endpoint counted the steps up, and saw the failure and its recovery
     assert len(job) >= 10, f"only {len(job)} scrapes of the job's endpoint answered"
     steps = [_one(m, "deadpool_step") for _, m in job]
     assert steps == sorted(steps) and steps[0] < STEPS // 2 and max(steps) >= STEPS - 8, steps
     before = [m for _, m in job if _one(m, "deadpool_step") < 16]
     assert before and _one(before[0], "deadpool_spares_left") == 1 and _one(before[0], "deadpool_generation") == 0
-    assert _one(before[0], "deadpool_failures_total", cause="exit", outcome="hot swap") is None
+    assert _one(before[0], "deadpool_failures_total", cause="unknown", outcome="hot swap") is None
     assert any((_one(m, "deadpool_steps_per_second") or 0) > 0 for _, m in job)
     assert any(_one(m, "deadpool_tokens_per_second") for _, m in job), "the demo's step returns tokens"
     # near the end: the last answer of the job's endpoint agrees with summary.json
     last = job[-1][1]
-    assert _one(last, "deadpool_failures_total", cause="exit", outcome="hot swap") == 1
+    assert _one(last, "deadpool_failures_total", cause="unknown", outcome="hot swap") == 1
     assert _one(last, "deadpool_spares_left") == s["spares_left"] == 0
     assert _one(last, "deadpool_generation") == f["generation"] == 1
     assert _one(last, "deadpool_recovery_seconds_count", phase="total") == 1
@@ -116,7 +117,7 @@ def test_live_run_is_scraped_and_its_metrics_match_the_summary(tmp_path, monkeyp
     end = _parse((textdir / "deadpool_run_job.prom").read_text())
     assert _one(end, "deadpool_step") == s["steps_completed"] == STEPS
     assert _one(end, "deadpool_run_completed") == 1
-    assert _one(end, "deadpool_failures_total", cause="exit", outcome="hot swap") == 1
+    assert _one(end, "deadpool_failures_total", cause="unknown", outcome="hot swap") == 1
     assert _one(end, "deadpool_spares_left") == s["spares_left"]
     assert _one(end, "deadpool_generation") == f["generation"]
     for phase, secs in f["phases"].items():
