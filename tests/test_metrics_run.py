@@ -55,6 +55,7 @@ def _scrape(port: int) -> dict | None:
 
 
 def _one(m: dict, name: str, **labels) -> float | None:
+    """The value of the sample ``name`` with exactly ``labels`` (besides deadpool_job; a node's view has ``node``)."""
     return m.get((name, frozenset((k, str(v)) for k, v in labels.items())))
 
 
@@ -77,7 +78,7 @@ def test_live_run_is_scraped_and_its_metrics_match_the_summary(tmp_path, monkeyp
                 job.append((time.time(), m))
             for i in (0, 2, 3):   # node1 is killed
                 n = _scrape(port + 1 + i)
-                if n is not None and _one(n, "deadpool_node_state", state="training"):
+                if n is not None and _one(n, "deadpool_node_state", node=i, state="training"):
                     nodes[i] = n
             time.sleep(0.2)
     finally:
@@ -108,7 +109,7 @@ def test_live_run_is_scraped_and_its_metrics_match_the_summary(tmp_path, monkeyp
     # each training node's own endpoint: its ranks' replicas committed, bytes acknowledged
     assert set(nodes) >= {0, 2}, sorted(nodes)
     for i, n in nodes.items():
-        assert _one(n, "deadpool_replicated_bytes_total") > 0, i
+        assert _one(n, "deadpool_replicated_bytes_total", node=i) > 0, i
         committed = [v for (name, _), v in n.items() if name == "deadpool_node_committed_step"]
         assert committed and min(committed) > 0, (i, committed)
     # the textfiles, as the agents left them at their exit: exactly the summary's numbers
@@ -129,5 +130,5 @@ def test_live_run_is_scraped_and_its_metrics_match_the_summary(tmp_path, monkeyp
     assert _one(end, "deadpool_persisted_step") == s["persist"]["committed"][-1]
     assert 0 < _one(end, "deadpool_goodput_ratio") < 1
     node0 = _parse((textdir / "deadpool_run_node0.prom").read_text())
-    assert _one(node0, "deadpool_node_generation") == f["generation"]
-    assert _one(node0, "deadpool_replicated_bytes_total") > 0
+    assert _one(node0, "deadpool_node_generation", node=0) == f["generation"]
+    assert _one(node0, "deadpool_replicated_bytes_total", node=0) > 0
