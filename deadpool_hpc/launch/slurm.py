@@ -64,12 +64,14 @@ def template_path(name: str = "train.sbatch") -> str:
 
 def write_config(cfg: RunConfig, run_dir: str | None = None) -> str:
     """Validate ``cfg`` and write it to RUN_DIR/config.json (run_dir defaults to cfg.run_dir). Returns the path.
-    A relative run_dir or ``summary_path`` is made absolute against this process's current directory (the
+    A relative run_dir, ``summary_path`` or ``metrics_textfile`` is made absolute against this process's current directory (the
     submitter's, on every launch path)."""
     run_dir = os.path.abspath(run_dir or cfg.run_dir)
     cfg.run_dir = run_dir
     if cfg.summary_path:
         cfg.summary_path = os.path.abspath(cfg.summary_path)
+    if cfg.metrics_textfile:
+        cfg.metrics_textfile = os.path.abspath(cfg.metrics_textfile)
     cfg.validate()
     os.makedirs(run_dir, exist_ok=True)
     return rundir.write_config(run_dir, cfg)
