@@ -92,7 +92,8 @@ def test_a_signal_before_the_first_step_requeues_from_the_same_checkpoint(tmp_pa
     """USR2 at step 25 (saved, requeued); in the requeued attempt USR2 again as soon as its tasks run, before its
     first step, as a time limit shorter than the lead sends it: nothing new to save (`checkpoint_skipped`), the job
     is requeued again (`requeued`, idle) and resumes from the same checkpoint; it ends COMPLETED, bit-identical to a
-    failure-free run. Before issue 46 it ended FAILED here."""
+    failure-free run. Before issue 46 settle answered `none` for the second attempt (no checkpoint_saved, no batch
+    signal): the summary was written and the job ended FAILED."""
     sub = tmp_path / "sub"
     sub.mkdir()
     cli = [sys.executable, "-m", "deadpool_hpc.launch.cli", "submit", "--nodes", str(ACTIVE), "--spares", "1",
