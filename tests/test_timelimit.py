@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 
 import pytest
@@ -222,3 +223,37 @@ def test_an_idle_attempt_at_the_time_limit_is_not_requeued(tmp_path, monkeypatch
     assert how["action"] == "stopped" and ran == [], how
     assert [e for e in ev if e["event"] == "stopped"][-1]["reason"] == \
         "time limit, and this attempt made no progress (stopped before its first step, at step 88)"
+
+
+def test_submitit_checkpoint_requeues_an_attempt_stopped_before_its_first_step(tmp_path, monkeypatch):
+    """HotSwapJob.checkpoint() (submitit's hook on SIGUSR2) waited for a checkpoint_saved that never comes when the
+    signal beats the first step, then let submitit end the job. Now a new checkpoint_skipped requeues it (``idle``),
+    MAX_IDLE_REQUEUES times in a row; the next one is ``stopped`` with the reason and not requeued (None)."""
+    pytest.importorskip("submitit")
+    from submitit.helpers import DelayedSubmission
+
+    from deadpool_hpc.events import EventLog, read_events
+    from deadpool_hpc.launch import slurm_job
+    from deadpool_hpc.launch.submitit_job import HotSwapJob
+
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setattr(slurm_job, "_time_limit", lambda job: "00:02:00")
+    job = HotSwapJob(RunConfig(nodes=2, spares=1, steps=500, run_dir=str(tmp_path)), checkpoint_wait_s=2.0)
+    path = str(tmp_path / "events.jsonl")
+    # checkpoint() ignores SIGTERM from the requeue on (submitit's scontrol must outlive it): not in this process
+    monkeypatch.setattr(signal, "signal", lambda sig, handler: None)
+    for i in range(slurm_job.MAX_IDLE_REQUEUES + 1):
+        job._saved_before = len([e for e in read_events(path) if e["event"] == "checkpoint_saved"]) \
+            if os.path.exists(path) else 0
+        job._skipped_before = len([e for e in read_events(path) if e["event"] == "checkpoint_skipped"]) \
+            if os.path.exists(path) else 0
+        log = EventLog(path)
+        log.emit("checkpoint_skipped", step=88, generation=3, reason="preempted")
+        log.close()
+        got = job.checkpoint()
+        ev = list(read_events(path))
+        if i < slurm_job.MAX_IDLE_REQUEUES:
+            assert isinstance(got, DelayedSubmission) and ev[-1]["event"] == "requeued" and ev[-1]["idle"] is True
+        else:
+            assert got is None and ev[-1]["event"] == "stopped", ev[-1]
+            assert ev[-1]["reason"].startswith(f"{i + 1} attempts in a row were stopped before their first step")
