@@ -163,7 +163,7 @@ def _settle(tmp_path, monkeypatch, events, state=("RUNNING", "None"), since=10.0
     ran = []
     monkeypatch.setenv("SLURM_JOB_ID", "42")
     monkeypatch.setattr(slurm_job, "job_state", lambda job: state)
-    monkeypatch.setattr(slurm_job, "_time_limit", lambda job: "00:02:00")
+    monkeypatch.setattr(slurm_job, "time_limit_of", lambda job: "00:02:00")
     monkeypatch.setattr(slurm_job.subprocess, "run",
                         lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0, "", ""))
     how = slurm_job.settle(str(tmp_path), since=since)
@@ -237,7 +237,7 @@ def test_submitit_checkpoint_requeues_an_attempt_stopped_before_its_first_step(t
     from deadpool_hpc.launch.submitit_job import HotSwapJob
 
     monkeypatch.setenv("SLURM_JOB_ID", "42")
-    monkeypatch.setattr(slurm_job, "_time_limit", lambda job: "00:02:00")
+    monkeypatch.setattr(slurm_job, "time_limit_of", lambda job: "00:02:00")
     job = HotSwapJob(RunConfig(nodes=2, spares=1, steps=500, run_dir=str(tmp_path)), checkpoint_wait_s=2.0)
     path = str(tmp_path / "events.jsonl")
     # checkpoint() ignores SIGTERM from the requeue on (submitit's scontrol must outlive it): not in this process

@@ -351,7 +351,7 @@ def idle_stop_reason(streak: int, step: int, time_limit: str | None = None) -> s
             f"--signal-lead (docs/slurm.md, \"Signals\")")
 
 
-def _time_limit(job_id: str | None) -> str | None:
+def time_limit_of(job_id: str | None) -> str | None:
     """Slurm's TimeLimit of a job (e.g. 00:02:00), or None."""
     if not job_id:
         return None
@@ -436,7 +436,7 @@ def settle(run_dir: str, since: float | None = None, srun_rc: int | None = None)
     elif ending and resumed and ckpt["step"] <= max(resumed):
         why_not = f"time limit, and this attempt made no progress (resumed at step {max(resumed)})"
     elif idle and idle_streak(events) >= MAX_IDLE_REQUEUES:
-        why_not = idle_stop_reason(idle_streak(events), ckpt["step"], _time_limit(job_id))
+        why_not = idle_stop_reason(idle_streak(events), ckpt["step"], time_limit_of(job_id))
     if why_not is None and reason != "preempted":
         # max_requeues caps requeues after lost nodes; a signal (preemption, time limit) is routine for a long
         # job and is not counted
