@@ -257,3 +257,27 @@ def test_submitit_checkpoint_requeues_an_attempt_stopped_before_its_first_step(t
         else:
             assert got is None and ev[-1]["event"] == "stopped", ev[-1]
             assert ev[-1]["reason"].startswith(f"{i + 1} attempts in a row were stopped before their first step")
+
+
+def test_a_requeue_after_an_idle_attempt_without_a_checkpoint_keeps_the_event_log(tmp_path, monkeypatch):
+    """An attempt 0 stopped before its first step has no checkpoint: the requeued attempt starts at step 0 again, and
+    the batch template's prepare used to wipe the event log with it, so the idle requeues were never counted and
+    the job looped (seen on the cluster: 4 idle requeues in a row). The log now stays after an idle requeue; after
+    any other requeue without a checkpoint the run starts afresh as before."""
+    from deadpool_hpc.events import EventLog, read_events
+
+    slurm.write_config(RunConfig(nodes=2, spares=1, steps=80, run_dir=str(tmp_path)))
+    path = str(tmp_path / "events.jsonl")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    log = EventLog(path)
+    log.emit("checkpoint_skipped", step=0, generation=1, reason="preempted")
+    log.emit("requeued", attempt=1, reason="preempted", idle=True, checkpoint=None)
+    log.close()
+    assert slurm.prepare(str(tmp_path), resume=True) is None
+    assert [e["event"] for e in read_events(path)] == ["checkpoint_skipped", "requeued"]
+    log = EventLog(path)
+    log.emit("requeued", attempt=2, reason="preempted", idle=None, checkpoint=None)
+    log.close()
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    slurm.prepare(str(tmp_path), resume=True)
+    assert not os.path.exists(path)   # afresh, as before this change

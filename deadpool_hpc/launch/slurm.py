@@ -97,11 +97,17 @@ def prepare(run_dir: str, resume: bool = False) -> dict | None:
     """The batch template's set-up of RUN_DIR (rundir.prepare_run_dir; the batch shell holds run.lock): a fresh
     run, or with ``resume`` the resumed run, if RUN_DIR has a checkpoint. Says which; returns the checkpoint's
     LATEST when resuming."""
-    latest = rundir.prepare_run_dir(run_dir, resume=resume)
-    if latest is not None:
-        print(f"[deadpool] resuming from {json.dumps(latest)} (restart {os.environ.get('SLURM_RESTART_COUNT', '0')})")
     restart = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     path = RunDir(run_dir).events
+    keep = False
+    if resume and restart > 0 and rundir.latest_checkpoint(run_dir) is None and os.path.exists(path):
+        # the previous attempt was stopped before its first step with no checkpoint yet (slurm_job.settle: requeued
+        # ``idle``): this attempt starts at step 0 again, but the log keeps counting such requeues (their bound)
+        requeues = [e for e in read_events(path) if e["event"] == "requeued"]
+        keep = bool(requeues) and bool(requeues[-1].get("idle"))
+    latest = rundir.prepare_run_dir(run_dir, resume=resume, keep_events=keep)
+    if latest is not None:
+        print(f"[deadpool] resuming from {json.dumps(latest)} (restart {os.environ.get('SLURM_RESTART_COUNT', '0')})")
     if restart > 0 and os.path.exists(path):
         # a requeue this run did not ask for (``scontrol requeue``, a job killed outright and requeued, a lost
         # allocation): counted like the run's own, with what it resumes from (the agents' newest persisted or saved
