@@ -201,8 +201,9 @@ def test_idle_attempts_in_a_row_are_bounded(tmp_path, monkeypatch):
     assert how["action"] == "stopped" and ran == [], how
     stopped = [e for e in ev if e["event"] == "stopped"][-1]
     assert stopped["reason"].startswith(f"{slurm_job.MAX_IDLE_REQUEUES + 1} attempts in a row were stopped before "
-                                        f"their first step (each resumed at step 88): the job makes no progress in "
-                                        f"its time limit of 00:02:00"), stopped
+                                        f"their first step (each at step 88): the job makes no progress in its time "
+                                        f"limit of 00:02:00"), stopped
+    assert "the checkpoint of step 88 is kept (a new job with RESUME=1" in stopped["reason"]
     assert "accepted: a longer --time or a shorter --signal-lead" in stopped["reason"]
     assert stopped["checkpoint"] == {"step": 88}
 
@@ -281,3 +282,11 @@ def test_a_requeue_after_an_idle_attempt_without_a_checkpoint_keeps_the_event_lo
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
     slurm.prepare(str(tmp_path), resume=True)
     assert not os.path.exists(path)   # afresh, as before this change
+
+
+def test_the_stop_reason_without_a_checkpoint_or_a_time_limit():
+    from deadpool_hpc.launch import slurm_job
+
+    why = slurm_job.idle_stop_reason(2, 0, "UNLIMITED", checkpoint=False)
+    assert why.startswith("3 attempts in a row were stopped before their first step (each at step 0): the job makes "
+                          "no progress (a time limit") and "there is no checkpoint yet (a new job starts at step 0)" in why

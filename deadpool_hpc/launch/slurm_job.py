@@ -341,14 +341,17 @@ def idle_streak(events: list[dict]) -> int:
     return n
 
 
-def idle_stop_reason(streak: int, step: int, time_limit: str | None = None) -> str:
-    """The ``stopped`` reason of a job whose ``streak + 1``-th attempt in a row made no step (at step ``step``)."""
-    return (f"{streak + 1} attempts in a row were stopped before their first step (each resumed at step {step}): "
-            f"the job makes no progress{f' in its time limit of {time_limit}' if time_limit else ''} (a time limit "
-            f"that leaves no time to train before the warning signal, --signal-lead or --signal, re-sends it at once "
-            f"after each requeue; or it is preempted as soon as it starts); the checkpoint of step {step} is kept "
-            f"(a new job with RESUME=1 and this RUN_DIR resumes there); accepted: a longer --time or a shorter "
-            f"--signal-lead (docs/slurm.md, \"Signals\")")
+def idle_stop_reason(streak: int, step: int, time_limit: str | None = None, checkpoint: bool = True) -> str:
+    """The ``stopped`` reason of a job whose ``streak + 1``-th attempt in a row made no step (at step ``step``);
+    ``time_limit``: Slurm's TimeLimit (named unless None or UNLIMITED); ``checkpoint``: whether RUN_DIR holds one."""
+    limit = f" in its time limit of {time_limit}" if time_limit and time_limit != "UNLIMITED" else ""
+    kept = (f"the checkpoint of step {step} is kept (a new job with RESUME=1 and this RUN_DIR resumes there)"
+            if checkpoint else "there is no checkpoint yet (a new job starts at step 0)")
+    return (f"{streak + 1} attempts in a row were stopped before their first step (each at step {step}): the job "
+            f"makes no progress{limit} (a time limit that leaves no time to train before the warning signal, "
+            f"--signal-lead or --signal, re-sends it at once after each requeue; or it is preempted or signalled as "
+            f"soon as it starts); {kept}; accepted: a longer --time or a shorter --signal-lead (docs/slurm.md, "
+            f"\"Signals\")")
 
 
 def time_limit_of(job_id: str | None) -> str | None:
@@ -436,7 +439,8 @@ def settle(run_dir: str, since: float | None = None, srun_rc: int | None = None)
     elif ending and resumed and ckpt["step"] <= max(resumed):
         why_not = f"time limit, and this attempt made no progress (resumed at step {max(resumed)})"
     elif idle and idle_streak(events) >= MAX_IDLE_REQUEUES:
-        why_not = idle_stop_reason(idle_streak(events), ckpt["step"], time_limit_of(job_id))
+        why_not = idle_stop_reason(idle_streak(events), ckpt["step"], time_limit_of(job_id),
+                                   checkpoint=_latest_checkpoint(run_dir) is not None)
     if why_not is None and reason != "preempted":
         # max_requeues caps requeues after lost nodes; a signal (preemption, time limit) is routine for a long
         # job and is not counted

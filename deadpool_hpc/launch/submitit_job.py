@@ -314,7 +314,8 @@ class HotSwapJob:
                 streak = slurm_job.idle_streak(self._events("requeued"))
                 if streak >= slurm_job.MAX_IDLE_REQUEUES:
                     why = slurm_job.idle_stop_reason(streak, skipped[-1]["step"],
-                                                     slurm_job.time_limit_of(os.environ.get("SLURM_JOB_ID")))
+                                                     slurm_job.time_limit_of(os.environ.get("SLURM_JOB_ID")),
+                                                     checkpoint=latest_checkpoint(self.run_dir) is not None)
                     log.emit("stopped", reason=why, slurm_job_id=os.environ.get("SLURM_JOB_ID"),
                              checkpoint_step=skipped[-1]["step"], checkpoint=latest_checkpoint(self.run_dir))
                     _log.warning("not requeued: %s", why)
