@@ -298,7 +298,7 @@ class RunDir:
             raise errors[0]
 
 
-def prepare_run_dir(path: str, resume: bool = False) -> dict | None:
+def prepare_run_dir(path: str, resume: bool = False, keep_events: bool = False) -> dict | None:
     """Make ``path`` ready for a new attempt of a run; the same on every launch path. Only by the lock's holder
     (this process: ``RunDir.prepare``; or the batch shell that runs it: sbatch/train.sbatch holds run.lock).
 
@@ -306,9 +306,12 @@ def prepare_run_dir(path: str, resume: bool = False) -> dict | None:
     resume from it); returns LATEST (a dict). Otherwise a fresh run: the previous run's event log, launcher
     log, Slurm job id and checkpoints go too (a new run starts at step 0); returns None. Either way the
     previous attempt's summary.json, finisher.lock, task-N.log and exited/ and ready/ markers go. config.json,
-    run.lock and the job's own files (job.sbatch, .secret) stay."""
+    run.lock and the job's own files (job.sbatch, .secret) stay. ``keep_events``: the event log stays even when the
+    run starts again at step 0 (a requeued attempt of a Slurm job whose earlier attempts made no checkpoint: its
+    earlier requeues must still count, launch/slurm.py ``prepare``)."""
     latest = latest_checkpoint(path) if resume else None
-    files = ATTEMPT_FILES + (() if latest is not None else FRESH_FILES)
+    fresh = tuple(f for f in FRESH_FILES if not (keep_events and f == "events.jsonl"))
+    files = ATTEMPT_FILES + (() if latest is not None else fresh)
     dirs = ATTEMPT_DIRS + (() if latest is not None else FRESH_DIRS)
     for name in files + tuple(os.path.basename(p) for g in ATTEMPT_GLOBS for p in glob.glob(os.path.join(path, g))):
         try:

@@ -47,7 +47,11 @@ def build_summary(events: list[dict], config=None) -> dict:  # noqa: C901
         if d.get("reason") == "preempted":  # Slurm's SIGUSR2: saved at the cut, requeued, resumed
             asked = [e["t"] for e in by["preempt_requested"] if e.get("generation") == g - 1]
             saved = [e["t"] for e in by["checkpoint_saved"] if e.get("generation") == g]
-            preemptions.append({"generation": g, "cut_step": d["cut_step"],
+            skipped = any(e.get("generation") == g for e in by["checkpoint_skipped"])
+            if skipped:  # before the attempt's first step: the next attempt resumes from the same checkpoint, so
+                # its generations are this attempt's again (node.py: the checkpoint's generation + 1)
+                t_next_attempt = min((e["t"] for e in steps if e["t"] > d["t_decided"]), default=None)
+            preemptions.append({"generation": g, "cut_step": d["cut_step"], "skipped": skipped,
                                 "t_signal": min(asked, default=None),
                                 "save_s": (max(saved) - min(asked)) if asked and saved else None,
                                 "resumed": t_next_attempt is not None,

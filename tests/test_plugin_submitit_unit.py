@@ -174,3 +174,29 @@ def test_a_deadpool_executor_made_directly_takes_unprefixed_names(ex, tmp_path):
     assert (p["nodes"], p["cpus_per_task"], p["partition"], p["time"]) == (3, 2, "debug", 5)
     with pytest.raises(ValueError, match=r"unknown parameter\(s\) \['spare'\]; accepted: .*spares"):
         direct.update_parameters(spare=1)
+
+
+def test_a_time_limit_that_leaves_no_time_before_the_signal_is_refused_at_submit(ex, tmp_path):
+    """Issue 46 under submitit: its signal comes signal_delay_s (default 90) before the time limit; timeout_min=2 would
+    stop every attempt as soon as it starts. Refused with the parameters to change, before anything is written."""
+    ex.update_parameters(nodes=2, deadpool_spares=1, timeout_min=2, deadpool_run_dir=str(tmp_path / "run"))
+    with pytest.raises(ConfigError) as info:
+        ex.submit(None)
+    assert str(info.value).startswith("deadpool executor: timeout_min=2 (120 s) leaves no time to train before the "
+                                      "signal: signal_delay_s=90 asks Slurm for SIGUSR2 90 s before the time limit")
+    assert "accepted: signal_delay_s=30 or less (at least 10) with timeout_min=2, or timeout_min=3 or more with " \
+           "signal_delay_s=90" in str(info.value)
+    ex.update_parameters(deadpool_signal_delay_s=5)
+    with pytest.raises(ConfigError, match=r"signal_delay_s=5: accepted: whole seconds from 10"):
+        ex.submit(None)
+    assert not (tmp_path / "run").exists()
+
+
+def test_executor_refuses_a_time_limit_shorter_than_its_signal(tmp_path):
+    from deadpool_hpc.launch.submitit_job import executor
+
+    cfg = RunConfig(nodes=2, spares=1, steps=5, run_dir=str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match=r"^timeout_min=2 \(120 s\) leaves no time .* slurm_signal_delay_s=90 asks"):
+        executor(str(tmp_path / "s"), cfg, timeout_min=2)
+    with pytest.raises(ConfigError, match=r"slurm_signal_delay_s=91 asks .* accepted: slurm_signal_delay_s=90 or less"):
+        executor(str(tmp_path / "s"), cfg, timeout_min=3, slurm_signal_delay_s=91)

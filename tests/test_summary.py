@@ -54,3 +54,24 @@ def test_an_estimated_fault_time_is_never_after_the_first_suspicion():
     (f,) = build_summary(ev)["failures"]
     assert f["t_fault_source"] == "last heartbeat heard (estimated)"
     assert f["phases"]["detect"] == 0.0
+
+
+def test_a_preemption_before_the_attempts_first_step_is_skipped_and_resumed():
+    """Issue 46: the requeued attempt (generation 2, resumed from the generation-1 checkpoint of step 20) is signalled
+    before its first step: nothing new to save (checkpoint_skipped); the next attempt resumes from the same checkpoint,
+    so its steps carry generation 2 again. The preemption is `skipped` and `resumed` all the same."""
+    ev = _steps(0, 0.0, 1, 20) + [
+        {"event": "preempt_requested", "t": 2.5, "generation": 0},
+        _decision(1, 2.6, "preempted", [], 20),
+        {"event": "checkpoint_saved", "t": 2.8, "generation": 1, "step": 20, "reason": "preempted"},
+        {"event": "requeued", "t": 3.0, "attempt": 1},
+        {"event": "preempt_requested", "t": 10.0, "generation": 2},
+        _decision(3, 10.5, "preempted", [], 20),
+        {"event": "checkpoint_skipped", "t": 10.6, "generation": 3, "step": 20, "reason": "preempted"},
+        {"event": "requeued", "t": 11.0, "attempt": 2, "idle": True},
+    ] + _steps(2, 30.0, 21, 40) + [{"event": "finished", "t": 40.0, "steps": 40, "param_digest": "d"}]
+    s = build_summary(ev)
+    assert s["failures"] == [] and s["requeues"] == 2 and s["completed"]
+    p1, p2 = s["preemptions"]
+    assert not p1["skipped"] and p1["resumed"] and p2["skipped"] and p2["resumed"] and p2["cut_step"] == 20
+    assert p2["save_s"] is None and abs(p2["signal_to_resume_s"] - 20.0) < 1e-9

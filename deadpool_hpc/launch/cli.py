@@ -21,6 +21,7 @@ from .options import add_run_options as add_run_options
 from .options import check_train_fn as check_train_fn
 from .options import config_from_args as config_from_args
 from ..rundir import RunDir
+from .timelimit import signal_lead_arg
 
 
 def cmd_run(a) -> int:
@@ -104,7 +105,8 @@ def cmd_submit(a) -> int:
     from .slurm import submit
 
     cfg = config_from_args(a)
-    job_id = submit(cfg, partition=a.partition, time=a.time, account=a.account, extra=a.sbatch_arg)
+    job_id = submit(cfg, partition=a.partition, time=a.time, account=a.account, extra=a.sbatch_arg,
+                    signal_lead=a.signal_lead)
     print(f"submitted: {cfg.nodes} active + {cfg.spares} spare node(s), run dir {cfg.run_dir}; "
           f"follow it with: deadpool status {job_id}")
     print(job_id)
@@ -159,7 +161,10 @@ def main(argv=None) -> int:
     sm = sub.add_parser("submit", help="submit the same run to Slurm (sbatch/train.sbatch); prints the job id last")
     add_run_options(sm)
     sm.add_argument("--partition")
-    sm.add_argument("--time", help="Slurm time limit, e.g. 2:00:00")
+    sm.add_argument("--time", help="Slurm time limit, e.g. 2:00:00 (it must exceed --signal-lead by 90 s)")
+    sm.add_argument("--signal-lead", type=signal_lead_arg, metavar="SECONDS",
+                    help="SIGUSR2 this long before the time limit: the ranks save a checkpoint and the job is "
+                         "requeued (default: the template's, 120; the save of your model must fit in it)")
     sm.add_argument("--account")
     sm.add_argument("--sbatch-arg", action="append", default=[], help="extra sbatch argument (repeatable)")
     sm.set_defaults(fn=cmd_submit)

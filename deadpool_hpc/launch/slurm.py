@@ -38,7 +38,7 @@ from ..errors import ConfigError
 from ..events import read_events
 from .. import rundir
 from ..rundir import RunDir, check_free
-from . import slurm_job, slurm_startup
+from . import slurm_job, slurm_startup, timelimit
 from .options import add_run_options, config_from_args
 from .slurm_common import hosts_by_rank as hosts_by_rank
 from .slurm_common import load_config as load_config
@@ -99,11 +99,17 @@ def prepare(run_dir: str, resume: bool = False) -> dict | None:
     """The batch template's set-up of RUN_DIR (rundir.prepare_run_dir; the batch shell holds run.lock): a fresh
     run, or with ``resume`` the resumed run, if RUN_DIR has a checkpoint. Says which; returns the checkpoint's
     LATEST when resuming."""
-    latest = rundir.prepare_run_dir(run_dir, resume=resume)
-    if latest is not None:
-        print(f"[deadpool] resuming from {json.dumps(latest)} (restart {os.environ.get('SLURM_RESTART_COUNT', '0')})")
     restart = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     path = RunDir(run_dir).events
+    keep = False
+    if resume and restart > 0 and rundir.latest_checkpoint(run_dir) is None and os.path.exists(path):
+        # the previous attempt was stopped before its first step with no checkpoint yet (slurm_job.settle: requeued
+        # ``idle``): this attempt starts at step 0 again, but the log keeps counting such requeues (their bound)
+        requeues = [e for e in read_events(path) if e["event"] == "requeued"]
+        keep = bool(requeues) and bool(requeues[-1].get("idle"))
+    latest = rundir.prepare_run_dir(run_dir, resume=resume, keep_events=keep)
+    if latest is not None:
+        print(f"[deadpool] resuming from {json.dumps(latest)} (restart {os.environ.get('SLURM_RESTART_COUNT', '0')})")
     if restart > 0 and os.path.exists(path):
         # a requeue this run did not ask for (``scontrol requeue``, a job killed outright and requeued, a lost
         # allocation): counted like the run's own, with what it resumes from (the agents' newest persisted or saved
@@ -117,15 +123,22 @@ def prepare(run_dir: str, resume: bool = False) -> dict | None:
     return latest
 
 
-def render(cfg: RunConfig, template: str | None = None, python: str | None = None, job_name: str | None = None) -> str:
+def render(cfg: RunConfig, template: str | None = None, python: str | None = None, job_name: str | None = None,
+           signal_lead: int | None = None) -> str:
     """The batch script for ``cfg``: the template with ``--nodes`` set to nodes + spares and CONFIG/RUN_DIR/PYTHON/
-    SUMMARY/DEADPOOL_HOME pinned (the config must already be in RUN_DIR/config.json, see write_config)."""
+    SUMMARY/DEADPOOL_HOME pinned (the config must already be in RUN_DIR/config.json, see write_config); with
+    ``signal_lead`` (seconds), its ``#SBATCH --signal=USR2@120`` line says that lead instead."""
     template = template or template_path()
     text = open(template).read()
     run_dir = os.path.abspath(cfg.run_dir)
     text, n = re.subn(r"(?m)^#SBATCH --nodes=\d+$", f"#SBATCH --nodes={cfg.total_nodes}", text)
     if n != 1:
         raise ValueError("the template has no '#SBATCH --nodes=N' line")
+    if signal_lead is not None:
+        text, n = re.subn(r"(?m)^#SBATCH --signal=(\w+)@\d+$", lambda m: f"#SBATCH --signal={m.group(1)}@{signal_lead}",
+                          text)
+        if n != 1:
+            raise ValueError("the template has no '#SBATCH --signal=SIG@SECONDS' line")
     text = re.sub(r"(?m)^#SBATCH --output=.*$", f"#SBATCH --output={run_dir}/slurm-%j.out", text)
     if job_name:
         text = re.sub(r"(?m)^#SBATCH --job-name=.*$", f"#SBATCH --job-name={job_name}", text)
@@ -187,22 +200,71 @@ def check_partition(cfg: RunConfig, partition: str | None = None) -> dict | None
                           f"nodes, but partition {name!r} has {fit} node(s) with that many (CPUs per node: "
                           f"{', '.join(map(str, sorted(set(cpus))))}): it could never start; accepted: "
                           f"--ranks-per-node <= {sorted(cpus, reverse=True)[min(need, len(cpus)) - 1]}")
-    return {"partition": name, "nodes": total, "max_nodes": max_nodes, "cpus_per_node": sorted(set(cpus))}
+    return {"partition": name, "nodes": total, "max_nodes": max_nodes, "cpus_per_node": sorted(set(cpus)),
+            "default_time": part.get("DefaultTime"), "max_time": part.get("MaxTime")}
+
+
+def check_time_and_lead(time: str | None = None, signal_lead: int | None = None, extra: list[str] | None = None,
+                        partition: dict | None = None, template: str | None = None) -> tuple[int | None, int]:
+    """The job's time limit and signal lead, checked before anything is submitted (launch/timelimit.py says what is
+    accepted and why). The time limit is the last ``--time``/``-t`` of ``extra`` (sbatch applies the last), else
+    ``time``, else the partition's (``partition``: check_partition's answer; DefaultTime, else MaxTime). The lead
+    is that of a ``--signal`` in ``extra``, else ``signal_lead``, else the template's ``#SBATCH --signal`` (120 s).
+    Returns (limit in seconds or None for no limit, lead in seconds). Raises ConfigError naming the value, for a
+    time limit Slurm does not accept, a lead set twice, or a lead that leaves no time to train before its signal."""
+    t_extra = timelimit.sbatch_option(extra, "time", "t")
+    if t_extra is not None:
+        limit = timelimit.parse_time_limit(t_extra, "--sbatch-arg=--time")
+        time_what, time_opt = f"--sbatch-arg=--time={t_extra}", "--sbatch-arg=--time={}"
+    elif time is not None:
+        limit = timelimit.parse_time_limit(time, "--time")
+        time_what, time_opt = f"--time {time}", "--time {}"
+    else:
+        part = partition or {}
+        raw = next((v for v in (part.get("default_time"), part.get("max_time")) if v and v != "NONE"), None)
+        limit = timelimit.parse_time_limit(raw, "the partition's time limit") if raw else None
+        which = "DefaultTime" if raw == part.get("default_time") else "MaxTime"
+        time_what = f"the time limit of partition {part.get('partition')!r} ({which}={raw}; no --time given)"
+        time_opt = "--time {}"
+    sig_extra = timelimit.sbatch_option(extra, "signal")
+    if sig_extra is not None:
+        if signal_lead is not None:
+            raise ConfigError(f"--signal-lead {signal_lead} and --sbatch-arg=--signal={sig_extra} both set the "
+                              f"warning signal; accepted: one of them")
+        sig, lead = timelimit.parse_signal(sig_extra)
+        prefix = sig_extra.split(":", 1)[0] + ":" if ":" in sig_extra else ""
+        lead_opt = f"--sbatch-arg=--signal={prefix}{sig.removeprefix('SIG')}@{{}}"
+    else:
+        lead = timelimit.signal_lead(signal_lead) if signal_lead is not None else template_lead(template)
+        sig, lead_opt = "SIGUSR2", "--signal-lead {}"
+    timelimit.check_lead(limit, lead, time_what, lead_opt=lead_opt, time_opt=time_opt, sig=sig,
+                         time_with=None if t_extra is not None or time is not None else "with that time limit")
+    return limit, lead
+
+
+def template_lead(template: str | None = None) -> int:
+    """The lead (s) of the template's ``#SBATCH --signal=SIG@SECONDS`` line (sbatch/train.sbatch: 120)."""
+    m = re.search(r"(?m)^#SBATCH --signal=\w+@(\d+)$", open(template or template_path()).read())
+    return int(m.group(1)) if m else timelimit.DEFAULT_SIGNAL_LEAD_S
 
 
 def submit(cfg: RunConfig, partition: str | None = None, time: str | None = None, account: str | None = None,
-           extra: list[str] | None = None, template: str | None = None) -> str:
+           extra: list[str] | None = None, template: str | None = None, signal_lead: int | None = None) -> str:
     """Write the config, render the batch script into RUN_DIR/job.sbatch and submit it. Returns the job id.
     A relative run directory or summary path means this process's current directory (the submitter's), which
     is also put first on the job's PYTHONPATH (a ``--train-fn`` module found from here is found by the job).
+    ``signal_lead``: seconds before the time limit at which Slurm sends SIGUSR2 (the ranks save a checkpoint, the
+    job is requeued); None: the template's (120 s).
 
-    Raises ConfigError (before writing anything) if the partition can never run the job (check_partition), if
-    RUN_DIR belongs to a job that is still pending or running (it reads RUN_DIR/config.json when it starts),
-    and if sbatch refuses the job (bad --time, partition, ...)."""
+    Raises ConfigError (before writing anything) if the partition can never run the job (check_partition), if the
+    time limit is not one Slurm accepts or leaves no time to train before the signal lead (check_time_and_lead:
+    refused, never shortened), if RUN_DIR belongs to a job that is still pending or running (it reads
+    RUN_DIR/config.json when it starts), and if sbatch refuses the job (partition, account, ...)."""
     run_dir = os.path.abspath(cfg.run_dir)
     if cfg.summary_path:
         cfg.summary_path = os.path.abspath(cfg.summary_path)
-    check_partition(cfg, _partition_of(extra) or partition)
+    part = check_partition(cfg, _partition_of(extra) or partition)
+    check_time_and_lead(time, signal_lead, extra, part, template)
     try:
         with open(os.path.join(run_dir, "slurm_job_id")) as fh:
             previous = fh.read().strip()
@@ -217,7 +279,7 @@ def submit(cfg: RunConfig, partition: str | None = None, time: str | None = None
     write_config(cfg)
     script = os.path.join(run_dir, "job.sbatch")
     with open(script, "w") as fh:
-        fh.write(render(cfg, template))
+        fh.write(render(cfg, template, signal_lead=signal_lead))
     cmd = ["sbatch", "--parsable", f"--chdir={run_dir}"]
     cmd += [f"--partition={partition}"] if partition else []
     cmd += [f"--time={time}"] if time else []
@@ -353,7 +415,11 @@ def end_attempt(run_dir: str, out: str | None = None, since: float | None = None
     1 otherwise (a run stopped with a checkpoint ends its job CANCELLED or PREEMPTED whatever this says)."""
     how = slurm_job.settle(run_dir, since=since, srun_rc=srun_rc)
     if how["action"] == "requeued":
-        print(f"[deadpool] checkpoint saved ({how['reason']}), job {os.environ.get('SLURM_JOB_ID', '')} requeued")
+        if how.get("idle"):
+            print(f"[deadpool] stopped before the first step ({how['reason']}): nothing new to save, job "
+                  f"{os.environ.get('SLURM_JOB_ID', '')} requeued, it resumes from the same checkpoint")
+        else:
+            print(f"[deadpool] checkpoint saved ({how['reason']}), job {os.environ.get('SLURM_JOB_ID', '')} requeued")
         return 0
     s = write_summary(run_dir, out)
     f = s["failures"]
@@ -386,6 +452,7 @@ def main(argv=None) -> int:
     for q in (sm,):
         q.add_argument("--partition")
         q.add_argument("--time")
+        q.add_argument("--signal-lead", type=timelimit.signal_lead_arg, metavar="SECONDS")
         q.add_argument("--account")
         q.add_argument("--sbatch-arg", action="append", default=[], help="extra sbatch argument (repeatable)")
     st = sub.add_parser("status", help="job id or run dir")
@@ -431,7 +498,8 @@ def main(argv=None) -> int:
             cfg = config_from_args(a)
             print(render(cfg))
         elif a.cmd == "submit":
-            print(submit(config_from_args(a), a.partition, a.time, a.account, a.sbatch_arg))
+            print(submit(config_from_args(a), a.partition, a.time, a.account, a.sbatch_arg,
+                         signal_lead=a.signal_lead))
         elif a.cmd == "status":
             print(json.dumps(status(a.target), indent=1))
         elif a.cmd == "summary":

@@ -325,6 +325,45 @@ def _this_attempt(events: list[dict], since: float | None) -> list[dict]:
 
 
 ENDING_STATES = ("COMPLETING", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "FAILED", "DEADLINE")
+# attempts in a row that were stopped before any rank trained a step (``checkpoint_skipped``: a warning signal or
+# a lost node with no spare, right after the start) that are still requeued; the next such attempt ends the job with
+# the reason instead of looping (issue 46: a time limit shorter than the signal lead re-sends the signal at once)
+MAX_IDLE_REQUEUES = 2
+
+
+def idle_streak(events: list[dict]) -> int:
+    """How many of the last ``requeued`` events, in a row, requeued an attempt that made no step (``idle``)."""
+    n = 0
+    for e in reversed([e for e in events if e["event"] == "requeued"]):
+        if not e.get("idle"):
+            break
+        n += 1
+    return n
+
+
+def idle_stop_reason(streak: int, step: int, time_limit: str | None = None, checkpoint: bool = True) -> str:
+    """The ``stopped`` reason of a job whose ``streak + 1``-th attempt in a row made no step (at step ``step``);
+    ``time_limit``: Slurm's TimeLimit (named unless None or UNLIMITED); ``checkpoint``: whether RUN_DIR holds one."""
+    limit = f" in its time limit of {time_limit}" if time_limit and time_limit != "UNLIMITED" else ""
+    kept = (f"the checkpoint of step {step} is kept (a new job with RESUME=1 and this RUN_DIR resumes there)"
+            if checkpoint else "there is no checkpoint yet (a new job starts at step 0)")
+    return (f"{streak + 1} attempts in a row were stopped before their first step (each at step {step}): the job "
+            f"makes no progress{limit} (a time limit that leaves no time to train before the warning signal, "
+            f"--signal-lead or --signal, re-sends it at once after each requeue; or it is preempted or signalled as "
+            f"soon as it starts); {kept}; accepted: a longer --time or a shorter --signal-lead (docs/slurm.md, "
+            f"\"Signals\")")
+
+
+def time_limit_of(job_id: str | None) -> str | None:
+    """Slurm's TimeLimit of a job (e.g. 00:02:00), or None."""
+    if not job_id:
+        return None
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"\bTimeLimit=(\S+)", out.stdout)
+    return m.group(1) if m else None
 
 
 def settle(run_dir: str, since: float | None = None, srun_rc: int | None = None) -> dict:
@@ -334,7 +373,11 @@ def settle(run_dir: str, since: float | None = None, srun_rc: int | None = None)
     - ``requeued``: a checkpoint was saved in this attempt and the job goes on: a signal to a running job
       (``--signal``, a preemption's notice, ``scancel -s USR2|TERM``), no spare left (at most ``max_requeues``
       times), or the time limit (only if this attempt got past the step it resumed from). ``requeued`` is
-      logged and ``scontrol requeue`` run; the requeued job resumes from the checkpoint.
+      logged and ``scontrol requeue`` run; the requeued job resumes from the checkpoint. Also when the attempt
+      was stopped before any rank trained a step (``checkpoint_skipped``: nothing new to save): the checkpoint it
+      resumed from (or step 0) is untouched and the job resumes there again (``requeued`` with ``idle``), at
+      most MAX_IDLE_REQUEUES times in a row; the next such attempt is ``stopped`` with the reason
+      (idle_stop_reason), not requeued for ever.
     - ``stopped``: a checkpoint was saved but the job is not requeued: Slurm is ending it (``scancel``, the end
       of a preemption's grace time; Slurm itself requeues a preempted job if its PreemptMode says so), or
       ``max_requeues`` was reached, or ``scontrol requeue`` was refused. Or the batch shell was signalled and the
@@ -350,6 +393,11 @@ def settle(run_dir: str, since: float | None = None, srun_rc: int | None = None)
     last = {e["event"]: i for i, e in enumerate(mine)}
     finished = "finished" in last
     saved = [e for e in mine if e["event"] == "checkpoint_saved"]
+    skipped = [e for e in mine if e["event"] == "checkpoint_skipped"]
+    if not saved and skipped:
+        # stopped (a signal; a lost node with no spare) before any rank trained a step: nothing new to save, and the
+        # checkpoint this attempt resumed from (or step 0) is untouched: the job goes on from there, as after a save
+        saved = [dict(skipped[-1], idle=True)]
     job_id = os.environ.get("SLURM_JOB_ID")
     if not job_id:
         try:
@@ -379,29 +427,35 @@ def settle(run_dir: str, since: float | None = None, srun_rc: int | None = None)
                                             f"{persisted[-1]['step']}")]
     ckpt = saved[-1]
     reason = ckpt.get("reason", "no spare node left")
+    idle = bool(ckpt.get("idle"))
     ending = state in ENDING_STATES
     resumed = [e["step"] for e in mine if e["event"] == "resumed_from_checkpoint"]
     why_not = None
     if ending and slurm_reason != "TimeLimit":
         acct = _accounted_state(job_id) if job_id else None
         why_not = f"Slurm is ending the job ({acct or state}{f', {slurm_reason}' if slurm_reason not in (None, 'None') else ''})"
+    elif ending and idle:
+        why_not = f"time limit, and this attempt made no progress (stopped before its first step, at step {ckpt['step']})"
     elif ending and resumed and ckpt["step"] <= max(resumed):
         why_not = f"time limit, and this attempt made no progress (resumed at step {max(resumed)})"
-    elif reason != "preempted":
+    elif idle and idle_streak(events) >= MAX_IDLE_REQUEUES:
+        why_not = idle_stop_reason(idle_streak(events), ckpt["step"], time_limit_of(job_id),
+                                   checkpoint=_latest_checkpoint(run_dir) is not None)
+    if why_not is None and reason != "preempted":
         # max_requeues caps requeues after lost nodes; a signal (preemption, time limit) is routine for a long
         # job and is not counted
         lost = sum(1 for e in events if e["event"] == "requeued" and e.get("reason") != "preempted")
         if lost >= load_config(run_dir).max_requeues:
             why_not = f"{lost} requeues after lost nodes already (max_requeues)"
     if why_not is None and job_id:
-        emit_requeued(log, slurm_job_id=job_id, reason=reason,
-                 time_limit=slurm_reason == "TimeLimit" or None, checkpoint=_latest_checkpoint(run_dir))
+        emit_requeued(log, slurm_job_id=job_id, reason=reason, idle=idle or None,
+                      time_limit=slurm_reason == "TimeLimit" or None, checkpoint=_latest_checkpoint(run_dir))
         # the requeue makes slurmd SIGTERM every process of the job's steps, this scontrol included: ignored here
         # (SIG_IGN survives exec), or scontrol may die before it reports the requeue it already made
         out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60,
                              preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN))
         if out.returncode == 0:
-            return {"action": "requeued", "reason": reason}
+            return {"action": "requeued", "reason": reason, **({"idle": True} if idle else {})}
         why_not = f"scontrol requeue {job_id} failed: {out.stderr.strip()}"
     why_not = why_not or "no Slurm job id"
     _log.warning("not requeued: %s; checkpoint of step %s in %s/checkpoint (a new job with RESUME=1 and this "

@@ -72,9 +72,9 @@ from ..config import RunConfig
 from ..events import EventLog, read_events
 from ..logs import setup as setup_logging
 from ..errors import ConfigError
-from ..rundir import RunDir, emit_requeued
+from ..rundir import RunDir, emit_requeued, latest_checkpoint
 from .options import check_extensions
-from . import slurm, slurm_job, slurm_startup
+from . import slurm, slurm_job, slurm_startup, timelimit
 
 _log = logging.getLogger(__name__)
 
@@ -115,8 +115,13 @@ def hot_swap_job_class():
 def executor(folder: str, cfg: RunConfig, timeout_min: int = 60, **params):
     """A submitit AutoExecutor sized and flagged for ``cfg``; the jobs it submits are HotSwapSlurmJobs
     (``job.result()`` is the run summary). Extra ``params`` go to update_parameters (e.g.
-    ``slurm_partition="debug"``); ``slurm_additional_parameters`` are merged with ours."""
+    ``slurm_partition="debug"``); ``slurm_additional_parameters`` are merged with ours. Raises ConfigError (a
+    ValueError) when ``timeout_min`` leaves no time to train before submitit's signal (``slurm_signal_delay_s``
+    seconds before the time limit, default 90; launch/timelimit.py)."""
     import submitit
+
+    timelimit.check_submitit(timeout_min, params.get("slurm_signal_delay_s", 90),
+                             lead_name="slurm_signal_delay_s")
 
     ex = submitit.AutoExecutor(folder=folder, cluster=params.pop("cluster", "slurm"))
     inner = getattr(ex, "_executor", None)  # AutoExecutor wraps the cluster's executor, which makes the Job objects
@@ -142,6 +147,7 @@ class HotSwapJob:
         self.checkpoint_wait_s = checkpoint_wait_s
         self._worker = None  # this task's worker process (not pickled: see __getstate__)
         self._saved_before = 0
+        self._skipped_before = 0
         self._lock = None
         check_extensions(cfg.replica_transport)   # a missing or broken plugin named before anything starts
         # a job still running there must keep its files (RunDirBusy: a ConfigError); held while the directory is
@@ -175,6 +181,7 @@ class HotSwapJob:
                    MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         t0 = time.time()
         self._saved_before = len(self._events("checkpoint_saved"))
+        self._skipped_before = len(self._events("checkpoint_skipped"))
         # a node lost before the agents' MPI world exists (issue 28): task 0 watches every task's beacon, as the batch
         # host does under sbatch (launch/slurm_startup.py), and starts the agents again on the live nodes
         lid = slurm_startup.launch_id()
@@ -283,8 +290,11 @@ class HotSwapJob:
     def checkpoint(self, *args, **kwargs):
         """submitit's hook on preemption or time-out (SIGUSR2, task 0 only): make sure the worker got the signal,
         wait up to ``checkpoint_wait_s`` seconds for the run's persistent checkpoint, and return the job to
-        requeue (it resumes from the checkpoint). Returns None, so that submitit does not requeue, when the run
-        already finished or no checkpoint was saved in time."""
+        requeue (it resumes from the checkpoint). The signal before any rank trained a step (``checkpoint_skipped``:
+        nothing new to save) requeues too, from the checkpoint this attempt resumed from (``requeued`` with
+        ``idle``), at most slurm_job.MAX_IDLE_REQUEUES times in a row (then ``stopped`` with the reason). Returns
+        None, so that submitit does not requeue, when the run already finished, no checkpoint was saved in time, or
+        that bound was reached."""
         from submitit.helpers import DelayedSubmission
 
         if self._worker is not None and self._worker.returncode is None:
@@ -297,10 +307,24 @@ class HotSwapJob:
             if self._events("finished"):
                 return None
             saved = self._events("checkpoint_saved")
-            if len(saved) > self._saved_before:
+            skipped = self._events("checkpoint_skipped")
+            idle = len(saved) <= self._saved_before and len(skipped) > self._skipped_before
+            if idle:   # stopped before its first step: the checkpoint it resumed from (or step 0) is untouched
+                log = EventLog(RunDir(self.run_dir).events)
+                streak = slurm_job.idle_streak(self._events("requeued"))
+                if streak >= slurm_job.MAX_IDLE_REQUEUES:
+                    why = slurm_job.idle_stop_reason(streak, skipped[-1]["step"],
+                                                     slurm_job.time_limit_of(os.environ.get("SLURM_JOB_ID")),
+                                                     checkpoint=latest_checkpoint(self.run_dir) is not None)
+                    log.emit("stopped", reason=why, slurm_job_id=os.environ.get("SLURM_JOB_ID"),
+                             checkpoint_step=skipped[-1]["step"], checkpoint=latest_checkpoint(self.run_dir))
+                    _log.warning("not requeued: %s", why)
+                    return None
+                saved = [dict(skipped[-1], idle=True)]
+            if len(saved) > self._saved_before or idle:
                 emit_requeued(EventLog(RunDir(self.run_dir).events), launcher="submitit",
                               slurm_job_id=os.environ.get("SLURM_JOB_ID"), checkpoint_step=saved[-1]["step"],
-                              reason=saved[-1].get("reason"))
+                              reason=saved[-1].get("reason"), idle=idle or None)
                 # submitit runs `scontrol requeue` next, in this process; the requeue makes slurmd SIGTERM every
                 # process of the step, that scontrol included, which then raised CalledProcessError (-15) and
                 # ended the job as failed although Slurm had requeued it (seen in CI). SIGTERM is ignored from here

@@ -162,6 +162,10 @@ def test_deadpool_submit_refuses_a_busy_run_dir_a_bad_time_and_an_impossible_siz
     assert cpus.returncode == 2 and "--ranks-per-node 3 needs 3 CPUs on each of 3 nodes" in cpus.stderr, cpus.stderr
     run_dir = str(tmp_path / "busy")
     bad = subprocess.run(cli + ["--run-dir", run_dir, "--time", "bogus"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--time 'bogus' is not a Slurm time limit; accepted" in bad.stderr \
+        and "Traceback" not in bad.stderr, bad.stderr   # checked before sbatch (issue 46), naming the value
+    bad = subprocess.run(cli + ["--run-dir", run_dir, "--sbatch-arg=--no-such-option"], capture_output=True, text=True,
+                         timeout=60)
     assert bad.returncode == 2 and "sbatch refused the job" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
     first = subprocess.run(cli + ["--run-dir", run_dir, "--sbatch-arg=--begin=now+1hour"], capture_output=True,
                            text=True, timeout=60)

@@ -41,6 +41,7 @@ from submitit.slurm.slurm import SlurmExecutor
 from deadpool_hpc.config import RunConfig
 from deadpool_hpc.errors import ConfigError
 from deadpool_hpc.launch import slurm as deadpool_slurm
+from deadpool_hpc.launch import timelimit
 from deadpool_hpc.launch.options import check_train_fn
 from deadpool_hpc.launch.submitit_job import HotSwapJob, hot_swap_job_class, srun_args
 from deadpool_hpc.worker.entry import load_train_fn
@@ -187,8 +188,10 @@ class DeadpoolExecutor(SlurmExecutor):
     and what would be accepted: at ``update_parameters`` for a value of the wrong type or range, ``tasks_per_node``
     other than 1 or ``use_srun=False``; at ``submit`` for a combination that cannot work (e.g. ``spares`` with one
     active node, ``replicas`` >= ``nodes``, ``cpus_per_task`` < ``ranks_per_node``, more nodes than the partition
-    has), a training function that cannot be imported by name, a ``HotSwapJob`` whose config contradicts parameters
-    set here, or a run directory a job still uses. RuntimeError at construction when ``srun`` is not on PATH.
+    has, ``timeout_min`` that leaves no time to train before submitit's signal ``signal_delay_s`` seconds before the
+    time limit, default 90: ``timeout_min`` must exceed it by 90 s, see deadpool_hpc/launch/timelimit.py), a
+    training function that cannot be imported by name, a ``HotSwapJob`` whose config contradicts parameters set
+    here, or a run directory a job still uses. RuntimeError at construction when ``srun`` is not on PATH.
     """
 
     def __init__(self, folder, max_num_timeout: int = 3, max_pickle_size_gb: float = 1.0,
@@ -325,6 +328,10 @@ class DeadpoolExecutor(SlurmExecutor):
             deadpool_slurm.check_partition(cfg, self.parameters.get("partition"))
         except ConfigError as exc:
             raise _run_config_error(exc) from None
+        try:   # the time limit must leave time to train before submitit's USR2 (launch/timelimit.py)
+            timelimit.check_submitit(self.parameters.get("time"), self.parameters.get("signal_delay_s", 90))
+        except ConfigError as exc:
+            raise ConfigError(f"deadpool executor: {exc}") from None
 
     def _internal_process_submissions(self, delayed_submissions: tp.List[utils.DelayedSubmission]) -> tp.List[tp.Any]:
         if len(delayed_submissions) != 1:
