@@ -1,0 +1,186 @@
+"""Why a failure happened: the evidence a node agent takes of its training processes, with real processes and
+real signals (agent/stacks.py: py-spy and the in-process faulthandler dump; agent/stderrtail.py: the stderr tail),
+and the one line per failure that ``deadpool status`` prints (cause.py, pure). No training run: each test starts
+a small Python process of its own and ends it."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from deadpool_hpc import cause
+from deadpool_hpc.agent import stacks
+from deadpool_hpc.agent.stderrtail import StderrTails
+
+# a process like a hung training process: a helper thread, and its main thread stuck inside a named function;
+# its stack handler registered as worker/entry.py does
+HUNG = f"""
+import faulthandler, signal, sys, threading, time
+faulthandler.register({int(cause.STACK_SIGNAL)}, all_threads=True, chain=False)
+def helper_loop():
+    while True:
+        time.sleep(1)
+threading.Thread(target=helper_loop, daemon=True).start()
+def waiting_for_a_peer_that_never_answers():
+    while True:
+        time.sleep(0.05)
+print("ready", file=sys.stderr, flush=True)
+waiting_for_a_peer_that_never_answers()
+"""
+
+
+@pytest.fixture()
+def hung():
+    """(process, StderrTails) of a HUNG process whose stderr goes through a StderrTails, as a training process's
+    does; the process is killed and reaped at the end."""
+    tails = StderrTails(out_fd=None)
+    err = tails.open(0)
+    p = subprocess.Popen([sys.executable, "-c", HUNG], stderr=err, stdin=subprocess.DEVNULL)
+    os.close(err)
+    end = time.monotonic() + 30
+    while "ready" not in tails.tail(0) and time.monotonic() < end:
+        time.sleep(0.02)
+    assert "ready" in tails.tail(0), "the hung process did not start"
+    yield p, tails
+    p.kill()
+    p.wait()
+    tails.close()
+
+
+def test_pyspy_reads_every_thread_of_a_hung_process(hung):
+    p, tails = hung
+    if stacks.pyspy_path() is None:
+        pytest.fail("py-spy is not installed: it is a dependency of deadpool-hpc (pyproject.toml)")
+    st = stacks.take(p.pid, p.send_signal, tails, 0)
+    assert st.source == "py-spy", st.errors
+    assert st.hung_in["function"] == "waiting_for_a_peer_that_never_answers", st
+    assert "helper_loop" in st.text and "MainThread" in st.text
+    assert st.seconds < stacks.STACK_TIMEOUT_S
+    assert p.poll() is None, "reading its stacks must not end the process"
+
+
+def test_without_pyspy_the_process_dumps_its_own_stacks(hung):
+    """py-spy missing (an executable that is not there): the in-process dump through the stack signal."""
+    p, tails = hung
+    st = stacks.take(p.pid, p.send_signal, tails, 0, exe="/nonexistent/py-spy")
+    assert st.source == "faulthandler", st.errors
+    assert st.errors and "py-spy" in st.errors[0]
+    assert st.hung_in == {"function": "waiting_for_a_peer_that_never_answers", "where": "<string>:10"}
+    assert "helper_loop" in st.text
+    assert p.poll() is None
+
+
+def test_a_stopped_process_is_reported_at_once(hung):
+    p, tails = hung
+    os.kill(p.pid, signal.SIGSTOP)
+    end = time.monotonic() + 10
+    while not stacks.stopped(p.pid) and time.monotonic() < end:   # (a hang is declared seconds after it began)
+        time.sleep(0.01)
+    try:
+        t0 = time.monotonic()
+        st = stacks.take(p.pid, p.send_signal, tails, 0)
+        assert time.monotonic() - t0 < 1.0
+        assert st.source is None and st.text == "" and "SIGSTOP" in st.errors[0]
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+
+
+def test_the_stderr_tail_keeps_the_last_lines_and_passes_everything_on(tmp_path):
+    """A process writes 5000 lines to stderr and exits with code 3: its agent's stderr gets every byte, the tail
+    the last lines, and the wait for the pipe's end returns at the process's end."""
+    out = open(tmp_path / "agent-stderr", "wb")
+    tails = StderrTails(out_fd=out.fileno())
+    err = tails.open(1)
+    code = "import sys\nfor i in range(5000): print(f'line {i}', file=sys.stderr)\nsys.exit(3)"
+    p = subprocess.Popen([sys.executable, "-c", code], stderr=err)
+    os.close(err)
+    assert p.wait(30) == 3
+    t0 = time.monotonic()
+    tail = cause.bound_tail(tails.tail(1, wait=5.0))
+    assert time.monotonic() - t0 < 1.0
+    tails.close()
+    out.close()
+    assert tail.splitlines() == [f"line {i}" for i in range(4980, 5000)]
+    assert (tmp_path / "agent-stderr").read_text().splitlines() == [f"line {i}" for i in range(5000)]
+
+
+# ---- the cause line (pure) ---------------------------------------------------------------------------------------
+PYSPY_JSON = """[{"pid": 7, "thread_id": 1, "thread_name": "MainThread", "os_thread_id": 7, "frames": [
+  {"name": "all_reduce", "filename": "/v/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py",
+   "line": 2501},
+  {"name": "sync_grads", "filename": "/home/u/train.py", "line": 40},
+  {"name": "main", "filename": "/v/lib/python3.11/site-packages/deadpool_hpc/worker/entry.py", "line": 90}]},
+ {"pid": 7, "thread_id": 2, "thread_name": "Thread-1", "os_thread_id": 9, "frames": [
+  {"name": "wait", "filename": "/usr/lib/python3.11/threading.py", "line": 320}]}]"""
+
+FAULTHANDLER_TEXT = """noise before
+Thread 0x00007f00000000aa (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 320 in wait
+
+Current thread 0x00007f00000000bb (most recent call first):
+  File "/home/u/train.py", line 12 in stuck_here
+  File "/x/deadpool_hpc/worker/entry.py", line 95 in main
+"""
+
+
+def test_parse_pyspy_and_name_the_training_threads_frame():
+    threads = cause.parse_pyspy_json(PYSPY_JSON)
+    assert [t.name for t in threads] == ["MainThread (tid 7)", "Thread-1 (tid 9)"]
+    assert cause.hung_in(threads) == {"function": "all_reduce", "where": "distributed_c10d.py:2501",
+                                      "user_function": "sync_grads", "user_where": "train.py:40"}
+    text = cause.format_stack(threads)
+    assert text.splitlines()[:2] == ["Thread MainThread (tid 7):",
+                                     "    all_reduce (/v/lib/python3.11/site-packages/torch/distributed/"
+                                     "distributed_c10d.py:2501)"]
+    with pytest.raises(ValueError, match="not JSON"):
+        cause.parse_pyspy_json("Error: Failed to suspend process")
+
+
+def test_parse_faulthandler_text():
+    threads = cause.parse_faulthandler(FAULTHANDLER_TEXT)
+    assert [len(t.frames) for t in threads] == [1, 2]
+    assert cause.hung_in(threads) == {"function": "stuck_here", "where": "train.py:12"}
+    assert cause.format_stack(threads * 2000).endswith("characters more)")
+    assert len(cause.format_stack(threads * 2000)) < cause.STACK_MAX_CHARS + 100
+
+
+def test_signal_names_and_tails():
+    assert cause.signal_name(-9) == "SIGKILL" and cause.signal_name(-6) == "SIGABRT"
+    assert cause.signal_name(3) is None and cause.signal_name(0) is None
+    assert cause.bound_tail("a\nb\nc\n", lines=2) == "b\nc"
+    assert cause.bound_tail("x" * 5000) == "x" * cause.TAIL_MAX_CHARS
+
+
+def test_cause_lines():
+    hang = {"kind": "not injected", "target": "node2", "failed_nodes": [2],
+            "processes": [{"what": "hang", "node": 2, "local": 0, "rank": 2, "step": 40, "stuck_s": 60.04,
+                           "hung_in": {"function": "all_reduce", "where": "distributed_c10d.py:2501"},
+                           "stack": "...", "stack_source": "py-spy"}]}
+    assert cause.cause_line(hang) == ("rank 2 hung in `all_reduce` (distributed_c10d.py:2501) at step 40 for 60.0 s "
+                                      "(node2); stack (py-spy) in events.jsonl (hang_detected) and summary.json")
+    killed = {"kind": "kill", "target": "rank1", "failed_nodes": [1],
+              "processes": [{"what": "exit", "node": 1, "local": 0, "rank": 1, "step": 12, "rc": -9,
+                             "signal": "SIGKILL", "stderr_tail": ""}]}
+    assert cause.cause_line(killed) == ("rank 1 killed by SIGKILL at step 12 (node1); nothing on stderr; "
+                                        "injected: kill rank1")
+    code = {"kind": "not injected", "failed_nodes": [0],
+            "processes": [{"what": "exit", "node": 0, "rank": 0, "step": 6, "rc": 3, "signal": None,
+                           "stderr_tail": "Traceback\nRuntimeError: CUDA error: an illegal memory access\n"}]}
+    assert cause.cause_line(code) == ("rank 0 exited with code 3 at step 6 (node0); last stderr: Traceback | "
+                                      "RuntimeError: CUDA error: an illegal memory access")
+    whole = {"kind": "not injected", "failed_nodes": [3], "processes": [], "t_fault_source":
+             "last heartbeat heard (estimated)",
+             "slurm": [{"host": "c3", "state": "DOWN+NOT_RESPONDING", "reason": "Not responding"}]}
+    assert cause.cause_line(whole) == ("node3 lost whole (no training process exit or hang reported by its agent; "
+                                       "fault time from: last heartbeat heard (estimated)); "
+                                       "Slurm c3: DOWN+NOT_RESPONDING, Reason=Not responding")
+    nostack = dict(hang, processes=[dict(hang["processes"][0], stack="", hung_in=None,
+                                         stack_error="process 5 is stopped by a signal (SIGSTOP)")])
+    assert cause.cause_line(nostack).endswith("(node2); no stack: process 5 is stopped by a signal (SIGSTOP)")
+    startup = {"kind": "not injected", "failed_nodes": [1], "processes": [],
+               "reasons": ["the health check 'x' exited with 1 after 0.1 s"]}
+    assert cause.cause_line(startup) == "the health check 'x' exited with 1 after 0.1 s"
