@@ -1,7 +1,8 @@
 """Why a failure happened: the evidence a node agent takes of its training processes, with real processes and
 real signals (agent/stacks.py: py-spy and the in-process faulthandler dump; agent/stderrtail.py: the stderr tail),
-and the one line per failure that ``deadpool status`` prints (cause.py, pure). No training run: each test starts
-a small Python process of its own and ends it."""
+and the one line per failure that ``deadpool status`` prints (cause.py, pure). One training run (the last test:
+an exit with a code and stderr, a SIGKILL, a hang in a named function); the other tests start a small Python
+process of their own and end it."""
 from __future__ import annotations
 
 import os
@@ -13,6 +14,7 @@ import time
 import pytest
 
 from deadpool_hpc import cause
+from runs import run_events, run_faults  # tests/runs.py
 from deadpool_hpc.agent import stacks
 from deadpool_hpc.agent.stderrtail import StderrTails
 
@@ -184,3 +186,98 @@ def test_cause_lines():
     startup = {"kind": "not injected", "failed_nodes": [1], "processes": [],
                "reasons": ["the health check 'x' exited with 1 after 0.1 s"]}
     assert cause.cause_line(startup) == "the health check 'x' exited with 1 after 0.1 s"
+
+
+# ---- one run, three failures, each with its cause --------------------------------------------------------------
+def test_each_failure_of_a_run_says_why(tmp_path):
+    """2 + 3 nodes, 24 steps (trainfns.why_it_failed): training rank 1 writes to stderr and exits with code 3 at
+    step 6; rank 0's training process is killed (SIGKILL) at step 12; rank 1 hangs inside
+    ``waiting_for_a_peer_that_never_answers`` at step 18 (--hang-timeout 3). Each failure's entry in the summary,
+    its event and ``deadpool status`` say what happened: the code and the stderr tail, the signal, the function."""
+    s = run_faults(tmp_path, "why", "kill rank0@12", nodes=2, spares=3, hang_timeout=3.0,
+                   train_fn="trainfns:why_it_failed")
+    assert s["completed"], s
+    by_what = {}
+    for f in s["failures"]:
+        (p,) = f["processes"]   # one lost node each, one process's evidence
+        by_what["hang" if p["what"] == "hang" else p["signal"] or f"code {p['rc']}"] = (f, p)
+    assert sorted(by_what) == ["SIGKILL", "code 3", "hang"], s["failures"]
+
+    f, p = by_what["code 3"]
+    assert (p["rank"], p["step"], p["rc"], p["signal"]) == (1, 6, 3, None), p
+    assert p["stderr_tail"].splitlines()[-2:] == ["loader: reading shard 7",
+                                                  "fatal: shard 7 is corrupt (checksum mismatch); giving up"]
+    assert "rank 1 exited with code 3 at step 6" in f["why"] and "shard 7 is corrupt" in f["why"], f["why"]
+
+    f, p = by_what["SIGKILL"]
+    assert (p["rank"], p["step"], p["rc"]) == (0, 12, -9), p
+    assert f["why"].startswith("rank 0 killed by SIGKILL at step 12"), f["why"]
+
+    f, p = by_what["hang"]
+    assert (p["rank"], p["step"], p["stack_source"]) == (1, 18, "py-spy"), p
+    assert p["hung_in"]["function"] == "waiting_for_a_peer_that_never_answers", p
+    assert p["stuck_s"] >= 3.0 and p["stack_s"] < 2.0, p
+    assert "waiting_for_a_peer_that_never_answers" in p["stack"] and "Thread" in p["stack"]
+    assert f["why"].startswith("rank 1 hung in `waiting_for_a_peer_that_never_answers`"), f["why"]
+    (hang,) = [e for e in run_events(tmp_path / "why") if e["event"] == "hang_detected"]
+    assert hang["stack"] == p["stack"]
+
+    out = subprocess.run([sys.executable, "-m", "deadpool_hpc.launch.cli", "status", str(tmp_path / "why")],
+                         capture_output=True, text=True, timeout=60, env=dict(os.environ, COLUMNS="200"))
+    assert out.returncode == 0, out.stderr
+    for f in s["failures"]:
+        assert f["why"] in out.stdout, out.stdout
+    assert "hung in `waiting_for_a_peer_that_never_answers`" in out.stdout
+
+
+# ---- Slurm's view of a lost node (launch/slurm_job.py's watcher; scontrol's answers given here) -----------------
+def test_scontrol_node_state_is_parsed():
+    from deadpool_hpc.launch.slurm_job import is_down, parse_node_state
+
+    line = ("NodeName=node2 Arch=x86_64 CoresPerSocket=2 State=DOWN+DRAIN+NOT_RESPONDING ThreadsPerCore=1 "
+            "ExtSensorsTemp=n/s Reason=Not responding [slurm@2026-12-06T02:40:00]\n")
+    assert parse_node_state(line) == ("DOWN+DRAIN+NOT_RESPONDING", "Not responding")
+    assert parse_node_state("NodeName=n1 State=IDLE+DRAIN Reason=deadpool job 5: declared dead [root@2026-12-06T02:4"
+                            "0:00] Comment=x") == ("IDLE+DRAIN", "deadpool job 5: declared dead")
+    assert parse_node_state("NodeName=n1 State=IDLE ThreadsPerCore=1") == ("IDLE", None)
+    assert [is_down(s) for s in ("MIXED*", "IDLE+DRAIN", "DOWN+DRAIN", "ALLOCATED", None)] == [True, False, True,
+                                                                                                False, False]
+
+
+def test_node_states_are_recorded_until_slurm_sees_the_node_down(tmp_path):
+    from deadpool_hpc.events import EventLog, read_events
+    from deadpool_hpc.launch.slurm_job import NodeStates
+
+    answers = [("ALLOCATED", None), ("ALLOCATED", None), ("MIXED+DRAIN", "deadpool job 5: declared dead"),
+               ("DOWN+DRAIN+NOT_RESPONDING", "Not responding")]
+    asked = []
+    log = EventLog(str(tmp_path / "events.jsonl"))
+    states = NodeStates(log, query=lambda h: (asked.append(h), answers[min(len(asked), len(answers)) - 1])[1],
+                        wait_s=30.0, every_s=0.0)
+    states.lost("node2", 1, 1)
+    for _ in range(10):
+        states.poll()
+    got = [(e["state"], e["reason"], e["settled"]) for e in read_events(str(tmp_path / "events.jsonl"))]
+    assert got == [("ALLOCATED", None, False), ("MIXED+DRAIN", "deadpool job 5: declared dead", False),
+                   ("DOWN+DRAIN+NOT_RESPONDING", "Not responding", True)]
+    assert asked == ["node2"] * 4, "asked again after Slurm settled"
+
+
+def test_a_whole_node_lost_under_slurm_reads_with_slurms_reason():
+    """The summary's failure entry of a node lost whole (no process evidence: its agent died with it) carries the
+    watcher's last ``node_state`` of its host, and its line says so (build_summary over these events alone)."""
+    from deadpool_hpc.summary import build_summary
+
+    ev = [{"t": 10.0, "event": "suspect", "generation": 0, "node": 2, "last_heard": 9.5},
+          {"t": 10.2, "event": "decision", "generation": 1, "t_decided": 10.2, "reason": "failure",
+           "failed_nodes": [2], "replaced": {"2": 3}, "promoted": {}, "cut_step": 7},
+          {"t": 10.3, "event": "node_state", "host": "c2", "lost_node": 2, "generation": 1, "state": "ALLOCATED",
+           "reason": None, "settled": False},
+          {"t": 16.0, "event": "node_state", "host": "c2", "lost_node": 2, "generation": 1,
+           "state": "DOWN+DRAIN+NOT_RESPONDING", "reason": "Not responding", "settled": True},
+          {"t": 17.0, "event": "node_state", "host": "c9", "lost_node": 5, "generation": 1, "state": "DOWN"}]
+    (f,) = build_summary(ev)["failures"]
+    assert f["processes"] == [] and f["slurm"] == [{"host": "c2", "state": "DOWN+DRAIN+NOT_RESPONDING",
+                                                    "reason": "Not responding", "after_s": None, "settled": True}]
+    assert f["why"] == ("node2 lost whole (no training process exit or hang reported by its agent; fault time from: "
+                        "last heartbeat heard (estimated)); Slurm c2: DOWN+DRAIN+NOT_RESPONDING, Reason=Not responding")
