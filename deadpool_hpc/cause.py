@@ -88,9 +88,11 @@ def parse_faulthandler(text: str) -> list[Thread]:
 
 
 def format_stack(threads: list[Thread]) -> str:
-    """Every thread's stack as text, innermost frame first (as py-spy prints it), at most STACK_MAX_CHARS."""
+    """Every thread's stack as text, the training thread's first (``training_thread``), each innermost frame first
+    (as py-spy prints it), at most STACK_MAX_CHARS."""
     lines = []
-    for t in threads:
+    first = training_thread(threads)
+    for t in sorted(threads, key=lambda t: t is not first):
         lines.append(f"Thread {t.name}:")
         lines += [f"    {f.function} ({f.file}:{f.line if f.line is not None else '?'})" for f in t.frames]
     return bound_head("\n".join(lines), STACK_MAX_CHARS)

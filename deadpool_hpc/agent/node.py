@@ -141,7 +141,10 @@ class NodeAgent:
         for local, rc in self.sup.poll():
             if rc == 0 and self.cp._finish is not None:
                 continue  # the run is complete: training processes leave
-            starting = rc == STARTUP_FAILED_EXIT or local not in self.layouts   # before it reached ctx.run
+            # before it reached ctx.run: no layout sent, or the start-up's exit code (worker/entry.py) from a process
+            # that began no step (a process that trained and then exits 3 on its own is not starting)
+            page = self.channel.progress(local)
+            starting = local not in self.layouts or (rc == STARTUP_FAILED_EXIT and (page is None or page.step is None))
             self._exited(local, rc, starting)
             self.node_failed(f"training process {local} (pid {self.sup.procs[local].pid}) exited with "
                               f"{'signal ' + signal_name(rc) if rc < 0 else 'code ' + str(rc)}"
