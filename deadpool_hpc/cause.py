@@ -189,9 +189,16 @@ def process_line(p: dict) -> str:
     return f"{_rank(p)} {how}{at}{start} ({_on(p)}); {_quote_tail(p.get('stderr_tail'))}"
 
 
+DRAIN_REASON_PREFIX = "deadpool job "   # the reason launch/slurm_job.py's watcher drains a lost node with
+
+
 def slurm_clause(s: dict) -> str:
-    """Slurm's view of a lost node: ``Slurm: DOWN+NOT_RESPONDING, Reason=Not responding`` (its host named)."""
-    reason = f", Reason={s['reason']}" if s.get("reason") else ""
+    """Slurm's view of a lost node: ``Slurm node3: DOWN+NOT_RESPONDING, Reason=Not responding`` (its host named;
+    a Reason that is the watcher's own drain says so)."""
+    reason = ""
+    if s.get("reason"):
+        ours = " (deadpool's drain)" if s["reason"].startswith(DRAIN_REASON_PREFIX) else ""
+        reason = f", Reason={s['reason']}{ours}"
     return f"Slurm {s.get('host')}: {s.get('state') or 'state unknown'}{reason}"
 
 
@@ -200,7 +207,8 @@ def cause_line(f: dict) -> str:
     it was seen, e.g. "rank 2 hung in `all_reduce` (distributed_c10d.py:2501) at step 40 for 60.0 s (node2);
     stack (py-spy) in events.jsonl (hang_detected) and summary.json"."""
     parts = [process_line(p) for p in f.get("processes") or []]
-    nodes = [f"node{n}" for n in f.get("failed_nodes") or []]
+    hosts = {s.get("lost_node"): s.get("host") for s in f.get("slurm") or []}
+    nodes = [f"node{n}" + (f" (host {hosts[n]})" if hosts.get(n) else "") for n in f.get("failed_nodes") or []]
     if not parts:
         cause = f.get("cause")
         if f.get("kind") == "planned swap" or (cause or "").startswith("planned"):

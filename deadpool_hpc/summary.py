@@ -267,5 +267,5 @@ def _slurm_states(by, lost: set, g: int) -> list[dict]:
     last: dict = {}
     for e in sorted(by["node_state"], key=lambda e: e["t"]):
         if e.get("lost_node") in lost and e.get("generation") == g:
-            last[e["lost_node"]] = {k: e.get(k) for k in ("host", "state", "reason", "after_s", "settled")}
+            last[e["lost_node"]] = {k: e.get(k) for k in ("lost_node", "host", "state", "reason", "after_s", "settled")}
     return [last[n] for n in sorted(last)]

@@ -176,10 +176,12 @@ def test_cause_lines():
                                       "RuntimeError: CUDA error: an illegal memory access")
     whole = {"kind": "not injected", "failed_nodes": [3], "processes": [], "t_fault_source":
              "last heartbeat heard (estimated)",
-             "slurm": [{"host": "c3", "state": "DOWN+NOT_RESPONDING", "reason": "Not responding"}]}
-    assert cause.cause_line(whole) == ("node3 lost whole (no training process exit or hang reported by its agent; "
-                                       "fault time from: last heartbeat heard (estimated)); "
-                                       "Slurm c3: DOWN+NOT_RESPONDING, Reason=Not responding")
+             "slurm": [{"lost_node": 3, "host": "c3", "state": "DOWN+NOT_RESPONDING",
+                        "reason": "deadpool job 5: declared dead"}]}
+    assert cause.cause_line(whole) == ("node3 (host c3) lost whole (no training process exit or hang reported by its "
+                                       "agent; fault time from: last heartbeat heard (estimated)); "
+                                       "Slurm c3: DOWN+NOT_RESPONDING, Reason=deadpool job 5: declared dead "
+                                       "(deadpool's drain)")
     nostack = dict(hang, processes=[dict(hang["processes"][0], stack="", hung_in=None,
                                          stack_error="process 5 is stopped by a signal (SIGSTOP)")])
     assert cause.cause_line(nostack).endswith("(node2); no stack: process 5 is stopped by a signal (SIGSTOP)")
@@ -283,7 +285,8 @@ def test_a_whole_node_lost_under_slurm_reads_with_slurms_reason():
            "state": "DOWN+DRAIN+NOT_RESPONDING", "reason": "Not responding", "settled": True},
           {"t": 17.0, "event": "node_state", "host": "c9", "lost_node": 5, "generation": 1, "state": "DOWN"}]
     (f,) = build_summary(ev)["failures"]
-    assert f["processes"] == [] and f["slurm"] == [{"host": "c2", "state": "DOWN+DRAIN+NOT_RESPONDING",
+    assert f["processes"] == [] and f["slurm"] == [{"lost_node": 2, "host": "c2", "state": "DOWN+DRAIN+NOT_RESPONDING",
                                                     "reason": "Not responding", "after_s": None, "settled": True}]
-    assert f["why"] == ("node2 lost whole (no training process exit or hang reported by its agent; fault time from: "
-                        "last heartbeat heard (estimated)); Slurm c2: DOWN+DRAIN+NOT_RESPONDING, Reason=Not responding")
+    assert f["why"] == ("node2 (host c2) lost whole (no training process exit or hang reported by its agent; fault "
+                        "time from: last heartbeat heard (estimated)); Slurm c2: DOWN+DRAIN+NOT_RESPONDING, "
+                        "Reason=Not responding")

@@ -78,7 +78,8 @@ def test_sbatch_survives_node_crash(tmp_path, fail_node, reference_digest):
     # why: Slurm's view of the crashed host, asked by the batch host's watcher (launch/slurm_job.py NodeStates)
     (f,) = s["failures"]
     assert [x["host"] for x in f["slurm"]] == [node] and f["slurm"][0]["state"], f
-    assert f["why"].startswith(f"node{f['failed_nodes'][0]} lost whole") and f"Slurm {node}: " in f["why"], f["why"]
+    assert f["why"].startswith(f"node{f['failed_nodes'][0]} (host {node}) lost whole") and f"Slurm {node}: " in \
+        f["why"], f["why"]
     _measure("sbatch-node2", s, _events(run_dir), t_kill)
 
 
