@@ -82,7 +82,7 @@ class LiveView:
                 self._note(f"  node{e.get('node')}: training thread stuck{inside} for {e['stuck_s']:.1f} s at "
                            f"{e['where']}: fenced by its watchdog", "yellow")
             elif kind == "process_exited":
-                self._note(f"  node{e.get('node')}: {process_line(dict(e, what='exit'))[:200]}", "yellow")
+                self._note(f"  {process_line(dict(e, what='exit'))[:200]}", "yellow")
             elif kind == "suspect" and not self._detected:
                 self._detected = True
                 if self.t_fault is not None:
