@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from .cause import cause_line
+
 
 def build_summary(events: list[dict], config=None) -> dict:  # noqa: C901
     """Summarise a run from its events (list of dicts as written by events.EventLog)."""
@@ -204,7 +206,7 @@ def _failure(d: dict, by, fault, lost: set, t_next_attempt, P: int) -> dict:
                                                                           "recovered it)")
     else:
         outcome = "spare lost" if lost else d.get("reason", "")
-    return {
+    out = {
         "kind": fault["kind"] if fault else ("planned swap" if planned else "not injected"),
         "target": fault["target"] if fault else ",".join(f"node{n}" for n in sorted(lost)),
         "reason": planned[-1].get("reason") if planned and (not fault or fault["kind"] == "slow") else None,
@@ -230,4 +232,44 @@ def _failure(d: dict, by, fault, lost: set, t_next_attempt, P: int) -> dict:
         "requeued": requeued,
         "rounds": rounds,
         "outcome": outcome,
+        # why: what the lost nodes' agents saw of their training processes (an exit's status and stderr tail, a
+        # hang's stacks), the agents' own reasons for the other causes, and Slurm's view of the lost hosts
+        "processes": _processes(by, lost, g),
+        "reasons": list(dict.fromkeys(e.get("reason") for e in by["node_failed"] if e.get("node") in lost
+                                      and e.get("generation") == g - 1 and e.get("reason")))[:4],
+        "slurm": _slurm_states(by, lost, g),
     }
+    out["why"] = cause_line(out)
+    return out
+
+
+def _processes(by, lost: set, g: int) -> list[dict]:
+    """Per lost node, the training process whose exit or hang its agent reported first (``process_exited``,
+    ``hang_detected`` of generation ``g - 1``): what happened, its rank and step, and the evidence."""
+    seen = sorted([e for e in by["process_exited"] + by["hang_detected"]
+                   if e.get("node") in lost and e.get("generation") == g - 1], key=lambda e: e["t"])
+    out, nodes = [], set()
+    for e in seen:
+        if e.get("node") in nodes:
+            continue
+        nodes.add(e.get("node"))
+        p = {k: e.get(k) for k in ("node", "local", "rank", "step", "pid")}
+        if e["event"] == "hang_detected":
+            p.update(what="hang", stuck_s=e.get("stuck_s"), timeout_s=e.get("timeout_s"), hung_in=e.get("hung_in"),
+                     stack_source=e.get("stack_source"), stack_s=e.get("stack_s"), stack=e.get("stack"),
+                     stack_error="; ".join(e.get("stack_errors") or []) or None)
+        else:
+            p.update(what="exit", rc=e.get("rc"), signal=e.get("signal"), during_start_up=e.get("during_start_up"),
+                     stderr_tail=e.get("stderr_tail"))
+        out.append(p)
+    return out
+
+
+def _slurm_states(by, lost: set, g: int) -> list[dict]:
+    """Slurm's State and Reason of each lost node's host (``node_state`` events of launch/slurm_job.py's watcher):
+    the last one recorded for the decision of generation ``g``."""
+    last: dict = {}
+    for e in sorted(by["node_state"], key=lambda e: e["t"]):
+        if e.get("lost_node") in lost and e.get("generation") == g:
+            last[e["lost_node"]] = {k: e.get(k) for k in ("lost_node", "host", "state", "reason", "after_s", "settled")}
+    return [last[n] for n in sorted(last)]

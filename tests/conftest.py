@@ -34,6 +34,7 @@ NOT_IN_KEY = frozenset({"spares", "faults", "hang_timeout", "rendezvous_timeout"
                         "metrics_port", "metrics_textfile"})
 # training functions whose arithmetic is the demo's (trainfns.py: they only sleep or freeze one rank once)
 SAME_AS_DEMO = {"trainfns:paced": "deadpool_hpc.train.demo:train", "trainfns:frozen_rank2": "deadpool_hpc.train.demo:train",
+                "trainfns:why_it_failed": "deadpool_hpc.train.demo:train",
                 "trainfns_startup:train": "deadpool_hpc.train.demo:train"}
 
 

@@ -5,6 +5,7 @@ Each is an ordinary user function (docs/worker-contract.md) with one twist the t
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import torch
@@ -30,6 +31,39 @@ def frozen_rank2(ctx) -> None:
         run(step)
 
     ctx.run = run_frozen
+    demo_train(ctx)
+
+
+def waiting_for_a_peer_that_never_answers() -> None:
+    """Where why_it_failed's hang happens: a name the test looks for in the stack and in ``deadpool status``."""
+    while True:
+        time.sleep(0.05)
+
+
+def why_it_failed(ctx) -> None:
+    """The demo, with training rank 1 failing twice, once each way (marker files in the run directory): at step
+    ``DEADPOOL_TEST_EXIT_STEP`` (default 6) it writes a message to stderr and exits with code 3, as a native library
+    that gives up does; at step ``DEADPOOL_TEST_HANG_STEP`` (default 18) its training thread stays for ever inside
+    ``waiting_for_a_peer_that_never_answers``."""
+    exit_at = int(os.environ.get("DEADPOOL_TEST_EXIT_STEP", "6"))
+    hang_at = int(os.environ.get("DEADPOOL_TEST_HANG_STEP", "18"))
+    exited, hung = (os.path.join(ctx.config.run_dir, name) for name in ("exited-once", "hung-once"))
+    run = ctx.run
+
+    def run_failing(step_fn):
+        def step(s: int):
+            if ctx.rank == 1 and s == exit_at and not os.path.exists(exited):
+                open(exited, "w").close()
+                print("loader: reading shard 7", file=sys.stderr)
+                print("fatal: shard 7 is corrupt (checksum mismatch); giving up", file=sys.stderr, flush=True)
+                os._exit(3)
+            if ctx.rank == 1 and s == hang_at and not os.path.exists(hung):
+                open(hung, "w").close()
+                waiting_for_a_peer_that_never_answers()
+            return step_fn(s)
+        run(step)
+
+    ctx.run = run_failing
     demo_train(ctx)
 
 

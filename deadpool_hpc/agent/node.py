@@ -23,9 +23,9 @@ What the recovery, the desk and planned swaps use of this class is public (``tic
 from __future__ import annotations
 
 import os
-import signal
 import time
 
+from ..cause import signal_name
 from ..errors import STARTUP_FAILED_EXIT, Fenced, Returning
 from ..ipc.messages import Finish, Left, RoundFailed, Spare, Train, View
 from ..ipc.shm import Doorbell
@@ -46,6 +46,9 @@ STEADY_TICK_S = 0.05  # seconds between passes of the agent's loop when nothing 
 # the run's back): each agent imports torch then, and loading its libraries holds the GIL long enough on a busy
 # node (seen: > 1 s on 2 shared cores) that its heartbeat thread fell silent and a live node was declared failed
 STARTUP_HEARTBEAT_DEADLINE_S = 5.0
+# an exited training process's stderr may still hold its last words: the most its agent waits for the pipe's end
+# before it declares the node failed (the end comes with the process's, unless a child of it holds its stderr)
+STDERR_WAIT_S = 0.2
 
 
 class NodeAgent:
@@ -141,19 +144,28 @@ class NodeAgent:
         for local, rc in self.sup.poll():
             if rc == 0 and self.cp._finish is not None:
                 continue  # the run is complete: training processes leave
-            starting = rc == STARTUP_FAILED_EXIT or local not in self.layouts   # before it reached ctx.run
+            # before it reached ctx.run: no layout sent, or the start-up's exit code (worker/entry.py) from a process
+            # that began no step (a process that trained and then exits 3 on its own is not starting)
+            page = self.channel.progress(local)
+            starting = local not in self.layouts or (rc == STARTUP_FAILED_EXIT and (page is None or page.step is None))
+            self._exited(local, rc, starting)
             self.node_failed(f"training process {local} (pid {self.sup.procs[local].pid}) exited with "
-                              f"{'signal ' + signal.Signals(-rc).name if rc < 0 else 'code ' + str(rc)}"
+                              f"{'signal ' + signal_name(rc) if rc < 0 else 'code ' + str(rc)}"
                               + (" during its start-up" if starting else ""),
                               cause="startup_failed" if starting else "exit")
         frozen = self.swaps.frozen()  # stopped on purpose at a planned swap's boundary: not a hang
         armed = [lo for lo in range(self.P) if self.channel.progress(lo) is not None and self.channel.progress(lo).armed
                  and lo not in frozen]
         for local, stuck in self.sup.hung(armed):
+            # every thread's stack before anything is killed (agent/stacks.py: at most STACK_TIMEOUT_S)
+            st = self.sup.stack(local)
             self.log.emit("hang_detected", generation=self.cp.generation, local=local, stuck_s=round(stuck, 3),
                           step=self.channel.progress(local).step, where=f"step {self.channel.progress(local).step}",
-                          timeout_s=self.cfg.hang_timeout)
-            self.node_failed(f"training process {local} made no progress for {stuck:.1f} s", cause="hang")
+                          timeout_s=self.cfg.hang_timeout, rank=self.cp.train_rank(local),
+                          pid=self.sup.procs[local].pid, stack=st.text, stack_source=st.source,
+                          stack_s=round(st.seconds, 3), hung_in=st.hung_in, stack_errors=st.errors)
+            self.node_failed(f"training process {local} made no progress for {stuck:.1f} s"
+                             + (f" (in {st.hung_in['function']})" if st.hung_in else ""), cause="hang")
         for lost in self.watch.poll():
             self.peers.suspect(lost, "its agent's watch connection closed (the process is gone)")
         for local, rep in self.reps.items():
@@ -366,6 +378,16 @@ class NodeAgent:
         return True
 
     # ---- failures --------------------------------------------------------------------------------------------
+    def _exited(self, local: int, rc: int, starting: bool) -> None:
+        """The evidence of training process ``local``'s exit, in a ``process_exited`` event: its status (code, or
+        the signal's name), its training rank and last step, the last lines of its stderr (waited for at most
+        STDERR_WAIT_S: what it wrote last may still be in the pipe)."""
+        page = self.channel.progress(local)
+        self.log.emit("process_exited", generation=self.cp.generation, local=local, rank=self.cp.train_rank(local),
+                      pid=self.sup.procs[local].pid, rc=rc, signal=signal_name(rc),
+                      step=page.step if page is not None else None, during_start_up=starting,
+                      stderr_tail=self.sup.stderr_tail(local, STDERR_WAIT_S))
+
     def node_failed(self, reason: str, cause: str = "other") -> None:
         """A training process of this node exited or froze: the node is lost (spares are nodes). Tell every agent,
         end the node's processes, and leave (raises Fenced, which ends the agent with exit 1); or, when the node may

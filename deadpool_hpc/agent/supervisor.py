@@ -5,8 +5,10 @@ agent's channel name in the environment and a parent-death signal, so none outli
 launcher, forked by its fork server instead, which kills each one when its agent's connection closes:
 process/forkserver.py), watching each
 one's exit through a pidfd (``poll`` returns it the moment the kernel reaps nothing but knows: no heartbeat
-deadline), reading their progress pages for hangs (``--hang-timeout``), and killing them. Does not own: what a
-failure means for the job (agent/node.py declares the node failed), the channel (agent/channel.py).
+deadline), reading their progress pages for hangs (``--hang-timeout``), the evidence of a failure (each process's
+stderr passes through the agent, which keeps its last lines: agent/stderrtail.py; a hung process's stacks:
+agent/stacks.py), and killing them. Does not own: what a failure means for the job (agent/node.py declares the
+node failed), the channel (agent/channel.py).
 
 A training process's exit by any signal or code while the run is on is a failure of its node: spares are nodes
 (DESIGN.md), so the agent fences the whole node. Measured cost of watching: one ``poll`` with a zero timeout
@@ -22,8 +24,11 @@ import subprocess
 import sys
 import time
 
+from ..cause import bound_tail
 from ..errors import WireError
 from ..process import forkserver
+from . import stacks
+from .stderrtail import StderrTails
 
 PR_SET_PDEATHSIG = 1
 
@@ -43,6 +48,7 @@ class Supervisor:
         self._poll = select.poll()
         self._by_fd: dict[int, int] = {}
         self.exited: dict[int, int] = {}   # local rank -> exit status (negative: the signal)
+        self.tails: StderrTails | None = None   # each process's stderr, through this agent (started with them)
 
     def start(self) -> None:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
@@ -54,22 +60,30 @@ class Supervisor:
                 os._exit(1)
 
         server = self.env.get(forkserver.ENV)
+        if self.tails is None:
+            self.tails = StderrTails()
         for local in range(self.P):
-            env = dict(self.env, DEADPOOL_LOCAL_RANK=str(local))
+            # its agent may read its stacks (agent/stacks.py: py-spy, a child of the agent, under Yama's ptrace_scope 1)
+            env = dict(self.env, DEADPOOL_LOCAL_RANK=str(local), DEADPOOL_AGENT_PID=str(parent))
             env.pop(forkserver.ENV, None)
             p = None
-            if server:   # the local launcher's fork server: torch already imported (worker/forkserver.py)
-                try:
-                    p = forkserver.spawn(server, [self.run_dir, str(local)], env,
-                                         bytes.fromhex(env["DEADPOOL_JOB_SECRET"]))
-                except (OSError, TimeoutError, WireError) as exc:   # started the usual way below
-                    print(f"node agent: fork server {server!r} unavailable ({exc}); starting a fresh interpreter",
-                          file=sys.stderr, flush=True)
-            if p is None:
-                # a session of its own: hydra signals the agent's process group (SIGUSR1 when a peer's process
-                # dies), and Slurm's step signals are the agent's to act on
-                p = subprocess.Popen([sys.executable, "-m", "deadpool_hpc.worker.entry", self.run_dir, str(local)],
-                                     env=env, stdin=subprocess.DEVNULL, preexec_fn=preexec, start_new_session=True)
+            err = self.tails.open(local)   # its stderr: a pipe to this agent, which passes it on (stderrtail.py)
+            try:
+                if server:   # the local launcher's fork server: torch already imported (worker/forkserver.py)
+                    try:
+                        p = forkserver.spawn(server, [self.run_dir, str(local)], env,
+                                             bytes.fromhex(env["DEADPOOL_JOB_SECRET"]), stderr=err)
+                    except (OSError, TimeoutError, WireError) as exc:   # started the usual way below
+                        print(f"node agent: fork server {server!r} unavailable ({exc}); starting a fresh interpreter",
+                              file=sys.stderr, flush=True)
+                if p is None:
+                    # a session of its own: hydra signals the agent's process group (SIGUSR1 when a peer's process
+                    # dies), and Slurm's step signals are the agent's to act on
+                    p = subprocess.Popen([sys.executable, "-m", "deadpool_hpc.worker.entry", self.run_dir, str(local)],
+                                         env=env, stdin=subprocess.DEVNULL, stderr=err, preexec_fn=preexec,
+                                         start_new_session=True)
+            finally:
+                os.close(err)
             self.procs[local] = p
             # a forked process comes with its pidfd: it may have exited, and been reaped by the server, already
             fd = p.pidfd if isinstance(p, forkserver.ForkedProcess) else os.pidfd_open(p.pid)
@@ -109,6 +123,16 @@ class Supervisor:
             self.exited[local] = rc
             out.append((local, rc))
         return out
+
+    def stderr_tail(self, local: int, wait: float = 0.0) -> str:
+        """The last lines local rank ``local``'s process wrote to stderr (cause.bound_tail: at most TAIL_LINES
+        lines, TAIL_MAX_CHARS characters); ``wait``: seconds to wait at most for the end of its stderr first."""
+        return bound_tail(self.tails.tail(local, wait)) if self.tails is not None else ""
+
+    def stack(self, local: int, timeout: float = stacks.STACK_TIMEOUT_S) -> stacks.Stack:
+        """Every thread's stack of local rank ``local``'s live process (agent/stacks.py), within ``timeout`` s."""
+        p = self.procs[local]
+        return stacks.take(p.pid, p.send_signal, self.tails, local, timeout)
 
     def hung(self, armed_locals) -> list[tuple[int, float]]:
         """[(local rank, seconds without progress)] of the processes in ``armed_locals`` whose progress page has

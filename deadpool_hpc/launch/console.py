@@ -10,6 +10,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from ..cause import process_line
+
 PHASES = ("detect", "agree", "rebuild", "restore", "recompute")
 
 
@@ -76,8 +78,11 @@ class LiveView:
                 self.roles[e["node"]] = "out: quarantined"
                 self._note(f"  node{e['node']} stays out: {e['reason'][:140]}", "yellow")
             elif kind == "hang_detected":
-                self._note(f"  node{e.get('node')}: training thread stuck for {e['stuck_s']:.1f} s at {e['where']}: "
-                           f"fenced by its watchdog", "yellow")
+                inside = f" in `{e['hung_in']['function']}`" if e.get("hung_in") else ""
+                self._note(f"  node{e.get('node')}: training thread stuck{inside} for {e['stuck_s']:.1f} s at "
+                           f"{e['where']}: fenced by its watchdog", "yellow")
+            elif kind == "process_exited":
+                self._note(f"  {process_line(dict(e, what='exit'))[:200]}", "yellow")
             elif kind == "suspect" and not self._detected:
                 self._detected = True
                 if self.t_fault is not None:
@@ -221,6 +226,11 @@ def print_summary(summary: dict, console: Console | None = None) -> None:
         for name, vals in rows:
             f.add_row(name, *vals)
         console.print(f)
+        console.print(Text("why each failure happened", style="bold"))
+        for i, x in enumerate(summary["failures"], 1):
+            at = x["step"] if x.get("phase") is None else x["phase"]
+            console.print(Text.assemble((f"  {i}. {x['kind']} {x['target']} @{at}: ", "bold"),
+                                        x.get("why") or "-"), soft_wrap=True)
     console.print(f"param_digest {summary['param_digest']}", soft_wrap=True)
     for err in summary.get("errors") or []:
         console.print(Text.assemble(("error: ", "bold red"), str(err)))

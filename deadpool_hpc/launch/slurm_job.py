@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from ..events import read_events
+from ..events import EventLog, read_events
 from ..rundir import RunDir, emit_requeued
 from ..rundir import latest_checkpoint as _latest_checkpoint  # without torch: settle runs within KillWait
 from .slurm_common import hosts_by_rank, load_config, summary_out, write_summary
@@ -243,9 +243,78 @@ def drain(node: str, reason: str) -> bool:
     return out.returncode == 0
 
 
+# Slurm's view of a lost node (``scontrol show node``), asked by the watcher off the agents' path: at once, then
+# every NODE_STATE_EVERY_S until Slurm's State says the node is down or not responding, at most NODE_STATE_WAIT_S
+# (Slurm marks a silent node after SlurmdTimeout: 300 s by default, 5 s on scripts/slurm-local-cluster.sh)
+NODE_STATE_WAIT_S = 120.0
+NODE_STATE_EVERY_S = 2.0
+NODE_STATE_TIMEOUT_S = 5.0   # one scontrol call
+DOWN_FLAGS = frozenset({"DOWN", "NOT_RESPONDING", "FAIL", "FAILING", "POWER_DOWN", "POWERED_DOWN", "REBOOT_ISSUED"})
+_REASON = re.compile(r"(?:^|\s)Reason=(.*?)(?:\s+\[[^\]]*\])?\s*(?=$|\s[A-Za-z]+=)")
+
+
+def parse_node_state(text: str) -> tuple[str | None, str | None]:
+    """(State, Reason) of one node in ``scontrol show node -o NAME``'s output; Reason without its ``[user@time]``;
+    None for a field that is not there."""
+    state = re.search(r"(?:^|\s)State=(\S+)", text)
+    reason = _REASON.search(text.strip())
+    return (state.group(1) if state else None), (reason.group(1).strip() or None if reason else None)
+
+
+def node_state(host: str) -> tuple[str | None, str | None]:
+    """Slurm's (State, Reason) of ``host`` now; (None, None) when scontrol cannot say (within
+    NODE_STATE_TIMEOUT_S)."""
+    try:
+        out = subprocess.run(["scontrol", "show", "node", "-o", host], capture_output=True, text=True,
+                             timeout=NODE_STATE_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return None, None
+    return parse_node_state(out.stdout) if out.returncode == 0 else (None, None)
+
+
+def is_down(state: str | None) -> bool:
+    """Whether a State (``IDLE+DRAIN``, ``DOWN+NOT_RESPONDING``, ``MIXED*``...) says Slurm sees the node as gone."""
+    return bool(state) and (state.endswith("*") or bool(DOWN_FLAGS & set(state.rstrip("*").split("+"))))
+
+
+class NodeStates:
+    """What Slurm says of each host the run lost, as ``node_state`` events (``host``, ``lost_node``: the run's node
+    index, ``generation``: the decision's, ``state``, ``reason``, ``after_s``: seconds since the watcher saw the
+    decision, ``settled``: Slurm sees it down): the first answer, then each change until settled or
+    NODE_STATE_WAIT_S. ``query(host) -> (state, reason)`` (``node_state``); ``log``: an events.EventLog."""
+
+    def __init__(self, log, query=node_state, wait_s: float = NODE_STATE_WAIT_S, every_s: float = NODE_STATE_EVERY_S):
+        self.log, self.query, self.wait_s, self.every_s = log, query, wait_s, every_s
+        self.asked: set[str] = set()
+        self._pending: dict[str, dict] = {}
+
+    def lost(self, host: str, lost_node: int, generation: int) -> None:
+        self.asked.add(host)
+        self._pending[host] = {"lost_node": lost_node, "generation": generation, "t0": time.monotonic(),
+                               "next": 0.0, "last": None}
+        self.poll()
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        for host, p in list(self._pending.items()):
+            if now < p["next"]:
+                continue
+            state, reason = self.query(host)
+            after = time.monotonic() - p["t0"]
+            settled, late = is_down(state), after >= self.wait_s
+            if (state, reason) != p["last"] or settled or late:
+                self.log.emit("node_state", host=host, lost_node=p["lost_node"], generation=p["generation"],
+                              state=state, reason=reason, after_s=round(after, 3), settled=settled)
+                p["last"] = (state, reason)
+            if settled or late:
+                del self._pending[host]
+            else:
+                p["next"] = now + self.every_s
+
+
 def watch(run_dir: str, do_drain: bool = True, period: float = 1.0) -> None:
     """Run on the batch host while the batch script lives: keep RUN_DIR/batch.alive fresh, drain each node the
-    run declares dead. SIGTERM, SIGUSR2, SIGINT and SIGHUP are ignored (``scancel --full``, a cancel or the time
+    run declares dead, and record Slurm's State and Reason of each (``NodeStates``). SIGTERM, SIGUSR2, SIGINT and SIGHUP are ignored (``scancel --full``, a cancel or the time
     limit signal every process of the batch step; the watcher must outlive the ranks' save, or the tasks would
     take the batch host for dead): the batch script ends it with SIGKILL, and it ends by itself when the batch
     script (its parent) is gone."""
@@ -255,6 +324,7 @@ def watch(run_dir: str, do_drain: bool = True, period: float = 1.0) -> None:
     # a node lost before the MPI world exists: the step is ended, and the batch shell (SIGUSR1) stops waiting for srun
     startup = StartupWatch(run_dir, os.environ.get("SLURM_JOB_ID"), on_lost=lambda: os.kill(parent, signal.SIGUSR1))
     drained: set[str] = set()
+    states = NodeStates(EventLog(events_path, role="watcher"))   # Slurm's view of each lost host
     t_start = time.time()  # decisions of earlier attempts (a requeued job) were drained by their own watcher
     for sig in STOP_SIGNALS + (signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
@@ -271,21 +341,24 @@ def watch(run_dir: str, do_drain: bool = True, period: float = 1.0) -> None:
         except (OSError, ValueError, KeyError) as exc:
             _log.warning("watch (start-up): %s", exc)
             events = []
-        if do_drain and events:
+        if events:
             try:
                 for e in events:
                     if e["event"] != "decision" or e["t"] < t_start:
                         continue
                     hosts = hosts_by_rank(events, before=e["t"])  # where the ranks ran when it was decided
-                    for n in e["failed_nodes"]:
+                    for n in e.get("failed_nodes") or []:
                         h = hosts.get(n)  # MPI rank n is node n's agent
-                        if h and h not in drained:
+                        if h and h not in states.asked:
+                            states.lost(h, n, e["generation"])   # Slurm's view first, before our drain
+                        if do_drain and h and h not in drained:
                             drained.add(h)
                             ok = drain(h, f"deadpool job {os.environ.get('SLURM_JOB_ID', '?')}: declared dead")
                             _log.info("%s %s (node%s of the run, generation %s)", "drained" if ok else "could not drain",
                                      h, n, e["generation"])
             except (OSError, ValueError, KeyError) as exc:
                 _log.warning("watch: %s", exc)
+        states.poll()
         time.sleep(period)
 
 

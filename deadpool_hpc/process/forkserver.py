@@ -13,7 +13,7 @@ This module is the mechanism: the launcher's ``start``, the agent's ``spawn``, t
 program, which knows what to preload and what a forked process runs, is ``worker/forkserver.py``.
 
 What a forked training process keeps of a fresh one, so that nothing in the fault model changes:
-- its own session (``setsid``), the agent's stdout and stderr (passed as file descriptors), the agent's
+- its own session (``setsid``), the agent's stdout and the stderr the agent gives it (passed as file descriptors), the agent's
   environment (replaced whole: ``os.environ``, ``PYTHONPATH`` entries added to ``sys.path``) and working
   directory, fresh seeds for Python's ``random`` and numpy's global generator;
 - it dies with its agent: the server SIGKILLs it the moment the agent's connection closes (an agent killed by
@@ -23,7 +23,8 @@ What a forked training process keeps of a fresh one, so that nothing in the faul
 
 Protocol: one ``AF_UNIX``/``SOCK_SEQPACKET`` connection per training process, in the abstract namespace. Each
 message is ``ipc/wire.py`` JSON + HMAC with the job's secret (no pickle). Agent -> server: ``spawn`` {argv:
-[RUN_DIR, LOCAL_RANK], env, cwd} with the agent's fds 1 and 2 attached (SCM_RIGHTS); server -> agent:
+[RUN_DIR, LOCAL_RANK], env, cwd} with the agent's fd 1 and its stderr for the process (fd 2, or the pipe of
+agent/stderrtail.py) attached (SCM_RIGHTS); server -> agent:
 ``spawned`` {pid} with a pidfd of the child attached, later ``exited`` {pid, rc} (rc as ``subprocess.Popen.returncode``: negative for a signal).
 """
 from __future__ import annotations
@@ -111,16 +112,18 @@ class ForkedProcess:
         self._conn.close()
 
 
-def spawn(name: str, argv: list[str], env: dict, secret: bytes, timeout: float = 60.0) -> ForkedProcess:
+def spawn(name: str, argv: list[str], env: dict, secret: bytes, timeout: float = 60.0,
+          stderr: int = 2) -> ForkedProcess:
     """Ask the fork server ``name`` for a training process running ``worker.entry`` with ``argv`` (RUN_DIR,
-    LOCAL_RANK), ``env`` and this process's working directory, stdout and stderr. Waits for its pid (the server
-    may still be importing: at most ``timeout`` seconds). Raises OSError when the server cannot be reached,
-    TimeoutError when it does not answer, WireError on a bad answer."""
+    LOCAL_RANK), ``env`` and this process's working directory and stdout; its stderr is this process's file
+    descriptor ``stderr`` (default: this process's own stderr). Waits for its pid (the server may still be
+    importing: at most ``timeout`` seconds). Raises OSError when the server cannot be reached, TimeoutError when it
+    does not answer, WireError on a bad answer."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         conn.connect("\0" + name)
         msg = encode("spawn", {"argv": [str(a) for a in argv], "env": dict(env), "cwd": os.getcwd()}, secret)
-        socket.send_fds(conn, [msg], [1, 2])
+        socket.send_fds(conn, [msg], [1, stderr])
         if not select.select([conn], [], [], timeout)[0]:
             raise TimeoutError(f"fork server {name!r} did not answer within {timeout:.0f} s")
         data, fds, _flags, _addr = socket.recv_fds(conn, MAX_MESSAGE_BYTES, 1)

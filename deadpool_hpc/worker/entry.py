@@ -29,6 +29,19 @@ def load_train_fn(spec: str):
     return getattr(importlib.import_module(mod), fn)
 
 
+def _allow_agent_to_trace() -> None:
+    """Under Yama's ptrace_scope 1 only an ancestor may read a process (py-spy, agent/stacks.py); a process forked
+    by the local launcher's fork server is not its agent's descendant: name the agent (``DEADPOOL_AGENT_PID``) as
+    its tracer (``PR_SET_PTRACER``; py-spy, the agent's child, inherits the permission). Without Yama the call fails
+    with EINVAL and nothing is needed. UNTESTED with Yama: this machine's kernel has none."""
+    agent = os.environ.get("DEADPOOL_AGENT_PID", "")
+    if agent.isdigit():
+        import ctypes
+
+        PR_SET_PTRACER = 0x59616D61
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PTRACER, int(agent), 0, 0, 0)
+
+
 def main(argv=None) -> None:
     cap_malloc_arenas()
     # Slurm's stop signals (USR2, TERM) and a terminal's INT are the agent's to act on (it saves and leaves with
@@ -41,6 +54,12 @@ def main(argv=None) -> None:
     import faulthandler
 
     faulthandler.enable()  # a crash in native code leaves its Python stacks in the log
+    # a hung process's stacks, on its agent's signal, where py-spy cannot read them (agent/stacks.py): to stderr,
+    # which its agent reads (agent/stderrtail.py)
+    from ..cause import STACK_SIGNAL
+
+    faulthandler.register(STACK_SIGNAL, all_threads=True, chain=False)
+    _allow_agent_to_trace()
     from ..config import RunConfig
     from ..process.fence import identity
     from ..errors import STARTUP_FAILED_EXIT
