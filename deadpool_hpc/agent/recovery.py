@@ -265,7 +265,7 @@ class Recovery:
         a.log.emit("crash_loop", generation=decision.generation, rank=loop.rank, end=loop.end, step=loop.step,
                    steps=list(loop.steps), nodes=list(loop.nodes), repeats=loop.repeats,
                    limit=a.cfg.crash_loop_limit, checkpoint_step=saved, error=text)
-        a.log.emit("error", error=f"CrashLoop: {text}")
+        a.log.emit("error", error=text)
 
     def _on_disk(self, decision: Decision, phase: str, fn, written: list[int]) -> None:
         """Run ``fn`` (a write of the no-spare checkpoint) on a thread, the agent's loop ticking meanwhile, for at most
