@@ -166,7 +166,9 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
         summary["run_dir"] = run_dir
         summary["mpiexec_rc"] = rc  # non-zero whenever a rank was killed; "completed" says how the run went
         summary["processes_left"] = [int(i["pid"]) for i in left]  # alive 5 s after SIGKILL: should never happen
-        if rc is not None and rc < 0 and not summary["completed"] and not signum:
+        # (a crash loop: every agent had saved and left on its own before mpiexec's end; hydra's mpiexec was seen to
+        # die by SIGPIPE after its processes exited, completed runs' too, which says nothing about the run)
+        if rc is not None and rc < 0 and not summary["completed"] and not signum and not summary.get("crash_loop"):
             summary["errors"].append(f"mpiexec (the launcher's process manager) was killed by "
                                      f"{signal.Signals(-rc).name}; the run's processes were ended with it")
         elif rc and not summary["completed"] and not summary["errors"] and not signum and \
