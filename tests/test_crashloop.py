@@ -144,3 +144,28 @@ def test_the_limit_is_checked():
         RunConfig(crash_loop_limit=-1).validate()
     with pytest.raises(ConfigError, match=r"--crash-loop-limit True"):
         RunConfig(crash_loop_limit=True).validate()
+
+
+def test_the_summary_names_the_loop_and_does_not_call_it_a_requeue():
+    from deadpool_hpc.summary import build_summary
+
+    loop = {"rank": 1, "end": "SIGABRT", "steps": [50, 50, 50], "nodes": [1, 3, 4]}
+    line = "rank 1 ended by SIGABRT at step 50 on node1, node3, node4: ..."
+    events = [
+        {"t": 1.0, "event": "node_failed", "node": 4, "generation": 2, "cause": "exit", "rank": 1, "step": 50,
+         "end": "SIGABRT"},
+        {"t": 1.1, "event": "decision", "generation": 3, "failed_nodes": [4], "promoted": {}, "replaced": {},
+         "cut_step": 50, "exhausted": True, "reason": "crash loop", "crash_loop": loop, "t_decided": 1.1,
+         "recomputed_steps": 0},
+        {"t": 2.0, "event": "checkpoint_saved", "step": 50, "generation": 3, "reason": "crash loop"},
+        {"t": 2.0, "event": "crash_loop", "rank": 1, "end": "SIGABRT", "step": 50, "steps": [50, 50, 50],
+         "nodes": [1, 3, 4], "repeats": 2, "limit": 2, "checkpoint_step": 50, "error": line},
+        {"t": 2.0, "event": "error", "error": line},
+    ]
+    s = build_summary(events, RunConfig(nodes=3, spares=2, steps=60))
+    assert not s["completed"] and s["errors"] == [line]
+    assert s["crash_loop"]["nodes"] == [1, 3, 4] and s["crash_loop"]["checkpoint_step"] == 50
+    (f,) = s["failures"]
+    assert not f["requeued"] and f["cause"] == "exit"
+    assert f["outcome"] == ("crash loop: rank 1 ended by SIGABRT at step 50 on node1, node3, node4 (the work, not the "
+                            "node): checkpoint saved, run stopped")
