@@ -8,7 +8,8 @@ runs ``Comeback.come_back``:
 
 1. quarantine: a node that failed again within ``--quarantine`` seconds of its last return stays out, unless its
    training process ended as another node's did with the same work (the same rank, step and signal or exit code:
-   control/crashloop.py ``follows_work``; that is the work's failure, which the crash-loop rule stops);
+   control/crashloop.py ``follows_work``; that is the work's failure, which the crash-loop rule stops; with the rule
+   off the quarantine applies as before);
 2. health: the node's detectors' verdicts (agent/health.py; an ``Unhealthy`` one keeps it out) and the site's
    ``--health-check`` command, killed at ``--health-check-timeout`` (a check that hangs counts as failed);
 3. ``rejoin``, sent to every agent once a second until the lowest live agent *readmits* it between recoveries
@@ -66,9 +67,10 @@ class Comeback:
         a.log.emit("node_returning", cause=exc.cause, reason=exc.reason[:300], generation=a.cp.generation)
         since = None if self.returned_at is None else t0 - self.returned_at
         work = a.last_work_failure
-        if work is not None and follows_work(work, a.cp.work_failures):
+        if cfg.crash_loop_limit and work is not None and follows_work(work, a.cp.work_failures):
             # the same rank ended the same way at the same step on another node: the work's failure, not this
-            # node's (control/crashloop.py; a loop of it stops the run): no quarantine for it
+            # node's; the crash-loop rule stops a loop of it (control/crashloop.py), so no quarantine for it (with
+            # the rule off, --crash-loop-limit 0, the quarantine is the only brake left and applies as before)
             a.log.emit("failure_follows_work", rank=work.rank, step=work.step, end=work.end,
                        nodes=sorted({f.node for f in a.cp.work_failures if f.rank == work.rank}))
         elif since is not None and cfg.quarantine and since < cfg.quarantine:
