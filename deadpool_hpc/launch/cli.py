@@ -36,13 +36,14 @@ def cmd_run(a) -> int:
     from rich.console import Console
 
     from .console import LiveView, print_summary
-    from .local import Interrupted, launch
+    from .local import Interrupted, check_resume, launch
 
+    saved = check_resume(a.run_dir, cfg.world_size) if a.resume else None
     console = Console()
     say = _sayer(console)
     say(f"[bold]deadpool run[/]: {cfg.nodes} nodes x {cfg.ranks_per_node} ranks + {cfg.spares} spare node(s), "
         f"{cfg.steps} steps, faults: {', '.join(map(str, cfg.faults)) or 'none'}; run dir {cfg.run_dir}"
-        + ("; resuming from its checkpoint" if a.resume else ""))
+        + (f"; resuming from its checkpoint at step {saved['step']}" if saved else ""))
     try:
         with LiveView(cfg, console) as view:
             summary = launch(cfg, on_poll=view.update, resume=a.resume)

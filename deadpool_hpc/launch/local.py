@@ -83,6 +83,20 @@ def command(cfg: RunConfig, run_dir: str) -> list[str]:
             sys.executable, "-m", "deadpool_hpc.agent", run_dir]
 
 
+def check_resume(run_dir: str, world_size: int) -> dict:
+    """``--resume``: the checkpoint of ``run_dir`` (checkpoint/LATEST) that a run of ``world_size`` ranks can resume
+    from. Raises ConfigError naming the directory when it has none, or one saved by another world size."""
+    saved = latest_checkpoint(run_dir)
+    if saved is None:
+        raise ConfigError(f"--resume: {run_dir} has no checkpoint (checkpoint/LATEST); accepted: the run directory "
+                          f"of a run that saved one (leave --resume out to start from step 0)")
+    if saved.get("world_size") != world_size:
+        raise ConfigError(f"--resume: the checkpoint in {run_dir} (step {saved.get('step')}) was saved by world size "
+                          f"{saved.get('world_size')}; this run's is {world_size} (--nodes x --ranks-per-node): "
+                          f"accepted: the same layout")
+    return saved
+
+
 class Interrupted(KeyboardInterrupt):
     """A stop signal (``signum``) arrived before the run started: nothing ran, the run directory is as it was."""
 
@@ -116,14 +130,7 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
     check_extensions(cfg.replica_transport)   # a missing or broken plugin named before anything starts
     run_dir = check_run_dir(cfg.run_dir)
     if resume:
-        saved = latest_checkpoint(run_dir)
-        if saved is None:
-            raise ConfigError(f"--resume: {run_dir} has no checkpoint (checkpoint/LATEST); accepted: the run directory "
-                              f"of a run that saved one (leave --resume out to start from step 0)")
-        if saved.get("world_size") != cfg.world_size:
-            raise ConfigError(f"--resume: the checkpoint in {run_dir} (step {saved.get('step')}) was saved by world size "
-                              f"{saved.get('world_size')}; this run's is {cfg.world_size} (--nodes x --ranks-per-node): "
-                              f"accepted: the same layout")
+        check_resume(run_dir, cfg.world_size)
     if cfg.summary_path:
         check_output_file(cfg.summary_path, run_dir=cfg.run_dir)
     from ..train.corpus import load_tokens
