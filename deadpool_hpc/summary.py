@@ -56,6 +56,11 @@ def build_summary(events: list[dict], config=None) -> dict:  # noqa: C901
         if not d.get("failed_nodes") and not d.get("error"):
             continue  # a preemption alone, or a rebuild with nobody lost
         failures += _failures(d, by, steps, faults, used, t_next_attempt, P)
+    for e in by["crash_loop"][-1:]:   # the swaps into the crash before the loop was found: say so, not just "not recovered"
+        for f in failures:
+            if f["outcome"].startswith("not recovered") and set(f["failed_nodes"]) <= set(e.get("nodes") or []):
+                f["outcome"] = (f"swapped, then the same crash on the spare (rank {e.get('rank')} ended by "
+                                f"{e.get('end')} at step {e.get('step')}: crash loop)")
     hellos = [e["t"] for e in by["hello"] if e.get("role") == "agent"]
     first_step = min((e["t"] for e in by["step"]), default=None)
     rates = sorted(e["tokens_per_s"] for e in steps if e.get("tokens_per_s"))

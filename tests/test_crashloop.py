@@ -152,6 +152,9 @@ def test_the_summary_names_the_loop_and_does_not_call_it_a_requeue():
     loop = {"rank": 1, "end": "SIGABRT", "steps": [50, 50, 50], "nodes": [1, 3, 4]}
     line = "rank 1 ended by SIGABRT at step 50 on node1, node3, node4: ..."
     events = [
+        {"t": 0.5, "event": "decision", "generation": 2, "failed_nodes": [3], "promoted": {"1": 4}, "replaced": {"3": 4},
+         "cut_step": 50, "exhausted": False, "reason": "hot swap", "crash_loop": None, "t_decided": 0.5,
+         "recomputed_steps": 0},
         {"t": 1.0, "event": "node_failed", "node": 4, "generation": 2, "cause": "exit", "rank": 1, "step": 50,
          "end": "SIGABRT"},
         {"t": 1.1, "event": "decision", "generation": 3, "failed_nodes": [4], "promoted": {}, "replaced": {},
@@ -165,7 +168,9 @@ def test_the_summary_names_the_loop_and_does_not_call_it_a_requeue():
     s = build_summary(events, RunConfig(nodes=3, spares=2, steps=60))
     assert not s["completed"] and s["errors"] == [line]
     assert s["crash_loop"]["nodes"] == [1, 3, 4] and s["crash_loop"]["checkpoint_step"] == 50
-    (f,) = s["failures"]
+    swapped, f = s["failures"]
+    assert swapped["outcome"] == ("swapped, then the same crash on the spare (rank 1 ended by SIGABRT at step 50: "
+                                  "crash loop)"), swapped
     assert not f["requeued"] and f["cause"] == "exit"
     assert f["outcome"] == ("crash loop: rank 1 ended by SIGABRT at step 50 on node1, node3, node4 (the work, not the "
                             "node): checkpoint saved, run stopped")
