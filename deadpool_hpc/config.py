@@ -225,6 +225,10 @@ class RunConfig:
     # ``quarantine`` seconds of its return, stays out. False: a failed node leaves the job for good
     spare_return: bool = True
     quarantine: float = 300.0
+    # crash loops (control/crashloop.py): the same training rank ending the same way (signal or exit code) at the
+    # same step on more than this many other nodes stops the run: a checkpoint at the cut step, no more promotions,
+    # exit CRASH_LOOP_EXIT with the rank, step and signal named. 0: off (every such failure is swapped)
+    crash_loop_limit: int = 2
     health_check_timeout: float = 60.0
     rendezvous_timeout: float = 10.0 # joining a generation's process group (store connect + gloo full mesh)
     # MPI start-up, a training process's import and model build, and the first collectives: a training process not up
@@ -348,6 +352,10 @@ class RunConfig:
         need(isinstance(self.quarantine, (int, float)) and math.isfinite(self.quarantine) and self.quarantine >= 0,
              f"--quarantine {self.quarantine!r}: accepted: seconds >= 0 (a node that fails again this soon after its "
              f"return stays out; 0: never quarantined for that)")
+        need(isinstance(self.crash_loop_limit, int) and not isinstance(self.crash_loop_limit, bool)
+             and self.crash_loop_limit >= 0,
+             f"--crash-loop-limit {self.crash_loop_limit!r}: accepted: an integer >= 0 (repeats of the same rank's "
+             f"crash at the same step on other nodes before the run stops; 0: off)")
         need(isinstance(self.health_check_timeout, (int, float)) and math.isfinite(self.health_check_timeout)
              and self.health_check_timeout > 0,
              f"--health-check-timeout {self.health_check_timeout!r}: accepted: seconds > 0 (a returning node's "

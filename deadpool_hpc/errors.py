@@ -74,3 +74,8 @@ class ChannelTimeout(ChannelError, TimeoutError):
 # A training process's exit code when it failed before reaching ``ctx.run`` (importing the user's module, building
 # the model): its node agent reports the node failed with cause "startup_failed" (worker/entry.py, agent/node.py).
 STARTUP_FAILED_EXIT = 3
+
+# The exit status of a run that a crash loop stopped (control/crashloop.py: the same training rank ended the same way at
+# the same step on more than --crash-loop-limit other nodes): its node agents' (after saving the checkpoint of the cut
+# step) and ``deadpool run``'s. Not 75: such a run is never requeued, it would resume into the same crash.
+CRASH_LOOP_EXIT = 4

@@ -62,6 +62,11 @@ def build_summary(events: list[dict], config=None) -> dict:  # noqa: C901
         if not d.get("failed_nodes") and not d.get("error"):
             continue  # a preemption alone, or a rebuild with nobody lost
         failures += _failures(d, by, steps, faults, used, t_next_attempt, P)
+    for e in by["crash_loop"][-1:]:   # the swaps into the crash before the loop was found: say so, not just "not recovered"
+        for f in failures:
+            if f["outcome"].startswith("not recovered") and set(f["failed_nodes"]) <= set(e.get("nodes") or []):
+                f["outcome"] = (f"swapped, then the same crash on the spare (rank {e.get('rank')} ended by "
+                                f"{e.get('end')} at step {e.get('step')}: crash loop)")
     hellos = [e["t"] for e in by["hello"] if e.get("role") == "agent"]
     first_step = min((e["t"] for e in by["step"]), default=None)
     rates = sorted(e["tokens_per_s"] for e in steps if e.get("tokens_per_s"))
@@ -111,6 +116,11 @@ def build_summary(events: list[dict], config=None) -> dict:  # noqa: C901
                     "failed": len(by["persist_failed"]),
                     "reasons": list(dict.fromkeys(e.get("reason") for e in by["persist_failed"]))[:8]},
         "checkpoint_failed": [{k: e.get(k) for k in ("step", "reason", "error", "node")} for e in by["checkpoint_failed"]],
+        # a crash that followed the work (control/crashloop.py) and stopped the run: the rank, its end, the steps, the
+        # nodes it ran into (not their fault), the checkpoint saved (None: none needed), the line in ``errors``
+        "crash_loop": next(({k: e.get(k) for k in ("rank", "end", "step", "steps", "nodes", "repeats", "limit",
+                                                    "checkpoint_step", "error")}
+                            for e in by["crash_loop"][-1:]), None),
         "event_log": event_log_health(by["event_log_failed"]),
     }
 
@@ -179,7 +189,8 @@ def _failure(d: dict, by, fault, lost: set, t_next_attempt, P: int) -> dict:
     t_agree = max([e["t_agreed"] for e in rec], default=d["t_decided"])
     t_rebuild = max([e["t_rebuilt"] for e in rec], default=None)
     t_restore = max([e["t_restored"] for e in rec], default=None)
-    requeued = bool(d.get("exhausted"))
+    loop = d.get("crash_loop")
+    requeued = bool(d.get("exhausted")) and not loop
     if requeued:  # no spare: checkpoint, requeue, resume; "resumed" = first step of the new attempt
         t_resume = t_next_attempt
         res = [e for e in by["resumed_from_checkpoint"] if e.get("generation") == g + 1]
@@ -197,6 +208,9 @@ def _failure(d: dict, by, fault, lost: set, t_next_attempt, P: int) -> dict:
         if hung and len(hung) >= len(lost):
             outcome += (f" (every lost node was fenced by its watchdog: a step took longer than --hang-timeout "
                         f"{hung[0].get('timeout_s')} s; raise it above your longest step)")
+    elif loop:
+        outcome = (f"crash loop: rank {loop['rank']} ended by {loop['end']} at step {loop['steps'][0]} on "
+                   f"{', '.join(f'node{n}' for n in loop['nodes'])} (the work, not the node): checkpoint saved, run stopped")
     elif requeued:
         outcome = "checkpoint saved" + (" + requeue" if t_next_attempt is not None else "")
     elif promoted and t_resume is None:

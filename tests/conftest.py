@@ -31,7 +31,7 @@ NOT_IN_KEY = frozenset({"spares", "faults", "hang_timeout", "rendezvous_timeout"
                         "collective_timeout", "heartbeat_deadline", "heartbeat_ceiling", "replicas", "replica_transport", "requeue",
                         "log_every", "run_dir", "summary_path", "replicate", "heartbeat_period",
                         "max_requeues", "interleave_replication", "persist_every", "health_check", "fork_server",
-                        "metrics_port", "metrics_textfile"})
+                        "metrics_port", "metrics_textfile", "crash_loop_limit"})
 # training functions whose arithmetic is the demo's (trainfns.py: they only sleep or freeze one rank once)
 SAME_AS_DEMO = {"trainfns:paced": "deadpool_hpc.train.demo:train", "trainfns:frozen_rank2": "deadpool_hpc.train.demo:train",
                 "trainfns:why_it_failed": "deadpool_hpc.train.demo:train",

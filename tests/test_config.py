@@ -95,6 +95,10 @@ def test_demo_config_defaults_and_errors():
     (["--nic-down", "node1@10"], "--nic-down node1@10: from a step on, only an idle spare's interface goes down"),
     (["--nic-down", "node3@10", "--spare-check-every", "0"], "accepted: node3..node3 with --spare-check-every > 0"),
     (["--spare-check-every", "-1"], "--spare-check-every -1.0: accepted: seconds >= 0"),
+    (["--crash-loop-limit", "-1"], "--crash-loop-limit: '-1': accepted: an integer >= 0"),
+    (["--crash-loop-limit", "two"], "--crash-loop-limit: 'two': accepted: an integer >= 0"),
+    (["--crash-loop-limit", "1.5"], "--crash-loop-limit: '1.5': accepted: an integer >= 0"),
+    (["--resume"], "--resume: "),
 ])
 def test_cli_rejects_bad_input_with_exit_2_before_starting(tmp_path, capsys, args, needle):
     """In process (the CLI's own ``main``; test_cli_hang_timeout_0_exits_2_from_the_command checks the exit status

@@ -216,3 +216,59 @@ def test_a_node_whose_process_died_comes_back_as_the_spare_and_takes_the_next_fa
     events = list(read_events(str(run_dir / "events.jsonl")))
     (readmitted,) = [e for e in events if e["event"] == "node_readmitted"]
     assert readmitted["returned"] == 0 and readmitted["generation"] == 1   # between recoveries, never in a round
+
+
+def test_a_crash_that_follows_the_work_stops_the_run_and_resumes(tmp_path, baseline):
+    """Crash loops (control/crashloop.py), the issue's case through the command a user runs: training rank 1 calls
+    ``os.abort()`` at step 30 on every node that takes it (``trainfns:abort_rank1``), 3 + 2 nodes, spares that come
+    back on, ``--requeue``. With the default --crash-loop-limit (2) the run swaps rank 1 onto node3, then node4; when
+    node4 aborts too it stops: no further promotion (node1, back in the pool, is not promoted into it), nobody
+    quarantined, the checkpoint of the cut saved, no requeue, exit status 4, the rank, step and signal named in the
+    summary's errors and on the console. ``deadpool run --resume`` with the plain demo then completes from that
+    checkpoint, bitwise equal to a run that never failed."""
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "loop"
+    cmd = [sys.executable, "-m", "deadpool_hpc.launch.cli", "run", "--nodes", "3", "--spares", "2", "--steps",
+           str(STEPS), "--run-dir", str(run_dir), "--summary", str(tmp_path / "loop.json")]
+    env = dict(os.environ, DEADPOOL_TEST_ABORT_STEP="30")
+    p = subprocess.run(cmd + ["--train-fn", "trainfns:abort_rank1", "--requeue"], capture_output=True, text=True,
+                       timeout=300, env=env)
+    events = list(read_events(str(run_dir / "events.jsonl")))
+    for e in events:
+        if e["event"] == "hello":
+            assert not is_alive(e), f"pid {e['pid']} ({e.get('role')}) outlived the run"
+    assert p.returncode == 4, p.stdout[-3000:] + p.stderr[-2000:]
+    s = json.loads((tmp_path / "loop.json").read_text())
+    assert not s["completed"] and s["requeues"] == 0, s
+    loop = s["crash_loop"]
+    assert (loop["rank"], loop["end"], loop["steps"], loop["nodes"], loop["repeats"]) == \
+        (1, "SIGABRT", [30, 30, 30], [1, 3, 4], 2), loop
+    saved = [e for e in events if e["event"] == "checkpoint_saved"]
+    assert len(saved) == 1 and saved[0]["reason"] == "crash loop" and saved[0]["step"] == loop["checkpoint_step"]
+    text = (f"rank 1 ended by SIGABRT at step 30 on node1, node3, node4: a crash that follows the work, not the node; "
+            f"stopped after 2 repeats (--crash-loop-limit); checkpoint at step {saved[0]['step']} saved in "
+            f"{run_dir}/checkpoint")
+    assert s["errors"] == [text], s["errors"]
+    assert "rank 1 ended by SIGABRT at step 30" in p.stdout and "crash loop" in p.stdout, p.stdout[-3000:]
+    # two hot swaps into the crash, then the stop; the nodes it ran into are not blamed
+    swaps, last = s["failures"][:2], s["failures"][-1]
+    assert len(s["failures"]) == 3 and [f["spare_nodes_used"] for f in swaps] == [[3], [4]], s["failures"]
+    assert last["failed_nodes"] == [4] and last["outcome"].startswith("crash loop: rank 1 ended by SIGABRT"), last
+    assert s["quarantined"] == [], s["quarantined"]
+    promoted = [e for e in events if e["event"] == "decision" and e.get("promoted")]
+    assert len(promoted) == 2
+    t_first = min(e["t"] for e in events if e["event"] == "node_failed" and e.get("cause") == "exit")
+    (stop,) = [e for e in events if e["event"] == "crash_loop"]
+    print(f"first abort -> crash loop stopped (checkpoint saved): {stop['t'] - t_first:.2f} s")
+    assert stop["t"] - t_first < 60, stop["t"] - t_first
+
+    # resume from the checkpoint, the bad batch fixed (the demo itself)
+    p2 = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=300)
+    assert p2.returncode == 0, p2.stdout[-3000:] + p2.stderr[-2000:]
+    s2 = json.loads((tmp_path / "loop.json").read_text())
+    assert s2["completed"] and s2["steps_completed"] == STEPS and s2["failures"] == [], s2
+    resumed = [e for e in read_events(str(run_dir / "events.jsonl")) if e["event"] == "resumed_from_checkpoint"]
+    assert {e["step"] for e in resumed} == {saved[0]["step"]}, resumed
+    assert s2["param_digest"] == baseline["param_digest"], "the run resumed from the crash loop's checkpoint diverged"

@@ -48,6 +48,33 @@ def test_templates_are_valid_bash():
         assert r.returncode == 0, r.stderr
 
 
+def test_settle_never_requeues_a_run_that_a_crash_loop_stopped(tmp_path, monkeypatch):
+    """A crash loop (control/crashloop.py) saved a checkpoint too, but a requeue would resume into the same crash:
+    ``stopped`` with the loop's line, no ``scontrol requeue``, with --requeue and the job still running. Slurm is
+    faked, as in the test below."""
+    from deadpool_hpc.events import EventLog, read_events
+    from deadpool_hpc.launch import slurm_job
+
+    slurm.write_config(RunConfig(nodes=2, spares=1, steps=50, run_dir=str(tmp_path), requeue=True))
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "LATEST").write_text('{"step": 30}')
+    line = "rank 1 ended by SIGABRT at step 30 on node1, node2: a crash that follows the work, not the node; ..."
+    log = EventLog(str(tmp_path / "events.jsonl"))
+    log.emit("checkpoint_saved", t=2.0, step=30, reason="crash loop")
+    log.emit("crash_loop", t=2.0, rank=1, end="SIGABRT", step=30, error=line)
+    log.close()
+    ran = []
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setattr(slurm_job, "job_state", lambda job: ("RUNNING", "None"))
+    monkeypatch.setattr(slurm_job.subprocess, "run",
+                        lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0, "", ""))
+    assert slurm_job.settle(str(tmp_path), since=1.5) == {"action": "stopped", "reason": f"a crash loop: {line}",
+                                                          "checkpoint_step": 30}
+    assert ran == []
+    (e,) = [e for e in read_events(str(tmp_path / "events.jsonl")) if e["event"] in ("stopped", "requeued")]
+    assert e["event"] == "stopped" and e["reason"] == f"a crash loop: {line}"
+
+
 def test_settle_logs_requeued_with_its_fields_and_requeues(tmp_path, monkeypatch):
     """The in-job side's requeue (no spare left, the job still running): ``requeued`` numbered after the earlier
     ones, with the Slurm job id, the reason and the checkpoint, then ``scontrol requeue``. Slurm is faked."""

@@ -126,3 +126,21 @@ def big_mlp(ctx) -> None:
         return {"loss": opt.step(s, loss)}
 
     ctx.run(step)
+
+
+def abort_rank1(ctx) -> None:
+    """The demo, but training rank 1's process calls ``os.abort()`` (SIGABRT, a native crash) when it reaches step
+    ``DEADPOOL_TEST_ABORT_STEP`` (default 50), every time, on whichever node holds rank 1: a crash that follows the
+    work (a bad batch), not the node."""
+    abort_at = int(os.environ.get("DEADPOOL_TEST_ABORT_STEP", "50"))
+    run = ctx.run
+
+    def run_aborting(step_fn):
+        def step(s: int):
+            if s == abort_at and ctx.rank == 1:
+                os.abort()
+            return step_fn(s)
+        run(step)
+
+    ctx.run = run_aborting
+    demo_train(ctx)

@@ -4,7 +4,8 @@ Started by the local launcher (mpiexec, one hydra proxy per emulated node, ``-pp
 --ntasks-per-node=1`` under Slurm (sbatch/train.sbatch, through the task wrapper), or by a submitit task. Reads
 ``RUN_DIR/config.json`` and the per-job secret (``DEADPOOL_JOB_SECRET``, hex), starts the control plane, spawns
 the node's training processes, and serves them (agent/node.py) until the run ends for this node; exits without
-MPI_Finalize, with 0 (done), 75 (checkpoint saved: requeue me) or 1.
+MPI_Finalize, with 0 (done), 75 (checkpoint saved: requeue me), 4 (a crash loop stopped the run, its checkpoint
+saved: errors.CRASH_LOOP_EXIT, never requeued) or 1.
 """
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ def main(argv=None) -> None:
                       ceiling=cfg.heartbeat_ceiling,
                       ready_timeout=cfg.ready_timeout, recovery_timeout=cfg.recovery_timeout,
                       replicas=cfg.replicas if cfg.replicate else 0,
-                      host=host,
+                      host=host, crash_loop_limit=cfg.crash_loop_limit,
                       extra_identity={"replica": [transport.address(s) for s in listeners], "watch": watch.address,
                                       "slurm_node": slurm_node})
     watch.me = cp.me

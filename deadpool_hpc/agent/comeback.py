@@ -6,7 +6,10 @@ all, declares the node failed with ``returning`` (the others recover around it a
 its agent alive and let its ``rejoin`` through: control/peers.py), and raises ``Returning``. The agent's loop then
 runs ``Comeback.come_back``:
 
-1. quarantine: a node that failed again within ``--quarantine`` seconds of its last return stays out;
+1. quarantine: a node that failed again within ``--quarantine`` seconds of its last return stays out, unless its
+   training process ended as another node's did with the same work (the same rank, step and signal or exit code:
+   control/crashloop.py ``follows_work``; that is the work's failure, which the crash-loop rule stops; with the rule
+   off the quarantine applies as before);
 2. health: the node's detectors' verdicts (agent/health.py; an ``Unhealthy`` one keeps it out) and the site's
    ``--health-check`` command, killed at ``--health-check-timeout`` (a check that hangs counts as failed);
 3. ``rejoin``, sent to every agent once a second until the lowest live agent *readmits* it between recoveries
@@ -28,6 +31,7 @@ from __future__ import annotations
 import os
 import time
 
+from ..control.crashloop import follows_work
 from ..control.membership import may_readmit, readmit, rejoin
 from ..errors import Fenced, Returning
 
@@ -62,7 +66,14 @@ class Comeback:
         a.watch.enabled = False
         a.log.emit("node_returning", cause=exc.cause, reason=exc.reason[:300], generation=a.cp.generation)
         since = None if self.returned_at is None else t0 - self.returned_at
-        if since is not None and cfg.quarantine and since < cfg.quarantine:
+        work = a.last_work_failure
+        if cfg.crash_loop_limit and work is not None and follows_work(work, a.cp.work_failures):
+            # the same rank ended the same way at the same step on another node: the work's failure, not this
+            # node's; the crash-loop rule stops a loop of it (control/crashloop.py), so no quarantine for it (with
+            # the rule off, --crash-loop-limit 0, the quarantine is the only brake left and applies as before)
+            a.log.emit("failure_follows_work", rank=work.rank, step=work.step, end=work.end,
+                       nodes=sorted({f.node for f in a.cp.work_failures if f.rank == work.rank}))
+        elif since is not None and cfg.quarantine and since < cfg.quarantine:
             self._quarantine(f"failed again {since:.1f} s after its return (--quarantine {cfg.quarantine:g})")
         if a.health is not None:
             bad = [(name, v) for name, v in a.health.pending() if getattr(v, "reason", None) is not None]

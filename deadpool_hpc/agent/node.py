@@ -26,6 +26,7 @@ import os
 import time
 
 from ..cause import signal_name
+from ..control.crashloop import WorkFailure, end_of
 from ..errors import STARTUP_FAILED_EXIT, Fenced, Returning
 from ..ipc.messages import Finish, Left, RoundFailed, Spare, Train, View
 from ..ipc.shm import Doorbell
@@ -82,6 +83,7 @@ class NodeAgent:
         self.state = "starting"
         self._preempt_ignored = False
         self.exit_code = 0
+        self.last_work_failure: WorkFailure | None = None   # how this node's last failure ended (agent/comeback.py)
         self.checkpoint_dir = RunDir(cfg.run_dir).checkpoint
         self.resume = latest_checkpoint(cfg.run_dir)  # a requeued attempt (the launchers clear a new run's)
         self.recovery = Recovery(self)     # agent/recovery.py: the rounds after a failure
@@ -152,7 +154,8 @@ class NodeAgent:
             self.node_failed(f"training process {local} (pid {self.sup.procs[local].pid}) exited with "
                               f"{'signal ' + signal_name(rc) if rc < 0 else 'code ' + str(rc)}"
                               + (" during its start-up" if starting else ""),
-                              cause="startup_failed" if starting else "exit")
+                              cause="startup_failed" if starting else "exit",
+                              work=None if starting else self._work_failure(local, rc))
         frozen = self.swaps.frozen()  # stopped on purpose at a planned swap's boundary: not a hang
         armed = [lo for lo in range(self.P) if self.channel.progress(lo) is not None and self.channel.progress(lo).armed
                  and lo not in frozen]
@@ -388,19 +391,32 @@ class NodeAgent:
                       step=page.step if page is not None else None, during_start_up=starting,
                       stderr_tail=self.sup.stderr_tail(local, STDERR_WAIT_S))
 
-    def node_failed(self, reason: str, cause: str = "other") -> None:
+    def _work_failure(self, local: int, rc: int) -> WorkFailure | None:
+        """The record of training process ``local``'s end with status ``rc`` while it trained (its training rank,
+        the step its progress page showed), for the crash-loop rule (control/crashloop.py); None for a spare's
+        process or one that had not begun a step."""
+        rank, page = self.cp.train_rank(local), self.channel.progress(local)
+        if self.state != "training" or rank is None or page is None or page.step is None:
+            return None
+        return WorkFailure(rank=rank, step=page.step, end=end_of(rc), node=self.node, generation=self.cp.generation,
+                           t=time.time())
+
+    def node_failed(self, reason: str, cause: str = "other", work: WorkFailure | None = None) -> None:
         """A training process of this node exited or froze: the node is lost (spares are nodes). Tell every agent,
         end the node's processes, and leave (raises Fenced, which ends the agent with exit 1); or, when the node may
-        come back (agent/comeback.py: an exit or a hang past the start-up), end them first and raise Returning."""
-        self.log.emit("node_failed", reason=reason, cause=cause, generation=self.cp.generation)
+        come back (agent/comeback.py: an exit or a hang past the start-up), end them first and raise Returning.
+        ``work``: how a training process ended, which travels with the notice (the crash-loop rule's record)."""
+        self.log.emit("node_failed", reason=reason, cause=cause, generation=self.cp.generation,
+                      **({"rank": work.rank, "step": work.step, "end": work.end} if work is not None else {}))
         self.log.sync()
+        self.last_work_failure = work
         if self.comeback.allowed(cause):
             self.sup.kill_all(1.0)   # first: nothing of this node acts once the others go on without it
             for rep in self.reps.values():
                 rep.quiesce()
-            self.cp.declare_failed(reason, returning=True)
+            self.cp.declare_failed(reason, returning=True, work=work)
             raise Returning(reason, cause)
-        self.cp.declare_failed(reason)
+        self.cp.declare_failed(reason, work=work)
         self.sup.kill_all(1.0)
         self.state = "done"
         raise Fenced(f"this node failed: {reason}")

@@ -10,7 +10,8 @@ over (``expect_restore``, ``wait_restore``: replica/restore.py); meet the new ge
 or ``Spare``: ipc/messages.py). A failure at any moment (``PeerFailure``) ends the round and starts the next;
 ``MAX_FAILED_ROUNDS`` in a row end the run. A training process whose join or restore fails says so
 (``RoundFailed``), and the agent's loop starts another round. With no spare left, or preempted, the round saves a
-persistent checkpoint at the cut step instead and tells the processes to leave with 75 (requeue).
+persistent checkpoint at the cut step instead and tells the processes to leave with 75 (requeue); after a crash loop
+(control/crashloop.py) the same checkpoint, and CRASH_LOOP_EXIT (never requeued).
 
 Owns: the rounds' state (the processes' ``Left`` and ``RoundFailed``, the round count, the highest step any
 process completed), the fault phases of a recovery (``phase``), the checkpoint of the no-spare path. Does not own:
@@ -24,7 +25,7 @@ import threading
 import time
 
 from ..control.decision import Decision
-from ..errors import CheckpointFailed, PeerFailure, RecoveryTimeout, ReplicaError, RunFinished
+from ..errors import CRASH_LOOP_EXIT, CheckpointFailed, PeerFailure, RecoveryTimeout, ReplicaError, RunFinished
 from ..ipc.messages import Exit, Failure, Left, Restore, RoundFailed, Spare, Train
 from ..placement import held_by
 from ..replica import persist
@@ -232,7 +233,8 @@ class Recovery:
                            fresh=list(decision.fresh),
                            why=f"no rank has trained a step yet: a new attempt starts again from step {cut}"
                                + (" (the checkpoint this attempt resumed from)" if a.resume else ""))
-            return self._leave_for_requeue()
+            self._crash_loop(decision, None)
+            return self._leave_for_requeue(decision)
         written: list[int] = []
 
         def write() -> None:
@@ -247,7 +249,23 @@ class Recovery:
                       [])   # every shard is written: another member's LATEST may name them, none is removed
         if a.node == decision.coordinator:
             a.log.emit("checkpoint_saved", step=cut, generation=g, path=a.checkpoint_dir, reason=decision.reason)
-        self._leave_for_requeue()
+        self._crash_loop(decision, cut)
+        self._leave_for_requeue(decision)
+
+    def _crash_loop(self, decision: Decision, saved: int | None) -> None:
+        """(the coordinator, once the checkpoint of a "crash loop" decision is saved, or none was needed: ``saved``
+        None) Say why the run stops: ``crash_loop`` with the loop, and ``error`` with the same line (the summary's
+        errors, the console)."""
+        a, loop = self.agent, decision.crash_loop
+        if loop is None or a.node != decision.coordinator:
+            return
+        kept = f"checkpoint at step {saved} saved in {a.checkpoint_dir}" if saved is not None else \
+            f"no checkpoint saved (no rank had trained a step: a new run starts again from step {decision.cut_step})"
+        text = f"{loop.describe()}; {kept}"
+        a.log.emit("crash_loop", generation=decision.generation, rank=loop.rank, end=loop.end, step=loop.step,
+                   steps=list(loop.steps), nodes=list(loop.nodes), repeats=loop.repeats,
+                   limit=a.cfg.crash_loop_limit, checkpoint_step=saved, error=text)
+        a.log.emit("error", error=text)
 
     def _on_disk(self, decision: Decision, phase: str, fn, written: list[int]) -> None:
         """Run ``fn`` (a write of the no-spare checkpoint) on a thread, the agent's loop ticking meanwhile, for at most
@@ -323,10 +341,13 @@ class Recovery:
                 written.append(rank)
                 persist.save_shard(a.checkpoint_dir, cut, rank, shard, rng, kept=kept)
 
-    def _leave_for_requeue(self) -> None:
+    def _leave_for_requeue(self, decision: Decision) -> None:
+        """The training processes leave and so does this agent: with 75 (requeue me), or CRASH_LOOP_EXIT after a
+        crash loop (a requeue would resume into the same crash)."""
         a = self.agent
+        code = CRASH_LOOP_EXIT if decision.crash_loop is not None else 75
         for local in a.sup.alive():
-            a.send_role(local, Exit(75))
+            a.send_role(local, Exit(code))
         a.sup.wait_all(10.0)
-        a.exit_code = 75
+        a.exit_code = code
         a.state = "saved"

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from ..errors import ReplicaError
 from ..placement import holders_of, promotion
+from .crashloop import find_loop
 from .decision import Decision
 
 
 def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare_nodes: list[int],
-           failed: set[int], reports: dict[int, dict], preempt: bool = False, replicas: int = 1) -> Decision:
+           failed: set[int], reports: dict[int, dict], preempt: bool = False, replicas: int = 1,
+           work_failures=(), crash_loop_limit: int = 0) -> Decision:
     """Plan the next generation.
 
     assignment[r] = MPI rank holding training rank r; spare_nodes = ids of live spare nodes, in promotion
@@ -32,9 +34,13 @@ def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare
     persistent checkpoint there and is requeued). A rank whose state exists nowhere before any rank has trained a
     step (a node lost during start-up or step 0) starts fresh: the cut is the attempt's start step and ``fresh``
     lists the ranks that rebuild their initial state themselves (no source). ``preempt`` (Slurm's warning) makes it ``exhausted`` too.
-    ``reason``: "hot swap", "no spare node left", "preempted", or "rebuild" (nobody failed: a collective
-    timed out or a round failed; same members, new process group). Raises ReplicaError, naming the rank,
-    when some rank's state at a common step exists nowhere.
+    ``reason``: "hot swap", "no spare node left", "preempted", "crash loop", or "rebuild" (nobody failed: a
+    collective timed out or a round failed; same members, new process group). ``work_failures`` (crashloop.py
+    WorkFailure, oldest first: how training processes ended) and ``crash_loop_limit``: when the newest failure
+    completes a crash loop (``find_loop``: the same rank, end and step on more than ``crash_loop_limit`` nodes), the
+    decision promotes nobody, is ``exhausted`` with reason "crash loop" and names the loop (``crash_loop``): the
+    members save the checkpoint of the cut and the run stops, spares left or not. Raises ReplicaError, naming the
+    rank, when some rank's state at a common step exists nowhere.
     """
     P = ranks_per_node
     W = len(assignment)
@@ -46,9 +52,12 @@ def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare
     promoted: dict[int, int] = {}
     replaced: dict[int, int] = {}  # lost node -> the spare node that takes its place
     lost = [n for n in failed_nodes if n in active_nodes]
-    exhausted = preempt or len(lost) > len(spares)
+    loop = None if preempt else find_loop(list(work_failures), crash_loop_limit)
+    exhausted = preempt or loop is not None or len(lost) > len(spares)
     if preempt:
         reason = "preempted"
+    elif loop is not None:
+        reason = "crash loop"
     elif exhausted:
         reason = "no spare node left"
     else:
@@ -123,4 +132,5 @@ def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare
         cut_step=cut,
         recomputed_steps=max(0, done - cut),
         high_water=done,
+        crash_loop=loop,
     )

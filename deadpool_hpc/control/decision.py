@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from .crashloop import CrashLoop
+
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -100,10 +102,11 @@ class Decision:
     - fresh: training ranks (sorted) whose state exists nowhere, at a fresh start (nobody has trained a step yet:
       a node lost during start-up or step 0): ``cut_step`` is 0, and each of their processes takes its own initial
       state, the model as the user's function built it, bound to its rank; no source, no snapshot.
-    - exhausted: True when the job cannot go on here (no spare left for a lost node, or preempted): the members
-      save a persistent checkpoint at ``cut_step`` and leave to be requeued.
+    - exhausted: True when the job cannot go on here (no spare left for a lost node, preempted, or a crash loop):
+      the members save a persistent checkpoint at ``cut_step`` and leave, to be requeued (not after a crash loop).
     - reason: "hot swap", "spare lost", "rebuild" (nobody failed: a collective timed out or a round failed),
-      "no spare node left" or "preempted".
+      "no spare node left", "preempted" or "crash loop".
+    - crash_loop: the crash loop (crashloop.py CrashLoop) that stops the run, with reason "crash loop"; else None.
     - spare_nodes: live spare nodes left after this plan, in promotion order.
     - members: virtual processes of the new generation (trainers and spares; sorted).
     - cut_step: the step every rank restores (the newest step whose state exists for every rank).
@@ -130,6 +133,7 @@ class Decision:
     recomputed_steps: int
     high_water: int
     fresh: tuple[int, ...] = ()
+    crash_loop: CrashLoop | None = None
     coordinator: int | None = None
     t_decided: float | None = None
     first_suspicion: float | None = None
@@ -141,6 +145,7 @@ class Decision:
             d[k] = int_runs(d[k])
         for k in ("promoted", "replaced", "sources"):
             d[k] = {str(r): v for r, v in d[k].items()}
+        d["crash_loop"] = None if self.crash_loop is None else self.crash_loop.to_wire()
         return d
 
     @classmethod
@@ -167,6 +172,7 @@ class Decision:
             recomputed_steps=_int(d, "recomputed_steps", what),
             high_water=_int(d, "high_water", what),
             fresh=_ints(d, "fresh", what),
+            crash_loop=None if d.get("crash_loop") is None else CrashLoop.from_wire(d["crash_loop"]),
             coordinator=_req(d, "coordinator", what, lambda x: x is None or _is_int(x), "an int or null"),
             t_decided=_opt_float(d, "t_decided", what),
             first_suspicion=_opt_float(d, "first_suspicion", what),

@@ -97,6 +97,7 @@ class Peers(threading.Thread):
         self.preempt_signal = False         # set by a signal handler (a plain store: safe there); read by this thread
         self.on_preempt = None              # on_preempt(source_rank): called from this thread, once
         self.on_inject = None               # on_inject(body): a fault to fire on this process (faults.py)
+        self.on_work_failure = None         # on_work_failure(body): a suspect notice's "work" (control/crashloop.py)
         self.fenced: str | None = None      # why the others declared this process failed (it must stop)
         self.returning: dict[int, float] = {}  # suspected agents that declared their own failure and live on to return
         self.inbox: queue.Queue = queue.Queue()
@@ -569,6 +570,8 @@ class Peers(threading.Thread):
                     [int(body["origin"])]:
                 with self.lock:   # (before the suspicion: _handle then lets its rejoin through)
                     self.returning[int(body["origin"])] = time.time()
+            if kind == "suspect" and body.get("work") is not None and self.on_work_failure is not None:
+                self.on_work_failure(body["work"])   # how its training process ended: before the round it starts
             if kind == "suspect":  # first: the forwarding below skips the newly suspected
                 for r in body.get("ranks", []):
                     self.suspect(int(r), f"reported by MPI rank {body['origin']} (via {src}): {body.get('reason', '')}",

@@ -42,6 +42,7 @@ import numpy as np
 from ..errors import Fenced, JobAborted, PeerFailure, RecoveryTimeout, RunFinished
 from ..process import fence as fencing
 from .agreement import decide
+from .crashloop import WorkFailure
 from .decision import Decision, RoundFailure, decision_from_wire, from_int_runs, int_runs
 from .membership import Readmit, apply_pending, on_readmit, spares_of
 from .mpi import import_mpi, unlink_mpi_shm
@@ -67,7 +68,7 @@ class ControlPlane:
     def __init__(self, *, secret: bytes, ranks_per_node: int, active_nodes: int, period: float, deadline: float,
                  log, ceiling: float = 4.0, settle: float = 0.02, ready_timeout: float = 60.0, recovery_timeout: float = 120.0,
                  replicas: int = 1, extra_identity: dict | None = None, handlers: dict | None = None,
-                 watch_k: int = 2, host: str = "127.0.0.1"):
+                 watch_k: int = 2, host: str = "127.0.0.1", crash_loop_limit: int = 0):
         MPI = import_mpi()
         self.MPI = MPI
         world = MPI.COMM_WORLD
@@ -81,6 +82,11 @@ class ControlPlane:
         self.ready_timeout = ready_timeout
         self.recovery_timeout = recovery_timeout
         self.replicas = replicas
+        self.crash_loop_limit = crash_loop_limit
+        # every training process's end while it trained that this agent heard of, oldest first (its own node's, and
+        # each other node's from its ``suspect`` notice): the crash-loop rule's input (crashloop.py). Appended by the
+        # control thread, read by the main thread (a list append is atomic)
+        self.work_failures: list[WorkFailure] = []
         for c in (MPI.COMM_SELF, world):
             c.Set_errhandler(MPI.ERRORS_RETURN)
         self.ctrl = world.Dup()
@@ -129,6 +135,7 @@ class ControlPlane:
                            watch_k=watch_k, ceiling=ceiling)
         self.peers.on_preempt = self._on_preempt
         self.peers.on_probe = self._on_probe
+        self.peers.on_work_failure = self._on_work_failure
 
     def start(self) -> None:
         """Start the control thread. From here on only it calls MPI (see peers.py)."""
@@ -205,14 +212,27 @@ class ControlPlane:
         if source == self.me:  # the processes that got the signal say so; the others just follow
             self.log.emit("preempt_requested", generation=self.generation, signal=getattr(self.peers, "preempt_by", None))
 
-    def declare_failed(self, reason: str, last_heard: float | None = None, returning: bool = False) -> None:
+    def _on_work_failure(self, body) -> None:
+        """(control thread) A ``suspect`` notice says how the node's training process ended (crashloop.py)."""
+        try:
+            self.work_failures.append(WorkFailure.from_wire(body))
+        except ValueError as exc:
+            self.log.emit("bad_message", kind="suspect", error=str(exc)[:300])
+
+    def declare_failed(self, reason: str, last_heard: float | None = None, returning: bool = False,
+                       work: WorkFailure | None = None) -> None:
         """This node failed (a training process exited or froze, its supervisor saw it): tell every live agent now,
         so they recover in milliseconds instead of after a heartbeat deadline, and wait (at most 1 s) for the
         notices to leave. The caller then ends its training processes and itself; or, ``returning`` (it ended them
         already), lives on to ask for its return to the spare pool (agent/comeback.py): the others then leave its
-        agent alive (no fencing by pid) and let its ``rejoin`` through."""
-        self.peers.disseminate("suspect", {"ranks": [self.me], "reason": reason, "returning": returning,
-                                           "last_heard": time.time() if last_heard is None else last_heard})
+        agent alive (no fencing by pid) and let its ``rejoin`` through. ``work``: how its training process ended
+        (rank, step, signal or code), for every agent's crash-loop rule (crashloop.py)."""
+        body = {"ranks": [self.me], "reason": reason, "returning": returning,
+                "last_heard": time.time() if last_heard is None else last_heard}
+        if work is not None:
+            self.work_failures.append(work)
+            body["work"] = work.to_wire()
+        self.peers.disseminate("suspect", body)
         self.wait_sends(1.0)
 
     # ---- inbox ----------------------------------------------------------------------------------------------
@@ -423,7 +443,8 @@ class ControlPlane:
         try:
             decision = decide(generation=g, ranks_per_node=P, assignment=assignment,
                               spare_nodes=spare_nodes, failed=failed, reports=reports,
-                              preempt=self.peers.preempted.is_set(), replicas=self.replicas)
+                              preempt=self.peers.preempted.is_set(), replicas=self.replicas,
+                              work_failures=tuple(self.work_failures), crash_loop_limit=self.crash_loop_limit)
         except Exception as exc:  # tell everybody, then raise the same error everywhere
             decision = RoundFailure(generation=g, error=type(exc).__name__, message=str(exc),
                                     members=tuple(sorted(m for n in alive for m in self.procs(n))),
@@ -436,7 +457,7 @@ class ControlPlane:
         self.log.emit("decision", **{k: wire.get(k) if k not in ("failed_nodes", "fresh") else list(getattr(decision, k, ()))
                                      for k in ("generation", "failed_nodes", "promoted", "replaced", "sources", "fresh",
                                                "cut_step", "exhausted", "reason", "recomputed_steps",
-                                               "t_decided", "first_suspicion", "error", "message")})
+                                               "t_decided", "first_suspicion", "error", "message", "crash_loop")})
         return decision
 
     def _apply(self, decision: Decision) -> None:

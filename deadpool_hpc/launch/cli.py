@@ -8,7 +8,8 @@
 
 Exit 2 on bad input (a run directory in use by another run included), before any process starts or any
 job is submitted; 1 if the run did not complete; 3 if its summary could not be written (a full or read-only run
-directory: the summary is printed to stdout in full instead, between marker lines); 128 + N if signal N (SIGINT,
+directory: the summary is printed to stdout in full instead, between marker lines); 4 if a crash loop stopped it
+(errors.CRASH_LOOP_EXIT: the same rank's crash at the same step on several nodes); 128 + N if signal N (SIGINT,
 SIGTERM, SIGHUP) stopped it (the summary printed too if it could not be written).
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..errors import ConfigError
+from ..errors import CRASH_LOOP_EXIT, ConfigError
 from .options import add_run_options as add_run_options
 from .options import check_train_fn as check_train_fn
 from .options import config_from_args as config_from_args
@@ -36,15 +37,17 @@ def cmd_run(a) -> int:
     from rich.console import Console
 
     from .console import LiveView, print_summary
-    from .local import Interrupted, launch
+    from .local import Interrupted, check_resume, launch
 
+    saved = check_resume(a.run_dir, cfg.world_size) if a.resume else None
     console = Console()
     say = _sayer(console)
     say(f"[bold]deadpool run[/]: {cfg.nodes} nodes x {cfg.ranks_per_node} ranks + {cfg.spares} spare node(s), "
-        f"{cfg.steps} steps, faults: {', '.join(map(str, cfg.faults)) or 'none'}; run dir {cfg.run_dir}")
+        f"{cfg.steps} steps, faults: {', '.join(map(str, cfg.faults)) or 'none'}; run dir {cfg.run_dir}"
+        + (f"; resuming from its checkpoint at step {saved['step']}" if saved else ""))
     try:
         with LiveView(cfg, console) as view:
-            summary = launch(cfg, on_poll=view.update)
+            summary = launch(cfg, on_poll=view.update, resume=a.resume)
     except Interrupted as exc:
         say(f"\ninterrupted ({exc}) before the run started: no process ran; {cfg.run_dir} is as it was")
         return 128 + exc.signum
@@ -73,6 +76,8 @@ def cmd_run(a) -> int:
         return 128 + int(signal.Signals[sig])
     if unwritten:
         return SUMMARY_UNWRITTEN
+    if summary.get("crash_loop") and not summary["completed"]:
+        return CRASH_LOOP_EXIT
     return 0 if summary["completed"] else 1
 
 
@@ -157,6 +162,9 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="train on this machine: emulated nodes as local processes")
     add_run_options(run)
+    run.add_argument("--resume", action="store_true",
+                     help="start from RUN_DIR's checkpoint (one a crash loop, a lost node with no spare left or a "
+                          "signal saved) instead of step 0, e.g. once the bad batch is fixed")
     run.set_defaults(fn=cmd_run)
     sm = sub.add_parser("submit", help="submit the same run to Slurm (sbatch/train.sbatch); prints the job id last")
     add_run_options(sm)

@@ -108,6 +108,7 @@ class LiveView:
                 lost = f"lost node(s) {e['failed_nodes']}" if e["failed_nodes"] else "no node lost"
                 plan = (f"promoted {e['promoted']}" if e["promoted"] else
                         "preempted: save a checkpoint" if e.get("reason") == "preempted" else
+                        "crash loop: save a checkpoint and stop" if e.get("crash_loop") else
                         "no spare left: save a checkpoint" if e.get("exhausted") else
                         f"{e.get('reason')}: no promotion")
                 self._note(f"  agreed: generation {e['generation']}, {lost}, {plan}, cut at step {e['cut_step']} "
@@ -121,8 +122,14 @@ class LiveView:
                 base = self.t_fault or e["t_fail"]
                 self._note(f"  resumed: step {e['step']} completed (+{e['t'] - base:.2f} s after {since})", "bold green")
                 self.t_fault = None  # the next failure is timed from its own fault
+            elif kind == "checkpoint_saved" and e.get("reason") == "crash loop":
+                self._note(f"  crash loop: checkpoint saved at step {e['step']}; the run stops here (never "
+                           f"requeued: it would resume into the same crash)", "bold yellow")
             elif kind == "checkpoint_saved":
                 self._note(f"  {self.checkpoint_line(e)}", "bold yellow")
+            elif kind == "failure_follows_work":
+                self._note(f"  node{e.get('node')}: rank {e['rank']} ended by {e['end']} at step {e['step']} as on "
+                           f"another node: the work's failure, not the node's (no quarantine)", "yellow")
             elif kind == "requeued":
                 self.requeues += 1
                 self.roles = {n: ("active" if n < self.cfg.nodes else "spare") for n in self.roles}

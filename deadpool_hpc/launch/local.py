@@ -83,6 +83,20 @@ def command(cfg: RunConfig, run_dir: str) -> list[str]:
             sys.executable, "-m", "deadpool_hpc.agent", run_dir]
 
 
+def check_resume(run_dir: str, world_size: int) -> dict:
+    """``--resume``: the checkpoint of ``run_dir`` (checkpoint/LATEST) that a run of ``world_size`` ranks can resume
+    from. Raises ConfigError naming the directory when it has none, or one saved by another world size."""
+    saved = latest_checkpoint(run_dir)
+    if saved is None:
+        raise ConfigError(f"--resume: {run_dir} has no checkpoint (checkpoint/LATEST); accepted: the run directory "
+                          f"of a run that saved one (leave --resume out to start from step 0)")
+    if saved.get("world_size") != world_size:
+        raise ConfigError(f"--resume: the checkpoint in {run_dir} (step {saved.get('step')}) was saved by world size "
+                          f"{saved.get('world_size')}; this run's is {world_size} (--nodes x --ranks-per-node): "
+                          f"accepted: the same layout")
+    return saved
+
+
 class Interrupted(KeyboardInterrupt):
     """A stop signal (``signum``) arrived before the run started: nothing ran, the run directory is as it was."""
 
@@ -91,7 +105,8 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
-def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | None = None) -> dict:
+def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | None = None,
+           resume: bool = False) -> dict:
     """Run ``cfg`` on this machine and return its summary (also written to RUN_DIR/summary.json and to
     ``cfg.summary_path`` if set).
 
@@ -102,6 +117,9 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
     returns a summary (``completed`` False); so does a run stopped by SIGTERM, SIGHUP or SIGINT (when
     ``launch`` runs in the main thread): its processes are killed, ``interrupted`` (the signal's name) is
     logged and set in the summary. Such a signal before any process started raises Interrupted.
+    ``resume``: start from the run directory's checkpoint (checkpoint/LATEST: a run that a crash loop, a lost node with
+    no spare left or a signal stopped) instead of step 0; its event log is kept and appended to. ConfigError, before
+    anything starts, when there is no checkpoint there or it was saved by another world size.
     """
     cfg.validate()
     if cfg.total_processes > LOCAL_MAX_PROCESSES:
@@ -111,6 +129,8 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
                           f"sbatch/train.sbatch, deadpool slurm or HotSwapJob, which have no such cap")
     check_extensions(cfg.replica_transport)   # a missing or broken plugin named before anything starts
     run_dir = check_run_dir(cfg.run_dir)
+    if resume:
+        check_resume(run_dir, cfg.world_size)
     if cfg.summary_path:
         check_output_file(cfg.summary_path, run_dir=cfg.run_dir)
     from ..train.corpus import load_tokens
@@ -128,7 +148,7 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
                 pass
         if stop.signum:
             raise Interrupted(stop.signum)
-        rd.prepare()
+        rd.prepare(resume=resume)
         rd.write_config(cfg)
         env = dict(os.environ, DEADPOOL_JOB_SECRET=secrets.token_hex(32), DEADPOOL_STORE_HOST="127.0.0.1",
                    OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", **emulated_node_env(cfg),
@@ -144,8 +164,8 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
                 emit_requeued(log, attempt, checkpoint=latest_checkpoint(rd.path))
             rc, new, left = _run_once(cfg, rd, env, tail, on_poll, poll_s, timeout, start, stop, run_id, log, output)
             this = {e["event"] for e in new}
-            if "finished" in this or "checkpoint_saved" not in this:
-                break
+            if "finished" in this or "checkpoint_saved" not in this or "crash_loop" in this:
+                break   # (a crash loop: a requeue would resume into the same crash, control/crashloop.py)
         signum = stop.signum  # what came later (while the summary is written) changes nothing
         tail.poll()   # the last spilled lines
         events = merge(_read_run(rd.events, run_id), tail.spilled)
@@ -153,7 +173,9 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
         summary["run_dir"] = run_dir
         summary["mpiexec_rc"] = rc  # non-zero whenever a rank was killed; "completed" says how the run went
         summary["processes_left"] = [int(i["pid"]) for i in left]  # alive 5 s after SIGKILL: should never happen
-        if rc is not None and rc < 0 and not summary["completed"] and not signum:
+        # (a crash loop: every agent had saved and left on its own before mpiexec's end; hydra's mpiexec was seen to
+        # die by SIGPIPE after its processes exited, completed runs' too, which says nothing about the run)
+        if rc is not None and rc < 0 and not summary["completed"] and not signum and not summary.get("crash_loop"):
             summary["errors"].append(f"mpiexec (the launcher's process manager) was killed by "
                                      f"{signal.Signals(-rc).name}; the run's processes were ended with it")
         elif rc and not summary["completed"] and not summary["errors"] and not signum and \

@@ -43,6 +43,19 @@ def metrics_port(text: str) -> int:
     return v
 
 
+def crash_loop_limit(text: str) -> int:
+    """``--crash-loop-limit``: an integer >= 0. An argparse ``type``: anything else is an ArgumentTypeError naming
+    the value, so the command exits 2 with it."""
+    try:
+        v = int(text)
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: accepted: an integer >= 0 (repeats on other nodes of the same "
+                                         f"rank's crash at the same step before the run stops; 0: off)")
+    return v
+
+
 def add_run_options(p: argparse.ArgumentParser) -> None:
     d = RunConfig()
     p.add_argument("--nodes", type=int, default=d.nodes, help="active (training) nodes")
@@ -109,6 +122,11 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quarantine", type=float, default=d.quarantine, metavar="SECONDS",
                    help="a node that fails again within SECONDS of its return to the spare pool stays out "
                         f"(default {d.quarantine:g}; 0: never for that reason)")
+    p.add_argument("--crash-loop-limit", type=crash_loop_limit, default=d.crash_loop_limit, metavar="N",
+                   help="the same training rank ending the same way (signal or exit code) at the same step on N more "
+                        "nodes after the first (a crash that follows the work, e.g. a bad batch, not the node) stops "
+                        "the run: a checkpoint at the last common step, no more spares promoted into it, exit "
+                        f"status 4 naming the rank, step and signal (default {d.crash_loop_limit}; 0: off)")
     p.add_argument("--health-check-timeout", type=float, default=d.health_check_timeout, metavar="SECONDS",
                    help="a returning node's --health-check still running after SECONDS is killed and the node stays "
                         f"out (default {d.health_check_timeout:g})")
@@ -201,7 +219,8 @@ def config_from_args(a) -> RunConfig:
                      preflight_factor=a.preflight_factor, spare_check_every=a.spare_check_every,
                      straggler_factor=a.straggler_factor, straggler_window=a.straggler_window,
                      straggler_action=a.straggler_action, spare_return=not a.no_spare_return,
-                     quarantine=a.quarantine, health_check_timeout=a.health_check_timeout,
+                     quarantine=a.quarantine, crash_loop_limit=a.crash_loop_limit,
+                     health_check_timeout=a.health_check_timeout,
                      metrics_port=a.metrics_port or 0,
                      metrics_textfile=os.path.abspath(a.metrics_textfile) if a.metrics_textfile else "",
                      replicate=not a.no_replicate, requeue=a.requeue, fork_server=not a.no_fork_server,

@@ -453,7 +453,8 @@ def settle(run_dir: str, since: float | None = None, srun_rc: int | None = None)
       (idle_stop_reason), not requeued for ever.
     - ``stopped``: a checkpoint was saved but the job is not requeued: Slurm is ending it (``scancel``, the end
       of a preemption's grace time; Slurm itself requeues a preempted job if its PreemptMode says so), or
-      ``max_requeues`` was reached, or ``scontrol requeue`` was refused. Or the batch shell was signalled and the
+      ``max_requeues`` was reached, or ``scontrol requeue`` was refused, or a crash loop stopped the run (``crash_loop``:
+      the same rank's crash at the same step on several nodes; a requeue would resume into it). Or the batch shell was signalled and the
       ranks ended without saving (srun answers a SIGTERM of its own by killing its step) and the agents had
       persisted nothing in this attempt (else: ``requeued``, from that checkpoint). ``stopped`` is logged.
     - ``none``: nothing to decide (the run finished, or ended without a checkpoint and without a signal).
@@ -504,7 +505,10 @@ def settle(run_dir: str, since: float | None = None, srun_rc: int | None = None)
     ending = state in ENDING_STATES
     resumed = [e["step"] for e in mine if e["event"] == "resumed_from_checkpoint"]
     why_not = None
-    if ending and slurm_reason != "TimeLimit":
+    loops = [e for e in mine if e["event"] == "crash_loop"]
+    if loops:   # the run stopped itself (control/crashloop.py): a requeue would resume into the same crash
+        why_not = f"a crash loop: {loops[-1].get('error')}"
+    elif ending and slurm_reason != "TimeLimit":
         acct = _accounted_state(job_id) if job_id else None
         why_not = f"Slurm is ending the job ({acct or state}{f', {slurm_reason}' if slurm_reason not in (None, 'None') else ''})"
     elif ending and idle:

@@ -104,6 +104,8 @@ RUN_PARAMETERS: tp.Dict[str, tp.Tuple[tp.Callable[[tp.Any], bool], str]] = {
                                                     "the spare pool once it passed its checks)"),
     "quarantine": (lambda v: _is_seconds(v) and v >= 0, "seconds >= 0 (a node failing again this soon after its "
                                                         "return stays out)"),
+    "crash_loop_limit": (lambda v: _is_int(v) and v >= 0, "an integer >= 0 (repeats of the same rank's crash at the "
+                                                          "same step on other nodes before the run stops; 0: off)"),
     "health_check_timeout": (lambda v: _is_seconds(v) and v > 0, "seconds > 0 (a returning node's health check "
                                                                  "still running then counts as unhealthy)"),
     "persist_every": (lambda v: _is_seconds(v) and v >= 0, "seconds >= 0 (0: the agents never persist snapshots in "
