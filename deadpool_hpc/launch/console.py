@@ -10,7 +10,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-PHASES = ("detect", "agree", "rebuild", "restore", "recompute")
+from ..summary import PHASES
 
 
 class LiveView:
