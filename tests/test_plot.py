@@ -86,6 +86,11 @@ def test_the_timeline_of_a_run_with_a_kill_a_hang_and_a_straggler(khs_run, tmp_p
     # each fault's mark sits at its fault_injected time, within the drawn span of the run
     assert sorted(m.t for m in tl.of("fault")) == sorted(e["t"] for e in injected)
     assert all(tl.t0 <= m.t <= tl.t_end for m in tl.marks)
+    # deadpool status --png: the summary table, and the same picture (a Slurm job's run directory is found from
+    # its id by the same command: tests/slurm exercise that lookup)
+    p = cli("status", str(run_dir), "--png", str(tmp_path / "status.png"))
+    assert p.returncode == 0 and "recoveries (seconds)" in p.stdout and "timeline of khs" in p.stdout, p
+    assert matplotlib.image.imread(str(tmp_path / "status.png")).shape[:2] == (650, 1200)
 
 
 def test_plot_refuses_what_is_not_a_run_directory(tmp_path):
