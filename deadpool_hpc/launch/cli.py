@@ -161,7 +161,7 @@ def _plot(run_dir: str, out: str | None) -> int:
 
     try:
         path, tl, drawn = plot_run(run_dir, out)
-    except (ConfigError, FileNotFoundError):
+    except FileNotFoundError:   # (main's exit 2)
         raise
     except OSError as exc:   # a read-only or full directory
         print(f"deadpool: error: the timeline could not be written: {exc}", file=sys.stderr)

@@ -110,8 +110,9 @@ def draw(tl: Timeline, path: str, title: str | None = None) -> dict:
         drawn[kind] = len(coll.get_offsets())
         if kind in LABELLED and len(ms) <= MAX_LABELS:
             for i, m in enumerate(ms):
-                lanes.annotate(m.label, (x(m.t), row[lane]), xytext=(4, 5 if i % 2 == 0 else -10),
-                               textcoords="offset points", fontsize=6.5, color=color)
+                right = x(m.t) > 0.8 * x(tl.t_end)   # near the right edge: the label to the left of its mark
+                lanes.annotate(m.label, (x(m.t), row[lane]), xytext=(-4 if right else 4, 5 if i % 2 == 0 else -10),
+                               textcoords="offset points", fontsize=6.5, color=color, ha="right" if right else "left")
     lanes.set_yticks(list(row.values()), list(row))
     lanes.set_ylim(-0.7, len(LANES) - 0.3)
     lanes.set_xlabel(f"{uname} since the run's first event")
