@@ -81,10 +81,8 @@ def draw(tl: Timeline, path: str, title: str | None = None) -> dict:
     fig = Figure(figsize=(12, 6.5), layout="constrained")
     ax, lanes = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))
     curve = ax.plot([x(t) for t in tl.times], tl.rates, color="black", lw=0.9)[0]
-    shaded = {p: 0 for p in PHASES}
-    for sp in tl.spans:
-        ax.axvspan(x(sp.t0), x(sp.t1), color=PHASE_COLORS[sp.phase], lw=0)
-        shaded[sp.phase] += 1
+    spans = [(sp.phase, ax.axvspan(x(sp.t0), x(sp.t1), color=PHASE_COLORS[sp.phase], lw=0)) for sp in tl.spans]
+    shaded = {p: sum(1 for q, patch in spans if q == p and patch in ax.patches) for p in PHASES}
     for m in tl.of("fault"):
         for axis in (ax, lanes):
             axis.axvline(x(m.t), color=STYLE["fault"][2], lw=0.8, alpha=0.7)
