@@ -79,13 +79,15 @@ def test_the_timeline_of_a_run_with_a_kill_a_hang_and_a_straggler(khs_run, tmp_p
             continue
         assert mine[0].t0 == pytest.approx(f["t_fault"]) and all(a.t1 <= b.t0 + 1e-9 for a, b in zip(mine, mine[1:]))
         assert mine[-1].t1 - mine[0].t0 == pytest.approx(f["recovery_s"], abs=1e-6), (f, mine)
-    # the curve: training at full speed before the first fault, and stopped (0 steps/s) somewhere in the hang's
-    # detection, which lasts --hang-timeout (2 s)
-    first_fault = min(e["t"] for e in injected)
-    before = [r for t, r in zip(tl.times, tl.rates) if first_fault - 2 < t < first_fault - 0.5]
+    # the curve: training before the first fault, stopped (0 steps/s) somewhere in the hang's detection (it lasts
+    # --hang-timeout, 2 s), and as many steps under it as the run did (its steps and those recomputed)
+    t_first = min(e["t"] for e in events if e["event"] == "step")
+    before = [r for t, r in zip(tl.times, tl.rates) if t_first <= t <= min(e["t"] for e in injected)]
     hang = next(f for f in s["failures"] if f["kind"] == "hang")
     during = [r for t, r in zip(tl.times, tl.rates) if hang["t_fault"] < t < hang["t_fault"] + hang["phases"]["detect"]]
-    assert before and min(before) > 0 and during and min(during) == 0, (before, during)
+    assert before and max(before) > 0 and during and min(during) == 0, (before, during)
+    done = KHS_SETTINGS["steps"] + sum(f["recomputed_steps"] or 0 for f in s["failures"])
+    assert sum(tl.rates) * (tl.times[1] - tl.times[0]) == pytest.approx(done, rel=0.1), done
     # each fault's mark sits at its fault_injected time, within the drawn span of the run
     assert sorted(m.t for m in tl.of("fault")) == sorted(e["t"] for e in injected)
     assert all(tl.t0 <= m.t <= tl.t_end for m in tl.marks)
