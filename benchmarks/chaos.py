@@ -252,11 +252,11 @@ def plot(path: str, events: list[dict], faults: list[dict], t0: float) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
-    ts = sorted(e["t"] - t0 for e in events if e["event"] == "step")
-    grid = [i / 4 for i in range(int(4 * ts[-1]) + 2)]   # every 0.25 s: the steps logged in the 2 s before
-    rate = [(bisect.bisect_right(ts, g) - bisect.bisect_right(ts, g - 2.0)) / 2.0 for g in grid]
+    from deadpool_hpc.report.timeline import step_rate
+
+    grid, rate, _ = step_rate(events, t_start=t0, window_s=2.0)   # the steps done in the 2 s around each point
     fig, ax = plt.subplots(figsize=(11, 3.8))
-    ax.plot(grid, rate, color="black", lw=0.8)
+    ax.plot([g - t0 for g in grid], rate, color="black", lw=0.8)
     for f in faults:
         x, c = f["t"] - t0, COLORS[f["kind"]]
         ax.axvline(x, color=c, lw=1.2, ls=":" if f.get("skipped") else "-")

@@ -13,7 +13,7 @@ final parameters equal the failure-free run's (they must: the straggler leaves b
 recomputed (0); the seconds from the fault (``fault_injected``, kind slow) to ``straggler_detected`` and to the first
 step after the swap; the job's steps/s (rank 0's ``step`` timestamps) before the slowdown (steps 6..39), during it
 (fault to the swap's ``decision``) and after the swap (from ``resumed``), beside the failure-free run's steps/s over
-the same step ranges; and a PNG timeline (``--png``): steps/s over time (over ~1 s), and each node's own work per
+the same step ranges; and a PNG timeline (``--png``): steps/s over time (over 1 s), and each node's own work per
 step (``node_step_times``). The summary counts the slowed node's swap as a failure of kind "slow" whose outcome is
 "planned swap" (``planned_swaps`` counts it).
 
@@ -34,6 +34,7 @@ import tempfile
 from deadpool_hpc.config import RunConfig, parse_fault
 from deadpool_hpc.events import read_events
 from deadpool_hpc.launch.local import launch
+from deadpool_hpc.report.timeline import step_rate
 
 FACTOR = RunConfig.straggler_factor
 
@@ -58,18 +59,6 @@ def step_times(events: list[dict]) -> dict[int, float]:
 def rate(ts: dict[int, float], lo: int, hi: int) -> float:
     """Steps per second over steps lo..hi: (hi - lo) steps between step lo's and step hi's timestamps."""
     return (hi - lo) / (ts[hi] - ts[lo]) if hi > lo else float("nan")
-
-
-def rolling(ts: dict[int, float], span: float = 1.0) -> tuple[list[float], list[float]]:
-    """(times, steps/s over the last ~``span`` seconds at each step)."""
-    t = [ts[k] for k in sorted(ts)]
-    xs, ys, j = [], [], 0
-    for i in range(1, len(t)):
-        while t[i] - t[j] > span and j < i - 1:
-            j += 1
-        xs.append(t[i])
-        ys.append((i - j) / (t[i] - t[j]))
-    return xs, ys
 
 
 def ratios(events: list[dict]):
@@ -139,11 +128,11 @@ def plot(path: str, spec: str, ev, ev0, fault, det, dec, after) -> None:
     ts, ts0 = step_times(ev), step_times(ev0)
     t0, t00 = ts[1], ts0[1]
     fig, (ax, bx) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
-    x, y = rolling(ts)
+    x, y, _ = step_rate(ev, window_s=1.0)
     ax.plot([v - t0 for v in x], y, lw=1.2, label=f"--slow {spec}")
-    x, y = rolling(ts0)
+    x, y, _ = step_rate(ev0, window_s=1.0)
     ax.plot([v - t00 for v in x], y, lw=1, alpha=0.6, color="grey", label="failure-free")
-    ax.set_ylabel("job steps/s (over ~1 s)")
+    ax.set_ylabel("job steps/s (over 1 s)")
     ax.set_title(f"Straggler check (3 + 1 nodes, window 10 s): --slow {spec}, detected, swapped for the spare")
     marks = [(fault["t"], f"fault (step {fault['step']})", "red"), (det["t"], "straggler_detected", "orange"),
              (dec["t"], "swap decision", "green"), (after["t"], f"first step after swap ({after['step']})", "blue")]

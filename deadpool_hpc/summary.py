@@ -9,7 +9,8 @@ made); phase boundaries per failure (seconds, DESIGN.md "Recovery"):
 - restore:   process group built      -> last rank restored its state at the cut step
 - recompute: restored                 -> last rank completed its first step after the swap
 
-``recovery_s`` (fault -> first completed step after the swap) is their sum. The fault's time is the
+``recovery_s`` (fault -> first completed step after the swap) is their sum; ``t_fault`` is the fault's wall time, so
+each phase's span is ``t_fault`` plus the phases before it. The fault's time is the
 ``fault_injected`` event when our own injection caused it; the ``node_failed`` event of the lost node's agent
 when that agent saw one of its training processes exit ("process exit seen by its agent", milliseconds after it);
 otherwise (a whole node lost, its agent included) nobody saw it happen, and it is *estimated* as the last time any
@@ -22,6 +23,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 from .cause import cause_line
+
+PHASES = ("detect", "agree", "rebuild", "restore", "recompute")   # a failure's recovery phases, in order
 
 
 def build_summary(events: list[dict], config=None) -> dict:  # noqa: C901
@@ -238,6 +241,7 @@ def _failure(d: dict, by, fault, lost: set, t_next_attempt, P: int) -> dict:
         "promoted": promoted,
         "spare_nodes_used": sorted(spares),
         "cut_step": d.get("cut_step"),
+        "t_fault": t0,          # wall time of the fault (seconds since the epoch), from ``t_fault_source``
         "t_fault_source": source,
         "recovery_s": span(t0, t_resume),
         "phases": {"detect": span(t0, t_detect), "agree": span(t_detect, t_agree), "rebuild": span(t_agree, t_rebuild),

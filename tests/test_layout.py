@@ -173,3 +173,38 @@ def test_metrics_sit_between_the_event_log_and_the_agent():
     users = {room(m) for m, ds in graph.items() if f"{PKG}.metrics" in ds}
     assert users <= {f"{PKG}.agent", f"{PKG}.launch"}, users
     assert f"{PKG}.agent.metrics" in {m for m, ds in graph.items() if f"{PKG}.metrics" in ds}
+
+
+# the report room (deadpool_hpc/report/: deadpool plot) reads run directories after the fact: the command imports it,
+# nothing that runs in a job does, and it imports nothing that does (issue 46)
+REPORT = f"{PKG}.report"
+REPORT_USERS = {f"{PKG}.launch.cli"}
+RUNTIME_ROOMS = {f"{PKG}.{r}" for r in ("agent", "worker", "control", "dataplane", "replica", "ipc", "process",
+                                         "launch", "train")}
+
+
+def _external_imports(path: str) -> set[str]:
+    """The top-level names of the modules a file imports that are not relative (``import matplotlib.pyplot``:
+    matplotlib)."""
+    with open(path) as fh:
+        tree = ast.parse(fh.read(), path)
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def test_the_report_room_is_read_only_and_nothing_in_a_job_imports_it():
+    mods = _modules()
+    graph = import_graph(mods)
+    assert any(room(m) == REPORT for m in mods), sorted(mods)
+    users = {m for m, deps in graph.items() if room(m) != REPORT and any(room(d) == REPORT for d in deps)}
+    assert users <= REPORT_USERS, f"only {sorted(REPORT_USERS)} may import {REPORT}; also: {sorted(users - REPORT_USERS)}"
+    below = {room(d) for m, deps in graph.items() if room(m) == REPORT for d in deps} - {REPORT}
+    assert not below & RUNTIME_ROOMS, f"{REPORT} imports the runtime: {sorted(below & RUNTIME_ROOMS)}"
+    # matplotlib (the plot extra) is imported by the drawing module alone: every other module works without it
+    drawing = {m for m, path in mods.items() if "matplotlib" in _external_imports(path)}
+    assert drawing == {f"{REPORT}.plot"}, sorted(drawing)

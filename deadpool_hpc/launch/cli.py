@@ -3,7 +3,10 @@
 - ``deadpool run ...``: the embedded launch (emulated nodes as local processes).
 - ``deadpool submit ...``: the same run options plus Slurm ones; renders sbatch/train.sbatch and submits
   it; the last line printed is the Slurm job id.
-- ``deadpool status JOBID|RUN_DIR``: steps, failures, swaps and recovery times, from the run's event log.
+- ``deadpool status JOBID|RUN_DIR [--png FILE]``: steps, failures, swaps and recovery times, from the run's event
+  log (``--png``: its timeline too, as ``deadpool plot`` draws it).
+- ``deadpool plot RUN_DIR [-o FILE]``: the run's timeline as a picture (deadpool_hpc/report/: steps/s over wall
+  time, every fault, decision, swap, return, straggler verdict and checkpoint, each failure's recovery phases).
 - ``deadpool swap JOBID|RUN_DIR NODE``: a planned swap of NODE at the next step boundary (launch/swap.py).
 
 Exit 2 on bad input (a run directory in use by another run included), before any process starts or any
@@ -126,6 +129,11 @@ def cmd_status(a) -> int:
     from .console import print_summary
     from .slurm import make_summary, status
 
+    if a.png is not None:   # a bad file name or no matplotlib: exit 2 before Slurm is asked anything
+        from ..report.plot import check_output, require_matplotlib
+
+        a.png = check_output(a.png, "--png")
+        require_matplotlib()
     st = status(a.target)
     console = Console()
     if st.get("slurm"):
@@ -140,12 +148,35 @@ def cmd_status(a) -> int:
         console.print(run)
         return 1
     print_summary(summary, console)
+    if a.png is not None and _plot(run["run_dir"], a.png):
+        return 1
     state = (st.get("slurm") or {}).get("state")
     if not summary["completed"] and state in ("PENDING", "RUNNING", "REQUEUED", "RESIZING", "COMPLETING"):
         console.print(f"job {state}: at step {run.get('step', 0)} of {summary.get('steps_completed') or '?'} so far "
                       "(the table above is the run until now)")
         return 0
     return 0 if summary["completed"] else 1
+
+
+def cmd_plot(a) -> int:
+    return _plot(a.run_dir, a.output)
+
+
+def _plot(run_dir: str, out: str | None) -> int:
+    """Draw RUN_DIR's timeline (report/plot.py) and say where, and what it marks; 1 if the file cannot be written."""
+    from ..report.plot import plot_run
+
+    try:
+        path, tl, drawn = plot_run(run_dir, out)
+    except FileNotFoundError:   # (main's exit 2)
+        raise
+    except OSError as exc:   # a read-only or full directory
+        print(f"deadpool: error: the timeline could not be written: {exc}", file=sys.stderr)
+        return 1
+    kinds = ", ".join(f"{n} {k}" for k, n in drawn.items() if k not in ("phases", "points") and n)
+    print(f"timeline of {tl.name or run_dir}: {path} ({kinds or 'no mark'}; "
+          f"{sum(drawn['phases'].values())} recovery phase span(s))")
+    return 0
 
 
 def cmd_swap(a) -> int:
@@ -178,7 +209,15 @@ def main(argv=None) -> int:
     sm.set_defaults(fn=cmd_submit)
     st = sub.add_parser("status", help="summarise a run from its event log: a Slurm job id or a run directory")
     st.add_argument("target", metavar="JOBID|RUN_DIR")
+    st.add_argument("--png", metavar="FILE", help="also draw the run's timeline to FILE (.png, .svg or .pdf; needs "
+                                                  "matplotlib: pip install 'deadpool-hpc[plot]')")
     st.set_defaults(fn=cmd_status)
+    pl = sub.add_parser("plot", help="draw a run's timeline: steps/s over wall time, faults, decisions, swaps, returns, "
+                                     "straggler verdicts, checkpoints and recovery phases (needs matplotlib)")
+    pl.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (holding events.jsonl)")
+    pl.add_argument("-o", "--output", metavar="FILE", help="the picture: .png, .svg or .pdf (default "
+                                                           "RUN_DIR/timeline.png)")
+    pl.set_defaults(fn=cmd_plot)
     sw = sub.add_parser("swap", help="planned swap: NODE leaves the running job at its next step boundary, a spare "
                                      "takes its place, no step recomputed")
     sw.add_argument("target", metavar="JOBID|RUN_DIR")

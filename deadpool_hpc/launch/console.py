@@ -11,8 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..cause import process_line
-
-PHASES = ("detect", "agree", "rebuild", "restore", "recompute")
+from ..summary import PHASES
 
 
 class LiveView:

@@ -70,7 +70,7 @@ def test_a_drained_node_and_a_straggler_are_swapped_out_with_no_step_recomputed(
         subprocess.run(["scontrol", "update", f"nodename={node}", "state=drain", "reason=ECC errors (test)"],
                        check=True, timeout=30)
 
-    _, run_dir, s = _planned_swap(tmp_path, drain, reference_digest, "planned-swap-drain", spares=2,
+    job, run_dir, s = _planned_swap(tmp_path, drain, reference_digest, "planned-swap-drain", spares=2,
                                   extra=("--slow", "node0@45:8", "--straggler-window", "2", "--straggler-factor", "2"))
     f, slow = s["failures"]
     assert "DRAIN" in f["reason"] and "ECC errors (test)" in f["reason"], f
@@ -78,6 +78,13 @@ def test_a_drained_node_and_a_straggler_are_swapped_out_with_no_step_recomputed(
     assert [(x["node"], x["action"]) for x in s["stragglers"]] == [(0, "swap")], s["stragglers"]
     assert (slow["kind"], slow["outcome"], slow["failed_nodes"]) == ("slow", "planned swap", [0]), slow
     assert slow["t_fault_source"] == "planned swap requested (straggler)" and slow["cut_step"] >= 45, slow
+    # deadpool status JOBID --png (issue 46): the job's run directory found from its id, its timeline drawn with
+    # the injected slowness, both swaps and the straggler verdict marked
+    png = tmp_path / "timeline.png"
+    p = subprocess.run(DEADPOOL + ["status", job, "--png", str(png)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and f"timeline of {os.path.basename(run_dir)}: {png} (" in p.stdout, p.stdout + p.stderr
+    assert all(f"{n} {kind}" in p.stdout for n, kind in ((1, "fault"), (2, "swap"), (1, "straggler"))), p.stdout
+    assert png.stat().st_size > 10_000
 
 
 def test_deadpool_swap_of_a_slurm_job_and_its_bad_requests(tmp_path, slurm_cluster, reference_digest):
