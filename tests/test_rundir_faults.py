@@ -189,7 +189,10 @@ def test_run_dir_turns_read_only_mid_run(ext4, base_digest):
     assert s["failures"] == [], "a live node was lost to a slow persist round: " + repr(s["failures"])
     assert s["summary_written"] is False and "EROFS" in s["summary_error"], s.get("summary_error")
     assert s["event_log"]["failed"] >= 1 and any("EROFS" in e for e in s["event_log"]["errors"]), s["event_log"]
-    assert s["persist"]["failed"] >= 1 and all(r.startswith("EROFS") for r in s["persist"]["reasons"]), s["persist"]
+    # a write in flight when ext4 records its error fails with EIO before the remount makes the rest EROFS (seen in
+    # CI: reasons ['EIO: Input/output error', 'EROFS: Read-only file system']); both name the file system's fault
+    assert s["persist"]["failed"] >= 1 and any(r.startswith("EROFS") for r in s["persist"]["reasons"]) \
+        and all(r.startswith(("EROFS", "EIO")) for r in s["persist"]["reasons"]), s["persist"]
     assert s["launcher_log"]["dropped_bytes"] > 0 or s["launcher_log"]["error"] is None, s["launcher_log"]
 
 
