@@ -48,6 +48,16 @@ def test_templates_are_valid_bash():
         assert r.returncode == 0, r.stderr
 
 
+def _fake_running_job(monkeypatch, slurm_job) -> list:
+    """Slurm faked for settle(): job 42 RUNNING, every command recorded in the returned list and answered rc 0."""
+    ran = []
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setattr(slurm_job, "job_state", lambda job: ("RUNNING", "None"))
+    monkeypatch.setattr(slurm_job.subprocess, "run",
+                        lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0, "", ""))
+    return ran
+
+
 def test_settle_never_requeues_a_run_that_a_crash_loop_stopped(tmp_path, monkeypatch):
     """A crash loop (control/crashloop.py) saved a checkpoint too, but a requeue would resume into the same crash:
     ``stopped`` with the loop's line, no ``scontrol requeue``, with --requeue and the job still running. Slurm is
@@ -63,11 +73,7 @@ def test_settle_never_requeues_a_run_that_a_crash_loop_stopped(tmp_path, monkeyp
     log.emit("checkpoint_saved", t=2.0, step=30, reason="crash loop")
     log.emit("crash_loop", t=2.0, rank=1, end="SIGABRT", step=30, error=line)
     log.close()
-    ran = []
-    monkeypatch.setenv("SLURM_JOB_ID", "42")
-    monkeypatch.setattr(slurm_job, "job_state", lambda job: ("RUNNING", "None"))
-    monkeypatch.setattr(slurm_job.subprocess, "run",
-                        lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0, "", ""))
+    ran = _fake_running_job(monkeypatch, slurm_job)
     assert slurm_job.settle(str(tmp_path), since=1.5) == {"action": "stopped", "reason": f"a crash loop: {line}",
                                                           "checkpoint_step": 30}
     assert ran == []
@@ -88,11 +94,7 @@ def test_settle_logs_requeued_with_its_fields_and_requeues(tmp_path, monkeypatch
     log.emit("requeued", t=1.0, attempt=1, reason="preempted")
     log.emit("checkpoint_saved", t=2.0, step=20, reason="no spare node left")
     log.close()
-    ran = []
-    monkeypatch.setenv("SLURM_JOB_ID", "42")
-    monkeypatch.setattr(slurm_job, "job_state", lambda job: ("RUNNING", "None"))
-    monkeypatch.setattr(slurm_job.subprocess, "run",
-                        lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0, "", ""))
+    ran = _fake_running_job(monkeypatch, slurm_job)
     assert slurm_job.settle(str(tmp_path), since=1.5) == {"action": "requeued", "reason": "no spare node left"}
     assert ran == [["scontrol", "requeue", "42"]]
     e = [e for e in read_events(str(tmp_path / "events.jsonl")) if e["event"] == "requeued"][-1]
