@@ -21,7 +21,12 @@ How, per round (one every ``persist_every`` seconds, none before the first perio
    the LATEST there) and removes the older ``step{T}`` directories.
 
 A node that misses ``S`` (its ranks already two steps past it when it looked: a slow loop) or a round cut by a
-recovery leaves that round uncommitted; the next round tries again. LATEST is only written once every shard of
+recovery leaves that round uncommitted; the next round tries again. Every node answers every round it was asked
+(``persisted`` with ``ok`` false for a round it missed or failed), so the scheduler knows which rounds are over on
+every node: a round's directory is removed only once each training node has answered a later round (a node writes
+its rounds one after another), never while a slow node still writes it (the removal of rounds older than the previous
+ask, whatever their state, destroyed every round of a file system slower than two periods: seen in CI, a first
+round slowed by the import of torch.distributed.checkpoint on two busy cores, removed before its commit). LATEST is only written once every shard of
 ``S`` is on disk, so a half-written round is never read back as good. The training processes do nothing for it.
 
 A run directory that fails writes (issue 42: full, over quota, read-only, EIO, a stale NFS handle) costs the round
@@ -74,7 +79,9 @@ class Persister:
         self._thread: threading.Thread | None = None
         self._house: threading.Thread | None = None    # the scheduler's commit / clean-up thread
         self._asked: int | None = None                  # the step of the scheduler's last round
-        self._done: tuple[int, int, float, int] | None = None   # (generation, step, seconds, bytes) written
+        self._done: tuple[int, int, float, int, bool] | None = None   # (generation, step, seconds, bytes, ok)
+        self.answered: dict[int, int] = {}              # the scheduler: node -> newest step it answered (this gen.)
+        self._answered_g: int | None = None
         agent.cp.handlers["persist"] = self._on_persist
         agent.cp.handlers["persisted"] = self._on_persisted
 
@@ -84,10 +91,11 @@ class Persister:
             return
         cp = self.agent.cp
         if self._done is not None:   # the writer thread finished: tell the scheduler (from this loop, not that thread)
-            g, step, secs, nbytes = self._done
+            g, step, secs, nbytes, ok = self._done
             self._done = None
-            self.agent.log.emit("persisted", step=step, generation=g, seconds=round(secs, 3), bytes=nbytes)
-            cp.peers.send(cp.assignment[0] // self.agent.P, "persisted", {"g": g, "step": step})
+            if ok:
+                self.agent.log.emit("persisted", step=step, generation=g, seconds=round(secs, 3), bytes=nbytes)
+            self._answer(g, step, ok)
         if self._scheduler() and time.monotonic() >= self.next_t:
             self.next_t = time.monotonic() + self.every
             rep = self.agent.reps.get(0)
@@ -96,8 +104,9 @@ class Persister:
             # was ever persisted (seen with --persist-every 1 and 0.6 s steps)
             if rep is not None and rep.committed_step >= 0 and (self._asked is None or rep.committed_step >= self._asked):
                 body = {"g": cp.generation, "step": rep.committed_step + 2}
-                if self._asked is not None:   # what rounds before the previous one left (failed) frees room
-                    self._in_background("clean", self._clean, self._asked)
+                done = self._over()
+                if done is not None:   # what rounds every node is done with left (failed rounds) frees room
+                    self._in_background("clean", self._clean, done)
                 self._asked = body["step"]
                 cp.peers.send_many(self._trainers(), "persist", body)
         if self.want is not None and self._thread is None:
@@ -123,9 +132,29 @@ class Persister:
         if int(body.get("g", -1)) == self.agent.cp.generation and self.agent.cp.train_rank(0) is not None:
             self.want = (int(body["g"]), int(body["step"]))
 
+    def _answer(self, g: int, step: int, ok: bool) -> None:
+        """Tell the scheduler this node is done with round ``step`` of generation ``g``: written (``ok``), or
+        missed or failed (its reason is this node's ``persist_missed`` / ``persist_failed`` event)."""
+        cp = self.agent.cp
+        cp.peers.send(cp.assignment[0] // self.agent.P, "persisted", {"g": g, "step": step, "ok": ok})
+
+    def _over(self) -> int | None:
+        """The scheduler: the newest step every training node has answered in this generation (each node writes its
+        rounds in order, so no node still writes a round before it), or None while one has answered none."""
+        if self._answered_g != self.agent.cp.generation:
+            return None
+        steps = [self.answered.get(n) for n in self._trainers()]
+        return None if any(s is None for s in steps) else min(steps)
+
     def _on_persisted(self, src: int, body: dict) -> None:
         key = (int(body.get("g", -1)), int(body.get("step", -1)))
         if key[0] != self.agent.cp.generation or not self._scheduler():
+            return
+        if self._answered_g != key[0]:
+            self._answered_g, self.answered = key[0], {}
+        self.answered[src] = max(self.answered.get(src, -1), key[1])
+        if not body.get("ok", True):   # (a node of a version without ``ok`` answers written rounds only)
+            self.acks.pop(key, None)
             return
         done = self.acks.setdefault(key, set())
         done.add(src)
@@ -149,6 +178,7 @@ class Persister:
                 self.want = None
                 self.agent.log.emit("persist_missed", step=step, generation=g, local=local,
                                 why=f"rank {self.agent.cp.train_rank(local)} is already at step {rep.committed_step}")
+                self._answer(g, step, False)
                 return
             copies[local] = slot
         self.want = None
@@ -170,7 +200,7 @@ class Persister:
                     kept = [not slot.pulled] * (layout.local_nbytes // shard[0].numel())
                 persist.save_shard(self.root, step, ranks[local], shard, rng, kept=kept)
                 nbytes += layout.nbytes
-            self._done = (g, step, time.perf_counter() - t0, nbytes)
+            self._done = (g, step, time.perf_counter() - t0, nbytes, True)
         except BaseException as exc:  # noqa: BLE001 - costs this round only. BaseException: torch's
             # CheckpointException (a full disk inside dcp.save) is one, and escaped ``except Exception``: the thread
             # died without a word
@@ -179,6 +209,7 @@ class Persister:
                 persist.discard_shard(self.root, step, r)
             self.agent.log.emit("persist_failed", step=step, generation=g, phase="write", path=self.root,
                                 reason=reason, ranks=sorted(ranks.values()))
+            self._done = (g, step, time.perf_counter() - t0, nbytes, False)
         finally:
             self._thread = None
             self.agent.channel.wake()
@@ -212,7 +243,8 @@ class Persister:
 
     def _clean(self, before: int) -> None:
         """Remove every ``step{T}`` directory with T < ``before`` that LATEST does not name: older committed rounds
-        and what rounds that failed left on the disk. Never raises."""
+        and what rounds that failed left on the disk. Called with a ``before`` no node still writes below (a
+        commit's step: each node wrote the older rounds first; ``_over()``). Never raises."""
         keep = (latest_checkpoint(self.agent.cfg.run_dir) or {}).get("step")
         try:
             names = os.listdir(self.root)
