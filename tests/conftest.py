@@ -13,17 +13,17 @@ runs' processes: this folder and the checkout are put on PYTHONPATH for every lo
 """
 from __future__ import annotations
 
-import _posixsubprocess
 import fcntl
 import hashlib
 import json
 import os
-import subprocess
 import threading
 
 import pytest
 
 from deadpool_hpc.config import RunConfig
+
+import fasttier  # tests/fasttier.py: the fast tier's guard (pytest_runtest_protocol below)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -41,56 +41,24 @@ SAME_AS_DEMO = {"trainfns:paced": "deadpool_hpc.train.demo:train", "trainfns:fro
 
 
 
-# The fast tier (`pytest -m "not e2e"`) is in-process: a test that starts any process (a run, `deadpool ...`, a Slurm
-# job, mpiexec, torchrun, a training or helper process) carries the `e2e` marker (pyproject.toml). Enforced, not
-# hoped: while an unmarked test is set up, runs and is torn down, every way this process can start another one is
-# refused with an error naming the test. The primitives below are what subprocess, multiprocessing (fork and
-# spawn), torch.multiprocessing, os.spawn*, os.popen, pty and asyncio all end in.
-SPAWNERS = ((subprocess.Popen, "_execute_child"), (_posixsubprocess, "fork_exec"), (os, "fork"), (os, "forkpty"),
-            (os, "posix_spawn"), (os, "posix_spawnp"), (os, "system"))
-
-
-class StartsAProcess(RuntimeError):
-    """An unmarked test tried to start a process (see SPAWNERS)."""
-
-
-def _refuse(item, what: str):
-    def refused(*args, **kwargs):
-        argv = next((a for a in args if isinstance(a, (list, tuple))), None)  # Popen's and posix_spawn's argv
-        msg = (f"{item.nodeid} starts a process ({what}{': ' + repr(list(argv))[:200] if argv else ''}) but is not "
-               f"marked e2e: mark it (@pytest.mark.e2e, or pytestmark in its module; tests/README.md), or keep it "
-               f"in-process")
-        item.stash.setdefault(_REFUSED, []).append(msg)
-        raise StartsAProcess(msg)
-    return refused
-
-
-_REFUSED = pytest.StashKey[list]()
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """Setup, call and teardown of a test without the ``e2e`` marker run with SPAWNERS refused (module and
-    session fixtures the test is the first to ask for included)."""
+    """The fast tier (``-m "not e2e"``) starts no process: while a test without the ``e2e`` marker is set up, runs
+    and is torn down (module and session fixtures it is the first to ask for included), every way of starting a
+    process raises an error naming the test (tests/fasttier.py, tests/README.md)."""
     if item.get_closest_marker("e2e") is not None:
         return (yield)
-    mp = pytest.MonkeyPatch()
-    for owner, name in SPAWNERS:
-        if hasattr(owner, name):
-            mp.setattr(owner, name, _refuse(item, f"{getattr(owner, '__name__', owner)}.{name}"))
-    try:
+    with fasttier.refused_while(item):
         return (yield)
-    finally:
-        mp.undo()
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    """An unmarked test that caught StartsAProcess (``pytest.raises(Exception)``, a retry loop) fails all the same."""
+    """An unmarked test that caught the refusal (``pytest.raises(Exception)``, a retry loop) fails all the same."""
     result = yield
-    refused = item.stash.get(_REFUSED, [])
-    if refused:
-        pytest.fail(refused[0], pytrace=False)
+    msg = fasttier.refusal(item)
+    if msg:
+        pytest.fail(msg, pytrace=False)
     return result
 
 
@@ -146,7 +114,10 @@ def pytest_xdist_make_scheduler(config, log):
     with the two halves as the scopes does the same."""
     if config.getvalue("dist") != "loadgroup":
         return None
-    from xdist.scheduler import LoadScopeScheduling
+    from xdist.scheduler import LoadScheduling, LoadScopeScheduling
+
+    if " ".join(config.getoption("markexpr", "").split()) == "not e2e":
+        return LoadScheduling(config, log)  # the fast tier: in-process tests only (no cluster, no runs), any order
 
     class Halves(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
