@@ -23,6 +23,8 @@ import pytest
 
 from deadpool_hpc.config import RunConfig
 
+import fasttier  # tests/fasttier.py: the fast tier's guard (pytest_runtest_protocol below)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -37,6 +39,27 @@ SAME_AS_DEMO = {"trainfns:paced": "deadpool_hpc.train.demo:train", "trainfns:fro
                 "trainfns:why_it_failed": "deadpool_hpc.train.demo:train",
                 "trainfns_startup:train": "deadpool_hpc.train.demo:train"}
 
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """The fast tier (``-m "not e2e"``) starts no process: while a test without the ``e2e`` marker is set up, runs
+    and is torn down (module and session fixtures it is the first to ask for included), every way of starting a
+    process raises an error naming the test (tests/fasttier.py, tests/README.md)."""
+    if item.get_closest_marker("e2e") is not None:
+        return (yield)
+    with fasttier.refused_while(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """An unmarked test that caught the refusal (``pytest.raises(Exception)``, a retry loop) fails all the same."""
+    result = yield
+    msg = fasttier.refusal(item)
+    if msg:
+        pytest.fail(msg, pytrace=False)
+    return result
 
 
 def _with_test_code(pythonpath: str | None) -> str:
@@ -91,7 +114,10 @@ def pytest_xdist_make_scheduler(config, log):
     with the two halves as the scopes does the same."""
     if config.getvalue("dist") != "loadgroup":
         return None
-    from xdist.scheduler import LoadScopeScheduling
+    from xdist.scheduler import LoadScheduling, LoadScopeScheduling
+
+    if " ".join(config.getoption("markexpr", "").split()) == "not e2e":
+        return LoadScheduling(config, log)  # the fast tier: in-process tests only (no cluster, no runs), any order
 
     class Halves(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:

@@ -304,6 +304,7 @@ def children():
 
 
 # ---- admission ------------------------------------------------------------------------------------------
+@pytest.mark.e2e
 def test_hello_is_welcomed_and_messages_flow_both_ways(agents, children):
     agent = agents(ranks=2)
     assert agent.srv.name.startswith("deadpool-") and str(os.getpid()) in agent.srv.name
@@ -322,6 +323,7 @@ def test_hello_is_welcomed_and_messages_flow_both_ways(agents, children):
     assert agent.log.named("agent_refused") == []
 
 
+@pytest.mark.e2e
 def test_a_client_without_the_secret_is_refused_and_logged(agents, children):
     agent = agents()
     child = children("echo", agent.srv.name, secret=b"another-jobs-secret-0123456789ab")
@@ -334,6 +336,7 @@ def test_a_client_without_the_secret_is_refused_and_logged(agents, children):
     assert agent.srv.connected() == [] and agent.msgs.empty()
 
 
+@pytest.mark.e2e
 def test_a_wrong_first_message_and_other_bad_hellos_are_refused(agents, children):
     agent = agents(ranks=2, hello_timeout=1.0)
     cases = {   # what the connecting process sends -> words of the refusal
@@ -354,6 +357,7 @@ def test_a_wrong_first_message_and_other_bad_hellos_are_refused(agents, children
     assert agent.srv.connected() == [] and agent.msgs.empty()
 
 
+@pytest.mark.e2e
 def test_one_connection_per_local_rank(agents, children):
     agent = agents()
     first = children("echo", agent.srv.name, local_rank=0)
@@ -368,6 +372,7 @@ def test_one_connection_per_local_rank(agents, children):
 
 
 # ---- shared memory ----------------------------------------------------------------------------------------
+@pytest.mark.e2e
 def test_slots_are_shared_both_ways_and_back_a_slot_pair(agents, children):
     before = memfds()
     agent = agents()
@@ -434,6 +439,7 @@ def test_a_buffer_sent_may_be_closed_by_the_agent_at_once(agents):
     assert memfds() == before
 
 
+@pytest.mark.e2e
 def test_progress_beats_are_seen_by_the_agent(agents, children):
     agent = agents()
     child = children("beats", agent.srv.name, beats=12345)
@@ -450,6 +456,7 @@ def test_progress_beats_are_seen_by_the_agent(agents, children):
 
 
 # ---- deaths and freezes --------------------------------------------------------------------------------
+@pytest.mark.e2e
 def test_a_training_process_killed_mid_conversation_is_reported_closed_and_nothing_leaks(agents, children):
     shm_before = set(os.listdir("/dev/shm"))   # other sessions' MPI runs come and go there: look at ours only
     fds_before, mem_before = sorted(os.listdir("/proc/self/fd")), memfds()
@@ -478,6 +485,7 @@ def test_a_training_process_killed_mid_conversation_is_reported_closed_and_nothi
     assert sorted(os.listdir("/proc/self/fd")) == fds_before
 
 
+@pytest.mark.e2e
 def test_a_stopped_training_process_never_blocks_the_agent(agents, children):
     agent = agents(max_outbox=1 << 20)
     child = children("echo", agent.srv.name)
@@ -504,6 +512,7 @@ def test_a_stopped_training_process_never_blocks_the_agent(agents, children):
     assert child.wait(20) != 0          # it woke to a closed channel: its reader saw EOF, get("finish") failed
 
 
+@pytest.mark.e2e
 def test_the_client_notices_its_agent_s_death_at_once(children):
     agent = children("agent")
     name = agent.said("name")
@@ -541,6 +550,7 @@ def test_the_client_notices_its_agent_s_death_at_once(children):
         c.close()
 
 
+@pytest.mark.e2e
 def test_every_wait_has_a_deadline(children):
     with pytest.raises(ChannelTimeout, match="no node agent listens"):
         AgentClient.connect("deadpool-nobody-here", SECRET, 0, 0.3)
@@ -641,6 +651,7 @@ def test_link_store_drops_a_judged_re_checks_keys_only():
     assert st.drop("link/9-9/") == 0
 
 
+@pytest.mark.e2e
 def test_gloo_rendezvous_through_agent_stores(agents, children):
     nodes = _nodes(agents, 3)
     kids = [children("gloo", node.agent.srv.name, rank=r, world=3, store_timeout=30, pg_timeout=30)
@@ -652,6 +663,7 @@ def test_gloo_rendezvous_through_agent_stores(agents, children):
     assert keys and all(node.store.keys() == keys for node in nodes)
 
 
+@pytest.mark.e2e
 def test_a_failed_generation_ends_a_parked_rendezvous_at_once(agents, children):
     nodes = _nodes(agents, 3)
     kids = [children("gloo", nodes[r].agent.srv.name, rank=r, world=3, store_timeout=60, pg_timeout=60)
@@ -672,6 +684,7 @@ def test_a_failed_generation_ends_a_parked_rendezvous_at_once(agents, children):
 
 
 # ---- costs (printed; asserted only loosely: the machine is shared) ------------------------------------------------
+@pytest.mark.e2e
 def test_round_trip_and_beat_costs(agents, children):
     agent = agents()
     child = children("rtt", agent.srv.name, n=1000)
@@ -689,6 +702,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.e2e
 def test_a_dead_process_is_dead_whatever_its_children_hold(agents, children):
     """Issue 43: a training process SIGKILLed while a child it forked (without the at-fork handler: the agent's
     side alone) still holds the channel's socket is reported closed at once (its pidfd), and a fresh process is
@@ -710,6 +724,7 @@ def test_a_dead_process_is_dead_whatever_its_children_hold(agents, children):
     wait_until(lambda: _gone(grandchild), 5, "the grandchild's end")
 
 
+@pytest.mark.e2e
 def test_a_training_process_s_children_hold_none_of_the_agent_s_fds_and_die_with_it(agents, children):
     """Issue 43: with the at-fork handler a training process installs (process/children.py), a child it forks
     holds /dev/null where the channel's socket was, and dies when the training process is SIGKILLed."""

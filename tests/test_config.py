@@ -145,6 +145,7 @@ def test_cli_hang_timeout_off_turns_hang_detection_off(tmp_path, value, seconds)
         assert config_from_args(a).hang_timeout == seconds  # 0.0: RunConfig's "off"
 
 
+@pytest.mark.e2e
 def test_cli_hang_timeout_0_exits_2_from_the_command(tmp_path):
     """The same through the installed entry point's module (a process: the exit status a user sees)."""
     p = subprocess.run([sys.executable, "-m", "deadpool_hpc.launch.cli", "run", "--run-dir", str(tmp_path / "run"),

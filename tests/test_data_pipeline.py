@@ -14,6 +14,8 @@ import pytest
 
 from runs import run_events, run_faults  # tests/runs.py
 
+pytestmark = pytest.mark.e2e   # every test launches a run (tests/README.md)
+
 pytest.importorskip("torchdata.stateful_dataloader")
 
 STEPS = 60

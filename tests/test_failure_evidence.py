@@ -53,6 +53,7 @@ def hung():
     tails.close()
 
 
+@pytest.mark.e2e
 def test_pyspy_reads_every_thread_of_a_hung_process(hung):
     p, tails = hung
     if stacks.pyspy_path() is None:
@@ -65,6 +66,7 @@ def test_pyspy_reads_every_thread_of_a_hung_process(hung):
     assert p.poll() is None, "reading its stacks must not end the process"
 
 
+@pytest.mark.e2e
 def test_without_pyspy_the_process_dumps_its_own_stacks(hung):
     """py-spy missing (an executable that is not there): the in-process dump through the stack signal."""
     p, tails = hung
@@ -76,6 +78,7 @@ def test_without_pyspy_the_process_dumps_its_own_stacks(hung):
     assert p.poll() is None
 
 
+@pytest.mark.e2e
 def test_a_stopped_process_is_reported_at_once(hung):
     p, tails = hung
     os.kill(p.pid, signal.SIGSTOP)
@@ -91,6 +94,7 @@ def test_a_stopped_process_is_reported_at_once(hung):
         os.kill(p.pid, signal.SIGCONT)
 
 
+@pytest.mark.e2e
 def test_the_stderr_tail_keeps_the_last_lines_and_passes_everything_on(tmp_path):
     """A process writes 5000 lines to stderr and exits with code 3: its agent's stderr gets every byte, the tail
     the last lines, and the wait for the pipe's end returns at the process's end."""
@@ -191,6 +195,7 @@ def test_cause_lines():
 
 
 # ---- one run, three failures, each with its cause --------------------------------------------------------------
+@pytest.mark.e2e
 def test_each_failure_of_a_run_says_why(tmp_path):
     """2 + 3 nodes, 24 steps (trainfns.why_it_failed): training rank 1 writes to stderr and exits with code 3 at
     step 6; rank 0's training process is killed (SIGKILL) at step 12; rank 1 hangs inside

@@ -21,6 +21,8 @@ from deadpool_hpc.agent.channel import ChannelServer
 from deadpool_hpc.config import RunConfig
 from deadpool_hpc.process import forkserver
 
+pytestmark = pytest.mark.e2e   # each test starts the run's fork server and training processes
+
 SECRET = bytes(range(32))
 
 

@@ -82,6 +82,7 @@ def baseline3(failure_free):
     return failure_free(nodes=3, steps=STEPS, **EXAMPLE)
 
 
+@pytest.mark.e2e
 def test_fsdp2_example_kill_node1_at_30_and_hang_rank2_at_40(tmp_path, baseline):
     """node1 SIGKILLed at step 30: the spare node4, which built its model as rank 0, becomes rank 1 at its
     promotion. Rank 2 SIGSTOPped inside its step 40: the others wait in one of the mesh's collectives (FSDP2's
@@ -91,6 +92,7 @@ def test_fsdp2_example_kill_node1_at_30_and_hang_rank2_at_40(tmp_path, baseline)
     check_recovered(s, baseline, ["node1", "rank2"], [[1], [2]])
 
 
+@pytest.mark.e2e
 def test_fsdp2_example_kill_node1_and_hang_rank2_two_ranks_per_node(tmp_path, baseline_p2):
     """The same with two ranks per node and every block activation-checkpointed (its forward, with FSDP2's
     all-gather, run again in backward)."""
@@ -99,6 +101,7 @@ def test_fsdp2_example_kill_node1_and_hang_rank2_two_ranks_per_node(tmp_path, ba
     check_recovered(s, baseline_p2, ["node1", "rank2"], [[1], [2]])
 
 
+@pytest.mark.e2e
 def test_fsdp2_example_uneven_shards_on_3_ranks(tmp_path, baseline3):
     """3 ranks: no dimension of the model divides by 3 (vocabulary 256 -> shards of 86, 86, 84 rows; d_model 32 ->
     11, 11, 10). The spare builds its model as rank 0 (the largest shards); rank 2's replacement points its shards at
@@ -107,6 +110,7 @@ def test_fsdp2_example_uneven_shards_on_3_ranks(tmp_path, baseline3):
     check_recovered(s, baseline3["param_digest"], ["node1", "rank2"], [[1], [2]])
 
 
+@pytest.mark.e2e
 def test_fsdp2_example_no_spare_left_requeues_from_the_checkpoint(tmp_path, baseline):
     """No spare: the cut step is saved to disk (each rank's shards, the optimizer's 0-dim step counters included),
     the run restarts from it and ends bitwise equal to the failure-free run."""
@@ -114,6 +118,7 @@ def test_fsdp2_example_no_spare_left_requeues_from_the_checkpoint(tmp_path, base
     assert s["completed"] and s["param_digest"] == baseline, s
 
 
+@pytest.mark.e2e
 def test_hsdp_no_spare_left_requeues_and_the_lost_rank_gets_its_shards_from_its_replicate_group(tmp_path,
                                                                                                baseline_hsdp):
     """HSDP keeps the shards in each rank's own snapshot and never sends them (its replicate group holds the same).
@@ -124,6 +129,7 @@ def test_hsdp_no_spare_left_requeues_and_the_lost_rank_gets_its_shards_from_its_
     assert s["completed"] and s["param_digest"] == baseline_hsdp, s
 
 
+@pytest.mark.e2e
 def test_hsdp_2x2_kill_node1_at_30_and_hang_rank2_at_40(tmp_path, baseline_hsdp):
     """HSDP on ctx.init_device_mesh((2, 2), ("replicate", "shard")): FSDP2's reduce-scatter runs on the shard
     dimension's group and its all-reduce on the replicate dimension's, each a sub-group of the generation built at
@@ -136,6 +142,7 @@ def test_hsdp_2x2_kill_node1_at_30_and_hang_rank2_at_40(tmp_path, baseline_hsdp)
     assert s["bytes_replicated_per_rank_per_step"] < 100_000, s["bytes_replicated_per_rank_per_step"]
 
 
+@pytest.mark.e2e
 def test_tp2_x_fsdp2_kill_node1_at_30_and_hang_rank2_at_40(tmp_path, baseline_tp):
     """examples/llama_tp.py: a Llama-style decoder with attention and feed-forward split by parallelize_module inside
     each tp group of a (dp 2, tp 2) mesh and fully_shard across dp; TP's all-reduces and FSDP2's collectives run on
@@ -144,6 +151,7 @@ def test_tp2_x_fsdp2_kill_node1_at_30_and_hang_rank2_at_40(tmp_path, baseline_tp
     check_recovered(s, baseline_tp, ["node1", "rank2"], [[1], [2]])
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("ranks,extra", [(4, {}), (3, {}), (4, {"replicate": 2}), (4, None)],
                          ids=["fsdp4", "fsdp3", "hsdp2x2", "tp2xfsdp2"])
 def test_fsdp2_example_trains_like_the_plain_script_under_torchrun(ranks, extra, failure_free):
@@ -308,6 +316,7 @@ def _cut_short_worker(rank: int, store_path: str, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.e2e
 def test_a_step_cut_short_inside_fsdp2_recomputes_exactly(tmp_path):
     """A PeerFailure raised inside FSDP2's backward (its re-gather of a resharded block, on both of two real ranks)
     leaves FSDP2's per-iteration state mid-step; the restore puts it back (dataplane/fsdp.reset_after_failure), so
@@ -344,6 +353,7 @@ def test_an_hsdp_mesh_whose_replicate_group_lives_on_one_node_is_refused(local_g
     Protected(4, model, opt, ring=(2, 2, 1))   # two ranks per node: (0, 2) on nodes 0 and 1
 
 
+@pytest.mark.e2e
 def test_a_bad_setting_met_while_building_the_model_is_named_in_the_run_s_error(tmp_path):
     """The training function raises before ctx.run on every node (HSDP's replicate=3 does not divide 2 ranks): the
     run ends before training, and its error says what the function raised, not only that a process died."""

@@ -4,7 +4,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
+
+pytestmark = pytest.mark.e2e   # runs benchmarks/gpu_check.py in its own interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

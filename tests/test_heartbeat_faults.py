@@ -11,6 +11,8 @@ import pytest
 from deadpool_hpc.events import read_events
 from runs import SMALL_RUN_STEPS, run_driven
 
+pytestmark = pytest.mark.e2e   # every test launches a run (tests/README.md)
+
 
 @pytest.fixture(scope="module")
 def baseline(failure_free):

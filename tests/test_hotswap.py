@@ -14,6 +14,8 @@ from deadpool_hpc.events import read_events
 
 from runs import launch_reaped  # tests/runs.py
 
+pytestmark = pytest.mark.e2e   # every test launches a run (tests/README.md)
+
 STEPS = 40
 
 

@@ -117,6 +117,7 @@ def started(args: list[str], out_path, **kw):
 
 
 # ---- the launcher's death ends the run ---------------------------------------------------------------------------
+@pytest.mark.e2e
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGHUP", "SIGTERM", "SIGINT"])
 def test_launcher_death_ends_every_process_of_the_run(tmp_path, sig):
     run_dir, summary = tmp_path / "run", tmp_path / "s.json"
@@ -155,6 +156,7 @@ def test_launcher_death_ends_every_process_of_the_run(tmp_path, sig):
     assert last["signal"] == sig and last["run"] == hellos[0]["run"]
 
 
+@pytest.mark.e2e
 def test_sighup_under_nohup_leaves_the_run_alone(tmp_path):
     run_dir = tmp_path / "run"
     args = ["nohup", *cli("run", "--nodes", "2", "--spares", "1", "--steps", "40", "--run-dir", str(run_dir))]
@@ -200,6 +202,7 @@ def spawn(args, **kw) -> subprocess.Popen:
     return subprocess.Popen(args, cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True, **kw)
 
 
+@pytest.mark.e2e
 def test_lifeline_ends_its_process_its_peers_and_the_processes_in_between(tmp_path):
     """launcher -> middle (as mpiexec and the proxy) -> worker with a lifeline. Peers: a running and a
     SIGSTOPped process, and a decoy named by its pid with another start time (a recycled pid): when the
@@ -233,6 +236,7 @@ def test_lifeline_ends_its_process_its_peers_and_the_processes_in_between(tmp_pa
             p.wait()
 
 
+@pytest.mark.e2e
 def test_lifeline_of_a_worker_whose_launcher_is_already_gone_ends_it_at_once(tmp_path):
     dead = spawn(["sleep", "600"])
     ident = identity_of(dead.pid)
@@ -259,6 +263,7 @@ def test_lifeline_only_under_the_local_launcher(tmp_path):
 
 
 # ---- one run per run directory; a run signals only its own processes ---------------------------------------------
+@pytest.mark.e2e
 def test_second_run_in_the_same_run_dir_is_refused_and_the_first_is_untouched(tmp_path):
     run_dir, summary = tmp_path / "run", tmp_path / "a.json"
     args = cli("run", "--nodes", "2", "--spares", "1", "--steps", "120", "--run-dir", str(run_dir),
@@ -287,6 +292,7 @@ def test_second_run_in_the_same_run_dir_is_refused_and_the_first_is_untouched(tm
     assert sum(e["event"] == "hello" and e.get("role") == "trainer" for e in es) == 3 and (run_dir / "launcher.log").exists()
 
 
+@pytest.mark.e2e
 def test_lock_is_refused_in_process_and_released_with_its_holder(tmp_path):
     a, b = RunDir(str(tmp_path / "d")), RunDir(str(tmp_path / "d"))
     with a.locked("one"):
@@ -320,6 +326,7 @@ def test_lock_is_refused_in_process_and_released_with_its_holder(tmp_path):
         holder.wait()
 
 
+@pytest.mark.e2e
 def test_a_run_kills_only_processes_of_its_own_run_id(tmp_path):
     from deadpool_hpc.launch.local import _stop_run
 
@@ -450,6 +457,7 @@ def test_console_shows_each_node_s_step_time_and_a_straggler_swapped_out():
                for x in (t.plain for t in view.lines)), [t.plain for t in view.lines]
 
 
+@pytest.mark.e2e
 def test_cli_without_requeue_says_the_run_stopped(tmp_path):
     """No spare, no --requeue (the CLI refuses to inject more faults than spares, so the node dies the way
     real ones do: a SIGKILL from outside): the checkpoint is saved and the console says the run stops."""

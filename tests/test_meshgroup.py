@@ -85,6 +85,7 @@ def _worker(rank: int, store_path: str, out_dir: str, mode: str) -> None:
     os._exit(0)   # no teardown: rank 0's abandoned all-reduce would abort it (dataplane/groups.py)
 
 
+@pytest.mark.e2e
 def test_clip_grad_norm_and_full_tensor_run_on_the_generation_group_bitwise_and_pollably(tmp_path):
     import torch.multiprocessing as mp
 

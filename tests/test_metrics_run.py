@@ -10,10 +10,13 @@ import threading
 import time
 import urllib.request
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from deadpool_hpc.config import RunConfig
 from runs import faults, launch_reaped
+
+pytestmark = pytest.mark.e2e   # every test launches a run (tests/README.md)
 
 STEPS = 48
 

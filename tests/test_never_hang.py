@@ -16,6 +16,8 @@ from deadpool_hpc.config import RunConfig
 
 from runs import SMALL_RUN_STEPS as STEPS, run_driven, run_events, run_faults  # tests/runs.py
 
+pytestmark = pytest.mark.e2e   # every test launches a run (tests/README.md)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 
+import pytest
 
 from deadpool_hpc.config import RunConfig, parse_fault
 from deadpool_hpc.events import read_events
@@ -64,6 +65,7 @@ def check_planned(s, base, node_index):
     assert s["param_digest"] == base["param_digest"], "a planned swap changed the parameters"
 
 
+@pytest.mark.e2e
 def test_deadpool_swap_of_a_running_node_recomputes_nothing_and_stays_bitwise_equal(tmp_path, failure_free):
     base = failure_free(nodes=3, steps=40)   # tests/conftest.py: shared by every module
     s, out = run_with_swap(tmp_path, "swap1", "node1", 15, refused=("node3", "node7", "nodeX"))
@@ -83,6 +85,7 @@ def test_deadpool_swap_of_a_running_node_recomputes_nothing_and_stays_bitwise_eq
     assert done.returncode == 2 and ("no run is in progress" in done.stderr or "finished" in done.stderr), done.stderr
 
 
+@pytest.mark.e2e
 def test_planned_swap_of_rank0s_node_with_two_ranks_per_node(tmp_path, failure_free):
     """Node 0 holds ranks 0 and 1 (and the coordinator): both processes stop at the same boundary."""
     kw = dict(nodes=2, ranks_per_node=2, steps=24)
@@ -93,6 +96,7 @@ def test_planned_swap_of_rank0s_node_with_two_ranks_per_node(tmp_path, failure_f
     assert s["failures"][0]["promoted"] == {"0": 4, "1": 5}
 
 
+@pytest.mark.e2e
 def test_two_nodes_asked_together_leave_one_after_the_other(tmp_path, failure_free):
     """node0 and node1 asked back to back: node1 holds node0's replica, so leaving together would lose rank 0's
     state; the swap lease makes them leave one at a time, each with no step recomputed."""
@@ -108,6 +112,7 @@ def test_two_nodes_asked_together_leave_one_after_the_other(tmp_path, failure_fr
     assert s["param_digest"] == base["param_digest"]
 
 
+@pytest.mark.e2e
 def test_stragglers_are_swapped_out_one_per_window_and_slowness_that_follows_the_ranks_is_reported(tmp_path,
                                                                                                  failure_free):
     """Issue 26, one 3 + 2 run (window 1 s, factor 2):
@@ -146,6 +151,7 @@ def test_stragglers_are_swapped_out_one_per_window_and_slowness_that_follows_the
     assert all(b - a >= 1.0 for a, b in zip(t, t[1:])), t
 
 
+@pytest.mark.e2e
 def test_a_swap_asked_during_the_last_steps_never_fails_the_run(tmp_path, failure_free):
     """Asked when the run is about to end: either the node leaves before the last step or the swap is refused
     ("the run ends ... before the next step boundary"); the run completes either way, with its parameters."""
@@ -158,6 +164,7 @@ def test_a_swap_asked_during_the_last_steps_never_fails_the_run(tmp_path, failur
         or out["swap"].returncode == 2, (s["failures"], refused, out["swap"].stderr)
 
 
+@pytest.mark.e2e
 def test_deadpool_swap_refuses_a_run_without_replicas(tmp_path):
     cfg = RunConfig(nodes=2, spares=1, steps=60, replicate=False, run_dir=str(tmp_path / "norep")).validate()
     got = {}
@@ -187,6 +194,7 @@ def _plugin_env(tmp_path, entry_points: str) -> dict:
     return dict(os.environ, PYTHONPATH=path)
 
 
+@pytest.mark.e2e
 def test_a_plugin_that_fails_to_import_is_named_and_nothing_starts(tmp_path):
     env = _plugin_env(tmp_path, "broken = broken_at_import:factory\n")
     run_dir = tmp_path / "run"
@@ -198,6 +206,7 @@ def test_a_plugin_that_fails_to_import_is_named_and_nothing_starts(tmp_path):
     assert not (run_dir / "events.jsonl").exists(), "the run started"
 
 
+@pytest.mark.e2e
 def test_a_plugin_that_raises_at_start_up_ends_the_run_by_name_and_a_failing_check_does_not(tmp_path):
     env = _plugin_env(tmp_path, "startup = detectors:raises_at_start\n")
     run_dir = tmp_path / "run"

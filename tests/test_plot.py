@@ -36,6 +36,7 @@ def khs_run(tmp_path_factory):
     return tmp / "khs", s
 
 
+@pytest.mark.e2e
 def test_the_timeline_of_a_run_with_a_kill_a_hang_and_a_straggler(khs_run, tmp_path):
     run_dir, s = khs_run
     assert s["completed"], s
@@ -98,6 +99,7 @@ def test_the_timeline_of_a_run_with_a_kill_a_hang_and_a_straggler(khs_run, tmp_p
     assert matplotlib.image.imread(str(tmp_path / "status.png")).shape[:2] == (650, 1200)
 
 
+@pytest.mark.e2e
 def test_plot_refuses_what_is_not_a_run_directory(tmp_path):
     """Exit 2 naming the directory and what is expected, before anything is drawn or written."""
     (tmp_path / "notarun").mkdir()

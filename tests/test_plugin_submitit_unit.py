@@ -176,6 +176,7 @@ def test_a_deadpool_executor_made_directly_takes_unprefixed_names(ex, tmp_path):
         direct.update_parameters(spare=1)
 
 
+@pytest.mark.e2e
 def test_a_time_limit_that_leaves_no_time_before_the_signal_is_refused_at_submit(ex, tmp_path):
     """Issue 46 under submitit: its signal comes signal_delay_s (default 90) before the time limit; timeout_min=2 would
     stop every attempt as soon as it starts. Refused with the parameters to change, before anything is written."""

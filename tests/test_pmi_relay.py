@@ -37,6 +37,7 @@ def _recv_line(sock, timeout=10.0):
     return buf
 
 
+@pytest.mark.e2e
 def test_relay_process_rewrites_maxes_passes_requests_whole_and_closes_with_the_rank(monkeypatch):
     slurm, task_end = socket.socketpair()                 # slurmstepd's end / the task's PMI_FD
     env = {"PMI_FD": str(task_end.detach()), "SLURM_STEP_ID": "0"}

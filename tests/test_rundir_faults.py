@@ -144,6 +144,7 @@ def _cli_run(run_dir, *args, timeout=300):
         return p.returncode, out, json.load(fh)
 
 
+@pytest.mark.e2e
 def test_full_run_dir_persist_every_1_completes_bitwise(tmpfs, base_digest):
     """A 6 MB tmpfs with 2 MB left and --persist-every 1: every persist round fails (ENOSPC) as an event, LATEST is
     never written, training goes on to the end, bitwise the failure-free run; the summary is written or printed in full
@@ -165,6 +166,7 @@ def test_full_run_dir_persist_every_1_completes_bitwise(tmpfs, base_digest):
             assert not is_alive(e), f"pid {e['pid']} ({e.get('role')}) outlived the run"
 
 
+@pytest.mark.e2e
 def test_run_dir_turns_read_only_mid_run(ext4, base_digest):
     """The run directory's file system turns read-only at step 6 (an ext4 error with errors=remount-ro): every write
     fails with EROFS from then on (events, persist rounds, launcher.log, the summary); the run still completes,
@@ -196,6 +198,7 @@ def test_run_dir_turns_read_only_mid_run(ext4, base_digest):
     assert s["launcher_log"]["dropped_bytes"] > 0 or s["launcher_log"]["error"] is None, s["launcher_log"]
 
 
+@pytest.mark.e2e
 def test_no_spare_checkpoint_on_a_full_disk_ends_the_run_with_the_reason(tmpfs):
     """No spare left (node1 killed at step 10, --requeue): the checkpoint the run needs cannot be written (the
     tmpfs is filled up to 256 KB beforehand), so the run ends there, naming it: a checkpoint_failed event with

@@ -81,6 +81,7 @@ def test_the_slurm_sweeps_study_reads_the_probe_directories(tmp_path, capsys):
     assert [r["n"] for r in out["sizes"]] == [8] and (tmp_path / "scale.csv").exists()
 
 
+@pytest.mark.e2e
 def test_the_control_plane_probe_does_not_import_torch():
     """256 probes share one machine in the scale study: torch in each (~150 MB) does not fit its memory (the
     kernel's OOM killer ended a 128-agent run when the probe imported torch through dataplane.groups)."""

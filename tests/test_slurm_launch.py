@@ -10,6 +10,8 @@ import os
 import re
 import subprocess
 
+import pytest
+
 from deadpool_hpc.config import RunConfig
 from deadpool_hpc.launch import slurm
 
@@ -42,6 +44,7 @@ def test_partition_named_in_extra_sbatch_arguments():
     assert slurm._partition_of(["--signal=B:USR2@120"]) is None and slurm._partition_of(None) is None
 
 
+@pytest.mark.e2e
 def test_templates_are_valid_bash():
     for name in ("train.sbatch", "scaling.sbatch"):
         r = subprocess.run(["bash", "-n", os.path.join(ROOT, "sbatch", name)], capture_output=True, text=True)

@@ -176,6 +176,7 @@ print("torch" in sys.modules)
 """
 
 
+@pytest.mark.e2e
 def test_a_node_agents_side_of_a_snapshot_never_imports_torch():
     """A node agent lays out, holds and stamps snapshots as numpy bytes: its modules import no torch, so it spawns its
     training processes before it imports torch for a checkpoint save (agent/__main__.py), not after (issue 24)."""

@@ -21,6 +21,8 @@ from deadpool_hpc.agent.preflight import RETIMES
 
 from runs import SMALL_RUN_STEPS as STEPS, run_driven, run_events, run_faults  # tests/runs.py
 
+pytestmark = pytest.mark.e2e   # every test launches a run (tests/README.md)
+
 
 
 run, events = run_faults, run_events   # tests/runs.py

@@ -133,6 +133,7 @@ def _cli(capsys, *args):
     return rc, capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_deadpool_submit_refuses_before_writing_anything(tmp_path, capsys):
     """Exit 2 with the reason, before any file is written or sbatch is run (the refusal comes before both; with or
     without a cluster: check_partition answers None where Slurm cannot be asked)."""

@@ -220,6 +220,7 @@ def _quiet(fn, *args):
 
 
 # ---- push, ack, commit -------------------------------------------------------------------------
+@pytest.mark.e2e
 def test_push_is_committed_once_both_holders_ack_it(reps, peers):
     n = 1 << 20
     h1, h2 = peers(nbytes=n, held=[3]), peers(nbytes=n, held=[3])
@@ -374,6 +375,7 @@ def test_an_ack_commits_only_the_step_it_names(reps):
 
 
 # ---- a holder that dies or freezes mid-push -------------------------------------------------------
+@pytest.mark.e2e
 def test_holder_killed_mid_push(reps, peers):
     n = 32 << 20
     h = peers(nbytes=n, held=[0], slow_receive=True).start()
@@ -399,6 +401,7 @@ def test_holder_killed_mid_push(reps, peers):
     assert ev["peer"].startswith("127.0.0.1:") and ev["reason"].startswith("PeerGone")
 
 
+@pytest.mark.e2e
 def test_holder_frozen_mid_push_and_quiesce_is_prompt(reps, peers):
     n = 32 << 20
     h = peers(nbytes=n, held=[0], slow_receive=True).start()
@@ -518,6 +521,7 @@ def test_an_ack_sent_after_the_target_took_its_copy_still_reaches_the_source(rep
     assert done == [None]   # acknowledged
 
 
+@pytest.mark.e2e
 def test_restore_from_a_killed_source_fails_fast(reps, peers):
     n = 32 << 20
     srv = peers(nbytes=n, rank=1, own_step=4, seed=12, slow_serve=True).start()
@@ -537,6 +541,7 @@ def test_restore_from_a_killed_source_fails_fast(reps, peers):
     assert time.monotonic() - t < 1.0
 
 
+@pytest.mark.e2e
 def test_restore_from_a_frozen_source_respects_timeout_and_failure_flag(reps, peers):
     n = 32 << 20
     srv = peers(nbytes=n, rank=1, own_step=4, seed=13, slow_serve=True).start()
@@ -640,6 +645,7 @@ def test_configure_keeps_still_held_ranks_and_frees_the_others(reps):
 
 
 # ---- real size: 200 MB never starves a heartbeat-like thread ----------------------------------------
+@pytest.mark.e2e
 def test_200mb_push_and_restore_leave_a_5ms_ticker_alone(reps, peers):
     n = 200_000_000
     h = peers(nbytes=n, held=[0]).start()

@@ -59,6 +59,7 @@ def check_recovered(s, digest, targets, failed_nodes):
     assert s["param_digest"] == digest, "recovered run diverged from the failure-free run"
 
 
+@pytest.mark.e2e
 def test_ddp_example_kill_node1_at_30_and_hang_rank2_at_40(tmp_path, baseline):
     """node1 SIGKILLed at step 30; rank 2 SIGSTOPped inside its step 40: the others wait in the pollable gradient
     all-reduce (beating the progress page, so only rank 2 is fenced) until its agent's progress watch finds it
@@ -67,6 +68,7 @@ def test_ddp_example_kill_node1_at_30_and_hang_rank2_at_40(tmp_path, baseline):
     check_recovered(s, baseline, ["node1", "rank2"], [[1], [2]])
 
 
+@pytest.mark.e2e
 def test_ddp_example_kill_node1_and_hang_rank2_two_ranks_per_node(tmp_path, baseline_p2):
     """The same with two ranks per node: rank 2 is node1's first rank in the original layout; after node1's loss
     it lives on the spare node2, which is fenced whole when rank 2 hangs."""
@@ -74,6 +76,7 @@ def test_ddp_example_kill_node1_and_hang_rank2_two_ranks_per_node(tmp_path, base
     check_recovered(s, baseline_p2, ["node1", "rank2"], [[1], [2]])
 
 
+@pytest.mark.e2e
 def test_ddp_example_planned_swap_recomputes_nothing(tmp_path, failure_free):
     """``deadpool swap`` of node1 while the DDP example trains: its processes stop once they wrote snapshot B, and
     since a rank joins the gradient all-reduce of B only once its snapshot B is committed, nobody completes step B:
@@ -113,6 +116,7 @@ def test_ddp_example_planned_swap_recomputes_nothing(tmp_path, failure_free):
     assert s["param_digest"] == base["param_digest"], "a planned swap changed the parameters"
 
 
+@pytest.mark.e2e
 def test_ddp_example_no_spare_left_requeues_from_the_checkpoint(tmp_path, baseline):
     """No spare: the cut step is saved to disk (each rank's shard of the protected state), the run restarts from
     it and ends bitwise equal to the failure-free run."""
@@ -426,7 +430,8 @@ def bind_rank1_of_3(prot):
     prot.loader_guard.follow_rank(1, 3)
 
 
-@pytest.mark.parametrize("kind,workers", [("sdl", 2), ("sdl", 0), ("dl", 2), ("dl", 0)])
+@pytest.mark.parametrize("kind,workers", [pytest.param("sdl", 2, marks=pytest.mark.e2e), ("sdl", 0),
+                                          pytest.param("dl", 2, marks=pytest.mark.e2e), ("dl", 0)])  # 2 workers: processes
 def test_the_iterator_made_once_resumes_where_the_restored_step_expects(local_group, kind, workers):
     """Issue 43: ``it = iter(loader)`` made once after protect, as torchtitan's loop does; after a restore the *same*
     iterator object gives the batches that followed the snapshot (a cut behind it), with loader workers or not, and
@@ -447,6 +452,7 @@ def test_the_iterator_made_once_resumes_where_the_restored_step_expects(local_gr
     assert torch.equal(torch.get_rng_state(), rng)
 
 
+@pytest.mark.e2e
 def test_a_promoted_spare_s_iterator_resumes_at_its_predecessor_s_position(local_group):
     """A spare built its loader and iterator as rank 0 (ctx.rank is None before ctx.run); promoted to rank 1, the
     restored state moves its iterator to rank 1's position."""

@@ -10,7 +10,7 @@ import pytest
 
 from slurm_helpers import ACTIVE, CRASH_STEP, STEPS, crash_when, events, final_state, host_of
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 
 
 def _diagnostics(job, folder) -> str:

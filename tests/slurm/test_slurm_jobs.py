@@ -19,7 +19,7 @@ from slurm_helpers import (ACTIVE, CRASH_STEP, MEASURE, ROOT, SCALING, STEPS, TR
                            events as _events, final_state as _final_state, host_of as _host_of, job_output,
                            wait_gone)
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 
 
 def _measure(label, summary, events, t_kill, extra=None):

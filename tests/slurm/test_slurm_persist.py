@@ -24,7 +24,7 @@ import pytest
 
 from slurm_helpers import ACTIVE, ROOT, STEPS, events, final_state, wait_for, wait_gone
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 
 
 def _wait_step(run_dir, step, after, seconds=240):

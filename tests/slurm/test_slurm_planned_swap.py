@@ -19,7 +19,7 @@ import pytest
 from slurm_helpers import (ACTIVE, CRASH_STEP, MEASURE, STEPS, crash_when, final_state, gone, host_of, job_output,
                            wait_gone)
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 DEADPOOL = [sys.executable, "-m", "deadpool_hpc.launch.cli"]
 
 

@@ -25,7 +25,7 @@ import pytest
 from slurm_helpers import (ACTIVE, MEASURE, ROOT, STEPS, TRAIN, VENV, crash_when, events, final_state, gone, job_output,
                            wait_gone)
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 OWN_VENV = os.path.realpath(VENV) == os.path.realpath(os.path.join(ROOT, ".venv"))
 
 

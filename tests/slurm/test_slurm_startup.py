@@ -25,7 +25,7 @@ import pytest
 
 from slurm_helpers import ROOT, STEPS, crash_in_the_start_up, events, final_state, wait_for, wait_gone
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 
 
 def test_nodes_crashed_before_and_after_the_agents_mpi_world_exists(tmp_path, fail_node, failure_free):

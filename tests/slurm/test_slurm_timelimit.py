@@ -24,7 +24,7 @@ import pytest
 
 from slurm_helpers import ACTIVE, MEASURE, ROOT, STEPS, crash_when, events, final_state, gone, job_output, wait_for, wait_gone
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from test_timelimit import BAD_TIMES, SLURM_TIMES  # noqa: E402  (the pure-logic table, checked here against sbatch)
 

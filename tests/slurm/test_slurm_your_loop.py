@@ -21,7 +21,7 @@ import pytest
 
 from slurm_helpers import ACTIVE, CRASH_STEP, ROOT, STEPS, crash_when, final_state, gone, host_of, wait_gone
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 SMALL = dict(n_layer=1, n_head=2, d_model=32, context=32, batch_size=4)  # as tests/test_your_loop.py
 
 
