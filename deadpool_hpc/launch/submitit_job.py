@@ -8,7 +8,7 @@
 submitit runs the callable once per Slurm task (one task per node, ``tasks_per_node=1``, with
 ``cpus_per_task = cfg.ranks_per_node``), each inside submitit's own ``srun``. Every task starts the node agent
 (``python -m deadpool_hpc.agent RUN_DIR``) as a child, handing it the PMI-2 descriptor srun gave the task, so the
-MPI processes (one agent per node) are exactly those of ``sbatch/train.sbatch``; each agent starts the node's
+MPI processes (one agent per node) are exactly those of ``templates/train.sbatch``; each agent starts the node's
 training processes. Task 0 then waits for the other survivors and
 returns the summary built from the event log; the other tasks return their worker's exit code.
 
@@ -127,7 +127,7 @@ def executor(folder: str, cfg: RunConfig, timeout_min: int = 60, **params):
     inner = getattr(ex, "_executor", None)  # AutoExecutor wraps the cluster's executor, which makes the Job objects
     if inner is not None and issubclass(hot_swap_job_class(), inner.job_class):
         inner.job_class = hot_swap_job_class()
-    add = {"no-kill": True, "requeue": True, "exclusive": True}  # as sbatch/train.sbatch
+    add = {"no-kill": True, "requeue": True, "exclusive": True}  # as templates/train.sbatch
     add.update(params.pop("slurm_additional_parameters", {}) or {})
     ex.update_parameters(nodes=cfg.total_nodes, tasks_per_node=1, cpus_per_task=cfg.ranks_per_node,  # one agent per node
                          timeout_min=timeout_min,

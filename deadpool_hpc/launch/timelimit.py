@@ -1,6 +1,6 @@
 """The time limit and the signal lead of a Slurm job, checked before it is submitted (pure logic, no Slurm call).
 
-A hot-swap job asks Slurm for a warning signal (``#SBATCH --signal=USR2@LEAD``, sbatch/train.sbatch; submitit's
+A hot-swap job asks Slurm for a warning signal (``#SBATCH --signal=USR2@LEAD``, templates/train.sbatch; submitit's
 ``signal_delay_s``) LEAD seconds before its time limit: the ranks save a checkpoint at the next agreed step, the
 job is requeued and resumes (docs/slurm.md, "Signals"). Slurm sends that signal *up to 60 s earlier* than asked
 (sbatch(1), ``--signal``: "Due to the resolution of event handling by Slurm, the signal may be sent up to 60
