@@ -400,7 +400,7 @@ def _this_attempt(events: list[dict], since: float | None) -> list[dict]:
 ENDING_STATES = ("COMPLETING", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "FAILED", "DEADLINE")
 # attempts in a row that were stopped before any rank trained a step (``checkpoint_skipped``: a warning signal or
 # a lost node with no spare, right after the start) that are still requeued; the next such attempt ends the job with
-# the reason instead of looping (issue 46: a time limit shorter than the signal lead re-sends the signal at once)
+# the reason instead of looping (a time limit shorter than the signal lead re-sends the signal at once)
 MAX_IDLE_REQUEUES = 2
 
 

@@ -1,4 +1,4 @@
-"""A node lost before the node agents' MPI world exists (issue 28): found within seconds, the step relaunched.
+"""A node lost before the node agents' MPI world exists: found within seconds, the step relaunched.
 
 MPICH cannot survive a process lost inside ``MPI_Init`` or the start-up collectives that follow it (the identity
 exchange, the wire-up, the start barrier: control/plane.py): every other agent waits there, holding the GIL, until

@@ -42,7 +42,7 @@ without requeueing it (``UncompletedJobError``). SIGTERM (``scancel -s TERM``, a
 and exit 75, and task 0 decides as the batch template does (``slurm_job.settle``): requeue if the job goes on,
 stop (no result) if Slurm is ending it.
 
-A node lost before the agents' MPI world exists (srun's launch, MPI_Init: MPICH cannot survive it; issue 28): each
+A node lost before the agents' MPI world exists (srun's launch, MPI_Init: MPICH cannot survive it): each
 task touches a beacon (launch/slurm_startup.py) and task 0 watches them, as the batch host does under sbatch. On a
 loss it records it (RUN_DIR/relaunch/ATTEMPT.0.json), every surviving task ends its own agent (they all wait in
 MPI_Init) and returns, and task 0 starts the agents again as a step of their own on the live nodes of the same
@@ -182,7 +182,7 @@ class HotSwapJob:
         t0 = time.time()
         self._saved_before = len(self._events("checkpoint_saved"))
         self._skipped_before = len(self._events("checkpoint_skipped"))
-        # a node lost before the agents' MPI world exists (issue 28): task 0 watches every task's beacon, as the batch
+        # a node lost before the agents' MPI world exists: task 0 watches every task's beacon, as the batch
         # host does under sbatch (launch/slurm_startup.py), and starts the agents again on the live nodes
         lid = slurm_startup.launch_id()
         watcher = None
