@@ -97,3 +97,20 @@ def test_a_wheel_carries_the_templates_and_an_install_of_it_renders_them(tmp_pat
     home = slurm.template_home(got["train"])
     assert f"DEADPOOL_HOME=${{DEADPOOL_HOME:-{home}}}" in text and os.path.realpath(home) == site
     assert ROOT not in text                                         # nothing points back at this checkout
+
+
+def test_the_templates_find_their_home_as_render_pins_it(tmp_path):
+    """Each template's own ``home_of`` (its DEADPOOL_HOME when submitted directly, from the job's Command) agrees with
+    slurm.template_home (what ``deadpool submit`` pins), for the package's copy, the checkout's link and a copy."""
+    (tmp_path / "site" / "sbatch").mkdir(parents=True)
+    paths = [os.path.join(PACKAGE_TEMPLATES, "train.sbatch"), os.path.join(ROOT, "sbatch", "train.sbatch"),
+             str(tmp_path / "site" / "sbatch" / "train.sbatch")]
+    for name in slurm.TEMPLATES:
+        text = open(os.path.join(PACKAGE_TEMPLATES, name)).read()
+        start = text.index("home_of() {")
+        func = text[start:text.index("\n}\n", start) + 3]
+        for path in paths:
+            r = subprocess.run(["bash", "-c", func + 'home_of "$1"', "bash", path], capture_output=True, text=True,
+                               timeout=10)
+            assert r.returncode == 0 and r.stdout.strip() == slurm.template_home(path), (name, path, r.stdout, r.stderr)
+    assert {slurm.template_home(p) for p in paths} == {ROOT, str(tmp_path / "site")}
