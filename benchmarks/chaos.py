@@ -1,4 +1,4 @@
-"""Chaos driver (issue 27): one job, faults from outside it at seeded Poisson times, then a failure-free run as long.
+"""Chaos driver: one job, faults from outside it at seeded Poisson times, then a failure-free run as long.
 
     .venv/bin/python benchmarks/chaos.py --minutes 1.5 --mtbf 20 --kinds kill-rank,kill-node --nodes 3 --spares 2
     .venv/bin/python benchmarks/chaos.py --minutes 1.5 --mtbf 20 --kinds hang-rank,kill-spare,kill-during-recovery \\

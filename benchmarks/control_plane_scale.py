@@ -1,4 +1,4 @@
-"""The control plane's scale study (issue 8): node agents with no training processes, 8 to 256 on one machine.
+"""The control plane's scale study: node agents with no training processes, 8 to 256 on one machine.
 
     .venv/bin/python benchmarks/control_plane_scale.py [--sizes 8,16,32,64,128,256] [--window 10] [--out DIR]
 

@@ -1,4 +1,4 @@
-"""GPU path check for one CUDA device (issue 7, "GPU path, written and ready"): what one GPU can show.
+"""GPU path check for one CUDA device: what one GPU can show of the GPU path (written, and ready for a GPU machine).
 
 1. **Side-stream snapshot**: a model of about ``--params`` parameters (default 1e9, fp32, AdamW) trains for
    ``--steps`` steps twice, interleaved in ``--rounds`` rounds: without snapshots, and with the unique state

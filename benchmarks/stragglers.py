@@ -1,4 +1,4 @@
-"""The straggler check (issue 26): a slowed node found and swapped out, and false positives in failure-free runs.
+"""The straggler check: a slowed node found and swapped out, and false positives in failure-free runs.
 
     .venv/bin/python benchmarks/stragglers.py                            # both parts
     .venv/bin/python benchmarks/stragglers.py --slow-run --steps 400 --png docs/stragglers-timeline.png

@@ -192,7 +192,7 @@ class RunConfig:
     replica_transport: str = "tcp"  # replica/transports.py: an entry point of deadpool_hpc.transports (tcp, unix, ...)
     requeue: bool = False          # no spare left: save a checkpoint and start again from it
     max_requeues: int = 3
-    heartbeat_period: float = 0.2    # seconds; 5 per deadline (issue 8: an idle agent's CPU is its heartbeat rate)
+    heartbeat_period: float = 0.2    # seconds; 5 per deadline (an idle agent's CPU cost is its heartbeat rate)
     heartbeat_deadline: float = 1.0  # seconds of silence after which a watched peer is probed (control/suspicion.py)
     # seconds: the longest a frozen node may go unnoticed. A silent peer is suspected only after a confirmation (a
     # direct ping and indirect ones through other agents, unanswered); its deadline and the confirmation's window
@@ -213,13 +213,13 @@ class RunConfig:
     # an idle spare's agent checks its node again this often (the site's --health-check and the timed matmul against
     # the start-up's median), so that a spare that went bad is dropped before a recovery needs it (0: never)
     spare_check_every: float = 60.0
-    # the straggler check (agent/stragglers.py, issue 26): a training node whose ranks' own work per step stays over
+    # the straggler check (agent/stragglers.py): a training node whose ranks' own work per step stays over
     # straggler_factor x the other training nodes' median for straggler_window seconds is a straggler; "swap" takes
     # it out by a planned swap when a spare is free (else, and with "report", the event only); "off": not measured
     straggler_factor: float = 1.5
     straggler_window: float = 60.0
     straggler_action: str = "swap"
-    # spares that come back (agent/comeback.py, issue 27): a node whose training processes failed (an exit, a hang)
+    # spares that come back (agent/comeback.py): a node whose training processes failed (an exit, a hang)
     # while its agent lives on ends them, checks itself (the detectors, --health-check within health_check_timeout
     # seconds) and returns to the spare pool for the next generation; one that fails its check, or fails again within
     # ``quarantine`` seconds of its return, stays out. False: a failed node leaves the job for good

@@ -5,11 +5,12 @@ docs/troubleshooting.md), ``pid`` and whatever the emitter adds (generation, ran
 Lines are written with a single ``os.write`` on an ``O_APPEND`` descriptor, so concurrent writers on
 one machine never interleave within a line.
 
-A write that fails never ends a process (issue 42): the run directory may be full (ENOSPC, EDQUOT), read-only
-(EROFS), or gone (EIO, ESTALE). Such a line is *counted* (``failed``), reported once per distinct error on stderr,
-and *spilled*: sent as one datagram to the local launcher (``DEADPOOL_EVENT_SPILL``, an abstract Unix socket;
-``EventSpill`` is its receiving end), which merges the spilled lines into the live view and the summary. Each new
-error also produces an ``event_log_failed`` record (counts so far), written or spilled like any other line.
+A write that fails never ends a process (losing a log line must not lose the run): the run directory may be full
+(ENOSPC, EDQUOT), read-only (EROFS), or gone (EIO, ESTALE). Such a line is *counted* (``failed``), reported once per
+distinct error on stderr, and *spilled*: sent as one datagram to the local launcher (``DEADPOOL_EVENT_SPILL``, an
+abstract Unix socket; ``EventSpill`` is its receiving end), which merges the spilled lines into the live view and
+the summary. Each new error also produces an ``event_log_failed`` record (counts so far), written or spilled like
+any other line.
 
 A file system that stops answering blocks ``write`` in the kernel; no timeout can cut it short on the calling
 thread. A long-lived process (a node agent, a training process) therefore uses ``background=True``: ``emit``

@@ -300,7 +300,8 @@ class RunDir:
 
 def prepare_run_dir(path: str, resume: bool = False, keep_events: bool = False) -> dict | None:
     """Make ``path`` ready for a new attempt of a run; the same on every launch path. Only by the lock's holder
-    (this process: ``RunDir.prepare``; or the batch shell that runs it: sbatch/train.sbatch holds run.lock).
+    (this process: ``RunDir.prepare``; or the batch shell that runs it: launch/templates/train.sbatch holds
+    run.lock).
 
     ``resume`` and a checkpoint there (checkpoint/LATEST): the event log and the checkpoint stay (the workers
     resume from it); returns LATEST (a dict). Otherwise a fresh run: the previous run's event log, launcher
@@ -370,7 +371,7 @@ def emit_requeued(log, attempt: int | None = None, **fields) -> dict:
 def check_free(path: str) -> None:
     """Raise RunDirBusy (exit 2 in the CLI) if a run holds ``path``'s lock now; take and release it otherwise.
     Used where a run is prepared in one process and runs in others (``deadpool submit``, submitit's HotSwapJob),
-    before the preparation touches the directory; the run itself then holds the lock (sbatch/train.sbatch,
+    before the preparation touches the directory; the run itself then holds the lock (launch/templates/train.sbatch,
     HotSwapJob's task 0)."""
     rd = RunDir(path)
     rd.acquire("check")

@@ -114,7 +114,7 @@ def build_summary(events: list[dict], config=None) -> dict:  # noqa: C901
         # rank 0's snapshots, by how they were copied: inline after the update, or by the background copier
         "snapshots": fin.get("snapshots"),
         "errors": list(dict.fromkeys(e.get("error") for e in by["error"])),   # each once (every rank may say it)
-        # background persistence (agent/persister.py) and a run directory that fails writes (issue 42)
+        # background persistence (agent/persister.py) and a run directory that fails writes (events.py: counted lines)
         "persist": {"committed": [e.get("step") for e in by["checkpoint_persisted"]],
                     "failed": len(by["persist_failed"]),
                     "reasons": list(dict.fromkeys(e.get("reason") for e in by["persist_failed"]))[:8]},

@@ -46,8 +46,8 @@ def test_partition_named_in_extra_sbatch_arguments():
 
 @pytest.mark.e2e
 def test_templates_are_valid_bash():
-    for name in ("train.sbatch", "scaling.sbatch"):
-        r = subprocess.run(["bash", "-n", os.path.join(ROOT, "sbatch", name)], capture_output=True, text=True)
+    for name in slurm.TEMPLATES:
+        r = subprocess.run(["bash", "-n", slurm.template_path(name)], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
 
 

@@ -91,7 +91,7 @@ def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare
     start = max((rep.get("start_step", 0) for rep in reports.values() if rep), default=0)
     fresh: list[int] = []
     if gone and done <= start and all(s <= start for a in avail.values() for s in a):
-        # a fresh start (issue 28): lost before every rank's first snapshot was committed, so no rank has trained a
+        # a fresh start: lost before every rank's first snapshot was committed, so no rank has trained a
         # step (none can pass step 0's first collective before every rank's snapshot 0 is committed), and every
         # rank's state is still its initial one, which each rank without a copy of it rebuilds itself: its process
         # built the model as the user's function builds it (a spare too), and binds to its rank

@@ -1,4 +1,4 @@
-"""Membership between recoveries: a node back in the spare pool (issue 27).
+"""Membership between recoveries: a failed node that checked itself and comes back to the spare pool.
 
 A node whose training processes failed while its agent lived on declared itself failed (``returning``), was
 recovered around like any lost node, checked itself and asks to come back (``rejoin``, agent/comeback.py). Only the

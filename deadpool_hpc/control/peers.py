@@ -1,13 +1,13 @@
 """The control thread (``Peers``): one background thread per node agent that owns heartbeats with the peer agents,
 suspicion of them, and the MPI messages to and from them (the object is ``ControlPlane.peers``).
 
-Heartbeats (issue 8, control/topology.py and waker.py): on the ring of live agents each agent watches its ``k``
+Heartbeats (control/topology.py and waker.py): on the ring of live agents each agent watches its ``k``
 successors (default 2) and sends a heartbeat datagram every ``period`` seconds to its ``k`` predecessors, the
 agents that watch it, so an agent's cost does not grow with the job. A watched peer silent for ``deadline``
 seconds is *suspected* (a crash and a freeze look the same; a crash is usually seen earlier, through the ring
 watch's closed socket, agent/watch.py). The agent that suspects a peer starts a ``suspect`` notice that reaches
 every live agent along a binomial tree (N - 1 messages, O(log N) hops). A suspected peer is not trusted again: its
-messages are dropped (it is fenced by the recovery), with one exception (issue 27): an agent that declared its own
+messages are dropped (it is fenced by the recovery), with one exception: an agent that declared its own
 node failed and lives on to return to the spare pool (``returning``, agent/comeback.py) may still send ``rejoin``,
 and only the decision of the lowest live agent (``readmit``, control/membership.py) makes it a peer again. MPI keeps
 the order of one sender's messages, so nothing it sent before its failure arrives after its ``rejoin``.
@@ -373,7 +373,8 @@ class Peers(threading.Thread):
             # moment after its bell) and while a send of ours is in flight; every MPI_ACTIVE_POLL_S while a failure
             # is handled or control messages flow; else every MPI_IDLE_POLL_S (waker.py: a lost bell costs that).
             # Not faster: during a recovery every agent of the job is active at once, and on a shared host their
-            # polling is what would slow the recovery down (issue 8, measured at 128 agents on 2 cores)
+            # polling is what would slow the recovery down (measured at 128 agents on 2 cores:
+            # benchmarks/control_plane_scale.py)
             if now - self._rung > RUNG_FAST_S:
                 self._owed = 0  # a message that has not come by now comes with the next poll
             fast = self._owed > 0 or not self.sends_done()
@@ -420,7 +421,8 @@ class Peers(threading.Thread):
                 with self.lock:
                     self.sus.probes.clear()
             # sleep until the next heartbeat or MPI poll is due, or a bell: a control message for this agent, or a
-            # send queued by another thread (issue 7: < 2 % of a core; issue 8: 256 idle agents under half a core)
+            # send queued by another thread (this thread's CPU is what an idle agent costs; docs/scaling.md: 256
+            # idle agents under half a core)
             idle = max(0.0, min(next_hb, next_mpi) - time.monotonic())
             bell = self._wake.wait(FAST_POLL_S if fast or self._outbox else idle)
 

@@ -9,8 +9,8 @@ process groups, replicas or training state: the node agent's recovery (agent/rec
 applies the decision it returns.
 
 After start-up nothing here is an MPI collective: a collective that includes a dead or frozen process never
-returns on MPICH without ULFM (notes/ft-probes.md 2b), and ``MPI_Comm_create_group`` blocked the whole agent
-thread when a member died after reporting (issue 11, item 1). Agreement and barriers are point-to-point
+returns on MPICH without ULFM (notes/ft-probes.md 2b), and ``MPI_Comm_create_group`` blocks the whole agent
+thread when a member dies after reporting. Agreement and barriers are point-to-point
 control messages; every wait has a deadline and watches the failure flag, and a failure at any moment of a
 recovery starts the next round.
 
@@ -94,7 +94,7 @@ class ControlPlane:
         self.generation = 0
         # seconds the recovery's and the barriers' loops wait for a control message (or, through their ``wait``, a
         # local event) before they look again: an event ends the wait at once, so this only bounds the latency of
-        # what rings nothing; shorter costs CPU in every agent of a large job at once (issue 8). What a waiting agent
+        # what rings nothing; shorter costs CPU in every agent of a large job at once. What a waiting agent
         # acts on all rings: a control message or a suspicion (the control thread's on_notice), a training process's
         # exit (its channel socket closes). At 0.1 s the 255 waiting agents of the 256-agent study spent about 1.3
         # s of CPU per second of recovery in these wake-ups, on the two cores the recovery itself needed

@@ -1,4 +1,5 @@
-"""Who watches whom, and how a notice reaches every agent: the control plane's topology (issue 8).
+"""Who watches whom, and how a notice reaches every agent: the control plane's topology, chosen so that an idle
+agent's heartbeat cost stays the same however large the job grows.
 
 Both are pure functions of the job's size and the set of live agents, so every agent computes them alone and
 they are unit-tested directly.

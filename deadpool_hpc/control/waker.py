@@ -3,7 +3,7 @@
 MPI gives a thread no way to sleep until a message arrives: the agent must poll (``Improbe``), and each poll runs
 MPI's progress engine. Measured here (MPICH wheel, UCX netmod, 8 agents): about 0.1 ms of CPU per pass, so an
 agent that polls at every heartbeat (10 per second) spends 0.2-0.3 % of a core doing nothing: 256 idle agents
-then use more than half a core together (issue 8 asks for less). Polling seldom instead would delay every
+then use more than half a core together, which a large job cannot afford. Polling seldom instead would delay every
 control message, once per hop of a dissemination tree. So:
 
 - **Heartbeats are datagrams** to the agents that watch this one (topology.ring_neighbours), not MPI messages:

@@ -177,7 +177,7 @@ class ProgressPage:
     that followed it (the eventfd's lock orders them), which a ring from another local rank does not guarantee.
     UNTESTED on aarch64: no such machine here.
 
-    The work words (issue 26, the straggler check, agent/stragglers.py), written by the training thread once per
+    The work words (the straggler check, agent/stragglers.py), written by the training thread once per
     step (``add_step``), read by the agent every few seconds (``work``): ``[7]`` steps measured, ``[8]`` the
     rank's own work over them (microseconds: the step's wall time less its waits on peers, ``add_step``), ``[9]``
     their wall time (microseconds). Running totals: the reader takes differences; no message per step.

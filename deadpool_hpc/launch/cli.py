@@ -1,8 +1,8 @@
 """The ``deadpool`` command.
 
 - ``deadpool run ...``: the embedded launch (emulated nodes as local processes).
-- ``deadpool submit ...``: the same run options plus Slurm ones; renders sbatch/train.sbatch and submits
-  it; the last line printed is the Slurm job id.
+- ``deadpool submit ...``: the same run options plus Slurm ones; renders the batch template (templates/train.sbatch)
+  and submits it; the last line printed is the Slurm job id.
 - ``deadpool status JOBID|RUN_DIR [--png FILE]``: steps, failures, swaps and recovery times, from the run's event
   log (``--png``: its timeline too, as ``deadpool plot`` draws it).
 - ``deadpool plot RUN_DIR [-o FILE]``: the run's timeline as a picture (deadpool_hpc/report/: steps/s over wall
@@ -197,7 +197,8 @@ def main(argv=None) -> int:
                      help="start from RUN_DIR's checkpoint (one a crash loop, a lost node with no spare left or a "
                           "signal saved) instead of step 0, e.g. once the bad batch is fixed")
     run.set_defaults(fn=cmd_run)
-    sm = sub.add_parser("submit", help="submit the same run to Slurm (sbatch/train.sbatch); prints the job id last")
+    sm = sub.add_parser("submit", help="submit the same run to Slurm (the batch template, train.sbatch); "
+                        "prints the job id last")
     add_run_options(sm)
     sm.add_argument("--partition")
     sm.add_argument("--time", help="Slurm time limit, e.g. 2:00:00 (it must exceed --signal-lead by 90 s)")

@@ -126,7 +126,8 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
         raise ConfigError(f"{cfg.total_processes} training processes requested ({cfg.total_nodes} nodes x "
                           f"{cfg.ranks_per_node} ranks per node); the local launcher (deadpool run) runs at most "
                           f"{LOCAL_MAX_PROCESSES} on one machine: use fewer --nodes / --spares / --ranks-per-node, or "
-                          f"sbatch/train.sbatch, deadpool slurm or HotSwapJob, which have no such cap")
+                          f"Slurm (deadpool submit, the batch template train.sbatch, or HotSwapJob), which has no "
+                          f"such cap")
     check_extensions(cfg.replica_transport)   # a missing or broken plugin named before anything starts
     run_dir = check_run_dir(cfg.run_dir)
     if resume:

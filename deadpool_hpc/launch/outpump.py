@@ -1,5 +1,5 @@
 """launcher.log through a pipe: the run's output (mpiexec, the fork server, every worker's stdout and stderr) goes
-to a pipe that the launcher drains, and the launcher writes it to ``RUN_DIR/launcher.log`` (issue 42).
+to a pipe that the launcher drains, and the launcher writes it to ``RUN_DIR/launcher.log``.
 
 Why: with the file as their stdout, a full run directory made hydra's own writes fail (ENOSPC), and mpiexec
 ended the whole job (exit 255) although every process was healthy; a file system that stops answering would

@@ -1,4 +1,5 @@
-"""Slurm launch: render and submit ``sbatch/train.sbatch``, and the small commands the job itself runs.
+"""Slurm launch: render and submit the batch template (``templates/train.sbatch``, shipped with the package), and
+the small commands the job itself runs.
 
 ``python -m deadpool_hpc.launch.slurm`` sub-commands:
 
@@ -32,6 +33,7 @@ import re
 import shlex
 import subprocess
 import sys
+from importlib import resources
 
 from ..config import RunConfig
 from ..errors import ConfigError
@@ -47,19 +49,38 @@ from .slurm_common import summary_out as summary_out
 from .slurm_common import write_summary as write_summary
 
 TEMPLATE_ENV = "DEADPOOL_SBATCH_TEMPLATE"
+TEMPLATES = ("train.sbatch", "scaling.sbatch")  # package data: deadpool_hpc/launch/templates/
 
 
 # ---- config, template, submission ------------------------------------------------------------------------------
 def template_path(name: str = "train.sbatch") -> str:
-    """The batch template: $DEADPOOL_SBATCH_TEMPLATE, else sbatch/<name> at the repository root."""
+    """The path of the batch template ``name`` (one of TEMPLATES): $DEADPOOL_SBATCH_TEMPLATE for train.sbatch when
+    it is set, else the copy shipped inside this package (deadpool_hpc/launch/templates/, package data), so that an
+    installed wheel renders and submits the same script as a checkout; a checkout's sbatch/ holds links to it.
+
+    A file-system path, because sbatch reads the file. Raises FileNotFoundError naming the template when the
+    package has no such file (an unknown ``name``, or a package imported from a zip archive)."""
     env = os.environ.get(TEMPLATE_ENV)
     if env and name == "train.sbatch":
         return env
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.path.normpath(os.path.join(here, "..", "..", "sbatch", name))
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} not found (set ${TEMPLATE_ENV} to the template of a source checkout)")
+    found = resources.files(__package__) / "templates" / name
+    path = os.fspath(found) if isinstance(found, os.PathLike) else None
+    if path is None or not os.path.isfile(path):
+        raise FileNotFoundError(f"batch template {name!r} not found in the installed package ({found}); accepted: "
+                                f"{', '.join(TEMPLATES)}, or ${TEMPLATE_ENV} set to a train template")
     return path
+
+
+def template_home(template: str) -> str:
+    """The deadpool-hpc home that a batch template belongs to (its DEADPOOL_HOME, which the template itself derives
+    the same way from its submitted path): the directory above the package for the package's own copy
+    (``HOME/deadpool_hpc/launch/templates/NAME``: a checkout, or site-packages), else the parent of the template's
+    directory (a checkout's ``HOME/sbatch/NAME``, or a copy kept as ``DIR/sbatch/NAME``)."""
+    folder = os.path.dirname(os.path.abspath(template))
+    inside = os.sep + os.path.join("deadpool_hpc", "launch", "templates")
+    if folder.endswith(inside):
+        return folder[: -len(inside)]
+    return os.path.dirname(folder)
 
 
 def write_config(cfg: RunConfig, run_dir: str | None = None) -> str:
@@ -147,7 +168,7 @@ def render(cfg: RunConfig, template: str | None = None, python: str | None = Non
               f"RUN_DIR={shlex.quote(run_dir)}",
               f"PYTHON=${{PYTHON:-{shlex.quote(python or sys.executable)}}}",
               f"SUMMARY=${{SUMMARY:-{shlex.quote(os.path.abspath(cfg.summary_path)) if cfg.summary_path else ''}}}",
-              f"DEADPOOL_HOME=${{DEADPOOL_HOME:-{shlex.quote(os.path.dirname(os.path.dirname(os.path.abspath(template))))}}}",
+              f"DEADPOOL_HOME=${{DEADPOOL_HOME:-{shlex.quote(template_home(template))}}}",
               ""]
     lines = text.split("\n")
     at = max(i for i, l in enumerate(lines) if l.startswith("#SBATCH")) + 1
@@ -243,7 +264,7 @@ def check_time_and_lead(time: str | None = None, signal_lead: int | None = None,
 
 
 def template_lead(template: str | None = None) -> int:
-    """The lead (s) of the template's ``#SBATCH --signal=SIG@SECONDS`` line (sbatch/train.sbatch: 120)."""
+    """The lead (s) of the template's ``#SBATCH --signal=SIG@SECONDS`` line (templates/train.sbatch: 120)."""
     m = re.search(r"(?m)^#SBATCH --signal=\w+@(\d+)$", open(template or template_path()).read())
     return int(m.group(1)) if m else timelimit.DEFAULT_SIGNAL_LEAD_S
 
@@ -380,7 +401,7 @@ def status(run_dir_or_jobid: str) -> dict:
 
 # ---- summary ------------------------------------------------------------------------------------------------------
 def scaling_table(out_dir: str) -> list[dict]:
-    """One row per OUT_DIR/summary-n<size>.json of sbatch/scaling.sbatch, by active-node count: world size,
+    """One row per OUT_DIR/summary-n<size>.json of templates/scaling.sbatch, by active-node count: world size,
     median step time (s) and throughput (tokens/s), and ``speedup`` / ``efficiency`` against the smallest size
     (throughput ratio, and that ratio divided by the ratio of world sizes). Raises FileNotFoundError if OUT_DIR
     holds no summary."""
@@ -396,7 +417,7 @@ def scaling_table(out_dir: str) -> list[dict]:
                      "median_tokens_per_s": s.get("median_tokens_per_s"), "swaps": s["swaps"],
                      "param_digest": s["param_digest"]})
     if not rows:
-        raise FileNotFoundError(f"no summary-n<size>.json in {out_dir!r} (sbatch/scaling.sbatch writes them; a "
+        raise FileNotFoundError(f"no summary-n<size>.json in {out_dir!r} (the scaling template writes them; a "
                                 f"MODE=control-plane sweep's study is python -m study.scale_study {out_dir})")
     rows.sort(key=lambda r: r["nodes"])
     base = rows[0]
@@ -460,7 +481,7 @@ def main(argv=None) -> int:
     su = sub.add_parser("summary", help="write RUN_DIR/summary.json")
     su.add_argument("run_dir")
     su.add_argument("--out")
-    sc = sub.add_parser("scaling", help="table of a scaling sweep's summaries (sbatch/scaling.sbatch OUT_DIR); a "
+    sc = sub.add_parser("scaling", help="table of a scaling sweep's summaries (scaling.sbatch's OUT_DIR); a "
                                         "MODE=control-plane sweep is the scale study's: python -m study.scale_study")
     sc.add_argument("out_dir")
     tk = sub.add_parser("task", help="(inside srun) run one worker, finish the job if the batch host died")

@@ -1,6 +1,6 @@
 """Inside a Slurm job: the task wrapper, the batch-host watcher, the finisher, and what ends an attempt.
 
-``python -m deadpool_hpc.launch.slurm task|watch|end`` run these (sbatch/train.sbatch).
+``python -m deadpool_hpc.launch.slurm task|watch|end`` run these (templates/train.sbatch).
 The batch host is an ordinary node of the allocation: if it dies, the batch script and srun die with
 it but the ranks train on; each task then checks whether the watcher still touches RUN_DIR/batch.alive,
 and the last one to exit writes summary.json and completes the job itself (docs/slurm.md).
@@ -400,7 +400,7 @@ def _this_attempt(events: list[dict], since: float | None) -> list[dict]:
 ENDING_STATES = ("COMPLETING", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "FAILED", "DEADLINE")
 # attempts in a row that were stopped before any rank trained a step (``checkpoint_skipped``: a warning signal or
 # a lost node with no spare, right after the start) that are still requeued; the next such attempt ends the job with
-# the reason instead of looping (issue 46: a time limit shorter than the signal lead re-sends the signal at once)
+# the reason instead of looping (a time limit shorter than the signal lead re-sends the signal at once)
 MAX_IDLE_REQUEUES = 2
 
 

@@ -1,4 +1,4 @@
-"""A node lost before the node agents' MPI world exists (issue 28): found within seconds, the step relaunched.
+"""A node lost before the node agents' MPI world exists: found within seconds, the step relaunched.
 
 MPICH cannot survive a process lost inside ``MPI_Init`` or the start-up collectives that follow it (the identity
 exchange, the wire-up, the start barrier: control/plane.py): every other agent waits there, holding the GIL, until
@@ -13,7 +13,7 @@ help, so the batch host watches from outside it:
   moved for ``STALE_S`` seconds, or one that never appeared while another did (for ``MISSING_S`` seconds, or
   at once when Slurm says its node is down or not responding), is a lost node: the watcher writes ``RUN_DIR/relaunch/LAUNCH_ID.json`` (the hosts), logs
   ``startup_node_lost`` and ends the step (``scancel --signal=KILL JOBID.STEPID``);
-- the batch script (sbatch/train.sbatch) then calls ``relaunch``: one spare fewer in RUN_DIR/config.json and the
+- the batch script (templates/train.sbatch) then calls ``relaunch``: one spare fewer in RUN_DIR/config.json and the
   lost hosts excluded, and starts srun again on the live nodes of the same allocation (event ``relaunched``). With
   no spare left it ends the attempt with the reason (exit 1 of ``relaunch``).
 

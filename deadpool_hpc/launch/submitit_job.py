@@ -8,7 +8,7 @@
 submitit runs the callable once per Slurm task (one task per node, ``tasks_per_node=1``, with
 ``cpus_per_task = cfg.ranks_per_node``), each inside submitit's own ``srun``. Every task starts the node agent
 (``python -m deadpool_hpc.agent RUN_DIR``) as a child, handing it the PMI-2 descriptor srun gave the task, so the
-MPI processes (one agent per node) are exactly those of ``sbatch/train.sbatch``; each agent starts the node's
+MPI processes (one agent per node) are exactly those of ``templates/train.sbatch``; each agent starts the node's
 training processes. Task 0 then waits for the other survivors and
 returns the summary built from the event log; the other tasks return their worker's exit code.
 
@@ -42,7 +42,7 @@ without requeueing it (``UncompletedJobError``). SIGTERM (``scancel -s TERM``, a
 and exit 75, and task 0 decides as the batch template does (``slurm_job.settle``): requeue if the job goes on,
 stop (no result) if Slurm is ending it.
 
-A node lost before the agents' MPI world exists (srun's launch, MPI_Init: MPICH cannot survive it; issue 28): each
+A node lost before the agents' MPI world exists (srun's launch, MPI_Init: MPICH cannot survive it): each
 task touches a beacon (launch/slurm_startup.py) and task 0 watches them, as the batch host does under sbatch. On a
 loss it records it (RUN_DIR/relaunch/ATTEMPT.0.json), every surviving task ends its own agent (they all wait in
 MPI_Init) and returns, and task 0 starts the agents again as a step of their own on the live nodes of the same
@@ -127,7 +127,7 @@ def executor(folder: str, cfg: RunConfig, timeout_min: int = 60, **params):
     inner = getattr(ex, "_executor", None)  # AutoExecutor wraps the cluster's executor, which makes the Job objects
     if inner is not None and issubclass(hot_swap_job_class(), inner.job_class):
         inner.job_class = hot_swap_job_class()
-    add = {"no-kill": True, "requeue": True, "exclusive": True}  # as sbatch/train.sbatch
+    add = {"no-kill": True, "requeue": True, "exclusive": True}  # as templates/train.sbatch
     add.update(params.pop("slurm_additional_parameters", {}) or {})
     ex.update_parameters(nodes=cfg.total_nodes, tasks_per_node=1, cpus_per_task=cfg.ranks_per_node,  # one agent per node
                          timeout_min=timeout_min,
@@ -182,7 +182,7 @@ class HotSwapJob:
         t0 = time.time()
         self._saved_before = len(self._events("checkpoint_saved"))
         self._skipped_before = len(self._events("checkpoint_skipped"))
-        # a node lost before the agents' MPI world exists (issue 28): task 0 watches every task's beacon, as the batch
+        # a node lost before the agents' MPI world exists: task 0 watches every task's beacon, as the batch
         # host does under sbatch (launch/slurm_startup.py), and starts the agents again on the live nodes
         lid = slurm_startup.launch_id()
         watcher = None

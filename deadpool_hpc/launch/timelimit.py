@@ -1,12 +1,12 @@
 """The time limit and the signal lead of a Slurm job, checked before it is submitted (pure logic, no Slurm call).
 
-A hot-swap job asks Slurm for a warning signal (``#SBATCH --signal=USR2@LEAD``, sbatch/train.sbatch; submitit's
+A hot-swap job asks Slurm for a warning signal (``#SBATCH --signal=USR2@LEAD``, templates/train.sbatch; submitit's
 ``signal_delay_s``) LEAD seconds before its time limit: the ranks save a checkpoint at the next agreed step, the
 job is requeued and resumes (docs/slurm.md, "Signals"). Slurm sends that signal *up to 60 s earlier* than asked
 (sbatch(1), ``--signal``: "Due to the resolution of event handling by Slurm, the signal may be sent up to 60
 seconds earlier than specified"; slurmctld looks at the time limits every 30 s). A lead close to the time limit
-therefore stops the job as soon as it starts, and again after every requeue (issue 46: ``deadpool submit --time 2``
-with the template's USR2@120).
+therefore stops the job as soon as it starts, and again after every requeue (``deadpool submit --time 2`` with
+the template's USR2@120 would do that).
 
 What is accepted: ``lead >= MIN_SIGNAL_LEAD_S`` and ``limit - lead >= SIGNAL_EARLY_S + MIN_TRAIN_S`` (90 s); a job
 with no time limit is not checked. Otherwise the submission is refused (ConfigError, exit 2 in the CLI) naming the

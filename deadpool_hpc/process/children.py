@@ -1,5 +1,5 @@
-"""What a training process's own children (DataLoader workers, ``os.fork``, ``multiprocessing`` with fork) get of it
-(issue 43): none of its agent's descriptors, and its death.
+"""What a training process's own children (DataLoader workers, ``os.fork``, ``multiprocessing`` with fork) get of it:
+none of its agent's descriptors, and its death.
 
 Owns: the set of descriptors a training process holds from its node agent (the channel's socket, the doorbell
 eventfd: ``keep_from_children``), and the at-fork handler (``install``, once, in a training process) that runs in

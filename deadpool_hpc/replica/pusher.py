@@ -8,7 +8,7 @@ it: ``committed``, ``ReplicaState.on_commit``). Does not own: the slots and who 
 holder's side of a push (replica/holder.py), the socket mechanics (replica/stream.py).
 
 A push thread keeps its connection between steps (a new connection and two new threads per step and holder cost
-about as much CPU as moving 1.8 MB, issue 7) and opens a new one when that one fails. A holder that refuses a
+about as much CPU as moving 1.8 MB) and opens a new one when that one fails. A holder that refuses a
 push says whether to retry (busy, not configured yet: every ``POLL_S`` until the transfer timeout); a refusal for
 good (a wrong size, a bad checksum) is logged (``replica_rejected``) and the step is never committed: the training
 process's wait before its update ends the step, as a failed peer would.

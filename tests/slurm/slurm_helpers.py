@@ -16,7 +16,9 @@ CRASH_STEP = 25
 # shares this machine's 2 cores and each costs ~6 CPU-s to start (its agent's and its training process's torch
 # import, the model build): 2 + 1 nodes start in about half the time of 4 + 1 (issue 24)
 ACTIVE = 2
-TRAIN = os.path.join(ROOT, "sbatch", "train.sbatch")
+# the train template as `deadpool submit` finds it (the package's copy); the scaling template through the checkout's
+# sbatch/ link, as docs/slurm.md submits it: both ways a template finds its home (DEADPOOL_HOME) are exercised
+TRAIN = os.path.join(ROOT, "deadpool_hpc", "launch", "templates", "train.sbatch")
 SCALING = os.path.join(ROOT, "sbatch", "scaling.sbatch")
 VENV = sys.prefix  # the venv running the tests (has deadpool-hpc installed)
 MEASURE = os.environ.get("DEADPOOL_SLURM_MEASURE", "/tmp/deadpool-slurm-measure.jsonl")

@@ -1,5 +1,6 @@
-"""Hot swap under a real Slurm: sbatch/train.sbatch and the submitit job, 2 active + 1 spare nodes (slurm_helpers.ACTIVE), one node
-crashed mid-run with scripts/slurm-local-cluster.sh (power-loss emulation: every process of the node SIGKILLed).
+"""Hot swap under a real Slurm: the batch template (train.sbatch) and the submitit job, 2 active + 1 spare nodes
+(slurm_helpers.ACTIVE), one node crashed mid-run with scripts/slurm-local-cluster.sh (power-loss emulation: every
+process of the node SIGKILLed).
 
 Each test checks that the job ends COMPLETED in sacct, that the summary records the swap of the crashed host,
 and that the final parameters are bit-identical to a failure-free local run. Kill-to-resume times and the

@@ -51,8 +51,8 @@ def _after(run_dir, name, t, seconds):
 
 
 def _template_job(tmp_path, steps=STEPS, nodes=2, spares=1):
-    """sbatch/train.sbatch submitted from tmp_path/sub with relative RUN_DIR and SUMMARY (the job runs in tmp_path:
-    --chdir), and, when the tests run from the checkout's .venv, without VENV (the template finds it)."""
+    """The package's train.sbatch submitted from tmp_path/sub with relative RUN_DIR and SUMMARY (the job runs in
+    tmp_path: --chdir), and, when the tests run from the checkout's .venv, without VENV (the template finds it)."""
     sub = tmp_path / "sub"
     sub.mkdir()
     env = f"ALL,NODES={nodes},SPARES={spares},STEPS={steps},RUN_DIR=run,SUMMARY=s.json" + ("" if OWN_VENV else f",VENV={VENV}")

@@ -1,4 +1,4 @@
-"""The data loader and the iterators the user's loop holds: part of the state (issue 43).
+"""The data loader and the iterators the user's loop holds: part of the state that a restore must bring back.
 
 Owns: what ``ctx.protect(..., dataloader=loader)`` does to the loader so that whatever the loop holds that produces
 batches resumes exactly where a restored step expects it; the refusal, before step 0, of a loader or iterator that

@@ -50,7 +50,8 @@ __all__ = ["DeadpoolExecutor", "RUN_PARAMETERS", "train_fn_spec"]
 
 DEMO = RunConfig.train_fn  # "deadpool_hpc.train.demo:train"
 
-# sbatch options every hot-swap job carries (as sbatch/train.sbatch); additional_parameters may add to them
+# sbatch options every hot-swap job carries (as deadpool_hpc/launch/templates/train.sbatch); additional_parameters
+# may add to them
 JOB_FLAGS = {"no-kill": True, "requeue": True, "exclusive": True}
 
 _ACCEPTED_FN = ("accepted: a module-level function fn(ctx) of a module the nodes can import (as for "
