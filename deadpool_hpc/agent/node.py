@@ -19,6 +19,10 @@ local channel messages, supervisor and watch events, commits, and expires store 
 (``Recovery.run``) is a series of rounds; each waits only with deadlines and keeps ticking the loop's sources.
 What the recovery, the desk and planned swaps use of this class is public (``tick``, ``node_failed``,
 ``configure``, ``view``, ``send_role``, ...); the rest is this module's.
+
+The agent's state (``state``: agent/state.py NodeState, starting -> training or spare -> ... -> done or saved) has
+one writer, ``transition``, which checks each move against agent/state.py's table and logs each change
+(``agent_state``); a recovery returns the state it leaves the node in (agent/recovery.py ``RecoveryEnd``).
 """
 from __future__ import annotations
 

@@ -17,7 +17,8 @@ Owns: the rounds' state (the processes' ``Left`` and ``RoundFailed``, the round 
 process completed), the fault phases of a recovery (``phase``), the checkpoint of the no-spare path. Does not own:
 the agreement (control/), the replicas (replica/transport.py), the worker's half (worker/recovery.py).
 Runs on the agent's main thread; uses the NodeAgent's public parts (agent/node.py: ``tick``, ``node_failed``,
-``configure``, ``view``, ``send_role``, ...).
+``configure``, ``view``, ``send_role``, ...), and returns how the recovery leaves the node (``RecoveryEnd``: the
+agent's next state, agent/state.py, and its exit code) instead of writing them into the agent.
 """
 from __future__ import annotations
 
