@@ -34,6 +34,7 @@ import time
 from ..control.crashloop import follows_work
 from ..control.membership import may_readmit, readmit, rejoin
 from ..errors import Fenced, Returning
+from .state import NodeState
 
 RETURNABLE = ("exit", "hang")   # node_failed causes after which the node may come back (not its checks' verdicts)
 REJOIN_EVERY_S = 1.0
@@ -53,7 +54,7 @@ class Comeback:
     def allowed(self, cause: str) -> bool:
         """Whether a failure of ``cause`` may end in a return: on, past the start-up, an exit or a hang."""
         a = self.agent
-        return bool(a.cfg.spare_return) and cause in RETURNABLE and a.state in ("training", "spare")
+        return bool(a.cfg.spare_return) and cause in RETURNABLE and a.state in (NodeState.TRAINING, NodeState.SPARE)
 
     # ---- the node that failed -----------------------------------------------------------------------------
     def come_back(self, exc: Returning) -> None:
@@ -61,7 +62,7 @@ class Comeback:
         state is then done or saved). Raises Fenced when the node stays out, JobAborted if the run was aborted."""
         a, cfg = self.agent, self.agent.cfg
         t0 = time.monotonic()
-        a.state = "returning"
+        a.transition(NodeState.RETURNING, f"its training processes failed ({exc.cause}): checks, then rejoin")
         a.peers.stop_watching()   # nobody watches it now: the silence it would see is not a failure
         a.watch.enabled = False
         a.log.emit("node_returning", cause=exc.cause, reason=exc.reason[:300], generation=a.cp.generation)
@@ -83,7 +84,7 @@ class Comeback:
             if slow is not None and slow[0] >= cfg.straggler_factor:
                 self._quarantine(f"{slow[0]:.2f} x slower than it should be ({slow[1]})")
         health_s = self._health_check()
-        if a.state != "returning":
+        if a.state != NodeState.RETURNING:
             return
         end = time.monotonic() + cfg.recovery_timeout
         next_ask = 0.0
@@ -105,6 +106,8 @@ class Comeback:
         a.watch.enabled = True
         self.returns += 1
         a.restart_as_spare()
+        if a.state != NodeState.SPARE:   # the members left for a requeue while its processes started
+            return
         self.returned_at = time.monotonic()
         a.log.emit("node_returned", generation=a.cp.generation, returns=self.returns, coordinator=msg.coordinator,
                    seconds=round(self.returned_at - t0, 3), health_s=None if health_s is None else round(health_s, 3),
@@ -121,9 +124,9 @@ class Comeback:
         a.channel.poll(0.05)
         a.sup.poll()
         if a.cp._finish is not None:
-            a.state = "done"
+            a.transition(NodeState.DONE, "the run is complete (while the node was returning)")
             return True
-        return a.state in ("done", "saved")
+        return a.state in (NodeState.DONE, NodeState.SAVED)
 
     def _health_check(self) -> float | None:
         """Run the site's --health-check (if any) within --health-check-timeout; seconds it took."""
@@ -155,15 +158,15 @@ class Comeback:
     def _quarantine(self, reason: str) -> None:
         a = self.agent
         a.log.emit("node_quarantined", reason=reason, returns=self.returns)
-        a.state = "done"
+        a.transition(NodeState.DONE, "quarantined: the node stays out")
         raise Fenced(f"this node stays out: {reason}")
 
     def _on_over(self, src: int, body: dict) -> None:
         """(a returning agent) The members left for a requeue: so does this one, with their exit code."""
         a = self.agent
-        if a.state == "returning":
+        if a.state == NodeState.RETURNING:
             a.exit_code = int(body.get("code", 75))
-            a.state = "saved"
+            a.transition(NodeState.SAVED, f"the members left for a requeue (exit {a.exit_code})")
 
     # ---- the agent that readmits it -----------------------------------------------------------------------
     def on_rejoin(self, src: int, body: dict) -> None:
@@ -171,7 +174,8 @@ class Comeback:
         (control/membership.py); otherwise it asks again."""
         a = self.agent
         why = may_readmit(a.cp, src)
-        if why is None and (a.recovery.in_round or a.swaps.current is not None or a.state not in ("training", "spare")):
+        if why is None and (a.recovery.in_round or a.swaps.current is not None
+                            or a.state not in (NodeState.TRAINING, NodeState.SPARE)):
             why = "busy"
         if why is not None:
             return

@@ -14,6 +14,7 @@ import os
 import time
 
 from .. import metrics
+from .state import NodeState
 
 GATHER_S = 1.0   # seconds between two snapshots of the agent's state
 
@@ -27,7 +28,7 @@ class NodeMetrics:
         cfg = agent.cfg
         self.job = metrics.job_name(cfg.run_dir)
         me = agent.cp.me
-        self._node: dict = {"state": agent.state, "generation": agent.cp.generation, "bytes_total": 0,
+        self._node: dict = {"state": str(agent.state), "generation": agent.cp.generation, "bytes_total": 0,
                             "bytes_per_s": 0.0}
         self._live: dict = {}
         self._last = (time.monotonic(), 0)
@@ -75,10 +76,10 @@ class NodeMetrics:
         self._last = (now, total)
         ranks = {lo: cp.train_rank(lo) for lo in range(a.P)}
         fig = a.stragglers.last_figure
-        self._node = {"state": a.state, "generation": cp.generation, "bytes_total": total,
+        self._node = {"state": str(a.state), "generation": cp.generation, "bytes_total": total,
                       "bytes_per_s": max(0, total - b0) / (now - t0) if now > t0 else 0.0,
                       "committed": {r: a.reps[lo].committed_step for lo, r in ranks.items()
-                                    if r is not None and lo in a.reps and a.state == "training"},
+                                    if r is not None and lo in a.reps and a.state == NodeState.TRAINING},
                       "written": {r: a.written[lo] for lo, r in ranks.items() if r is not None and lo in a.written},
                       "step_s": fig[1] if fig else None}
         judge = a.stragglers.judge

@@ -19,6 +19,10 @@ local channel messages, supervisor and watch events, commits, and expires store 
 (``Recovery.run``) is a series of rounds; each waits only with deadlines and keeps ticking the loop's sources.
 What the recovery, the desk and planned swaps use of this class is public (``tick``, ``node_failed``,
 ``configure``, ``view``, ``send_role``, ...); the rest is this module's.
+
+The agent's state (``state``: agent/state.py NodeState, starting -> training or spare -> ... -> done or saved) has
+one writer, ``transition``, which checks each move against agent/state.py's table and logs each change
+(``agent_state``); a recovery returns the state it leaves the node in (agent/recovery.py ``RecoveryEnd``).
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ from .preflight import SpeedCheck
 from .recovery import Recovery
 from .rendezvous import Rendezvous
 from .sparecheck import SpareChecks
+from .state import NodeState, check_transition
 from .stragglers import Stragglers
 STEADY_TICK_S = 0.05  # seconds between passes of the agent's loop when nothing happens (issue 7: idle CPU)
 # the heartbeat deadline until this agent's training processes are up (agent/__main__.py sets it, ``_start`` puts
@@ -80,7 +85,7 @@ class NodeAgent:
         self.health_check = None           # agent/preflight.py HealthCheck: the site's check at start-up, until done
         self.written: dict = {}            # local -> step of the last snapshot it wrote into its slot
         self.swaps = PlannedSwaps(cp, self)   # agent/planned.py: leaving on a detector's request, one node at a time
-        self.state = "starting"
+        self._state = NodeState.STARTING   # (agent/state.py) written by ``transition`` only
         self._preempt_ignored = False
         self.exit_code = 0
         self.last_work_failure: WorkFailure | None = None   # how this node's last failure ended (agent/comeback.py)
@@ -105,38 +110,62 @@ class NodeAgent:
         if self.resume is not None:
             self.cp.generation = self.peers.generation = self.resume["generation"] + 1
         self._start()
-        while self.state not in ("done", "saved"):
+        while self.state not in (NodeState.DONE, NodeState.SAVED):
             try:
                 self._serve()
             except Returning as exc:   # its training processes failed, its agent lives on (agent/comeback.py)
                 self.comeback.come_back(exc)
-        if self.state == "saved":   # the members leave for a requeue: so does a node on its way back
+        if self.state == NodeState.SAVED:   # the members leave for a requeue: so does a node on its way back
             self.cp.tell_returning("over", {"code": self.exit_code})
         return self.exit_code
 
     def _serve(self) -> None:
         """The loop of ``run`` until the run ends for this node; raises Returning (``node_failed``)."""
-        while self.state not in ("done", "saved"):
+        while self.state not in (NodeState.DONE, NodeState.SAVED):
             # a local message, a training process's exit (its socket closes), a control message or a suspicion
             # (the heartbeat thread wakes the channel) end the wait at once; the rest (ring-watch connections,
             # replicas committed) is looked at each pass: every 5 ms while a failure is handled, else STEADY_TICK_S
             steady = not self.cp.failure.is_set() and not self.recovery.wanted()
             self.tick(STEADY_TICK_S if steady else 0.005)
-            if self.state in ("done", "saved"):
+            if self.state in (NodeState.DONE, NodeState.SAVED):
                 break
             if self.cp.finished() is not None:
                 self.finish()
                 break
             if self.peers.fenced:
                 raise Fenced(self.peers.fenced)
-            if self.peers.preempted.is_set() and self.state == "training" and not self.cfg.replicate:
+            if self.peers.preempted.is_set() and self.state == NodeState.TRAINING and not self.cfg.replicate:
                 if not self._preempt_ignored:
                     self._preempt_ignored = True
                     self.log.emit("preempt_ignored", reason="--no-replicate: no snapshot to save")
-            elif self.peers.preempted.is_set() and self.state == "training":
+            elif self.peers.preempted.is_set() and self.state == NodeState.TRAINING:
                 self.cp.failure.set()  # Slurm's warning (SIGUSR2/SIGTERM): agree on a cut, save it, requeue
             if self.cp.failure.is_set() or self.recovery.wanted():
-                self.recovery.run()
+                end = self.recovery.run()   # (a failure of this node raises through it: node_failed)
+                if end is None:   # the run finished during the recovery
+                    self.finish()
+                    break
+                if end.exit_code is not None:
+                    self.exit_code = end.exit_code
+                self.transition(end.state, end.reason)
+
+    # ---- the state (agent/state.py) -----------------------------------------------------------------------------
+    @property
+    def state(self) -> NodeState:
+        """What this agent is doing (agent/state.py NodeState); ``transition`` is its only writer."""
+        return self._state
+
+    def transition(self, new: NodeState, reason: str) -> None:
+        """Move this agent to state ``new`` because of ``reason`` (a few words: the event's). A move ``ALLOWED``
+        does not list raises IllegalTransition naming both states (agent/state.py), and the state stays; a change
+        is logged once (``agent_state``: ``state``, ``previous``, ``reason``, ``generation``); a move to the same
+        state (a recovery round that ends in the node's role) is checked, not logged."""
+        old = self._state
+        check_transition(old, new)
+        self._state = NodeState(new)
+        if new != old:
+            self.log.emit("agent_state", state=self._state.value, previous=old.value, reason=reason,
+                          generation=self.cp.generation)
 
     def tick(self, timeout: float = 0.0) -> None:
         """One pass over every source of events; returns within about ``timeout`` seconds."""
@@ -186,7 +215,7 @@ class NodeAgent:
         self.stragglers.tick()
         self.swaps.tick()
         self.persister.tick()
-        if self.state == "spare" and self.cfg.spare_check_every:
+        if self.state == NodeState.SPARE and self.cfg.spare_check_every:
             self.spare_checks.tick()
         if self.metrics is not None:
             self.metrics.tick()
@@ -220,11 +249,15 @@ class NodeAgent:
             role = Spare(self.view()) if r is None else \
                 Train(self.view(), r, self.cfg.world_size, self.recovery.high_water, self.resume)
             self.send_role(local, role)
-        self.state = "training" if self.cp.train_rank(0) is not None else "spare"
+        if self.cp.train_rank(0) is not None:
+            self.transition(NodeState.TRAINING, "started: its processes hold training ranks")
+        else:
+            self.transition(NodeState.SPARE, "started: its processes are spares")
 
     def restart_as_spare(self) -> None:
         """(agent/comeback.py) Readmitted: forget the failed processes' state, start fresh ones and make them spares
-        of the current generation. A process that fails to come up is this node's failure, as at the start-up."""
+        of the current generation. A process that fails to come up is this node's failure, as at the start-up.
+        Returns with the state ``saved`` instead if the members left for a requeue while the processes started."""
         self.layouts.clear()
         self.written.clear()
         self.committed_seen.clear()
@@ -246,13 +279,15 @@ class NodeAgent:
                 late = [lo for lo in range(self.P) if lo not in self.layouts]
                 self.node_failed(f"training process(es) {late} of the returned node did not reach ctx.run within "
                                  f"{self.cfg.startup_timeout:.0f} s (--startup-timeout)", cause="startup_timeout")
+        if self.state != NodeState.RETURNING:
+            return   # the members left for a requeue meanwhile (agent/comeback.py ``_on_over``): so does this node
         self.spare_checks.arm()
         self.retarget_watch()
         self.rendezvous.open(self.cp.generation)
         for local in range(self.P):
             self.configure(local)
             self.send_role(local, Spare(self.view()))
-        self.state = "spare"
+        self.transition(NodeState.SPARE, "readmitted: fresh processes started as spares")
 
     def checked(self) -> bool:
         """Whether the site's health check (agent/preflight.py) is done and passed; one that failed fails the node."""
@@ -297,7 +332,7 @@ class NodeAgent:
 
             self.cp.abort(str(body.get("error")))
             raise JobAborted(f"training process {local} failed: {body.get('error')}")
-        elif kind == "closed" and self.state not in ("done", "saved"):
+        elif kind == "closed" and self.state not in (NodeState.DONE, NodeState.SAVED):
             pass  # the supervisor reports the exit itself (with its status)
 
     def _layout(self, local: int, body: dict) -> None:
@@ -396,7 +431,7 @@ class NodeAgent:
         the step its progress page showed), for the crash-loop rule (control/crashloop.py); None for a spare's
         process or one that had not begun a step."""
         rank, page = self.cp.train_rank(local), self.channel.progress(local)
-        if self.state != "training" or rank is None or page is None or page.step is None:
+        if self.state != NodeState.TRAINING or rank is None or page is None or page.step is None:
             return None
         return WorkFailure(rank=rank, step=page.step, end=end_of(rc), node=self.node, generation=self.cp.generation,
                            t=time.time())
@@ -418,7 +453,7 @@ class NodeAgent:
             raise Returning(reason, cause)
         self.cp.declare_failed(reason, work=work)
         self.sup.kill_all(1.0)
-        self.state = "done"
+        self.transition(NodeState.DONE, f"this node failed ({cause})")
         raise Fenced(f"this node failed: {reason}")
 
     def _on_inject(self, body: dict) -> None:
@@ -449,7 +484,7 @@ class NodeAgent:
         while self.sup.alive() and time.monotonic() < end:
             self._tick_quiet(0.02)
         self.sup.kill_all(1.0)
-        self.state = "done"
+        self.transition(NodeState.DONE, "the run is complete")
 
     def _tick_quiet(self, timeout: float) -> None:
         self.channel.poll(timeout)

@@ -46,6 +46,7 @@ from typing import Protocol
 
 from ..replica import persist
 from ..rundir import latest_checkpoint
+from .state import NodeState
 
 
 class PersistHost(Protocol):
@@ -55,7 +56,7 @@ class PersistHost(Protocol):
     cfg: object              # RunConfig: persist_every, run_dir, world_size
     cp: object               # ControlPlane: handlers, peers, generation, assignment, train_rank(local)
     log: object              # EventLog
-    state: str               # "training", "spare", ...
+    state: NodeState         # agent/state.py (a str enum: "training", "spare", ...); read only
     P: int                   # ranks per node
     node: int                # this node's index
     checkpoint_dir: str      # RUN_DIR/checkpoint
@@ -87,7 +88,7 @@ class Persister:
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def tick(self) -> None:
-        if self.every <= 0 or self.agent.state != "training":
+        if self.every <= 0 or self.agent.state != NodeState.TRAINING:
             return
         cp = self.agent.cp
         if self._done is not None:   # the writer thread finished: tell the scheduler (from this loop, not that thread)

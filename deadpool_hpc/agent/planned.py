@@ -28,6 +28,7 @@ import time
 from typing import Protocol
 
 from .health import Unhealthy
+from .state import NodeState
 
 ASK_S = 2.0       # seconds without an answer to swap_ask before asking again
 RETRY_S = 1.0     # seconds before asking again after "busy" (another node holds the lease)
@@ -39,7 +40,7 @@ class SwapHost(Protocol):
 
     cfg: object                  # RunConfig: replicate, steps, ranks_per_node, collective_timeout
     log: object                  # EventLog
-    state: str                   # "training", "spare", or another phase of the agent
+    state: NodeState             # agent/state.py (a str enum: "training", "spare", ...); read only
     written: dict                # local rank -> step of the last snapshot its process wrote (agent/desk.py)
     reps: dict                   # local rank -> Replicator (committed_step, report())
     health: object               # HealthWatch: ``consumed(detector)`` once a verdict is handled
@@ -81,7 +82,7 @@ class PlannedSwaps:
         if self.cp.finished() is not None:  # the run is over: nothing to hand over
             self.wanted, self.current = [], None
             return
-        quiet = self.host.state in ("training", "spare") and not self.host.in_recovery()
+        quiet = self.host.state in (NodeState.TRAINING, NodeState.SPARE) and not self.host.in_recovery()
         if self.current is None and self.wanted and quiet and self.wanted[0][3] <= time.monotonic():
             self._ask(*self.wanted.pop(0)[:3])
         cur = self.current
@@ -108,7 +109,7 @@ class PlannedSwaps:
         cur = {"detector": detector, "reason": verdict.reason, "t_seen": t_seen, "generation": self.cp.generation,
                "msg": f"planned swap ({detector}): {verdict.reason}", "phase": "asking", "frozen": set()}
         self.current = cur
-        if a.state == "training":
+        if a.state == NodeState.TRAINING:
             if not (a.cfg.replicate and a.reps):
                 return self._refuse(cur, "replication is off (--no-replicate): no replica to hand the node's "
                                          "state over")
@@ -136,7 +137,7 @@ class PlannedSwaps:
 
     def _arm(self, cur: dict) -> None:
         a = self.host
-        if a.state == "spare":  # nothing to hand over: the job has one spare fewer
+        if a.state == NodeState.SPARE:  # nothing to hand over: the job has one spare fewer
             a.log.emit("swap_requested", **self._common(cur), role="spare")
             a.health.consumed(cur["detector"])
             a.node_failed(cur["msg"], cause="planned")

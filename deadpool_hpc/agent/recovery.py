@@ -17,12 +17,14 @@ Owns: the rounds' state (the processes' ``Left`` and ``RoundFailed``, the round 
 process completed), the fault phases of a recovery (``phase``), the checkpoint of the no-spare path. Does not own:
 the agreement (control/), the replicas (replica/transport.py), the worker's half (worker/recovery.py).
 Runs on the agent's main thread; uses the NodeAgent's public parts (agent/node.py: ``tick``, ``node_failed``,
-``configure``, ``view``, ``send_role``, ...).
+``configure``, ``view``, ``send_role``, ...), and returns how the recovery leaves the node (``RecoveryEnd``: the
+agent's next state, agent/state.py, and its exit code) instead of writing them into the agent.
 """
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 
 from ..control.decision import Decision
 from ..errors import CRASH_LOOP_EXIT, CheckpointFailed, PeerFailure, RecoveryTimeout, ReplicaError, RunFinished
@@ -30,6 +32,7 @@ from ..ipc.messages import Exit, Failure, Left, Restore, RoundFailed, Spare, Tra
 from ..placement import held_by
 from ..replica import persist
 from ..rundir import latest_checkpoint
+from .state import NodeState
 
 MAX_FAILED_ROUNDS = 8
 
@@ -43,6 +46,18 @@ class _RoundOver:
 
     def is_set(self) -> bool:
         return self.cp.failure.is_set() or self.cp.generation != self.generation
+
+
+@dataclass(frozen=True)
+class RecoveryEnd:
+    """How a recovery leaves its node (``Recovery.run``'s result; the agent makes the move, agent/state.py):
+    ``state`` TRAINING (it holds ranks of the new generation), SPARE, or SAVED (the checkpoint is saved and the
+    training processes left: the agent leaves with ``exit_code``, 75 or CRASH_LOOP_EXIT); ``reason``: the
+    ``agent_state`` event's."""
+
+    state: NodeState
+    reason: str
+    exit_code: int | None = None
 
 
 class Recovery:
@@ -91,8 +106,10 @@ class Recovery:
         a.faults.at_phase(name, self.rounds)
 
     # ---- the rounds ----------------------------------------------------------------------------------------
-    def run(self) -> None:
-        """Rounds until one succeeds; every wait has a deadline and keeps the loop's sources ticking."""
+    def run(self) -> RecoveryEnd | None:
+        """Rounds until one succeeds; every wait has a deadline and keeps the loop's sources ticking. Returns how
+        the recovery leaves the node (the agent moves to its state), or None when the run finished meanwhile (the
+        agent finishes). A failure of this node raises through it (``node_failed``: Fenced, Returning)."""
         a = self.agent
         a.swaps.suspend()  # a planned swap waiting for its boundary lets its stopped processes go
         t_fail = time.time()
@@ -104,18 +121,16 @@ class Recovery:
             try:
                 self.in_round = True
                 try:
-                    self._round(t_fail)
+                    return self._round(t_fail)
                 finally:
                     self.in_round = False
-                return
             except RunFinished:
-                a.finish()
-                return
+                return None
             except PeerFailure as exc:
                 a.log.emit("recovery_round_failed", generation=a.cp.generation, round=self.rounds,
                            error=str(exc)[:300])
 
-    def _round(self, t_fail: float) -> None:
+    def _round(self, t_fail: float) -> RecoveryEnd:
         a, cfg, P = self.agent, self.agent.cfg, self.agent.P
         g0 = a.cp.generation
         self.round_failed = False
@@ -154,8 +169,7 @@ class Recovery:
                     f"--hang-timeout above your longest step), or the network is wedged")
             self.rebuilt_at = decision.cut_step
         if decision.exhausted:
-            self._save_checkpoint(decision)
-            return
+            return self._save_checkpoint(decision)
         ranks = {local: a.cp.train_rank(local) for local in range(P)}
         for local, r in ranks.items():
             if r is not None and r in decision.sources:
@@ -166,8 +180,7 @@ class Recovery:
             for local in range(P):
                 a.configure(local)
                 a.send_role(local, Spare(a.view()))
-            a.state = "spare"
-            return
+            return RecoveryEnd(NodeState.SPARE, f"recovery round {self.rounds}: a spare of generation {g}")
         a.spare_checks.end()
         serving = any(src // P == a.node for src in decision.sources.values())
         slots = {}
@@ -194,7 +207,7 @@ class Recovery:
                 recomputed_steps=decision.recomputed_steps, failed_nodes=tuple(decision.failed_nodes),
                 round=self.rounds, t_fail=t_fail, t_agreed=time.time())
             a.send_role(local, Train(a.view(), r, cfg.world_size, self.high_water, a.resume, plan))
-        a.state = "training"
+        return RecoveryEnd(NodeState.TRAINING, f"recovery round {self.rounds}: training ranks of generation {g}")
 
     def _send_restores(self, decision: Decision) -> None:
         """Send every replica this node is the source of (``decision.sources``) to the process that restores it, one
@@ -218,7 +231,7 @@ class Recovery:
                        to=list(to), error=str(exc)[:300])
 
     # ---- no spare left, or preempted -----------------------------------------------------------------------
-    def _save_checkpoint(self, decision: Decision) -> None:
+    def _save_checkpoint(self, decision: Decision) -> RecoveryEnd:
         """No spare left, or preempted: write every shard of the cut step this node holds (its ranks' own, and the
         lost ranks whose source it is), wait for every member agent, commit LATEST (each member does: the
         coordinator may die right here), tell the training processes to leave with 75 (requeue)."""
@@ -250,7 +263,7 @@ class Recovery:
         if a.node == decision.coordinator:
             a.log.emit("checkpoint_saved", step=cut, generation=g, path=a.checkpoint_dir, reason=decision.reason)
         self._crash_loop(decision, cut)
-        self._leave_for_requeue(decision)
+        return self._leave_for_requeue(decision)
 
     def _crash_loop(self, decision: Decision, saved: int | None) -> None:
         """(the coordinator, once the checkpoint of a "crash loop" decision is saved, or none was needed: ``saved``
@@ -341,13 +354,13 @@ class Recovery:
                 written.append(rank)
                 persist.save_shard(a.checkpoint_dir, cut, rank, shard, rng, kept=kept)
 
-    def _leave_for_requeue(self, decision: Decision) -> None:
+    def _leave_for_requeue(self, decision: Decision) -> RecoveryEnd:
         """The training processes leave and so does this agent: with 75 (requeue me), or CRASH_LOOP_EXIT after a
-        crash loop (a requeue would resume into the same crash)."""
+        crash loop (a requeue would resume into the same crash); the agent's exit code is the result's."""
         a = self.agent
         code = CRASH_LOOP_EXIT if decision.crash_loop is not None else 75
         for local in a.sup.alive():
             a.send_role(local, Exit(code))
         a.sup.wait_all(10.0)
-        a.exit_code = code
-        a.state = "saved"
+        return RecoveryEnd(NodeState.SAVED, f"recovery round {self.rounds}: {decision.reason} at step "
+                                            f"{decision.cut_step}: leaving with {code}", exit_code=code)

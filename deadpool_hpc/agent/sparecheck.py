@@ -13,6 +13,7 @@ import os
 import time
 
 from .preflight import HealthCheck, link_request
+from .state import NodeState
 
 
 class SpareChecks:
@@ -112,7 +113,7 @@ class SpareChecks:
         """(the agent's loop, ``cp.pump``) An idle spare asks this training node's processes for an all-reduce with
         it. Not while a failure or a planned swap is handled: the spare's wait then ends unseen, nothing judged."""
         a = self.agent
-        if a.peers.fenced or a.state != "training" or a.cp.failure.is_set() or a.recovery.in_round \
+        if a.peers.fenced or a.state != NodeState.TRAINING or a.cp.failure.is_set() or a.recovery.in_round \
                 or a.swaps.current is not None:
             return
         try:

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .health import Unhealthy
+from .state import NodeState
 
 STALE_INTERVALS = 3   # a node's figure older than this many intervals is not counted in the others' median
 SMOOTH = 3            # a node's figure is the median of its last SMOOTH summaries: one noisy interval is neither a
@@ -171,7 +172,7 @@ class StragglerHost(Protocol):
 
     cfg: object       # RunConfig: straggler_factor, straggler_window, straggler_action, replicate, ranks_per_node
     log: object       # EventLog
-    state: str        # "training", "spare", ...
+    state: NodeState  # agent/state.py (a str enum: "training", "spare", ...); read only
     P: int            # ranks per node
     channel: object   # ChannelServer: progress(local) -> ProgressPage | None
     swaps: object     # PlannedSwaps: want(detector, Unhealthy, t_seen)
@@ -203,7 +204,7 @@ class Stragglers:
 
     def tick(self) -> None:
         a = self.a
-        if not self.on or a.state != "training" or a.in_recovery():
+        if not self.on or a.state != NodeState.TRAINING or a.in_recovery():
             self._generation = None
             return
         now = time.monotonic()
@@ -276,5 +277,5 @@ class Stragglers:
 
     # ---- the straggler's agent --------------------------------------------------------------------------------
     def on_verdict(self, src: int, body: dict) -> None:
-        if self.a.state == "training":
+        if self.a.state == NodeState.TRAINING:
             self.a.swaps.want("straggler", Unhealthy(str(body.get("reason", "straggler"))), time.time())
