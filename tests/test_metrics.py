@@ -76,10 +76,10 @@ def test_collect_yields_only_defined_names_and_the_textfile_is_atomic(tmp_path):
     ex = metrics.Exporter(lambda: rows, {"deadpool_job": "x"}, textfile=path)
     try:
         ex.write()
-        text = open(path).read()
-        assert [p for p in os.listdir(tmp_path)] == ["deadpool_x_job.prom"]
     finally:
-        ex.close(final=False)
+        ex.close(final=False)   # (joins the refresh thread: its own write may be in flight until then)
+    text = open(path).read()
+    assert [p for p in os.listdir(tmp_path)] == ["deadpool_x_job.prom"]
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     assert set(fams) == {"deadpool_step", "deadpool_failures", "deadpool_recovery_seconds", "deadpool_commit_lag_steps"}
     (s,) = fams["deadpool_step"].samples

@@ -15,6 +15,8 @@ import pytest
 
 from deadpool_hpc.launch import slurm
 
+pytestmark = pytest.mark.e2e   # builds a wheel, installs it into a venv, runs bash: processes (tests/fasttier.py)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE_TEMPLATES = os.path.join(ROOT, "deadpool_hpc", "launch", "templates")
 
@@ -59,7 +61,7 @@ def test_a_wheel_carries_the_templates_and_an_install_of_it_renders_them(tmp_pat
     """Build the wheel (pip wheel --no-deps --no-build-isolation, from a copy of the package so that no build/ of
     this checkout leaks in), check its members, install it with --no-deps into a bare venv, and from a directory
     outside any checkout (python -I: no PYTHONPATH, no current directory on sys.path) find and render the template.
-    About 3 s on a quiet machine (no run is launched, so it stays in the fast tier)."""
+    About 3 s on a quiet machine."""
     src = tmp_path / "src"
     shutil.copytree(os.path.join(ROOT, "deadpool_hpc"), src / "deadpool_hpc",
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
