@@ -188,18 +188,12 @@ class Persister:
         self._thread.start()
 
     def _write(self, g: int, step: int, copies: dict, ranks: dict) -> None:
-        import torch
-
         t0, nbytes = time.perf_counter(), 0
         try:
             for local, slot in copies.items():
                 layout = self.agent.layouts[local]
-                shard = [torch.empty(shape, dtype=dtype) for shape, dtype in zip(layout.shapes, layout.dtypes)]
-                rng = layout.read(slot, shard)   # verifies the CRC the agent took when the snapshot was written
-                kept = None
-                if layout.local_nbytes:   # ctx.protect: the shares this rank kept (none in a restored replica)
-                    kept = [not slot.pulled] * (layout.local_nbytes // shard[0].numel())
-                persist.save_shard(self.root, step, ranks[local], shard, rng, kept=kept)
+                shard = persist.assemble_shard(layout, slot)   # the rank's own snapshot: checked, kept shares
+                persist.save_shard(self.root, step, ranks[local], shard.tensors, shard.rng, kept=shard.kept)
                 nbytes += layout.nbytes
             self._done = (g, step, time.perf_counter() - t0, nbytes, True)
         except BaseException as exc:  # noqa: BLE001 - costs this round only. BaseException: torch's

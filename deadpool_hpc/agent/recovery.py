@@ -19,9 +19,11 @@ the agreement (control/), the replicas (replica/transport.py), the worker's half
 Runs on the agent's main thread; uses the NodeAgent's public parts (agent/node.py: ``tick``, ``node_failed``,
 ``configure``, ``view``, ``send_role``, ...), and returns how the recovery leaves the node (``RecoveryEnd``: the
 agent's next state, agent/state.py, and its exit code) instead of writing them into the agent.
+The checkpoint's shards are assembled by replica/persist.py ``assemble_shard``, as background persistence's are.
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from dataclasses import dataclass
@@ -250,12 +252,7 @@ class Recovery:
             return self._leave_for_requeue(decision)
         written: list[int] = []
 
-        def write() -> None:
-            import torch
-
-            self._write_shards(decision, written, torch)
-
-        self._on_disk(decision, "write", write, written)
+        self._on_disk(decision, "write", lambda: self._write_shards(decision, written), written)
         a.cp.barrier(f"saved{g}.{decision.coordinator}", a.cp.member_nodes, cfg.collective_timeout, tick=a.tick)
         self._on_disk(decision, "commit",
                       lambda: persist.commit(a.checkpoint_dir, cut, cfg.world_size, g, self.high_water),
@@ -316,10 +313,10 @@ class Recovery:
             (f"checkpoint/LATEST still names step {latest['step']}" if latest else "no complete checkpoint exists")
             + ")")
 
-    def _write_shards(self, decision: Decision, written: list[int], torch) -> None:
-        """Write every shard of the cut step this node holds (its ranks' own, the lost ranks whose source it is);
-        ``written`` gets each rank whose write began."""
-        a, cfg, P = self.agent, self.agent.cfg, self.agent.P
+    def _write_shards(self, decision: Decision, written: list[int]) -> None:
+        """Write every shard of the cut step this node holds (its ranks' own, the lost ranks whose source it is:
+        ``persist.assemble_shard``); ``written`` gets each rank whose write began."""
+        a, P = self.agent, self.agent.P
         cut = decision.cut_step
         for local, rep in a.reps.items():
             r = a.cp.train_rank(local)
@@ -329,30 +326,20 @@ class Recovery:
             for rr, src in decision.sources.items():
                 if src == a.node * P + local:
                     mine.append((rr, rep.held(rr).get(cut)))
-            layout = a.layouts[local]
-            shard = [torch.empty(shape, dtype=dtype) for shape, dtype in zip(layout.shapes, layout.dtypes)]
+            layout, tensors = a.layouts[local], None   # (the tensors are reused for each shard of this rank)
             for rank, slot in mine:
-                rng = layout.read(slot, shard)
-                kept = None
-                if layout.local_nbytes:
-                    # a replica carries no share of the data-parallel state (worker/protect.py): the lost rank's
-                    # share is the one this rank kept for it, in its own snapshot of the cut step; the other shares
-                    # of the saved local prefix are not the lost rank's, and a snapshot that is itself a restored
-                    # replica (Slot.pulled) kept none (the record says which are)
-                    n = layout.local_nbytes // shard[0].numel()   # the shares: equal uint8 tensors
-                    kept = [not slot.pulled] * n
-                    if rank != r and n == 1:
-                        # one kept region (HSDP: the replicate group's shards, whole; DDP keeps 1 + K >= 2 shares
-                        # where there are replicas to hold): not the lost rank's to give, its group's ranks restore
-                        # it from theirs
-                        kept = [False]
-                    elif rank != r:
-                        own = rep.own.get(cut)
-                        held = held_by(r, P, cfg.nodes, cfg.replica_holders)
-                        shard[0].copy_(layout.views(own)[1 + held.index(rank)])
-                        kept = [not own.pulled] + [False] * (n - 1)
+                keeper = None if rank == r else functools.partial(self._kept_for, rep, r, rank, cut)
+                shard = persist.assemble_shard(layout, slot, tensors, keeper)
+                tensors = shard.tensors
                 written.append(rank)
-                persist.save_shard(a.checkpoint_dir, cut, rank, shard, rng, kept=kept)
+                persist.save_shard(a.checkpoint_dir, cut, rank, shard.tensors, shard.rng, kept=shard.kept)
+
+    def _kept_for(self, rep, r: int, lost: int, cut: int) -> tuple:
+        """Where rank ``r`` (local rank ``rep``'s) kept the share of the lost rank ``lost`` whose replica it holds:
+        its own snapshot of step ``cut`` and that share's index among the snapshot's views (``assemble_shard``'s
+        keeper). Raises ReplicaError when it has no snapshot of ``cut``."""
+        cfg = self.agent.cfg
+        return rep.own.get(cut), 1 + held_by(r, self.agent.P, cfg.nodes, cfg.replica_holders).index(lost)
 
     def _leave_for_requeue(self, decision: Decision) -> RecoveryEnd:
         """The training processes leave and so does this agent: with 75 (requeue me), or CRASH_LOOP_EXIT after a

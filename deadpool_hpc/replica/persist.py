@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from ..errors import ReplicaError
 from .snapshot import CRC_NAME, checksum
@@ -28,7 +28,18 @@ from .snapshot import CRC_NAME, checksum
 if TYPE_CHECKING:
     import torch
 
+    from .snapshot import Slot, StateLayout
+
 NAMES = ("param_shard", "exp_avg", "exp_avg_sq", "rng")
+
+
+class Shard(NamedTuple):
+    """One rank's shard as ``save_shard`` takes it (``assemble_shard``): the payload's state tensors, the RNG bytes
+    (uint8), and which kept shares of a ``ctx.protect`` payload are the rank's (None: no local prefix)."""
+
+    tensors: list
+    rng: object
+    kept: list | None
 
 
 def _names(n: int) -> tuple:
@@ -74,6 +85,43 @@ def save_shard(root: str, step: int, rank: int, tensors: list[torch.Tensor], rng
     if kept is not None:
         rec["kept"] = [bool(k) for k in kept]
     _write_json(os.path.join(d, f"rank{rank}.json"), rec)
+
+
+def assemble_shard(layout: StateLayout, slot: Slot, tensors: list[torch.Tensor] | None = None,
+                   keeper: Callable[[], tuple[Slot, int]] | None = None) -> Shard:
+    """The shard ``save_shard`` writes for one rank, from a snapshot slot of it (``slot``: the rank's own snapshot,
+    or the replica of a lost rank this node holds): its state tensors, its RNG bytes and, for a ``ctx.protect``
+    payload (``layout.local_nbytes`` > 0: the local prefix is n equal uint8 shares, worker/protect.py), which shares
+    hold this rank's bytes (``kept``). The one assembly of both checkpoint paths: the no-spare checkpoint
+    (agent/recovery.py) and background persistence (agent/persister.py).
+
+    ``tensors``: where to read the state to (reused across calls; ``save_shard`` clones what it writes); default:
+    new tensors of the layout's shapes and dtypes. ``kept``: every share when ``slot`` is the rank's own snapshot,
+    none when that snapshot is itself a restored replica (``Slot.pulled``: a replica carries no share). ``keeper``:
+    for a lost rank's shard assembled from its replica, where the share this node kept for it lies, as
+    ``(own, index)``: this node's rank's own snapshot of the same step and the index of that share among its views
+    (1 + the lost rank's place among the ranks it holds, ``placement.held_by``); asked only when the prefix has
+    more than one share (with one kept region, HSDP's replicate group's shards whole, the lost rank's region is not
+    this rank's to give: ``kept`` [False], its group's ranks restore it from theirs).
+
+    Raises ReplicaError when ``slot`` (or the keeper's) fails its checksum, or holds no step (``StateLayout.read``).
+    """
+    import torch
+
+    if tensors is None:
+        tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in zip(layout.shapes, layout.dtypes)]
+    rng = layout.read(slot, tensors)   # verifies the CRC the agent took when the snapshot was written
+    kept = None
+    if layout.local_nbytes:
+        n = layout.local_nbytes // tensors[0].numel()   # the shares: equal uint8 tensors
+        kept = [not slot.pulled] * n
+        if keeper is not None and n == 1:
+            kept = [False]
+        elif keeper is not None:
+            own, index = keeper()
+            tensors[0].copy_(layout.views(own)[index])
+            kept = [not own.pulled] + [False] * (n - 1)
+    return Shard(tensors, rng, kept)
 
 
 def shard_record(root: str, meta: dict, rank: int) -> dict:
