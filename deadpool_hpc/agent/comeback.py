@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Protocol
 
 from ..control.crashloop import follows_work
 from ..control.membership import may_readmit, readmit, rejoin
@@ -40,11 +41,46 @@ RETURNABLE = ("exit", "hang")   # node_failed causes after which the node may co
 REJOIN_EVERY_S = 1.0
 
 
-class Comeback:
-    """The return to the spare pool of one node agent (``agent``: its NodeAgent). ``allowed`` and ``come_back`` on
-    the node that failed; ``on_rejoin`` (a control-plane handler) on the agent that readmits it."""
+class ComebackHost(Protocol):
+    """What the return to the spare pool uses of its node agent (agent/node.py's NodeAgent is one). The agent's state
+    moves through ``transition`` only. Written directly: ``exit_code`` (``_on_over``, a control-plane handler: the
+    members' requeue code, which the agent leaves with; a handler returns to ``cp.pump``, not to the agent, so it
+    stays a write), and parts of the agent's collaborators while the node is out: ``cp.readmitted`` (taken),
+    ``peers.fenced`` (cleared), ``watch.enabled`` / ``watch.successor`` (the ring watch off, then dialled again)."""
 
-    def __init__(self, agent):
+    cfg: object              # RunConfig: spare_return, crash_loop_limit, quarantine, straggler_factor, health_check,
+    #                          health_check_timeout, recovery_timeout
+    cp: object               # ControlPlane: handlers, generation, pump(), readmitted (WRITTEN: taken), size,
+    #                          spare_nodes, work_failures, _finish; control/membership.py's may_readmit, readmit, rejoin
+    peers: object            # Peers: fenced (WRITTEN: cleared), stop_watching(), send_to_suspect()
+    log: object              # EventLog
+    state: NodeState         # agent/state.py (a str enum: "training", "returning", ...); read only
+    node: int                # this node's index
+    exit_code: int           # the agent's exit code; WRITTEN by ``_on_over``
+    last_work_failure: object   # WorkFailure | None: how this node's last failure ended (control/crashloop.py)
+    health: object           # HealthWatch | None (agent/health.py): pending(), slowness()
+    watch: object            # RingWatch: poll(), enabled (WRITTEN), successor (WRITTEN)
+    sup: object              # Supervisor: env, run_dir, poll()
+    channel: object          # ChannelServer: poll(timeout)
+    recovery: object         # Recovery: in_round (a round runs: no readmission)
+    swaps: object            # PlannedSwaps: current (a planned swap under way: no readmission)
+
+    def transition(self, new: NodeState, reason: str) -> None:
+        """Move the agent to state ``new`` (agent/state.py; the state's only writer)."""
+
+    def restart_as_spare(self) -> None:
+        """Readmitted: start fresh training processes as spares of the current generation."""
+
+    def retarget_watch(self) -> None:
+        """Point the ring watch at this agent's ring neighbours among the live agents."""
+
+
+class Comeback:
+    """The return to the spare pool of one node agent (``agent``: its NodeAgent as far as a return needs it,
+    ``ComebackHost``). ``allowed`` and ``come_back`` on the node that failed; ``on_rejoin`` (a control-plane handler)
+    on the agent that readmits it."""
+
+    def __init__(self, agent: ComebackHost):
         self.agent = agent
         self.returned_at: float | None = None   # monotonic time of this node's last return
         self.returns = 0

@@ -261,8 +261,7 @@ class NodeAgent:
         self.layouts.clear()
         self.written.clear()
         self.committed_seen.clear()
-        rec = self.recovery
-        rec.left, rec.round_failed, rec.failed_rounds = {}, False, 0
+        self.recovery.forget()
         self.desk.drop_pending()
         self.persister.quiesce()
         self.swaps = PlannedSwaps(self.cp, self)

@@ -16,9 +16,9 @@ persistent checkpoint at the cut step instead and tells the processes to leave w
 Owns: the rounds' state (the processes' ``Left`` and ``RoundFailed``, the round count, the highest step any
 process completed), the fault phases of a recovery (``phase``), the checkpoint of the no-spare path. Does not own:
 the agreement (control/), the replicas (replica/transport.py), the worker's half (worker/recovery.py).
-Runs on the agent's main thread; uses the NodeAgent's public parts (agent/node.py: ``tick``, ``node_failed``,
-``configure``, ``view``, ``send_role``, ...), and returns how the recovery leaves the node (``RecoveryEnd``: the
-agent's next state, agent/state.py, and its exit code) instead of writing them into the agent.
+Runs on the agent's main thread; uses the NodeAgent's public parts, listed in ``RecoveryHost`` (agent/node.py:
+``tick``, ``node_failed``, ``configure``, ``view``, ``send_role``, ...), and returns how the recovery leaves the node
+(``RecoveryEnd``: the agent's next state, agent/state.py, and its exit code) instead of writing them into the agent.
 The checkpoint's shards are assembled by replica/persist.py ``assemble_shard``, as background persistence's are.
 """
 from __future__ import annotations
@@ -27,6 +27,7 @@ import functools
 import threading
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 from ..control.decision import Decision
 from ..errors import CRASH_LOOP_EXIT, CheckpointFailed, PeerFailure, RecoveryTimeout, ReplicaError, RunFinished
@@ -37,6 +38,57 @@ from ..rundir import latest_checkpoint
 from .state import NodeState
 
 MAX_FAILED_ROUNDS = 8
+
+
+class RecoveryHost(Protocol):
+    """What a recovery uses of its node agent (agent/node.py's NodeAgent is one). It writes one piece of the agent's
+    state directly: ``written`` (each local rank's entry set to the decision's cut step: training resumes from it;
+    mid-round, before the round's waits, so it stays a write: the desk thread adds entries meanwhile and a failed
+    round keeps it). The agent's state and exit code are not written: ``run`` returns them (``RecoveryEnd``). The
+    rest is calls on the agent's parts, listed with each member."""
+
+    cfg: object              # RunConfig: ready_timeout, wait_timeout, rendezvous_timeout, collective_timeout,
+    #                          world_size, nodes, replica_holders, run_dir, crash_loop_limit
+    cp: object               # ControlPlane: generation, failure, recover(), barrier(), train_rank(local),
+    #                          member_nodes, wait_sends()
+    log: object              # EventLog
+    faults: object           # NodeFaults (faults.py): wants_phase(), at_phase(): faults planned at a phase
+    P: int                   # ranks per node
+    node: int                # this node's index
+    resume: dict | None      # LATEST of the checkpoint this attempt resumed from (step, high_water), or None
+    reps: dict               # local rank -> Replicator: quiesce(), report(), expect_restore(), wait_restore(),
+    #                          send_restore(), own, held(rank)
+    layouts: dict            # local rank -> StateLayout (read only)
+    written: dict            # local rank -> step of its last snapshot (agent/desk.py); WRITTEN: set to the cut step
+    checkpoint_dir: str      # RUN_DIR/checkpoint
+    sup: object              # Supervisor: alive(), wait_all(timeout)
+    channel: object          # ChannelServer: send(local, kind, body) (the ``Failure`` notice)
+    desk: object             # SnapshotDesk: drop_pending() (claims of the failed generation)
+    rendezvous: object       # Rendezvous: fail_all(), open(generation)
+    swaps: object            # PlannedSwaps: suspend() (a swap waiting for its boundary lets its processes go)
+    spare_checks: object     # SpareChecks: end() (promoted: a re-check under way no longer matters)
+    persister: object        # Persister: quiesce() (no background write races the no-spare checkpoint)
+
+    def tick(self, timeout: float = 0.0) -> None:
+        """One pass over the agent's sources of events (every wait of a round keeps ticking)."""
+
+    def node_failed(self, reason: str, cause: str = "other", work=None) -> None:
+        """Declare this node failed and leave: raises Fenced or Returning."""
+
+    def configure(self, local: int) -> None:
+        """Point local rank ``local``'s Replicator at the current generation."""
+
+    def view(self):
+        """The generation's layout (ipc/messages.py View) a Train or Spare role carries."""
+
+    def send_role(self, local: int, role) -> None:
+        """Tell training process ``local`` its next role (Train, Spare, Exit)."""
+
+    def retarget_watch(self) -> None:
+        """Point the ring watch at this agent's ring neighbours among the live agents."""
+
+    def replica_address(self, proc: int) -> list:
+        """Where virtual process ``proc``'s replica server listens."""
 
 
 class _RoundOver:
@@ -63,10 +115,11 @@ class RecoveryEnd:
 
 
 class Recovery:
-    """The recovery state of one node agent (``agent``: its NodeAgent). ``wanted()``: a training process asks for a
-    round; ``run()``: rounds until one succeeds (from the agent's loop)."""
+    """The recovery state of one node agent (``agent``: its NodeAgent as far as a recovery needs it,
+    ``RecoveryHost``). ``wanted()``: a training process asks for a round; ``run()``: rounds until one succeeds (from
+    the agent's loop); ``forget()``: the node's processes were replaced (agent/comeback.py)."""
 
-    def __init__(self, agent):
+    def __init__(self, agent: RecoveryHost):
         self.agent = agent
         self.left: dict[int, int] = {}   # local -> done_step, during a recovery
         self.round_failed = False        # a training process's join or restore failed (RoundFailed)
@@ -81,6 +134,11 @@ class Recovery:
     def wanted(self) -> bool:
         """Whether a training process left the generation, or failed to join the new one: a round must run."""
         return bool(self.left) or self.round_failed
+
+    def forget(self) -> None:
+        """The node's training processes were replaced (readmitted: ``NodeAgent.restart_as_spare``): what the old
+        ones said (``Left``, ``RoundFailed``) and the rounds that failed in a row are forgotten."""
+        self.left, self.round_failed, self.failed_rounds = {}, False, 0
 
     def progressed(self) -> None:
         """Training makes progress again (a replica was committed): the rounds that failed in a row start over."""

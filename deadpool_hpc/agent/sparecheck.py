@@ -11,17 +11,47 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Protocol
 
 from .preflight import HealthCheck, link_request
 from .state import NodeState
 
 
+class SpareCheckHost(Protocol):
+    """What the spare re-checks use of their node agent (agent/node.py's NodeAgent is one). Written directly:
+    ``health_check`` (a re-check starts the site's command there, which the agent's ``checked`` polls and clears as at
+    the start-up; ``end`` kills and clears it) and ``speed.asked_at`` / ``speed.link.asked_at`` (``end``: a re-check
+    under way no longer matters). They are shared with the agent's start-up checks, so they stay writes."""
+
+    cfg: object              # RunConfig: spare_check_every, preflight_factor, health_check
+    cp: object               # ControlPlane: handlers, failure, assignment, generation
+    peers: object            # Peers: fenced, alive(), is_suspected(node), send(node, kind, body)
+    log: object              # EventLog
+    state: NodeState         # agent/state.py (a str enum: "training", "spare", ...); read only
+    P: int                   # ranks per node
+    node: int                # this node's index
+    recovery: object         # Recovery: in_round, left, rounds (read only: no re-check while a failure is handled)
+    swaps: object            # PlannedSwaps: current (a planned swap under way: no link re-check for a spare)
+    speed: object            # SpeedCheck (agent/preflight.py): ask_local(), spare_verdict(), asked_at (WRITTEN by
+    #                          ``end``), link: ask(), collect(), asked_at (WRITTEN by ``end``)
+    health_check: object     # HealthCheck | None (agent/preflight.py): the site's command under way; WRITTEN
+    sup: object              # Supervisor: env, run_dir (the health check's environment and log directory)
+    channel: object          # ChannelServer: send(local, kind, body) (``link`` to the training processes)
+    rendezvous: object       # Rendezvous: link.drop(prefix) (a judged re-check's keys)
+
+    def checked(self) -> bool:
+        """Whether the site's health check is done and passed; one that failed fails the node."""
+
+    def node_failed(self, reason: str, cause: str = "other", work=None) -> None:
+        """Declare this node failed and leave: raises Fenced or Returning."""
+
+
 class SpareChecks:
-    """The re-checks of one node agent (``agent``: its NodeAgent; its ``speed``, ``health_check``, ``checked``,
-    ``node_failed``, ...). ``tick`` each pass of the agent's loop while the node is an idle spare; ``on_link_ask`` is a
+    """The re-checks of one node agent (``agent``: its NodeAgent as far as the re-checks need it,
+    ``SpareCheckHost``). ``tick`` each pass of the agent's loop while the node is an idle spare; ``on_link_ask`` is a
     control-plane handler; ``end`` when the node is promoted."""
 
-    def __init__(self, agent):
+    def __init__(self, agent: SpareCheckHost):
         self.agent = agent
         self.next_t = float("inf")   # when the next re-check is due (``arm``)
         # the link re-checks: how many, the one under way, the training nodes whose all-reduce with this spare failed
