@@ -8,7 +8,9 @@ a lost rank's replica), plus ``rank{r}.json`` with the step and the CRC-32C of t
 still verified with it). ``LATEST``
 names the newest *complete* checkpoint; it is written (temp file + rename) only after every rank's
 shard is on disk, so a half-written checkpoint is never read back as good, and ``load_shard``
-verifies the checksum again.
+verifies the checksum again. ``assemble_shard`` builds the shard a rank's snapshot slot gives (its tensors, RNG and
+kept shares), for both writers: the no-spare checkpoint (agent/recovery.py) and background persistence
+(agent/persister.py).
 
 torch and torch.distributed.checkpoint are imported by the functions that write or read shards, not by this
 module: a node agent reads LATEST (``rundir.latest_checkpoint``, the one reader) at start-up, before it spawns its
