@@ -265,6 +265,8 @@ class NodeAgent:
         rec.left, rec.round_failed, rec.failed_rounds = {}, False, 0
         self.desk.drop_pending()
         self.persister.quiesce()
+        for old in (self.swaps, self.stragglers, self.rendezvous):   # their control-message handlers go with them
+            self.cp.off(old)
         self.swaps = PlannedSwaps(self.cp, self)
         self.stragglers = Stragglers(self.cp, self)
         self.rendezvous = Rendezvous(self.cp)

@@ -44,12 +44,17 @@ from ..process import fence as fencing
 from .agreement import decide
 from .crashloop import WorkFailure
 from .decision import Decision, RoundFailure, decision_from_wire, from_int_runs, int_runs
+from .handlers import HandlerTable
 from .membership import Readmit, apply_pending, on_readmit, spares_of
 from .mpi import import_mpi, unlink_mpi_shm
 from .peers import Peers
 from .waker import Waker
 
 _HELLO_BYTES = 512
+# control-message kinds this module dispatches itself (``pump``), or the control thread consumes and never hands to
+# the main thread (control/peers.py): a handler registered for one of them would never run, so ``on`` refuses it
+OWN_KINDS = frozenset({"collect", "ready", "decision", "sync", Readmit.KIND, "finish", "abort",
+                       "suspect", "preempt", "fenced", "inject"})
 
 
 class ControlPlane:
@@ -60,7 +65,8 @@ class ControlPlane:
     ``ready_timeout`` (coordinator waiting for a live agent's report) and ``recovery_timeout`` (an agent waiting
     for a decision). ``replicas``: K, passed on to ``decide``. ``extra_identity``: more fields for this agent's
     identity record (e.g. its replica servers' addresses). ``handlers``: {kind: fn(src, body)} for control
-    messages this module does not own (called from ``pump``, i.e. the agent's main thread). ``watch_k``: how many
+    messages this module does not own, registered as by ``on`` (called from ``pump``, i.e. the agent's main thread);
+    ``handlers`` stays readable afterwards (a read-only mapping, control/handlers.py). ``watch_k``: how many
     agents watch each agent's heartbeats (control/topology.py; 0: all-to-all). ``host``: the address other agents
     reach this one at (its wake-up bell, control/waker.py).
     """
@@ -99,7 +105,9 @@ class ControlPlane:
         # exit (its channel socket closes). At 0.1 s the 255 waiting agents of the 256-agent study spent about 1.3
         # s of CPU per second of recovery in these wake-ups, on the two cores the recovery itself needed
         self.poll_s = 1.0
-        self.handlers = dict(handlers or {})
+        self.handlers = HandlerTable(reserved=OWN_KINDS)   # readable; ``on`` / ``off`` write it (control/handlers.py)
+        for kind, fn in (handlers or {}).items():
+            self.on(kind, fn)
         W = active_nodes * ranks_per_node
         self.assignment = list(range(W))
         self.spare_nodes = list(range(active_nodes, self.size))
@@ -142,6 +150,17 @@ class ControlPlane:
         self.world.Barrier()
         self.peers._last_seen = {p: time.monotonic() for p in self.peers._last_seen}
         self.peers.start()
+
+    def on(self, kind: str, handler) -> None:
+        """Register ``handler(src, body)`` for control messages of ``kind`` (called from ``pump``, on the agent's main
+        thread; ``src`` is the sender's MPI rank). Raises ValueError for a kind registered already (naming both
+        handlers) or a kind this control plane handles itself (``OWN_KINDS``: such a handler would never run)."""
+        self.handlers.on(kind, handler)
+
+    def off(self, owner) -> list[str]:
+        """Unregister every handler that is a method of ``owner`` (an object being replaced: the node agent's
+        collaborators made anew for a returned node, agent/node.py). Returns the kinds unregistered."""
+        return self.handlers.off(owner)
 
     # ---- bootstrap (every process alive: collectives are fine here) ---------------------------------------
     def _exchange_identities(self, extra: dict) -> list[dict]:
