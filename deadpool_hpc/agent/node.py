@@ -108,7 +108,7 @@ class NodeAgent:
     def run(self) -> int:
         """Serve until the run ends for this node. Returns the exit code (0 done, 75 checkpoint saved: requeue)."""
         if self.resume is not None:
-            self.cp.generation = self.peers.generation = self.resume["generation"] + 1
+            self.cp.enter_generation(self.resume["generation"] + 1)
         self._start()
         while self.state not in (NodeState.DONE, NodeState.SAVED):
             try:

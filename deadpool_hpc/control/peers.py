@@ -68,10 +68,12 @@ class Peers(threading.Thread):
     (all-to-all, kept for comparison in benchmarks/control_plane_scale.py). waker: this agent's Waker
     (waker.py: its bell and heartbeat sockets); wake_addresses[rank]: each agent's bell, [host, port], rung after
     every control message sent to it; heartbeat_addresses[rank]: where that agent's heartbeats are received.
+    generation(): the generation the agent has applied (read, never stored here: ControlPlane owns it); the
+    notices it starts and the stale teardowns and collects it drops are judged by it.
     """
 
     def __init__(self, comm, secret: bytes, period: float, deadline: float, *, waker, wake_addresses: list,
-                 heartbeat_addresses: list, on_suspect=None, watch_k: int = 2, ceiling: float = 4.0,
+                 heartbeat_addresses: list, generation, on_suspect=None, watch_k: int = 2, ceiling: float = 4.0,
                  probe_k: int = 3):
         super().__init__(name="deadpool-peers", daemon=True)
         self.comm = comm
@@ -102,7 +104,7 @@ class Peers(threading.Thread):
         self.returning: dict[int, float] = {}  # suspected agents that declared their own failure and live on to return
         self.inbox: queue.Queue = queue.Queue()
         self.last_suspicion = 0.0
-        self.generation = 0
+        self._generation_of = generation   # () -> the generation its ControlPlane applied (the owner: plane.py)
         self._watch = True
         self._stopping = threading.Event()
         self._wake = waker              # rung by stop(), every queued send, every peer that sent us a message
@@ -127,6 +129,11 @@ class Peers(threading.Thread):
         self._outbox: deque = deque()   # (dest, bytes) queued by any thread, sent by this one
         self._ctl_seen = 0.0            # monotonic time of the last message other than a heartbeat
         self.on_notice = None           # called (from this thread) after anything the main thread must act on
+
+    @property
+    def generation(self) -> int:
+        """The generation the control plane applied, read from it (``ControlPlane.generation``, its one owner)."""
+        return self._generation_of()
 
     @property
     def deadline(self) -> float:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 import os
 import time
 
@@ -97,7 +98,7 @@ class ControlPlane:
             c.Set_errhandler(MPI.ERRORS_RETURN)
         self.ctrl = world.Dup()
         self.ctrl.Set_errhandler(MPI.ERRORS_RETURN)
-        self.generation = 0
+        self._generation = 0   # the one copy: ``generation`` reads it, ``enter_generation`` writes it, Peers reads it
         # seconds the recovery's and the barriers' loops wait for a control message (or, through their ``wait``, a
         # local event) before they look again: an event ends the wait at once, so this only bounds the latency of
         # what rings nothing; shorter costs CPU in every agent of a large job at once. What a waiting agent
@@ -140,7 +141,7 @@ class ControlPlane:
         self.peers = Peers(self.ctrl, secret, period, deadline, waker=self.waker,
                            wake_addresses=[ident["wake"] for ident in self.idents],
                            heartbeat_addresses=[ident["hb"] for ident in self.idents], on_suspect=self._on_suspect,
-                           watch_k=watch_k, ceiling=ceiling)
+                           watch_k=watch_k, ceiling=ceiling, generation=lambda: self._generation)
         self.peers.on_preempt = self._on_preempt
         self.peers.on_probe = self._on_probe
         self.peers.on_work_failure = self._on_work_failure
@@ -150,6 +151,24 @@ class ControlPlane:
         self.world.Barrier()
         self.peers._last_seen = {p: time.monotonic() for p in self.peers._last_seen}
         self.peers.start()
+
+    @property
+    def generation(self) -> int:
+        """The generation this agent has applied (0 at the start; each recovery's decision is the next). Read-only:
+        ``enter_generation`` is its one writer, and the control thread (``peers.generation``) reads this same value."""
+        return self._generation
+
+    def enter_generation(self, g: int) -> None:
+        """Make ``g`` this agent's generation: a decision applied (``_apply``), a readmission taken as this agent's
+        own view (control/membership.py ``rejoin``), or a resume from a checkpoint of generation ``g - 1``
+        (agent/node.py). Raises ValueError for a negative or non-integer ``g``."""
+        try:
+            n = operator.index(g)
+        except TypeError:
+            n = -1
+        if isinstance(g, bool) or n < 0:
+            raise ValueError(f"generation {g!r}: must be an integer >= 0")
+        self._generation = n
 
     def on(self, kind: str, handler) -> None:
         """Register ``handler(src, body)`` for control messages of ``kind`` (called from ``pump``, on the agent's main
@@ -491,8 +510,7 @@ class ControlPlane:
             if n not in self.peers.returning:   # a returning agent ended its processes itself, and lives on
                 fencing.fence(self.idents[n])
         self.coordinator = decision.coordinator
-        self.generation = g
-        self.peers.generation = g
+        self.enter_generation(g)
         self.first_suspicion = None
         apply_pending(self)   # nodes readmitted to this generation before its decision reached us
         self.peers.failure.clear()
