@@ -149,8 +149,7 @@ class ControlPlane:
     def start(self) -> None:
         """Start the control thread. From here on only it calls MPI (see peers.py)."""
         self.world.Barrier()
-        self.peers._last_seen = {p: time.monotonic() for p in self.peers._last_seen}
-        self.peers.start()
+        self.peers.start()   # every peer's heartbeat deadline counts from here (Peers.start)
 
     @property
     def generation(self) -> int:
