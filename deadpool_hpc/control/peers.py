@@ -440,7 +440,7 @@ class Peers(threading.Thread):
             self.on_probe(event, **fields)
 
     def _alive_sign(self, src: int, now: float, beat: bool, how: str = "answer") -> None:
-        """``src`` showed a sign of life: a heartbeat (``beat``), an ack, or a control message (its silence restarts)."""
+        """``src`` showed a sign of life: a heartbeat (``beat``), an ack or a control message (its silence restarts)."""
         with self.lock:
             probe = self.detector.heard(src, now, beat=beat)
             health = self.detector.health
