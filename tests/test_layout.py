@@ -208,3 +208,23 @@ def test_the_report_room_is_read_only_and_nothing_in_a_job_imports_it():
     # matplotlib (the plot extra) is imported by the drawing module alone: every other module works without it
     drawing = {m for m, path in mods.items() if "matplotlib" in _external_imports(path)}
     assert drawing == {f"{REPORT}.plot"}, sorted(drawing)
+
+
+# the heartbeat detector (control/detector.py) is separable from the control thread's MPI pump (control/peers.py):
+# it and the rules it applies (control/suspicion.py) import no transport, no thread, no array library (issue 44)
+DETECTOR = f"{PKG}.control.detector"
+DETECTOR_DEPS = {f"{PKG}.control.suspicion"}
+PURE_STDLIB = {"__future__", "collections", "dataclasses", "math", "random", "time", "typing"}
+
+
+def test_the_heartbeat_detector_needs_no_mpi_socket_or_thread():
+    mods = _modules()
+    graph = import_graph(mods)
+    assert graph[DETECTOR] == DETECTOR_DEPS, graph[DETECTOR]
+    assert not graph[f"{PKG}.control.suspicion"], graph[f"{PKG}.control.suspicion"]
+    for mod in (DETECTOR, *DETECTOR_DEPS):
+        ext = _external_imports(mods[mod])
+        assert ext <= PURE_STDLIB, f"{mod} imports {sorted(ext - PURE_STDLIB)}: the detector must run on a clock alone"
+    # the control thread uses it; nothing below the control plane does
+    users = {m for m, deps in graph.items() if DETECTOR in deps}
+    assert users == {f"{PKG}.control.peers"}, users

@@ -21,6 +21,7 @@ class _Peers:
 def _host(node=0, nodes=3, generation=0):
     cp = types.SimpleNamespace(handlers={}, peers=_Peers(), generation=generation, assignment=list(range(nodes)),
                                train_rank=lambda local: node)
+    cp.on = cp.handlers.__setitem__
     rep = types.SimpleNamespace(committed_step=0)
     host = types.SimpleNamespace(cfg=types.SimpleNamespace(persist_every=1.0, run_dir="/nonexistent", world_size=nodes),
                                  cp=cp, log=types.SimpleNamespace(emit=lambda *a, **k: None), state="training", P=1,

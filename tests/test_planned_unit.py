@@ -35,6 +35,9 @@ class ControlPlane:
         self.me, self.generation, self.spare_nodes = me, 0, [3]
         self.handlers, self.peers, self.failure = {}, Peers(), threading.Event()
 
+    def on(self, kind, fn):
+        self.handlers[kind] = fn
+
     def finished(self):
         return None
 

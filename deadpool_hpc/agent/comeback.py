@@ -84,8 +84,8 @@ class Comeback:
         self.agent = agent
         self.returned_at: float | None = None   # monotonic time of this node's last return
         self.returns = 0
-        agent.cp.handlers["rejoin"] = self.on_rejoin
-        agent.cp.handlers["over"] = self._on_over
+        agent.cp.on("rejoin", self.on_rejoin)
+        agent.cp.on("over", self._on_over)
 
     def allowed(self, cause: str) -> bool:
         """Whether a failure of ``cause`` may end in a return: on, past the start-up, an exit or a hang."""

@@ -108,7 +108,7 @@ class NodeAgent:
     def run(self) -> int:
         """Serve until the run ends for this node. Returns the exit code (0 done, 75 checkpoint saved: requeue)."""
         if self.resume is not None:
-            self.cp.generation = self.peers.generation = self.resume["generation"] + 1
+            self.cp.enter_generation(self.resume["generation"] + 1)
         self._start()
         while self.state not in (NodeState.DONE, NodeState.SAVED):
             try:
@@ -264,6 +264,8 @@ class NodeAgent:
         self.recovery.forget()
         self.desk.drop_pending()
         self.persister.quiesce()
+        for old in (self.swaps, self.stragglers, self.rendezvous):   # their control-message handlers go with them
+            self.cp.off(old)
         self.swaps = PlannedSwaps(self.cp, self)
         self.stragglers = Stragglers(self.cp, self)
         self.rendezvous = Rendezvous(self.cp)

@@ -83,8 +83,8 @@ class Persister:
         self._done: tuple[int, int, float, int, bool] | None = None   # (generation, step, seconds, bytes, ok)
         self.answered: dict[int, int] = {}              # the scheduler: node -> newest step it answered (this gen.)
         self._answered_g: int | None = None
-        agent.cp.handlers["persist"] = self._on_persist
-        agent.cp.handlers["persisted"] = self._on_persisted
+        agent.cp.on("persist", self._on_persist)
+        agent.cp.on("persisted", self._on_persisted)
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def tick(self) -> None:

@@ -68,8 +68,8 @@ class PlannedSwaps:
         self.current: dict | None = None
         self.lease: tuple | None = None  # (node, monotonic time) while this agent coordinates and gave the lease
         self._said: set = set()          # (detector, why) already logged as refused
-        cp.handlers["swap_ask"] = self.on_ask
-        cp.handlers["swap_answer"] = self.on_answer
+        cp.on("swap_ask", self.on_ask)
+        cp.on("swap_answer", self.on_answer)
 
     # ---- the node that leaves -------------------------------------------------------------------------------
     def want(self, detector: str, verdict, t_seen: float) -> None:

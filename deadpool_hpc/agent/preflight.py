@@ -189,7 +189,7 @@ class SpeedCheck:
         self._answers: dict[int, dict] = {}
         self.asked_at: float | None = None
         self._slow_in_a_row = 0   # an idle spare's re-checks over the factor, one after the other
-        cp.handlers["preflight"] = self._on_peer
+        cp.on("preflight", self._on_peer)
 
     # ---- messages --------------------------------------------------------------------------------------------
     def _on_peer(self, src: int, body: dict) -> None:

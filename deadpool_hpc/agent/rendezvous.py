@@ -25,7 +25,7 @@ class Rendezvous:
         self.early: dict[int, list] = {}   # generation -> [(key, value)] broadcast before we had that store
         self.link = GenerationStore(LINK_GENERATION, broadcast=lambda key, value: self._broadcast(LINK_GENERATION,
                                                                                                   key, value))
-        cp.handlers["kv"] = self._on_kv
+        cp.on("kv", self._on_kv)
         cp.on_member_lost = self.fail_all
 
     def open(self, g: int) -> GenerationStore:

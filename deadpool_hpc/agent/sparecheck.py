@@ -58,7 +58,7 @@ class SpareChecks:
         # since the last that passed; a training node's: each spare's last re-check's keys
         self.rechecks, self.asked, self.failed_with = 0, None, {}
         self.asks_from: dict[int, str] = {}
-        agent.cp.handlers["link_ask"] = self.on_link_ask
+        agent.cp.on("link_ask", self.on_link_ask)
 
     def arm(self) -> None:
         """The node starts (or starts again) as a spare: the first re-check is --spare-check-every seconds away, and

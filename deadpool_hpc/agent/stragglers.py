@@ -199,8 +199,8 @@ class Stragglers:
         self._generation = None
         self._next_table = 0.0
         self.last_figure = None   # this node's newest (own, wall) seconds per step (agent/metrics.py shows it)
-        cp.handlers["straggler_summary"] = self.on_summary
-        cp.handlers["straggler"] = self.on_verdict
+        cp.on("straggler_summary", self.on_summary)
+        cp.on("straggler", self.on_verdict)
 
     def tick(self) -> None:
         a = self.a

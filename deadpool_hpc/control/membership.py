@@ -136,7 +136,7 @@ def rejoin(cp, msg: Readmit) -> None:
     """(the readmitted node) Take the coordinator's view as this agent's own: the generation it joins, its layout,
     the suspected agents; what its control plane kept from before its failure (rounds, decisions, barriers) is
     dropped."""
-    cp.generation = cp.peers.generation = msg.generation
+    cp.enter_generation(msg.generation)
     cp.assignment, cp.spare_nodes, cp.members = list(msg.assignment), list(msg.spare_nodes), list(msg.members)
     cp.coordinator = msg.coordinator
     cp._collects, cp._ready, cp._auto, cp._decisions, cp._sync = {}, {}, {}, {}, {}

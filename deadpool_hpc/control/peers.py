@@ -1,5 +1,7 @@
 """The control thread (``Peers``): one background thread per node agent that owns heartbeats with the peer agents,
-suspicion of them, and the MPI messages to and from them (the object is ``ControlPlane.peers``).
+suspicion of them, and the MPI messages to and from them (the object is ``ControlPlane.peers``). Which peer is
+overdue, probed, refuted or confirmed is decided by its failure detector (control/detector.py, pure logic on a clock:
+last-heard times, adaptive deadlines, local health); this thread feeds it what it hears and sends what it asks for.
 
 Heartbeats (control/topology.py and waker.py): on the ring of live agents each agent watches its ``k``
 successors (default 2) and sends a heartbeat datagram every ``period`` seconds to its ``k`` predecessors, the
@@ -36,7 +38,8 @@ from collections import deque
 import numpy as np
 
 from ..ipc import wire
-from .suspicion import Suspicion, helpers_for
+from .detector import Detector
+from .suspicion import helpers_for
 from .topology import ring_neighbours, tree_children
 from .waker import ACK, NACK, PING, PING_REQ
 
@@ -52,7 +55,7 @@ FAST_POLL_S = 0.005       # ... just after a bell rang, or while a send of this 
 RUNG_FAST_S = 0.05        # how long after a bell the agent keeps polling fast while what it announced has not come
 
 class Peers(threading.Thread):
-    """Heartbeat failure detector and message pump for one process.
+    """The message pump around one process's heartbeat failure detector (``detector``, control/detector.py).
 
     comm: an MPI communicator used for nothing else (a Dup of COMM_WORLD). secret: the per-job key.
     period / deadline: heartbeat interval and the silence after which a peer is probed (seconds; control/suspicion.py:
@@ -68,10 +71,12 @@ class Peers(threading.Thread):
     (all-to-all, kept for comparison in benchmarks/control_plane_scale.py). waker: this agent's Waker
     (waker.py: its bell and heartbeat sockets); wake_addresses[rank]: each agent's bell, [host, port], rung after
     every control message sent to it; heartbeat_addresses[rank]: where that agent's heartbeats are received.
+    generation(): the generation the agent has applied (read, never stored here: ControlPlane owns it); the
+    notices it starts and the stale teardowns and collects it drops are judged by it.
     """
 
     def __init__(self, comm, secret: bytes, period: float, deadline: float, *, waker, wake_addresses: list,
-                 heartbeat_addresses: list, on_suspect=None, watch_k: int = 2, ceiling: float = 4.0,
+                 heartbeat_addresses: list, generation, on_suspect=None, watch_k: int = 2, ceiling: float = 4.0,
                  probe_k: int = 3):
         super().__init__(name="deadpool-peers", daemon=True)
         self.comm = comm
@@ -79,7 +84,10 @@ class Peers(threading.Thread):
         self.size = comm.Get_size()
         self.secret = secret
         self.period = period
-        self.sus = Suspicion(deadline, period, ceiling, k=probe_k, seed=self.me)
+        # the failure detector proper (control/detector.py): last-heard times, adaptive deadlines, probes' verdicts;
+        # this thread feeds it what it hears and sends the pings it asks for. Shared with other threads: under ``lock``
+        self.detector = Detector((p for p in range(self.size) if p != self.me), deadline, period, ceiling,
+                                 probe_k=probe_k, seed=self.me)
         self.on_suspect = on_suspect
         self.on_probe = None                # on_probe(event, **fields), from this thread (see the class docstring)
         # no spare left: the survivors write the checkpoint that the job's requeue resumes from; a member slow in that
@@ -102,7 +110,7 @@ class Peers(threading.Thread):
         self.returning: dict[int, float] = {}  # suspected agents that declared their own failure and live on to return
         self.inbox: queue.Queue = queue.Queue()
         self.last_suspicion = 0.0
-        self.generation = 0
+        self._generation_of = generation   # () -> the generation its ControlPlane applied (the owner: plane.py)
         self._watch = True
         self._stopping = threading.Event()
         self._wake = waker              # rung by stop(), every queued send, every peer that sent us a message
@@ -111,8 +119,6 @@ class Peers(threading.Thread):
         self._rung = 0.0                # monotonic time another agent last rang this one's bell
         self._owed = 0                  # messages announced by bells and not received yet
         self._pending: list = []  # (request, buffer, dest) of sends not yet completed
-        now = time.monotonic()
-        self._last_seen = {p: now for p in range(self.size) if p != self.me}
         self.watch_k = watch_k
         self.watched: list[int] = []    # peers whose heartbeats this agent checks (its ring successors)
         self.heartbeat_to: list[int] = []  # peers this agent sends heartbeats to (its ring predecessors)
@@ -129,13 +135,25 @@ class Peers(threading.Thread):
         self.on_notice = None           # called (from this thread) after anything the main thread must act on
 
     @property
+    def generation(self) -> int:
+        """The generation the control plane applied, read from it (``ControlPlane.generation``, its one owner)."""
+        return self._generation_of()
+
+    @property
     def deadline(self) -> float:
         """Seconds of silence after which a steady watched peer is probed (the start-up raises it, agent/node.py)."""
-        return self.sus.base
+        return self.detector.deadline
 
     @deadline.setter
     def deadline(self, value: float) -> None:
-        self.sus.base = value
+        self.detector.deadline = value
+
+    def start(self) -> None:
+        """Start the control thread; every peer gets a full heartbeat deadline from now (the start-up's barrier
+        may have taken a while)."""
+        with self.lock:
+            self.detector.reset()
+        super().start()
 
     # ---- views -------------------------------------------------------------------------
     def alive(self) -> list[int]:
@@ -158,21 +176,17 @@ class Peers(threading.Thread):
             self.returning.pop(rank, None)
             self._alive = None
             self._topology_dirty = True
-            self._last_seen[rank] = time.monotonic()
-            self.sus.forget(rank)
+            self.detector.reset([rank])
 
     def rejoined(self, suspected) -> None:
         """(the returning agent) This agent is a peer again: take the readmitting agent's ``suspected`` ranks as its
         own view, forget the ``fenced`` notices its failure drew, and watch heartbeats again."""
-        now = time.monotonic()
         with self.lock:
             self.suspected = {int(r): time.time() for r in suspected if int(r) != self.me}
             self.returning.clear()
             self._alive = None
             self._topology_dirty = True
-            for p in self._last_seen:
-                self._last_seen[p] = now
-                self.sus.forget(p)
+            self.detector.reset()
             self.fenced = None
         self._watch = True
         self.failure.clear()
@@ -245,13 +259,13 @@ class Peers(threading.Thread):
                 return
             t = time.time()
             self.suspected[rank] = t
-            self.sus.forget(rank)
+            self.detector.forget(rank)
             self._alive = None
             self._topology_dirty = True
-            now = time.monotonic()
+            now = self.detector.clock()
             self.last_suspicion = now
         if last_heard is None and rank in self.watched:  # only watched peers send us heartbeats
-            last_heard = t - (now - self._last_seen[rank])
+            last_heard = t - self.detector.silence(rank, now)
         self.failure.set()
         self._notice()
         if tell_suspect:
@@ -270,10 +284,11 @@ class Peers(threading.Thread):
         counters (started, refuted, confirmed) and loop stalls: the ``heartbeat_stats`` event at its exit."""
         gaps = sorted(self.beat_gaps)
         q = (lambda f: round(gaps[min(len(gaps) - 1, int(f * len(gaps)))], 4)) if gaps else (lambda f: None)
+        det = self.detector.stats()
         return {"period_s": self.period, "send_gap_p50_s": q(0.5), "send_gap_p99_s": q(0.99),
                 "send_gap_max_s": round(gaps[-1], 4) if gaps else None, "beats": len(gaps),
-                "probes_started": self.sus.started, "probes_refuted": self.sus.refuted,
-                "probes_confirmed": self.sus.confirmed_n, "loop_stalls": self.stalls, "health": self.sus.health}
+                "probes_started": det["probes_started"], "probes_refuted": det["probes_refuted"],
+                "probes_confirmed": det["probes_confirmed"], "loop_stalls": self.stalls, "health": det["health"]}
 
     def request_preempt(self) -> None:
         """Ask every live process to save a persistent checkpoint and leave (preemption or time limit).
@@ -341,27 +356,20 @@ class Peers(threading.Thread):
         buf = np.empty(wire.MAX_MESSAGE_BYTES, dtype=np.uint8)
         status = MPI.Status()
         next_hb = next_mpi = 0.0
-        last_loop = time.monotonic()
+        with self.lock:
+            self.detector.tick()   # the first pass: a stall is measured from here
         bell = True
         while not self._stopping.is_set():
-            now = time.monotonic()
+            now = self.detector.clock()
             self.passes += 1
-            stalled, last_loop = now - last_loop, now
-            if stalled > self.deadline / 2:
-                # this thread itself did not run (CPU starvation, a paused VM): the silence it would
-                # now see is its own, so peers get the time back instead of being suspected
-                for p in self._last_seen:
-                    self._last_seen[p] += stalled
-                with self.lock:
-                    self.sus.shift(stalled)
-                self.stalls += 1
-            if stalled > 2 * self.period + 0.05:   # this loop itself runs late: its judgement of others is too
-                with self.lock:
-                    self.sus.degrade(now)
+            # this thread itself did not run (CPU starvation, a paused VM): the silence it would now see is its own,
+            # so peers get the time back instead of being suspected; a late loop widens its deadlines (detector.py)
+            with self.lock:
+                if self.detector.tick(now):
+                    self.stalls += 1
             rung, beats = self._wake.drain(bell)
             for src in beats:
-                if src in self._last_seen and src not in self.suspected:  # a fenced agent is never trusted again
-                    self._last_seen[src] = now
+                if src in self.detector and src not in self.suspected:  # a fenced agent is never trusted again
                     self._alive_sign(src, now, beat=True)
             self.received += len(beats)
             if self._wake.probes:
@@ -417,9 +425,9 @@ class Peers(threading.Thread):
             self._flush_outbox()
             if self._watch:
                 self._check_silence(now)
-            elif self.sus.probes:
+            elif self.detector.probes:
                 with self.lock:
-                    self.sus.probes.clear()
+                    self.detector.drop_probes()
             # sleep until the next heartbeat or MPI poll is due, or a bell: a control message for this agent, or a
             # send queued by another thread (this thread's CPU is what an idle agent costs; docs/scaling.md: 256
             # idle agents under half a core)
@@ -432,10 +440,13 @@ class Peers(threading.Thread):
             self.on_probe(event, **fields)
 
     def _alive_sign(self, src: int, now: float, beat: bool, how: str = "answer") -> None:
-        """``src`` showed a sign of life: a heartbeat (``beat``), an ack, or a control message."""
+        """``src`` showed a sign of life: a heartbeat (``beat``), an ack or a control message (its silence restarts)."""
         with self.lock:
-            probe = self.sus.heard(src, now, beat=beat)
-            health = self.sus.health
+            probe = self.detector.heard(src, now, beat=beat)
+            health = self.detector.health
+        self._refuted(src, probe, now, beat, how, health)
+
+    def _refuted(self, src: int, probe, now: float, beat: bool, how: str, health: int) -> None:
         if probe is not None:
             self._probe_event("probe_refuted", suspect=src, after_s=round(now - probe.t0, 3),
                               silence_s=round(probe.silence + now - probe.t0, 3), nacks=sorted(probe.nacks),
@@ -444,20 +455,21 @@ class Peers(threading.Thread):
     def heard_from(self, rank: int) -> None:
         """(any thread) ``rank``'s agent did something only a live agent does (it pushed this node a replica): as
         good as a heartbeat for its silence, and an open probe of it ends refuted at its next look."""
-        if rank in self._last_seen and rank not in self.suspected:
-            self._last_seen[rank] = time.monotonic()
+        if rank not in self.suspected:
+            self.detector.touch(rank)
 
     def _check_silence(self, now: float) -> None:
         """Probe the watched peers silent past their deadline; suspect those whose probe's window ended unanswered."""
+        det = self.detector
         with self.lock:
             watched = [p for p in self.watched if p not in self.suspected]
-            silences = {p: now - self._last_seen[p] for p in watched}
-            due = self.sus.due(silences, now)
+            silences = det.silences(watched, now)
+            due = det.due(silences, now)
         for p in due:
-            helpers = helpers_for(p, self.me, self.alive(), self.sus.k)
+            helpers = helpers_for(p, self.me, self.alive(), det.probe_k)
             with self.lock:
-                probe = self.sus.start(p, now, silences[p], helpers)
-                health = self.sus.health
+                probe = det.start_probe(p, silences[p], helpers, now)
+                health = det.health
             self._wake.probe(PING, self.me, self.me, p, probe.nonce, self._hb_to[p])
             for h in probe.helpers:
                 self._wake.probe(PING_REQ, self.me, self.me, p, probe.nonce, self._hb_to[h])
@@ -465,16 +477,19 @@ class Peers(threading.Thread):
                               window_s=[round(probe.w_min, 3), round(probe.w_max, 3)], health=health)
         with self.lock:
             # heard of since its probe started by other means (heard_from: a replica it pushed us)
-            pushed = [p for p, probe in self.sus.probes.items() if self._last_seen.get(p, 0.0) > probe.t0]
+            pushed = det.touched_while_probed()
         for p in pushed:
-            self._alive_sign(p, now, beat=False, how="replica")
+            with self.lock:
+                probe = det.refute(p, now)
+                health = det.health
+            self._refuted(p, probe, now, False, "replica", health)
         with self.lock:
-            expired = self.sus.expired(now) if self.sus.probes else []
+            expired = det.expired(now)
         for probe in expired:
             p = probe.target
             if p not in silences:
                 continue   # no longer watched, or suspected meanwhile
-            silence = now - self._last_seen[p]
+            silence = det.silence(p, now)
             if self.last_resort:
                 if p not in self._held:
                     self._held.add(p)
@@ -486,7 +501,7 @@ class Peers(threading.Thread):
                             f"{len(probe.helpers)} indirect ones ({len(probe.nacks)} helpers heard nothing) within "
                             f"{now - probe.t0:.2f} s")
         if self._relays:
-            wait = self.sus.helper_wait()
+            wait = det.helper_wait()
             for key, (origin, t0) in list(self._relays.items()):
                 if now - t0 > wait:
                     del self._relays[key]
@@ -502,7 +517,7 @@ class Peers(threading.Thread):
                 # somebody doubts this agent: answer (the refutation), and take it as a sign of its own slowness
                 self._wake.probe(ACK, self.me, origin, self.me, nonce, self._hb_to[sender])
                 with self.lock:
-                    self.sus.degrade(now)
+                    self.detector.degrade(now)
             elif kind == PING_REQ and sender == origin and target != self.me:
                 if self.is_suspected(target):
                     self._wake.probe(NACK, self.me, origin, target, nonce, self._hb_to[origin])
@@ -511,16 +526,14 @@ class Peers(threading.Thread):
                     self._wake.probe(PING, self.me, origin, target, nonce, self._hb_to[target])
             elif kind == ACK and sender == target and not self.is_suspected(target):
                 if origin == self.me:
-                    self._last_seen[target] = now
                     self._alive_sign(target, now, beat=False)
                 elif self._relays.pop((target, nonce), None) is not None:
                     self._wake.probe(ACK, self.me, origin, target, nonce, self._hb_to[origin])
             elif kind == ACK and origin == self.me and sender != target and not self.is_suspected(target):
-                self._last_seen[target] = now   # relayed by a helper
-                self._alive_sign(target, now, beat=False)
+                self._alive_sign(target, now, beat=False)   # relayed by a helper
             elif kind == NACK and origin == self.me:
                 with self.lock:
-                    self.sus.nack(target, nonce, sender)
+                    self.detector.nack(target, nonce, sender)
 
     def _retopology(self, now: float) -> None:
         """Recompute the watched and heartbeat peers from the live ring (topology.ring_neighbours); a newly
@@ -529,9 +542,10 @@ class Peers(threading.Thread):
             self._topology_dirty = False
             alive = [p for p in range(self.size) if p not in self.suspected]
         watched, self.heartbeat_to = ring_neighbours(self.me, alive, self.watch_k)
-        for p in watched:
-            if p not in self.watched:
-                self._last_seen[p] = max(self._last_seen[p], now)
+        with self.lock:
+            for p in watched:
+                if p not in self.watched:
+                    self.detector.watch(p, now)
         self.watched = watched
 
     def _handle(self, src: int, buf, n: int, now: float) -> None:
@@ -548,7 +562,6 @@ class Peers(threading.Thread):
                 self.inbox.put((kind, src, body))
                 self._notice()
             return
-        self._last_seen[src] = now
         self._alive_sign(src, now, beat=False)
         self.received += 1
         self._ctl_seen = now

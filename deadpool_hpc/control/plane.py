@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 import os
 import time
 
@@ -44,12 +45,17 @@ from ..process import fence as fencing
 from .agreement import decide
 from .crashloop import WorkFailure
 from .decision import Decision, RoundFailure, decision_from_wire, from_int_runs, int_runs
+from .handlers import HandlerTable
 from .membership import Readmit, apply_pending, on_readmit, spares_of
 from .mpi import import_mpi, unlink_mpi_shm
 from .peers import Peers
 from .waker import Waker
 
 _HELLO_BYTES = 512
+# control-message kinds this module dispatches itself (``pump``), or the control thread consumes and never hands to
+# the main thread (control/peers.py): a handler registered for one of them would never run, so ``on`` refuses it
+OWN_KINDS = frozenset({"collect", "ready", "decision", "sync", Readmit.KIND, "finish", "abort",
+                       "suspect", "preempt", "fenced", "inject"})
 
 
 class ControlPlane:
@@ -60,7 +66,8 @@ class ControlPlane:
     ``ready_timeout`` (coordinator waiting for a live agent's report) and ``recovery_timeout`` (an agent waiting
     for a decision). ``replicas``: K, passed on to ``decide``. ``extra_identity``: more fields for this agent's
     identity record (e.g. its replica servers' addresses). ``handlers``: {kind: fn(src, body)} for control
-    messages this module does not own (called from ``pump``, i.e. the agent's main thread). ``watch_k``: how many
+    messages this module does not own, registered as by ``on`` (called from ``pump``, i.e. the agent's main thread);
+    ``handlers`` stays readable afterwards (a read-only mapping, control/handlers.py). ``watch_k``: how many
     agents watch each agent's heartbeats (control/topology.py; 0: all-to-all). ``host``: the address other agents
     reach this one at (its wake-up bell, control/waker.py).
     """
@@ -91,7 +98,7 @@ class ControlPlane:
             c.Set_errhandler(MPI.ERRORS_RETURN)
         self.ctrl = world.Dup()
         self.ctrl.Set_errhandler(MPI.ERRORS_RETURN)
-        self.generation = 0
+        self._generation = 0   # the one copy: ``generation`` reads it, ``enter_generation`` writes it, Peers reads it
         # seconds the recovery's and the barriers' loops wait for a control message (or, through their ``wait``, a
         # local event) before they look again: an event ends the wait at once, so this only bounds the latency of
         # what rings nothing; shorter costs CPU in every agent of a large job at once. What a waiting agent
@@ -99,7 +106,9 @@ class ControlPlane:
         # exit (its channel socket closes). At 0.1 s the 255 waiting agents of the 256-agent study spent about 1.3
         # s of CPU per second of recovery in these wake-ups, on the two cores the recovery itself needed
         self.poll_s = 1.0
-        self.handlers = dict(handlers or {})
+        self.handlers = HandlerTable(reserved=OWN_KINDS)   # readable; ``on`` / ``off`` write it (control/handlers.py)
+        for kind, fn in (handlers or {}).items():
+            self.on(kind, fn)
         W = active_nodes * ranks_per_node
         self.assignment = list(range(W))
         self.spare_nodes = list(range(active_nodes, self.size))
@@ -132,7 +141,7 @@ class ControlPlane:
         self.peers = Peers(self.ctrl, secret, period, deadline, waker=self.waker,
                            wake_addresses=[ident["wake"] for ident in self.idents],
                            heartbeat_addresses=[ident["hb"] for ident in self.idents], on_suspect=self._on_suspect,
-                           watch_k=watch_k, ceiling=ceiling)
+                           watch_k=watch_k, ceiling=ceiling, generation=lambda: self._generation)
         self.peers.on_preempt = self._on_preempt
         self.peers.on_probe = self._on_probe
         self.peers.on_work_failure = self._on_work_failure
@@ -140,8 +149,36 @@ class ControlPlane:
     def start(self) -> None:
         """Start the control thread. From here on only it calls MPI (see peers.py)."""
         self.world.Barrier()
-        self.peers._last_seen = {p: time.monotonic() for p in self.peers._last_seen}
-        self.peers.start()
+        self.peers.start()   # every peer's heartbeat deadline counts from here (Peers.start)
+
+    @property
+    def generation(self) -> int:
+        """The generation this agent has applied (0 at the start; each recovery's decision is the next). Read-only:
+        ``enter_generation`` is its one writer, and the control thread (``peers.generation``) reads this same value."""
+        return self._generation
+
+    def enter_generation(self, g: int) -> None:
+        """Make ``g`` this agent's generation: a decision applied (``_apply``), a readmission taken as this agent's
+        own view (control/membership.py ``rejoin``), or a resume from a checkpoint of generation ``g - 1``
+        (agent/node.py). Raises ValueError for a negative or non-integer ``g``."""
+        try:
+            n = operator.index(g)
+        except TypeError:
+            n = -1
+        if isinstance(g, bool) or n < 0:
+            raise ValueError(f"generation {g!r}: must be an integer >= 0")
+        self._generation = n
+
+    def on(self, kind: str, handler) -> None:
+        """Register ``handler(src, body)`` for control messages of ``kind`` (called from ``pump``, on the agent's main
+        thread; ``src`` is the sender's MPI rank). Raises ValueError for a kind registered already (naming both
+        handlers) or a kind this control plane handles itself (``OWN_KINDS``: such a handler would never run)."""
+        self.handlers.on(kind, handler)
+
+    def off(self, owner) -> list[str]:
+        """Unregister every handler that is a method of ``owner`` (an object being replaced: the node agent's
+        collaborators made anew for a returned node, agent/node.py). Returns the kinds unregistered."""
+        return self.handlers.off(owner)
 
     # ---- bootstrap (every process alive: collectives are fine here) ---------------------------------------
     def _exchange_identities(self, extra: dict) -> list[dict]:
@@ -472,8 +509,7 @@ class ControlPlane:
             if n not in self.peers.returning:   # a returning agent ended its processes itself, and lives on
                 fencing.fence(self.idents[n])
         self.coordinator = decision.coordinator
-        self.generation = g
-        self.peers.generation = g
+        self.enter_generation(g)
         self.first_suspicion = None
         apply_pending(self)   # nodes readmitted to this generation before its decision reached us
         self.peers.failure.clear()

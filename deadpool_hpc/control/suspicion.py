@@ -24,8 +24,9 @@ of some state. The rules here come from the SWIM family of failure detectors:
 - **Ceiling**: whatever the factors, a peer silent since ``t`` is confirmed by ``t + ceiling`` (``--heartbeat-ceiling``:
   how long a frozen node may go unnoticed), as long as the probe's minimum window fits.
 
-Owns: the per-peer gap statistics, the open probes and the local health score. Does not own: sending (``Peers`` sends
-the pings this asks for, control/peers.py), the datagrams (control/waker.py), or what a confirmed suspicion leads to.
+Owns: the per-peer gap statistics, the open probes and the local health score. Does not own: the last-heard times and
+the watcher's stalls (``Detector``, control/detector.py, which holds this), sending (``Peers`` sends the pings asked
+for, control/peers.py), the datagrams (control/waker.py), or what a confirmed suspicion leads to.
 Pure logic on a clock the caller passes (monotonic seconds): tests/test_suspicion.py runs it without processes.
 """
 from __future__ import annotations
