@@ -45,8 +45,9 @@ def test_the_glossary_and_the_walk_name_only_modules_that_exist():
 def test_the_glossary_lists_the_id_spaces_and_every_meaning_of_watch():
     glossary = _section(_doc(), "Glossary")
     for word in ("node", "local rank", "virtual process", "training rank", "logical node", "world size",
-                 "process group", "communicator", "active node, spare", "replica, holder", "generation", "round", "heartbeat",
-                 "suspicion", "fence", "step", "committed step", "snapshot", "slot", "persist round", "checkpoint"):
+                 "process group", "communicator", "active node, spare", "replica, holder", "generation", "round",
+                 "heartbeat", "suspicion", "fence", "step", "committed step", "snapshot", "slot", "persist round",
+                 "checkpoint"):
         assert f"| {word}" in glossary, word
     for module in ("control/topology.py", "agent/watch.py", "dataplane/collectives.py", "launch/slurm_job.py",
                    "launch/slurm_startup.py", "agent/health.py"):   # the six "watch"es

@@ -50,8 +50,8 @@ it trains a step. What a site puts there: ``nvidia-smi -q`` checks, a DCGM diagn
 NCCL all-reduce test of the node, a file-system probe.
 
 Not checked here: a spare again at its promotion (it passed its last re-check, at most ``--spare-check-every``
-seconds before), a node's speed against the job's while it trains (the straggler check, agent/stragglers.py), and NCCL's paths on a GPU node
-(the link check is gloo over TCP).
+seconds before), a node's speed against the job's while it trains (the straggler check, agent/stragglers.py), and
+NCCL's paths on a GPU node (the link check is gloo over TCP).
 """
 from __future__ import annotations
 
