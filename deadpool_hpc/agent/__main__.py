@@ -116,8 +116,8 @@ def main(argv=None) -> None:
     check = agent = None
     try:
         # the last collective of the start-up (a barrier), then heartbeats: from here on a node lost is seen by the
-        # others and recovered (issue 28). Before, the barrier came after the import below, and a node lost during
-        # those seconds left every other agent in the barrier until the start-up deadline
+        # others and recovered. The barrier comes before the import of torch below: a node lost during that import
+        # would otherwise leave every other agent in the barrier until the start-up deadline
         cp.peers.deadline = max(cfg.heartbeat_deadline, STARTUP_HEARTBEAT_DEADLINE_S)   # (node.py says why)
         cp.start()
         faulthandler.cancel_dump_traceback_later()  # every wait from here on has its own deadline
@@ -136,7 +136,7 @@ def main(argv=None) -> None:
         # of it): imported now, once the training processes are spawned, so they do not wait for it. The local
         # launcher's nodes share one machine's cores, and an agent importing torch there (1.5-2 CPU-s) delays every
         # node's first step (2 cores, 3 + 2 nodes, 1 step, median of 3: 12.4 s and 23 CPU-s with it, 8.0 s and
-        # 14 CPU-s without; issue 24); nothing bounds a save's time there, so its first write imports it
+        # 14 CPU-s without); nothing bounds a save's time there, so its first write imports it
         # (persist.save_shard). Nothing else in the agent uses torch.
         if line is None:
             import torch.distributed.checkpoint  # noqa: F401

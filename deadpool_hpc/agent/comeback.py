@@ -1,4 +1,4 @@
-"""Spares that come back (issue 27): a node whose training processes failed returns to the spare pool.
+"""Spares that come back: a node whose training processes failed returns to the spare pool.
 
 Most failures in the field leave the node itself fine: a crashed process, a NCCL error, an OOM, a hang. When one of
 this node's training processes exits or hangs after the start-up, the agent (``NodeAgent.node_failed``) ends them

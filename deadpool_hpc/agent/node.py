@@ -10,7 +10,7 @@ spare re-checks (agent/sparecheck.py, agent/preflight.py), the straggler check (
 swaps (agent/planned.py), the recovery (agent/recovery.py) and the return to the spare pool after its training
 processes failed (agent/comeback.py). Does not own: training (worker/), launching (launch/).
 
-Detection paths (issue 7): a training process that exits or stops making progress makes its agent declare the
+Detection paths: a training process that exits or stops making progress makes its agent declare the
 node failed to every agent at once (``suspect`` of itself) and end the node; an agent that dies is seen at once by
 its ring neighbours (agent/watch.py); a node that freezes or loses power, by the heartbeats.
 
@@ -47,7 +47,8 @@ from .rendezvous import Rendezvous
 from .sparecheck import SpareChecks
 from .state import NodeState, check_transition
 from .stragglers import Stragglers
-STEADY_TICK_S = 0.05  # seconds between passes of the agent's loop when nothing happens (issue 7: idle CPU)
+STEADY_TICK_S = 0.05  # seconds between passes of the agent's loop when nothing happens (a quiet loop keeps an idle
+#                       agent near 1 % of a core; every source it serves also wakes it at once)
 # the heartbeat deadline until this agent's training processes are up (agent/__main__.py sets it, ``_start`` puts
 # the run's back): each agent imports torch then, and loading its libraries holds the GIL long enough on a busy
 # node (seen: > 1 s on 2 shared cores) that its heartbeat thread fell silent and a live node was declared failed

@@ -1,5 +1,5 @@
 """Background persistence: every ``--persist-every`` seconds the node agents write the newest committed snapshot of
-every rank to RUN_DIR/checkpoint, off the training path (issue 28, scope 5).
+every rank to RUN_DIR/checkpoint, off the training path.
 
 Why: a spare covers a node lost while the job runs, and a checkpoint is saved when no spare is left or Slurm warns
 (SIGUSR2, SIGTERM to the steps). An outright kill of every process (``scancel -f -s TERM``: srun SIGKILLs its step at
@@ -29,7 +29,7 @@ ask, whatever their state, destroyed every round of a file system slower than tw
 round slowed by the import of torch.distributed.checkpoint on two busy cores, removed before its commit). LATEST is only written once every shard of
 ``S`` is on disk, so a half-written round is never read back as good. The training processes do nothing for it.
 
-A run directory that fails writes (issue 42: full, over quota, read-only, EIO, a stale NFS handle) costs the round
+A run directory that fails writes (full, over quota, read-only, EIO, a stale NFS handle) costs the round
 only: the node logs ``persist_failed`` with the reason, removes what it wrote of the round, and sends no
 ``persisted``; LATEST keeps naming the previous complete checkpoint, and the next round tries again. Nothing here
 touches the disk on the agent's loop: the shards are written by the ``persist`` thread, LATEST and the removal of

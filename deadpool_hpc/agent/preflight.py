@@ -1,5 +1,6 @@
-"""Checks of a node before it is trusted (issue 28, scope 6): the site's command, a timed matmul, an all-reduce
-with each neighbour node.
+"""Checks of a node before it is trusted: the site's command, a timed matmul, an all-reduce with each neighbour
+node. A node that fails one is fenced and replaced by a spare before it trains a step, instead of failing the
+first generation's rendezvous or slowing every step of the job.
 
 Three checks, run at start-up by every node (spares included) before any role is given, and again every
 ``--spare-check-every`` seconds by an idle spare, so that a spare gone bad leaves the pool before a recovery needs it
@@ -49,8 +50,8 @@ it trains a step. What a site puts there: ``nvidia-smi -q`` checks, a DCGM diagn
 NCCL all-reduce test of the node, a file-system probe.
 
 Not checked here: a spare again at its promotion (it passed its last re-check, at most ``--spare-check-every``
-seconds before), a node's speed against the job's (issue 26's straggler detection), and NCCL's paths on a GPU node
-(the link check is gloo over TCP).
+seconds before), a node's speed against the job's while it trains (the straggler check, agent/stragglers.py), and
+NCCL's paths on a GPU node (the link check is gloo over TCP).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""An idle spare's re-checks, and a training node's half of them (moved out of agent/node.py, issue 29).
+"""An idle spare's re-checks, and a training node's half of them.
 
 Every ``--spare-check-every`` seconds an idle spare checks itself again (agent/preflight.py): the site's
 ``--health-check``, the timed matmul against the start-up's median and, once that passed, an all-reduce with one

@@ -1,4 +1,4 @@
-"""The straggler check (issue 26): a training node that stays slower than the others is swapped out by a planned swap.
+"""The straggler check: a training node that stays slower than the others is swapped out by a planned swap.
 
 A synchronous job runs at the speed of its slowest rank, so a rank's wall time per step says nothing about who is
 slow: every rank waits for the slowest in the step's collectives. What is compared is each rank's *own work* per

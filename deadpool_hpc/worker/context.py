@@ -339,7 +339,8 @@ class Context(Recovering):
         the slot already granted (``_claim_next``) the copy is done here, at once: the state the optimizer just
         wrote is still in cache, and a copy running beside the next forward and backward slowed them down more than
         it cost itself (on 2 shared cores: +10 ms of the training thread's CPU per step of the micro GPT against
-        +2 ms; the closing note of this change). Otherwise the writer's copy thread claims, copies and says so."""
+        +2 ms; docs/architecture.md's overhead paragraph describes the measurement). Otherwise the writer's copy
+        thread claims, copies and says so."""
         if self._replicating(self.step):
             self.writer.snapshot(self.step, self.opt.state_tensors(), torch.get_rng_state(), self.generation)
 
