@@ -95,7 +95,7 @@ def baseline_key(**settings) -> tuple:
 # local test files that run in the Slurm tests' worker, after them, to balance the two halves: they mostly wait
 # (heartbeat deadlines, socket timeouts). Measured side by side (ci21): Slurm half 785 s, local half 851 s; these two
 # files took 45 s of the local half.
-WITH_THE_SLURM_HALF = ("tests/test_channel.py", "tests/test_control_plane_scale.py")
+WITH_THE_SLURM_HALF = ("tests/unit/agent/test_channel.py", "tests/e2e/test_control_plane_scale.py")
 
 
 def _half(nodeid: str) -> str:

@@ -7,7 +7,7 @@ this watcher (its gap statistics, open probes and health score), and the correct
 Does not own: heartbeats, probes or any message on the wire (``Peers``, control/peers.py, the control thread: it
 feeds this what it hears and sends the pings this asks for), the set of watched peers (control/topology.py) or what a
 confirmed suspicion leads to. No MPI, no socket, no thread: not thread-safe, the caller holds its lock where threads
-share it (``Peers.lock``). Pure logic on a clock: tests/test_detector.py drives it with a fake one.
+share it (``Peers.lock``). Pure logic on a clock: tests/unit/control/test_detector.py drives it with a fake one.
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ of some state. The rules here come from the SWIM family of failure detectors:
 Owns: the per-peer gap statistics, the open probes and the local health score. Does not own: the last-heard times and
 the watcher's stalls (``Detector``, control/detector.py, which holds this), sending (``Peers`` sends the pings asked
 for, control/peers.py), the datagrams (control/waker.py), or what a confirmed suspicion leads to.
-Pure logic on a clock the caller passes (monotonic seconds): tests/test_suspicion.py runs it without processes.
+Pure logic on a clock the caller passes (monotonic seconds): tests/unit/control/test_suspicion.py runs it without processes.
 """
 from __future__ import annotations
 

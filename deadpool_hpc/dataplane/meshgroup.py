@@ -27,7 +27,7 @@ whose backend is swapped at each generation) that
 Overridable from C++ (torch 2.13, ``torch/csrc/distributed/c10d/PyProcessGroup.hpp``): allreduce,
 allreduce_coalesced, allgather, allgather_into_tensor_coalesced, reduce_scatter, reduce_scatter_tensor_coalesced,
 alltoall_base, broadcast, barrier; from Python (``distributed_c10d``) also all_gather_single, reduce_scatter_single,
-all_to_all_single, scatter, gather, reduce. A test pins the list (tests/test_meshgroup.py).
+all_to_all_single, scatter, gather, reduce. A test pins the list (tests/unit/dataplane/test_meshgroup.py).
 
 Before ``ctx.run`` joins the run's first generation there is no group of the world size: a collective over the mesh
 then raises ``RuntimeError`` saying so.
@@ -282,7 +282,7 @@ def device_mesh(group: MeshGroup | list[MeshGroup], device_type: str = "cpu", me
 def set_mesh_rank(mesh, rank: int) -> None:
     """Make ``mesh`` (a DeviceMesh over MeshGroups, or a slice of one) see this process as global rank ``rank``: its
     rank and its coordinate in the slice holding ``rank`` (torch internals ``DeviceMesh._rank``,
-    ``_coordinate_on_dim``, ``_layout.remap_to_tensor(_rank_map)``; tests/test_fsdp2.py and tests/test_meshgroup.py
+    ``_coordinate_on_dim``, ``_layout.remap_to_tensor(_rank_map)``; tests/e2e/test_fsdp2.py and tests/unit/dataplane/test_meshgroup.py
     pin them)."""
     full = mesh._layout.remap_to_tensor(mesh._rank_map)   # (slices, *mesh shape): every slice's global ranks
     coords = (full == rank).nonzero()
@@ -300,7 +300,7 @@ class RankedMesh(DeviceMesh):
     """The DeviceMesh of the meshes built here: a slice of one (``mesh["tp"]``, ``mesh["dp"]``) gets this process's
     training rank and coordinate, not the placeholder default group's, and is kept on its root, one per set of
     dimension names (slicing again, e.g. in every step, returns it), so a promotion can rebind it (``meshes_of``).
-    torch internal: ``DeviceMesh._create_sub_mesh``, pinned by tests/test_meshgroup.py."""
+    torch internal: ``DeviceMesh._create_sub_mesh``, pinned by tests/unit/dataplane/test_meshgroup.py."""
 
     def _create_sub_mesh(self, layout, submesh_dim_names):
         slices = self._get_root_mesh().__dict__.setdefault("_deadpool_slices", {})

@@ -23,7 +23,7 @@ import signal as _signal
 
 from ..errors import ConfigError
 
-DEFAULT_SIGNAL_LEAD_S = 120   # the template's ``#SBATCH --signal=USR2@120`` (tests/test_timelimit.py keeps them equal)
+DEFAULT_SIGNAL_LEAD_S = 120   # the template's ``#SBATCH --signal=USR2@120`` (tests/unit/launch/test_timelimit.py keeps them equal)
 SIGNAL_EARLY_S = 60           # Slurm may send the --signal this much earlier than asked (sbatch(1))
 MIN_TRAIN_S = 30              # after the earliest signal: the job's start-up and its first steps (docs/slurm.md:
                               # first step 12.5-12.7 s after Slurm started the attempt, 2 + 1 nodes, the demo; up to

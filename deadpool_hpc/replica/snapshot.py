@@ -338,7 +338,7 @@ class StateLayout:
 
 
 # bytes per element of each torch dtype, by its name (torch.float32 -> "float32"): what a node agent needs to lay out
-# a payload without importing torch (tests/test_snapshot.py checks the table against torch's own element sizes)
+# a payload without importing torch (tests/unit/replica/test_snapshot.py checks the table against torch's own element sizes)
 ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8,
             "complex32": 4, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2,
             "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1,

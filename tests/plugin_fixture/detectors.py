@@ -1,4 +1,4 @@
-"""Detector plugins for tests/test_planned_swap.py, registered through a dist-info the test writes on PYTHONPATH."""
+"""Detector plugins for tests/e2e/test_planned_swap.py, registered through a dist-info the test writes on PYTHONPATH."""
 
 
 def raises_at_start(node):

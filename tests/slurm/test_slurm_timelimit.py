@@ -26,7 +26,7 @@ from slurm_helpers import ACTIVE, MEASURE, ROOT, STEPS, crash_when, events, fina
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-from test_timelimit import BAD_TIMES, SLURM_TIMES  # noqa: E402  (the pure-logic table, checked here against sbatch)
+from unit.launch.test_timelimit import BAD_TIMES, SLURM_TIMES  # noqa: E402  (the pure-logic table, checked here against sbatch)
 
 
 def _queue() -> list[str]:
@@ -62,7 +62,7 @@ def test_deadpool_submit_time_2_is_refused_with_the_reason(tmp_path, slurm_clust
 
 
 def test_time_formats_mean_what_sbatch_makes_of_them(tmp_path, slurm_cluster):
-    """Each --time of tests/test_timelimit.py, given to sbatch (a held job, cancelled at once): the time limit Slurm
+    """Each --time of tests/unit/launch/test_timelimit.py, given to sbatch (a held job, cancelled at once): the time limit Slurm
     sets is the one parse_time_limit computes; the refused ones are refused by sbatch too ("-2" excepted: sbatch takes
     it as 2982614 days, the check refuses it)."""
     from deadpool_hpc.launch.timelimit import parse_time_limit

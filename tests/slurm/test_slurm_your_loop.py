@@ -7,8 +7,8 @@ bit-identical to a failure-free local run of the same example.
 
 One job per example, each through one of the two paths (DDP through ``deadpool submit``, FSDP2 through the submitit
 plugin): the paths themselves are each crashed with the demo too (test_slurm_jobs.py, test_plugin_submitit.py), and
-both examples survive the same crash locally with one and two ranks per node (tests/test_your_loop.py,
-tests/test_fsdp2.py); the four combinations cost four Slurm jobs where two cover every cell (issue 24)."""
+both examples survive the same crash locally with one and two ranks per node (tests/e2e/test_your_loop.py,
+tests/e2e/test_fsdp2.py); the four combinations cost four Slurm jobs where two cover every cell (issue 24)."""
 from __future__ import annotations
 
 import json
@@ -22,7 +22,7 @@ import pytest
 from slurm_helpers import ACTIVE, CRASH_STEP, ROOT, STEPS, crash_when, final_state, gone, host_of, wait_gone
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
-SMALL = dict(n_layer=1, n_head=2, d_model=32, context=32, batch_size=4)  # as tests/test_your_loop.py
+SMALL = dict(n_layer=1, n_head=2, d_model=32, context=32, batch_size=4)  # as tests/e2e/test_your_loop.py
 
 
 @pytest.fixture()

@@ -1,0 +1,22 @@
+"""benchmarks/gpu_check.py is the one script run where a GPU is lent: keep it working here. Without CUDA it runs
+its snapshot code path on the CPU (shared buffer, copy, the host copy checked against the state) and skips NCCL."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.e2e   # runs benchmarks/gpu_check.py in its own interpreter
+
+import paths  # tests/paths.py: the checkout's folders, wherever this file lies
+ROOT = paths.ROOT
+
+
+def test_gpu_check_script_runs_its_cpu_self_test():
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--rounds", "1",
+                        "--steps", "3"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "host copy equals device state: True" in p.stdout and "GPU CHECK PASSED" in p.stdout, p.stdout
+    if not torch.cuda.is_available():
+        assert "[nccl] skipped: no CUDA device" in p.stdout
