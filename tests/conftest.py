@@ -41,6 +41,16 @@ SAME_AS_DEMO = {"trainfns:paced": "deadpool_hpc.train.demo:train", "trainfns:fro
 
 
 
+def pytest_sessionstart(session):
+    """Fills, before any test and outside the fast tier's guard, a cache that a library fills by starting a process
+    the first time it is used: matplotlib's font list (``fc-list``, when ~/.cache/matplotlib has none). Without it
+    the first in-process test that draws (project/test_scale_study.py) fails on a machine that never drew."""
+    try:
+        import matplotlib.font_manager  # noqa: F401
+    except ImportError:
+        pass
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """The fast tier (``-m "not e2e"``) starts no process: while a test without the ``e2e`` marker is set up, runs
