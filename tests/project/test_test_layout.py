@@ -70,7 +70,8 @@ def _test_files(place: str) -> list[str]:
     out = []
     for d, dirs, files in os.walk(os.path.join(TESTS, place)):
         dirs[:] = [x for x in dirs if x != "__pycache__"]
-        out += [os.path.relpath(os.path.join(d, f), TESTS) for f in files if f.startswith("test_") and f.endswith(".py")]
+        out += [os.path.relpath(os.path.join(d, f), TESTS) for f in files
+                if f.startswith("test_") and f.endswith(".py")]
     return sorted(out)
 
 
@@ -111,8 +112,8 @@ def unmarked_tests(path: str) -> list[str]:
         tree = ast.parse(fh.read(), path)
 
     def pytestmark(body) -> bool:
-        return any(isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in n.targets)
-                   and "mark.e2e" in ast.unparse(n.value) for n in body)
+        return any(isinstance(n, ast.Assign) and "mark.e2e" in ast.unparse(n.value)
+                   and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in n.targets) for n in body)
 
     if pytestmark(tree.body):
         return []
