@@ -20,7 +20,6 @@ dispatch of the inbox (``pump``) into the tables those read.
 """
 from __future__ import annotations
 
-import operator
 import os
 import time
 
@@ -31,7 +30,7 @@ from . import round as rounds
 from .crashloop import WorkFailure
 from .decision import Decision, RoundFailure, decision_from_wire
 from .handlers import HandlerTable
-from .membership import Readmit, on_readmit
+from .membership import Membership, Readmit, on_readmit
 from .mpi import import_mpi, unlink_mpi_shm
 from .peers import Peers
 from .waker import Waker
@@ -82,7 +81,10 @@ class ControlPlane:
             c.Set_errhandler(MPI.ERRORS_RETURN)
         self.ctrl = world.Dup()
         self.ctrl.Set_errhandler(MPI.ERRORS_RETURN)
-        self._generation = 0   # the one copy: ``generation`` reads it, ``enter_generation`` writes it, Peers reads it
+        # the generation's view (control/membership.py Membership), replaced whole by ``adopt``, its one writer;
+        # ``generation``, ``assignment``, ``spare_nodes``, ``members`` and ``coordinator`` read it, and so does the
+        # control thread (Peers.generation)
+        self._membership = Membership.initial(ranks_per_node, active_nodes, self.size)
         # seconds the recovery's and the barriers' loops wait for a control message (or, through their ``wait``, a
         # local event) before they look again: an event ends the wait at once, so this only bounds the latency of
         # what rings nothing; shorter costs CPU in every agent of a large job at once. What a waiting agent
@@ -93,17 +95,12 @@ class ControlPlane:
         self.handlers = HandlerTable(reserved=OWN_KINDS)   # readable; ``on`` / ``off`` write it (control/handlers.py)
         for kind, fn in (handlers or {}).items():
             self.on(kind, fn)
-        W = active_nodes * ranks_per_node
-        self.assignment = list(range(W))
-        self.spare_nodes = list(range(active_nodes, self.size))
-        self.members = list(range(self.size * ranks_per_node))
         self.waker = Waker(host, secret)
         self.idents = bootstrap.exchange_identities(world, self.size, {**(extra_identity or {}),
                                                                        "wake": self.waker.address,
                                                                        "hb": self.waker.hb_address})
         unlink_mpi_shm()  # every agent is past MPI_Init: the exchange above was a collective over COMM_WORLD
         bootstrap.wire_up(MPI, (world, self.ctrl), self.me, self.size)   # no connection made mid-recovery
-        self.coordinator: int | None = None  # of the last applied decision
         self._round = 0
         self._collects: dict[int, tuple] = {}        # coordinator MPI rank -> (its newest round id, its generation)
         self._ready: dict[tuple, dict[int, dict]] = {}  # round id -> {MPI rank: ready body}
@@ -126,7 +123,7 @@ class ControlPlane:
         self.peers = Peers(self.ctrl, secret, period, deadline, waker=self.waker,
                            wake_addresses=[ident["wake"] for ident in self.idents],
                            heartbeat_addresses=[ident["hb"] for ident in self.idents], on_suspect=self._on_suspect,
-                           watch_k=watch_k, ceiling=ceiling, generation=lambda: self._generation)
+                           watch_k=watch_k, ceiling=ceiling, generation=lambda: self._membership.generation)
         self.peers.on_preempt = self._on_preempt
         self.peers.on_probe = self._on_probe
         self.peers.on_work_failure = self._on_work_failure
@@ -136,23 +133,60 @@ class ControlPlane:
         self.world.Barrier()
         self.peers.start()   # every peer's heartbeat deadline counts from here (Peers.start)
 
+    # ---- the generation's view (control/membership.py Membership): read here, replaced by ``adopt`` ---------------
+    @property
+    def membership(self):
+        """This agent's view of its generation (a frozen Membership: generation, assignment, spare_nodes, members,
+        coordinator). Replaced whole, never changed: a reader keeps a consistent view as long as it holds it."""
+        return self._membership
+
     @property
     def generation(self) -> int:
         """The generation this agent has applied (0 at the start; each recovery's decision is the next). Read-only:
-        ``enter_generation`` is its one writer, and the control thread (``peers.generation``) reads this same value."""
-        return self._generation
+        ``adopt`` (and ``enter_generation``) replace it, and the control thread (``peers.generation``) reads this
+        same value."""
+        return self._membership.generation
+
+    @property
+    def assignment(self) -> tuple[int, ...]:
+        """The virtual process that holds each training rank (assignment[r]) in the current generation."""
+        return self._membership.assignment
+
+    @property
+    def spare_nodes(self) -> tuple[int, ...]:
+        """The current generation's spare nodes (MPI ranks), in promotion order."""
+        return self._membership.spare_nodes
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The current generation's virtual processes (training and spare)."""
+        return self._membership.members
+
+    @property
+    def coordinator(self) -> int | None:
+        """The MPI rank whose decision made the current generation (None before the first)."""
+        return self._membership.coordinator
+
+    def adopt(self, view) -> None:
+        """Make ``view`` (a Membership) this agent's: a decision applied (control/round.py ``apply_decision``), a
+        readmission (control/membership.py), a rejoin's view. The one writer of the view. Raises TypeError for
+        anything but a Membership."""
+        if not isinstance(view, Membership):
+            raise TypeError(f"a control plane's view is a Membership, not {type(view).__name__}")
+        self._membership = view
 
     def enter_generation(self, g: int) -> None:
-        """Make ``g`` this agent's generation: a decision applied (control/round.py ``apply_decision``), a
-        readmission taken as this agent's own view (control/membership.py ``rejoin``), or a resume from a checkpoint
-        of generation ``g - 1`` (agent/node.py). Raises ValueError for a negative or non-integer ``g``."""
-        try:
-            n = operator.index(g)
-        except TypeError:
-            n = -1
-        if isinstance(g, bool) or n < 0:
-            raise ValueError(f"generation {g!r}: must be an integer >= 0")
-        self._generation = n
+        """Make ``g`` this agent's generation, the rest of the view kept: a resume from a checkpoint of generation
+        ``g - 1`` (agent/node.py). Raises ValueError for a negative or non-integer ``g``."""
+        self.adopt(self._membership.replace(generation=g))
+
+    def forget_rounds(self) -> None:
+        """Drop what this control plane kept of rounds, decisions and barriers before its node failed (a rejoin,
+        control/membership.py): the reports and collects seen, the decisions not applied, the barriers reached,
+        the readmissions waiting for a generation, the first suspicion of the last failure."""
+        self._collects, self._ready, self._auto, self._decisions, self._sync = {}, {}, {}, {}, {}
+        self.pending_readmits = []
+        self.first_suspicion = None
 
     def on(self, kind: str, handler) -> None:
         """Register ``handler(src, body)`` for control messages of ``kind`` (called from ``pump``, on the agent's main

@@ -108,7 +108,7 @@ def _coordinator_candidates(cp) -> list[int]:
 
 def _ready_body(cp, rid, report: dict) -> dict:
     return {"round": rid, "report": report, "applied": cp.generation, "assignment": int_runs(cp.assignment),
-            "spare_nodes": cp.spare_nodes}   # the assignment as runs of ids: O(N) ids, a few runs
+            "spare_nodes": list(cp.spare_nodes)}   # the assignment as runs of ids: O(N) ids, a few runs
 
 
 def _start_round(cp, alive: list[int]) -> tuple:
@@ -194,17 +194,16 @@ def apply_decision(cp, decision: Decision) -> None:
     returning), its coordinator, the readmissions kept for it, the failure flag cleared (raised again if a member
     is suspected already), and the round tables emptied of what belongs to rounds now over."""
     g = decision.generation
-    cp.assignment = list(decision.assignment)
-    cp.spare_nodes = list(decision.spare_nodes)
-    cp.members = list(decision.members)  # first: fencing the failed below is no loss of a member
+    # first: fencing the failed below is no loss of a member
+    cp.adopt(cp.membership.replace(assignment=decision.assignment, spare_nodes=decision.spare_nodes,
+                                   members=decision.members))
     if decision.exhausted:   # no spare left: the checkpoint round must not lose a slow member's copies
         cp.peers.last_resort = True
     for n in sorted({m // cp.P for m in decision.fenced}):
         cp.peers.suspect(n, "fenced by decision", notify=False)
         if n not in cp.peers.returning:   # a returning agent ended its processes itself, and lives on
             fencing.fence(cp.idents[n])
-    cp.coordinator = decision.coordinator
-    cp.enter_generation(g)
+    cp.adopt(cp.membership.replace(generation=g, coordinator=decision.coordinator))
     cp.first_suspicion = None
     apply_pending(cp)   # nodes readmitted to this generation before its decision reached us
     cp.peers.failure.clear()
