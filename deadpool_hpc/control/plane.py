@@ -339,24 +339,27 @@ class ControlPlane:
             time.sleep(0.01)
 
     # ---- recovery (control/round.py) and barriers (control/barrier.py) ----------------------------------------
-    def recover(self, report: dict, on_phase=None, wait=None) -> Decision:
+    def recover(self, report: dict, on_phase=None, wait=None, stop=None) -> Decision | None:
         """Agree on the next generation. Called by every live process after leaving the current one.
 
         report: {str(virtual process): {"own_rank", "own", "held", "done_step"}} for this node's processes (see
         agreement.decide). wait(seconds): block until then or until something happens (default: a control message;
         the node agent's also ends on a local event), so that the hundreds of agents of a large job do not all poll at
-        once. on_phase(name): called at "agree" (report sent, or reports asked for) and "decided" (fault injection
-        for tests). Returns the Decision (with its coordinator and times filled in). Raises ReplicaError from
-        ``decide`` (after telling the members), Fenced if the decision declares this process failed, JobAborted if another process aborted, RecoveryTimeout if no decision
-        comes within ``recovery_timeout`` seconds, RunFinished if the run ended meanwhile.
+        once. stop(): checked after each wait; when true the round is left at once and None returned (the caller's
+        own failure, seen while it waited: it acts on it). on_phase(name): called at "agree" (report sent, or reports
+        asked for) and "decided" (fault injection for tests). Returns the Decision (with its coordinator and times
+        filled in). Raises ReplicaError from ``decide`` (after telling the members), Fenced if the decision declares
+        this process failed, JobAborted if another process aborted, RecoveryTimeout if no decision comes within
+        ``recovery_timeout`` seconds, RunFinished if the run ended meanwhile.
         """
-        return rounds.recover(self, report, on_phase=on_phase, wait=wait)
+        return rounds.recover(self, report, on_phase=on_phase, wait=wait, stop=stop)
 
-    def barrier(self, tag: str, participants: list[int], timeout: float, tick=None) -> None:
+    def barrier(self, tag: str, participants: list[int], timeout: float, tick=None, stop=None) -> bool:
         """Wait until every MPI rank in ``participants`` has reached the barrier ``tag`` (point-to-point
-        messages, so a dead participant blocks nothing). Raises PeerFailure when a participant is suspected,
-        the failure flag is raised, or ``timeout`` seconds pass (naming who is missing)."""
-        barriers.barrier(self, tag, participants, timeout, tick=tick)
+        messages, so a dead participant blocks nothing): True; False at once when ``stop()`` is true after a
+        ``tick()`` (the caller's own failure). Raises PeerFailure when a participant is suspected, the failure flag
+        is raised, or ``timeout`` seconds pass (naming who is missing)."""
+        return barriers.barrier(self, tag, participants, timeout, tick=tick, stop=stop)
 
     def exit(self, code: int = 0) -> None:
         """Leave without MPI_Finalize (peers may be dead), after the queued control messages have left (a peer

@@ -32,19 +32,22 @@ from .decision import Decision, RoundFailure, from_int_runs, int_runs
 from .membership import apply_pending, spares_of
 
 
-def recover(cp, report: dict, on_phase=None, wait=None) -> Decision:
+def recover(cp, report: dict, on_phase=None, wait=None, stop=None) -> Decision | None:
     """Agree on the next generation. Called by every live process after leaving the current one.
 
     report: {str(virtual process): {"own_rank", "own", "held", "done_step"}} for this node's processes (see
     agreement.decide). wait(seconds): block until then or until something happens (default: a control message;
     the node agent's also ends on a local event), so that the hundreds of agents of a large job do not all poll at
-    once. on_phase(name): called at "agree" (report sent, or reports asked for) and "decided" (fault injection
-    for tests). Returns the Decision (with its coordinator and times filled in). Raises ReplicaError from
-    ``decide`` (after telling the members), Fenced if the decision declares this process failed, JobAborted if another process aborted, RecoveryTimeout if no decision
-    comes within ``recovery_timeout`` seconds, RunFinished if the run ended meanwhile.
+    once. stop(): checked after each wait; when true the round is left at once and None returned (the caller's
+    own failure, seen while it waited: it acts on it). on_phase(name): called at "agree" (report sent, or reports
+    asked for) and "decided" (fault injection for tests). Returns the Decision (with its coordinator and times
+    filled in). Raises ReplicaError from ``decide`` (after telling the members), Fenced if the decision declares
+    this process failed, JobAborted if another process aborted, RecoveryTimeout if no decision comes within
+    ``recovery_timeout`` seconds, RunFinished if the run ended meanwhile.
     """
     on_phase = on_phase or (lambda _name: None)
     wait = wait or cp.pump
+    stop = stop or (lambda: False)
     cp.peers.failure.set()
     if cp.peers.notice_g < cp.generation:  # nobody told us: we are the first to leave this generation
         cp.peers.disseminate("teardown", {"g": cp.generation})
@@ -90,6 +93,8 @@ def recover(cp, report: dict, on_phase=None, wait=None) -> Decision:
                                   f"{cp.recovery_timeout:.0f} s (coordinator: MPI rank {alive[0]})")
         # a coordinator re-checks its round at least every ``settle`` seconds; the others wait for a message
         wait(cp.settle if alive[0] == cp.me else cp.poll_s)
+        if stop():   # the caller's own failure, seen while it waited: it acts on it, not this round
+            return None
     if isinstance(decision, RoundFailure):
         raise decision.exception()
     if set(cp.procs()) & set(decision.fenced):
