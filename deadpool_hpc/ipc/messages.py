@@ -1,8 +1,8 @@
 """What the agent channel's messages say, at both ends (``agent/`` answers, ``worker/`` asks), beyond the frames
 (``ipc/frames.py``).
 
-The recovery path's messages are typed values, each a frozen dataclass with ``to_wire`` / ``from_wire`` (the
-JSON-safe body of a channel frame; no pickle), as ``control/decision.py`` is for the control plane's decision:
+The recovery path's messages are typed values, each a frozen dataclass whose ``to_wire`` / ``from_wire`` (the
+JSON-safe body of a channel frame; no pickle) ``ipc/schema.py`` derives from its type hints:
 
 - ``Failure`` (agent -> worker, kind ``failure``): a recovery round starts; leave the generation.
 - ``Left`` (worker -> agent, ``left``): this process left ``generation`` having completed ``done_step``.
@@ -23,7 +23,9 @@ a ``generation``; its agent's ``GenerationStore`` of that generation (agent/stor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Annotated
+
+from .schema import FLAT, Message
 
 STORE_KINDS = frozenset({"store_set", "store_get", "store_wait", "store_check"})
 # the store the start-up's link check meets through (agent/preflight.py): served by every agent, spares included,
@@ -31,88 +33,41 @@ STORE_KINDS = frozenset({"store_set", "store_get", "store_wait", "store_check"})
 LINK_GENERATION = -1
 
 
-def _get(body: dict, key: str, what: str, types: tuple, kind: str):
-    if not isinstance(body, dict) or key not in body:
-        raise ValueError(f"{what} message lacks key {key!r}")
-    v = body[key]
-    if isinstance(v, bool) and bool not in types or not isinstance(v, types):
-        raise ValueError(f"{what} message: key {key!r} is {v!r}; expected {kind}")
-    return v
-
-
-def _int(body, key, what) -> int:
-    return _get(body, key, what, (int,), "an int")
-
-
-def _ints(body, key, what) -> tuple[int, ...]:
-    v = _get(body, key, what, (list, tuple), "a list of ints")
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
-        raise ValueError(f"{what} message: key {key!r} is {v!r}; expected a list of ints")
-    return tuple(v)
-
-
-def _number(body, key, what) -> float:
-    return float(_get(body, key, what, (int, float), "a number"))
-
-
-def _flag(body, key, what) -> bool:
-    return _get(body, key, what, (bool,), "a boolean")
-
-
 @dataclass(frozen=True)
-class Failure:
+class Failure(Message, kind="failure"):
     """The agent starts a recovery round (its generation was ``generation``): leave it and say how far you got."""
 
-    KIND: ClassVar[str] = "failure"
     generation: int
-
-    def to_wire(self) -> dict:
-        return {"generation": self.generation}
-
-    @classmethod
-    def from_wire(cls, body: dict) -> "Failure":
-        return cls(_int(body, "generation", cls.KIND))
 
 
 @dataclass(frozen=True)
-class Left:
+class Left(Message, kind="left"):
     """A training process left ``generation`` (or, a spare, answers a round: ``done_step`` -1); ``done_step``: the
     steps it completed there, whose snapshot it settled (the cut may be there); ``why``: what ended it (<= 200)."""
 
-    KIND: ClassVar[str] = "left"
     generation: int
     done_step: int
     why: str
 
     def to_wire(self) -> dict:
-        return {"generation": self.generation, "done_step": self.done_step, "why": self.why[:200]}
-
-    @classmethod
-    def from_wire(cls, body: dict) -> "Left":
-        return cls(_int(body, "generation", cls.KIND), _int(body, "done_step", cls.KIND),
-                   _get(body, "why", cls.KIND, (str,), "a string"))
+        return dict(super().to_wire(), why=self.why[:200])
 
 
 @dataclass(frozen=True)
-class RoundFailed:
+class RoundFailed(Message, kind="round_failed"):
     """Joining or restoring generation ``generation`` failed in this process (``error``, <= 300 characters)."""
 
-    KIND: ClassVar[str] = "round_failed"
     generation: int
     error: str
 
     def to_wire(self) -> dict:
-        return {"generation": self.generation, "error": self.error[:300]}
-
-    @classmethod
-    def from_wire(cls, body: dict) -> "RoundFailed":
-        return cls(_int(body, "generation", cls.KIND), _get(body, "error", cls.KIND, (str,), "a string"))
+        return dict(super().to_wire(), error=self.error[:300])
 
 
 @dataclass(frozen=True)
-class View:
+class View(Message):
     """The generation a role belongs to and its layout (fault targets, the summary): ``active_nodes`` (sorted),
-    ``spare_nodes`` (live spares, in promotion order)."""
+    ``spare_nodes`` (live spares, in promotion order). On the wire with ``spares_left`` too (read by nobody)."""
 
     generation: int
     active_nodes: tuple[int, ...]
@@ -123,17 +78,11 @@ class View:
         return len(self.spare_nodes)
 
     def to_wire(self) -> dict:
-        return {"active_nodes": list(self.active_nodes), "spare_nodes": list(self.spare_nodes),
-                "spares_left": self.spares_left, "generation": self.generation}
-
-    @classmethod
-    def from_wire(cls, body: dict) -> "View":
-        return cls(_int(body, "generation", "role"), _ints(body, "active_nodes", "role"),
-                   _ints(body, "spare_nodes", "role"))
+        return dict(super().to_wire(), spares_left=self.spares_left)
 
 
 @dataclass(frozen=True)
-class Restore:
+class Restore(Message):
     """Where a recovery's trainer finds the cut step's state, and what the round was (its ``recovered`` event).
 
     - cut_step: the step every rank restores; slot: the index of this process's own snapshot slot that holds it
@@ -159,105 +108,42 @@ class Restore:
     t_fail: float
     t_agreed: float
 
-    def to_wire(self) -> dict:
-        return {"cut_step": self.cut_step, "slot": self.slot, "crc": self.crc, "fresh": self.fresh,
-                "pulled": self.pulled, "promoted": self.promoted, "serving": self.serving,
-                "recomputed_steps": self.recomputed_steps, "failed_nodes": list(self.failed_nodes),
-                "round": self.round, "t_fail": self.t_fail, "t_agreed": self.t_agreed}
 
-    @classmethod
-    def from_wire(cls, body: dict) -> "Restore":
-        w = "role"
-        return cls(_int(body, "cut_step", w), _int(body, "slot", w), _int(body, "crc", w), _flag(body, "fresh", w),
-                   _flag(body, "pulled", w), _flag(body, "promoted", w), _flag(body, "serving", w),
-                   _int(body, "recomputed_steps", w), _ints(body, "failed_nodes", w), _int(body, "round", w),
-                   _number(body, "t_fail", w), _number(body, "t_agreed", w))
-
-
-class Role:
+@dataclass(frozen=True)
+class Role(Message, kind="role", tag="what"):
     """What a training process does next (kind ``role``): a ``Train``, ``Spare``, ``Exit`` or ``Finish``.
     ``Role.from_wire(body)`` gives the one ``body["what"]`` names."""
 
-    KIND: ClassVar[str] = "role"
-    WHAT: ClassVar[str] = ""
-
-    def to_wire(self) -> dict:
-        raise NotImplementedError
-
-    @staticmethod
-    def from_wire(body: dict) -> "Role":
-        what = _get(body, "what", "role", (str,), "a string")
-        kinds = {k.WHAT: k for k in (Train, Spare, Exit, Finish)}
-        if what not in kinds:
-            raise ValueError(f"role message: 'what' is {what!r}; expected one of {sorted(kinds)}")
-        return kinds[what]._from_wire(body)
-
 
 @dataclass(frozen=True)
-class Train(Role):
+class Train(Role, variant="train"):
     """Train as ``rank`` of ``world_size`` in ``view.generation``. ``restore`` None: the attempt's first generation
     (load ``resume``, a requeued attempt's checkpoint record, if any); else a recovery's plan. ``high_water``: the
-    highest step any process completed (faults fire only past it)."""
+    highest step any process completed (faults fire only past it). The view's and the plan's keys sit in the body
+    itself."""
 
-    WHAT: ClassVar[str] = "train"
-    view: View
+    view: Annotated[View, FLAT]
     rank: int
     world_size: int
     high_water: int
     resume: dict | None
-    restore: Restore | None = None
-
-    def to_wire(self) -> dict:
-        return {**self.view.to_wire(), "what": self.WHAT, "rank": self.rank, "world_size": self.world_size,
-                "high_water": self.high_water, "resume": self.resume,
-                **(self.restore.to_wire() if self.restore is not None else {})}
-
-    @classmethod
-    def _from_wire(cls, body: dict) -> "Train":
-        resume = _get(body, "resume", "role", (dict, type(None)), "an object or null")
-        return cls(View.from_wire(body), _int(body, "rank", "role"), _int(body, "world_size", "role"),
-                   _int(body, "high_water", "role"), resume, Restore.from_wire(body) if "cut_step" in body else None)
+    restore: Annotated[Restore | None, FLAT] = None
 
 
 @dataclass(frozen=True)
-class Spare(Role):
+class Spare(Role, variant="spare"):
     """Wait as a spare (in ``view.generation``) until a recovery promotes this process."""
 
-    WHAT: ClassVar[str] = "spare"
-    view: View
-
-    def to_wire(self) -> dict:
-        return {**self.view.to_wire(), "what": self.WHAT}
-
-    @classmethod
-    def _from_wire(cls, body: dict) -> "Spare":
-        return cls(View.from_wire(body))
+    view: Annotated[View, FLAT]
 
 
 @dataclass(frozen=True)
-class Exit(Role):
+class Exit(Role, variant="exit"):
     """Leave with ``code`` (75: the checkpoint is saved, requeue me)."""
 
-    WHAT: ClassVar[str] = "exit"
     code: int
-
-    def to_wire(self) -> dict:
-        return {"what": self.WHAT, "code": self.code}
-
-    @classmethod
-    def _from_wire(cls, body: dict) -> "Exit":
-        return cls(_int(body, "code", "role"))
 
 
 @dataclass(frozen=True)
-class Finish(Role):
+class Finish(Role, variant="finish"):
     """The run is complete: leave."""
-
-    WHAT: ClassVar[str] = "finish"
-
-    def to_wire(self) -> dict:
-        return {"what": self.WHAT}
-
-    @classmethod
-    def _from_wire(cls, body: dict) -> "Finish":
-        return cls()
