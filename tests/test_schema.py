@@ -63,6 +63,14 @@ DOUBLED = Codec(lambda v: v * 2, lambda raw, label: raw // 2)
 
 
 @dataclass(frozen=True)
+class Sparse(Message, kind="t_sparse"):
+    SPARSE = True
+    ok: bool
+    rank: int | None = None
+    address: list | None = None
+
+
+@dataclass(frozen=True)
 class Coded(Message, kind="t_coded"):
     n: Annotated[int, DOUBLED]
 
@@ -84,6 +92,14 @@ def test_every_type_survives_its_wire_form_and_the_form_is_plain_json():
     assert Outer.from_wire(_json(Outer(1))) == Outer(1) and _json(Outer(1)) == {"x": 1}
     assert Outer.from_wire(_json(Outer(1, Inner(2, (3,))))) == Outer(1, Inner(2, (3,)))
     assert Coded.from_wire(Coded(4).to_wire()) == Coded(4) and Coded(4).to_wire() == {"n": 8}
+
+
+def test_a_sparse_message_leaves_out_the_fields_that_are_none():
+    assert Sparse(True).to_wire() == {"ok": True} and Sparse.from_wire({"ok": True}) == Sparse(True)
+    full = Sparse(False, 3, ["h", 1])
+    assert full.to_wire() == {"ok": False, "rank": 3, "address": ["h", 1]} and Sparse.from_wire(full.to_wire()) == full
+    with pytest.raises(ValueError, match="key 'address' is 'h:1'; expected a list or null"):
+        Sparse.from_wire({"ok": True, "address": "h:1"})
 
 
 def test_a_field_with_a_default_may_be_absent_and_unknown_keys_are_ignored():

@@ -11,13 +11,14 @@ Field types and their wire form:
 - ``int`` (a bool is not an int), ``float`` (an int or a float, read back as a float), ``str``, ``bool``.
 - ``X | None``: null or X. ``tuple[X, ...]`` / ``list[X]``: a JSON list of X.
 - ``dict[str, X]``; ``dict[int, X]``: a JSON object keyed by ``str(int)`` (JSON has only string keys), read back
-  with int keys. ``dict`` bare: any JSON object, passed as it is.
+  with int keys. ``dict`` / ``list`` bare: any JSON object / list, passed as it is.
 - another ``Message``: its own wire form, nested under the field's key; ``Annotated[M, FLAT]``: its keys in the
   enclosing body (an optional flat message is None when none of its keys is there).
 - ``Annotated[T, Codec(...)]``: a field with a wire form of its own (control/decision.py's runs of ids).
 
 A field with a default may be absent from a body (the default is taken); any other must be there (null for an
-optional one). Keys a class does not name are ignored. A family of messages of one kind told apart by a key
+optional one). A class with ``SPARSE = True`` leaves out of its body each field that is None and has the default
+None. Keys a class does not name are ignored. A family of messages of one kind told apart by a key
 (``role``: ``{"what": "train", ...}``) is a base ``class Role(Message, kind="role", tag="what")`` with variants
 ``class Train(Role, variant="train")``: ``Role.from_wire`` returns the variant the tag names. ``OneOf`` registers a
 kind whose body is one of a few messages told apart by a rule (a decision, or a failed round).
@@ -105,6 +106,7 @@ def _is_int(v) -> bool:
 
 class _Field:
     __slots__ = ("name", "enc", "dec", "default", "flat", "optional")
+    # optional: for a flat field, whether it may be None; else whether the field is left out when None (SPARSE)
 
     def __init__(self, name, enc, dec, default, flat, optional):
         self.name, self.enc, self.dec, self.default, self.flat, self.optional = name, enc, dec, default, flat, optional
@@ -149,6 +151,12 @@ def _codec_of(hint, owner: str):
                 raise _Bad(kind, path, v, "an object")
             return v
         return (lambda v: v), dec, "an object"
+    if hint is list:
+        def dec(v, kind, path):
+            if not isinstance(v, (list, tuple)):
+                raise _Bad(kind, path, v, "a list")
+            return list(v)
+        return (lambda v: list(v)), dec, "a list"
     if origin in (Union, types.UnionType):
         inner = [a for a in args if a is not type(None)]
         if len(inner) != 1 or len(args) != 2:
@@ -231,6 +239,7 @@ class Message:
     KIND: ClassVar[str] = ""
     TAG: ClassVar[str] = ""
     VARIANT: ClassVar[str] = ""
+    SPARSE: ClassVar[bool] = False
     _variants: ClassVar[dict]
     _plan: ClassVar[list | None] = None
 
@@ -271,7 +280,7 @@ class Message:
                     plan.append(_Field(f.name, None, msg, default, True, optional))
                 else:
                     enc, dec, _ = _codec_of(hint, f"{cls.__name__}.{f.name}")
-                    plan.append(_Field(f.name, enc, dec, default, False, False))
+                    plan.append(_Field(f.name, enc, dec, default, False, cls.SPARSE and default is None))
             cls._plan = plan
         return cls._plan
 
@@ -283,7 +292,7 @@ class Message:
             if f.flat:
                 if v is not None:
                     out.update(v.to_wire())
-            else:
+            elif not (f.optional and v is None):
                 out[f.name] = f.enc(v)
         if self.VARIANT:
             out[self.TAG] = self.VARIANT
