@@ -21,7 +21,7 @@ class Inner(Message):
 
 
 @dataclass(frozen=True)
-class Everything(Message, kind="t_everything"):
+class Everything(Message, plane=schema.CONTROL, kind="t_everything"):
     i: int
     f: float
     s: str
@@ -39,13 +39,13 @@ class Everything(Message, kind="t_everything"):
 
 
 @dataclass(frozen=True)
-class Outer(Message, kind="t_outer"):
+class Outer(Message, plane=schema.CONTROL, kind="t_outer"):
     x: int
     plan: Annotated[Inner | None, FLAT] = None
 
 
 @dataclass(frozen=True)
-class Shape(Message, kind="t_shape", tag="what"):
+class Shape(Message, plane=schema.CONTROL, kind="t_shape", tag="what"):
     pass
 
 
@@ -63,7 +63,7 @@ DOUBLED = Codec(lambda v: v * 2, lambda raw, label: raw // 2)
 
 
 @dataclass(frozen=True)
-class Sparse(Message, kind="t_sparse"):
+class Sparse(Message, plane=schema.CONTROL, kind="t_sparse"):
     SPARSE = True
     ok: bool
     rank: int | None = None
@@ -71,7 +71,7 @@ class Sparse(Message, kind="t_sparse"):
 
 
 @dataclass(frozen=True)
-class Coded(Message, kind="t_coded"):
+class Coded(Message, plane=schema.CONTROL, kind="t_coded"):
     n: Annotated[int, DOUBLED]
 
 
@@ -153,12 +153,20 @@ def test_a_missing_key_or_a_body_that_is_not_an_object_is_refused():
         Everything.from_wire([])
 
 
-def test_kinds_are_registered_once_and_a_oneof_picks_by_its_rule():
-    assert schema.KINDS["t_everything"] is Everything and schema.KINDS["t_shape"] is Shape
+def test_kinds_are_registered_once_per_plane_and_a_oneof_picks_by_its_rule():
+    assert schema.reader_of(schema.CONTROL, "t_everything") is Everything and schema.KINDS[schema.CONTROL]["t_shape"] is Shape
     with pytest.raises(ValueError, match="has a schema already"):
-        schema.register("t_everything", Outer)
-    either = OneOf("t_either", (Square, Dot), lambda b: Square if "side" in b else Dot)
-    assert schema.KINDS["t_either"] is either
+        schema.register(schema.CONTROL, "t_everything", Outer)
+    schema.register(schema.REPLICA, "t_everything", Outer)   # another plane, another message
+    with pytest.raises(ValueError, match="has no schema on the replica stream; accepted: .*'t_everything'"):
+        schema.reader_of(schema.REPLICA, "t_nothing")
+    with pytest.raises(ValueError, match="plane 'nowhere' is unknown"):
+        schema.register("nowhere", "x", Outer)
+    with pytest.raises(TypeError, match="both or neither"):
+        class Half(Message, kind="t_half"):
+            pass
+    either = OneOf(schema.CONTROL, "t_either", (Square, Dot), lambda b: Square if "side" in b else Dot)
+    assert schema.KINDS[schema.CONTROL]["t_either"] is either
     assert either.from_wire({"side": 1}) == Square(1.0) and either.from_wire({}) == Dot()
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated
 
-from ..ipc.schema import Codec, Message, OneOf
+from ..ipc.schema import CONTROL, Codec, Message, OneOf
 from .crashloop import CrashLoop
 
 
@@ -148,7 +148,7 @@ class RoundFailure(Message):
         return cls(self.message)
 
 
-DECISION = OneOf("decision", (Decision, RoundFailure), lambda d: RoundFailure if "error" in d else Decision)
+DECISION = OneOf(CONTROL, "decision", (Decision, RoundFailure), lambda d: RoundFailure if "error" in d else Decision)
 
 
 def decision_from_wire(d: dict) -> Decision | RoundFailure:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated
 
-from .schema import FLAT, Message
+from .schema import FLAT, TO_AGENT, TO_WORKER, Message
 
 STORE_KINDS = frozenset({"store_set", "store_get", "store_wait", "store_check"})
 # the store the start-up's link check meets through (agent/preflight.py): served by every agent, spares included,
@@ -34,14 +34,14 @@ LINK_GENERATION = -1
 
 
 @dataclass(frozen=True)
-class Failure(Message, kind="failure"):
+class Failure(Message, plane=TO_WORKER, kind="failure"):
     """The agent starts a recovery round (its generation was ``generation``): leave it and say how far you got."""
 
     generation: int
 
 
 @dataclass(frozen=True)
-class Left(Message, kind="left"):
+class Left(Message, plane=TO_AGENT, kind="left"):
     """A training process left ``generation`` (or, a spare, answers a round: ``done_step`` -1); ``done_step``: the
     steps it completed there, whose snapshot it settled (the cut may be there); ``why``: what ended it (<= 200)."""
 
@@ -54,7 +54,7 @@ class Left(Message, kind="left"):
 
 
 @dataclass(frozen=True)
-class RoundFailed(Message, kind="round_failed"):
+class RoundFailed(Message, plane=TO_AGENT, kind="round_failed"):
     """Joining or restoring generation ``generation`` failed in this process (``error``, <= 300 characters)."""
 
     generation: int
@@ -110,7 +110,7 @@ class Restore(Message):
 
 
 @dataclass(frozen=True)
-class Role(Message, kind="role", tag="what"):
+class Role(Message, plane=TO_WORKER, kind="role", tag="what"):
     """What a training process does next (kind ``role``): a ``Train``, ``Spare``, ``Exit`` or ``Finish``.
     ``Role.from_wire(body)`` gives the one ``body["what"]`` names."""
 

@@ -1,8 +1,10 @@
 """One schema for the messages that cross a process: a frozen dataclass per kind, its wire form derived from its
 type hints.
 
-A message is a frozen dataclass deriving from ``Message``; ``class Failure(Message, kind="failure")`` gives it a
-``KIND`` and puts it in ``KINDS`` (kind -> class). ``to_wire()`` returns the JSON-safe dict a frame carries (no
+A message is a frozen dataclass deriving from ``Message``; ``class Failure(Message, plane=TO_WORKER,
+kind="failure")`` gives it a ``KIND`` and puts it in ``KINDS[plane]`` (kind -> class). A plane is one kind of
+connection, one way: the same kind may mean another message elsewhere (``abort`` on the channel and between
+agents). ``to_wire()`` returns the JSON-safe dict a frame carries (no
 pickle on the wire: ipc/wire.py signs and sends JSON); ``from_wire(body)`` reads one back, checking every field
 against its type hint, and raises ValueError naming the kind, the key, the value and what was expected.
 
@@ -31,7 +33,13 @@ import types
 import typing
 from typing import Annotated, Any, Callable, ClassVar, Union
 
-KINDS: dict[str, Any] = {}   # kind -> the class (or OneOf) that reads a body of that kind
+TO_AGENT = "channel: training process -> agent"     # agent/channel.py receives, worker/client.py sends
+TO_WORKER = "channel: agent -> training process"    # worker/client.py receives
+CONTROL = "control plane: agent -> agent"           # control/peers.py over MPI
+REPLICA = "replica stream"                          # replica/stream.py, both ways
+PLANES = (TO_AGENT, TO_WORKER, CONTROL, REPLICA)
+
+KINDS: dict[str, dict[str, Any]] = {p: {} for p in PLANES}   # plane -> kind -> the class (or OneOf) reading it
 
 
 class Codec:
@@ -53,21 +61,31 @@ class _Flat:
 FLAT = _Flat()   # Annotated[SomeMessage, FLAT]: the nested message's keys sit in the enclosing body
 
 
-def register(kind: str, reader) -> None:
-    """Put ``reader`` (a Message class or a OneOf) in ``KINDS`` under ``kind``. Raises ValueError for a kind
-    registered already to another reader."""
-    old = KINDS.get(kind)
+def register(plane: str, kind: str, reader) -> None:
+    """Put ``reader`` (a Message class or a OneOf) in ``KINDS[plane]`` under ``kind``. Raises ValueError for an
+    unknown plane, or a kind of that plane registered already to another reader."""
+    if plane not in KINDS:
+        raise ValueError(f"message plane {plane!r} is unknown; accepted: {list(KINDS)}")
+    old = KINDS[plane].get(kind)
     if old is not None and old is not reader:
-        raise ValueError(f"message kind {kind!r} has a schema already ({old!r}); refusing {reader!r}")
-    KINDS[kind] = reader
+        raise ValueError(f"message kind {kind!r} of the {plane} has a schema already ({old!r}); refusing {reader!r}")
+    KINDS[plane][kind] = reader
+
+
+def reader_of(plane: str, kind: str):
+    """The class (or OneOf) that reads ``kind`` on ``plane``. Raises ValueError naming the kinds accepted there."""
+    r = KINDS.get(plane, {}).get(kind)
+    if r is None:
+        raise ValueError(f"message kind {kind!r} has no schema on the {plane}; accepted: {sorted(KINDS.get(plane, ()))}")
+    return r
 
 
 class OneOf:
     """A kind whose body is one of ``types`` (Message classes): ``pick(body)`` says which (a class)."""
 
-    def __init__(self, kind: str, types_: tuple, pick: Callable[[dict], type]):
+    def __init__(self, plane: str, kind: str, types_: tuple, pick: Callable[[dict], type]):
         self.KIND, self.types, self.pick = kind, tuple(types_), pick
-        register(kind, self)
+        register(plane, kind, self)
 
     def from_wire(self, body):
         if not isinstance(body, dict):
@@ -233,8 +251,9 @@ def _plural(expected: str) -> str:
 
 
 class Message:
-    """Base of a message (a frozen dataclass). Class keywords: ``kind`` (registers it in ``KINDS``), ``tag`` (the
-    key that tells the variants of this kind apart), ``variant`` (this class's value of its base's tag)."""
+    """Base of a message (a frozen dataclass). Class keywords: ``plane`` and ``kind`` (register it in ``KINDS``),
+    ``tag`` (the key that tells the variants of this kind apart), ``variant`` (this class's value of its base's
+    tag)."""
 
     KIND: ClassVar[str] = ""
     TAG: ClassVar[str] = ""
@@ -243,13 +262,15 @@ class Message:
     _variants: ClassVar[dict]
     _plan: ClassVar[list | None] = None
 
-    def __init_subclass__(cls, kind: str | None = None, tag: str | None = None, variant: str | None = None,
-                          **kw):
+    def __init_subclass__(cls, plane: str | None = None, kind: str | None = None, tag: str | None = None,
+                          variant: str | None = None, **kw):
         super().__init_subclass__(**kw)
         cls._plan = None
+        if (plane is None) != (kind is None):
+            raise TypeError(f"{cls.__name__}: a message kind is registered with its plane (both or neither)")
         if kind is not None:
             cls.KIND = kind
-            register(kind, cls)
+            register(plane, kind, cls)
         if tag is not None:
             cls.TAG = tag
             cls._variants = {}
@@ -334,6 +355,3 @@ class Message:
         return cls(**vals)
 
 
-def kinds() -> dict[str, Any]:
-    """Every registered kind -> its reader (a copy of ``KINDS``)."""
-    return dict(KINDS)

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ipc.schema import Message
+from ..ipc.schema import REPLICA, Message
 
 
 @dataclass(frozen=True)
-class Push(Message, kind="push"):
+class Push(Message, plane=REPLICA, kind="push"):
     generation: int
     rank: int
     step: int
@@ -28,7 +28,7 @@ class Push(Message, kind="push"):
 
 
 @dataclass(frozen=True)
-class RestoreOffer(Message, kind="restore"):
+class RestoreOffer(Message, plane=REPLICA, kind="restore"):
     generation: int
     rank: int
     step: int
@@ -40,14 +40,14 @@ class RestoreOffer(Message, kind="restore"):
 
 
 @dataclass(frozen=True)
-class Go(Message, kind="go"):
+class Go(Message, plane=REPLICA, kind="go"):
     ok: bool
     retry: bool
     reason: str
 
 
 @dataclass(frozen=True)
-class Ack(Message, kind="ack"):
+class Ack(Message, plane=REPLICA, kind="ack"):
     SPARSE = True
     ok: bool
     reason: str
