@@ -228,3 +228,19 @@ def test_the_heartbeat_detector_needs_no_mpi_socket_or_thread():
     # the control thread uses it; nothing below the control plane does
     users = {m for m, deps in graph.items() if DETECTOR in deps}
     assert users == {f"{PKG}.control.peers"}, users
+
+
+# the control plane is split by role (control/plane.py keeps the ControlPlane object and its inbox's dispatch): the
+# start-up's collectives, the agreement round and the barriers are modules below it, handed the plane; none of them
+# imports it back, and the start-up knows nothing of the control thread or the round
+PLANE = f"{PKG}.control.plane"
+PLANE_PARTS = {f"{PKG}.control.{m}" for m in ("bootstrap", "round", "barrier")}
+
+
+def test_the_control_planes_parts_sit_below_it():
+    graph = import_graph(_modules())
+    assert PLANE_PARTS <= graph[PLANE], sorted(PLANE_PARTS - graph[PLANE])
+    for part in PLANE_PARTS:
+        assert PLANE not in graph[part], f"{part} imports {PLANE}: the parts are handed the plane, never import it"
+    assert not graph[f"{PKG}.control.bootstrap"] & {f"{PKG}.control.{m}" for m in ("peers", "round", "barrier")}
+    assert not graph[f"{PKG}.control.barrier"] & {f"{PKG}.control.peers", f"{PKG}.control.round"}

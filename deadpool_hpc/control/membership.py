@@ -11,7 +11,7 @@ agent, the node included, which takes the view in it as its own.
 
 A recovery that starts while a ``Readmit`` is on its way is safe: the coordinator of its round counts any live,
 reporting node that trains nothing as a spare (``spares_of``), whichever view it took; an agent that gets the
-``Readmit`` of a generation it has not applied yet keeps it until it does (``ControlPlane._apply`` calls
+``Readmit`` of a generation it has not applied yet keeps it until it does (control/round.py ``apply_decision`` calls
 ``apply_pending``). Not covered: the coordinator dying after readmitting a node and before every agent got the
 message; the next coordinator may still suspect the node, whose recovery then times out (RecoveryTimeout: it
 leaves, and the job goes on without it).
@@ -123,7 +123,7 @@ def on_readmit(cp, msg: Readmit) -> None:
 
 
 def apply_pending(cp) -> None:
-    """(``ControlPlane._apply``) The readmissions of the generation just applied."""
+    """(control/round.py ``apply_decision``) The readmissions of the generation just applied."""
     pending, cp.pending_readmits = cp.pending_readmits, []
     for msg in pending:
         if msg.generation > cp.generation:

@@ -14,44 +14,28 @@ thread when a member dies after reporting. Agreement and barriers are point-to-p
 control messages; every wait has a deadline and watches the failure flag, and a failure at any moment of a
 recovery starts the next round.
 
-Agreement (DESIGN.md "Recovery"), one *round*: a process that leaves its generation without having heard of the
-failure disseminates ``teardown``. Every live process sends its report (``ready``) unasked to the coordinator,
-the lowest-ranked live process in its view, as soon as it starts to recover, and again to a new coordinator if
-that one is suspected. The coordinator asks only the processes whose report is still missing ``collect_after``
-seconds into its round (``collect``, with a fresh round id: the failure notice may not have reached them), and
-waits for every ``ready`` (a live process that does not answer within ``ready_timeout`` seconds has a stuck
-training thread: it is suspected). Once all live processes have reported and no suspicion arrived for
-``settle`` seconds, it takes the newest view among the reports (the assignment of the highest applied
-generation: some members may have applied a decision others never received), runs ``agreement.decide``, and
-disseminates ``decision`` down a binomial tree over the live agents (each agent
-passes it on before reading it: O(log N) hops, no agent sends more than log2 N copies). If the coordinator is
-suspected meanwhile, the next lowest takes over with a new round. A forwarder that dies unnoticed cuts its
-subtree off this decision; its death is a failure, and the next round's decision reaches them. A process
-accepts a decision newer than its generation from an unsuspected coordinator; if its waiting exceeds
-``recovery_timeout`` it gives up with RecoveryTimeout (a clear exit, never a hang).
+Split by role: the start-up's collectives in bootstrap.py, the recovery round (both sides, and the decision
+applied) in round.py, the barriers in barrier.py; this module keeps the ControlPlane object, its state, and the
+dispatch of the inbox (``pump``) into the tables those read.
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import operator
 import os
 import time
 
-import numpy as np
-
-from ..errors import Fenced, JobAborted, PeerFailure, RecoveryTimeout, RunFinished
-from ..process import fence as fencing
-from .agreement import decide
+from ..errors import Fenced, JobAborted
+from . import barrier as barriers
+from . import bootstrap
+from . import round as rounds
 from .crashloop import WorkFailure
-from .decision import Decision, RoundFailure, decision_from_wire, from_int_runs, int_runs
+from .decision import Decision, RoundFailure, decision_from_wire
 from .handlers import HandlerTable
-from .membership import Readmit, apply_pending, on_readmit, spares_of
+from .membership import Readmit, on_readmit
 from .mpi import import_mpi, unlink_mpi_shm
 from .peers import Peers
 from .waker import Waker
 
-_HELLO_BYTES = 512
 # control-message kinds this module dispatches itself (``pump``), or the control thread consumes and never hands to
 # the main thread (control/peers.py): a handler registered for one of them would never run, so ``on`` refuses it
 OWN_KINDS = frozenset({"collect", "ready", "decision", "sync", Readmit.KIND, "finish", "abort",
@@ -114,10 +98,11 @@ class ControlPlane:
         self.spare_nodes = list(range(active_nodes, self.size))
         self.members = list(range(self.size * ranks_per_node))
         self.waker = Waker(host, secret)
-        self.idents = self._exchange_identities({**(extra_identity or {}), "wake": self.waker.address,
-                                                 "hb": self.waker.hb_address})
+        self.idents = bootstrap.exchange_identities(world, self.size, {**(extra_identity or {}),
+                                                                       "wake": self.waker.address,
+                                                                       "hb": self.waker.hb_address})
         unlink_mpi_shm()  # every agent is past MPI_Init: the exchange above was a collective over COMM_WORLD
-        self._wire_up()
+        bootstrap.wire_up(MPI, (world, self.ctrl), self.me, self.size)   # no connection made mid-recovery
         self.coordinator: int | None = None  # of the last applied decision
         self._round = 0
         self._collects: dict[int, tuple] = {}        # coordinator MPI rank -> (its newest round id, its generation)
@@ -158,9 +143,9 @@ class ControlPlane:
         return self._generation
 
     def enter_generation(self, g: int) -> None:
-        """Make ``g`` this agent's generation: a decision applied (``_apply``), a readmission taken as this agent's
-        own view (control/membership.py ``rejoin``), or a resume from a checkpoint of generation ``g - 1``
-        (agent/node.py). Raises ValueError for a negative or non-integer ``g``."""
+        """Make ``g`` this agent's generation: a decision applied (control/round.py ``apply_decision``), a
+        readmission taken as this agent's own view (control/membership.py ``rejoin``), or a resume from a checkpoint
+        of generation ``g - 1`` (agent/node.py). Raises ValueError for a negative or non-integer ``g``."""
         try:
             n = operator.index(g)
         except TypeError:
@@ -180,36 +165,10 @@ class ControlPlane:
         collaborators made anew for a returned node, agent/node.py). Returns the kinds unregistered."""
         return self.handlers.off(owner)
 
-    # ---- bootstrap (every process alive: collectives are fine here) ---------------------------------------
-    def _exchange_identities(self, extra: dict) -> list[dict]:
-        mine = json.dumps({**fencing.identity(), **extra}).encode()
-        if len(mine) > _HELLO_BYTES:
-            raise ValueError(f"identity record of {len(mine)} bytes exceeds {_HELLO_BYTES}")
-        out = np.empty(_HELLO_BYTES * self.size, dtype=np.uint8)
-        self.world.Allgather(np.frombuffer(mine.ljust(_HELLO_BYTES, b" "), dtype=np.uint8), out)
-        return [json.loads(out[i * _HELLO_BYTES:(i + 1) * _HELLO_BYTES].tobytes()) for i in range(self.size)]
-
-    def _wire_up(self) -> None:
-        """Connect every pair of processes at start-up, so no connection is made mid-recovery."""
-        MPI = self.MPI
-        for comm in (self.world, self.ctrl):
-            out = np.zeros(self.size, dtype=np.uint8)
-            back = np.empty(self.size, dtype=np.uint8)
-            reqs = []
-            for p in range(self.size):
-                if p != self.me:
-                    reqs.append(comm.Irecv(back[p:p + 1], source=p, tag=3))
-                    reqs.append(comm.Isend(out[p:p + 1], dest=p, tag=3))
-            MPI.Request.Waitall(reqs)
-
+    # ---- bootstrap (every process alive: collectives are fine here; control/bootstrap.py) ---------------------
     def bcast_text(self, text: str | None, root: int = 0) -> str:
         """Broadcast a short text from ``root`` before ``start`` (all processes alive). No pickle."""
-        buf = np.zeros(1024, dtype=np.uint8)
-        if self.me == root:
-            raw = text.encode()
-            buf[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-        self.world.Bcast(buf, root=root)
-        return buf.tobytes().rstrip(b"\0").decode()
+        return bootstrap.bcast_text(self.world, self.me, text, root)
 
     # ---- roles ----------------------------------------------------------------------------------------------
     def procs(self, node: int | None = None) -> list[int]:
@@ -345,7 +304,7 @@ class ControlPlane:
         while time.monotonic() < end and not self.peers.sends_done():
             time.sleep(0.01)
 
-    # ---- recovery ---------------------------------------------------------------------------------------------
+    # ---- recovery (control/round.py) and barriers (control/barrier.py) ----------------------------------------
     def recover(self, report: dict, on_phase=None, wait=None) -> Decision:
         """Agree on the next generation. Called by every live process after leaving the current one.
 
@@ -357,196 +316,13 @@ class ControlPlane:
         ``decide`` (after telling the members), Fenced if the decision declares this process failed, JobAborted if another process aborted, RecoveryTimeout if no decision
         comes within ``recovery_timeout`` seconds, RunFinished if the run ended meanwhile.
         """
-        on_phase = on_phase or (lambda _name: None)
-        wait = wait or self.pump
-        self.peers.failure.set()
-        if self.peers.notice_g < self.generation:  # nobody told us: we are the first to leave this generation
-            self.peers.disseminate("teardown", {"g": self.generation})
-        end = time.monotonic() + self.recovery_timeout
-        answered: dict[int, list] = {}
-        my_round = None
-        told = False
-        auto_to = None
-        while True:
-            self.pump(0)
-            if self._finish is not None:
-                raise RunFinished("the run finished while this process was recovering")
-            decision = self._take_decision()
-            if decision is not None:
-                break
-            alive = self._coordinator_candidates()
-            if alive[0] == self.me:
-                if my_round is None:
-                    my_round = self._start_round(alive)
-                    if not told:
-                        told = True
-                        on_phase("agree")
-                decision = self._coordinate(my_round, alive, report)
-                if decision is not None:
-                    break
-            else:
-                my_round = None
-                if auto_to != alive[0]:   # report at once to the coordinator-to-be: no collect round trip
-                    auto_to = alive[0]
-                    self.peers.send(auto_to, "ready", self._ready_body(["auto", self.generation], report))
-                    if not told:
-                        told = True
-                        on_phase("agree")
-                for src, (rid, _g) in list(self._collects.items()):
-                    if src in alive and answered.get(src) != rid:
-                        self.peers.send(src, "ready", self._ready_body(rid, report))
-                        answered[src] = rid
-                        if not told:
-                            told = True
-                            on_phase("agree")
-            if time.monotonic() > end:
-                raise RecoveryTimeout(f"no decision for a generation after {self.generation} within "
-                                      f"{self.recovery_timeout:.0f} s (coordinator: MPI rank {alive[0]})")
-            # a coordinator re-checks its round at least every ``settle`` seconds; the others wait for a message
-            wait(self.settle if alive[0] == self.me else self.poll_s)
-        if isinstance(decision, RoundFailure):
-            raise decision.exception()
-        if set(self.procs()) & set(decision.fenced):
-            raise Fenced(f"the decision for generation {decision.generation} (coordinator MPI rank "
-                         f"{decision.coordinator}) declares this process failed")
-        on_phase("decided")
-        self._apply(decision)
-        return decision
-
-    def _coordinator_candidates(self) -> list[int]:
-        """Live agents, in order: the first coordinates. (A node whose training process failed declares itself
-        failed and leaves, so a coordinator is never on a node the decision fences.)"""
-        return self.peers.alive()
-
-    def _ready_body(self, rid, report: dict) -> dict:
-        return {"round": rid, "report": report, "applied": self.generation, "assignment": int_runs(self.assignment),
-                "spare_nodes": self.spare_nodes}   # the assignment as runs of ids: O(N) ids, a few runs
-
-    def _start_round(self, alive: list[int]) -> tuple:
-        """A new round with this agent as coordinator. The reports come unasked (``recover``); ``_coordinate``
-        asks the agents still missing ``collect_after`` seconds from now."""
-        self._round += 1
-        rid = (self.me, self._round)
-        self._round_t0 = time.monotonic()
-        self._collected = False
-        return rid
-
-    def _take_decision(self) -> Decision | RoundFailure | None:
-        """The newest decision for a generation after ours, from an unsuspected coordinator, naming us."""
-        best = None
-        for g, (src, d) in self._decisions.items():
-            mine = set(self.procs())
-            named = mine & set(d.members) or mine & set(d.fenced)
-            if g > self.generation and not self.peers.is_suspected(src) and named:
-                if best is None or g > best.generation:
-                    best = d
-        return best
-
-    def _coordinate(self, rid: tuple, alive: list[int], report: dict) -> Decision | RoundFailure | None:
-        ready = self._ready.setdefault(rid, {})
-        if self.me not in ready:
-            ready[self.me] = self._ready_body(list(rid), report)
-        if self._auto:
-            for src, body in self._auto.items():
-                old = ready.get(src)
-                if old is None or body["applied"] > old["applied"]:   # a newer report replaces an older one
-                    ready[src] = body
-            self._auto.clear()
-        now = time.monotonic()
-        if not self._collected and len(ready) < len(alive) and now - self._round_t0 >= self.collect_after:
-            self._collected = True
-            self.peers.send_many([p for p in alive if p not in ready], "collect",
-                                 {"round": list(rid), "g": self.generation})
-        if len(ready) < len(alive) and now - self._round_t0 <= self.ready_timeout:
-            return None  # someone is missing for sure: the O(N) look below waits for the last report
-        missing = [p for p in alive if p not in ready]
-        if missing:
-            if now - self._round_t0 > self.ready_timeout:
-                for p in missing:
-                    self.peers.suspect(p, f"no recovery report within {self.ready_timeout:.1f} s while its heartbeats "
-                                          f"go on: its training thread is stuck")
-            return None
-        if now - self.peers.last_suspicion < self.settle:
-            return None
-        view = max((ready[n] for n in alive), key=lambda b: b["applied"])
-        g = view["applied"] + 1
-        P = self.P
-        assignment = list(from_int_runs(view["assignment"], "a recovery report's assignment"))
-        # a spare readmitted (control/membership.py) after some reports' view was taken is a spare all the same
-        spare_nodes = spares_of(view["spare_nodes"], alive, assignment, P)
-        in_job = set(assignment) | {n * P + i for n in spare_nodes for i in range(P)}
-        failed = {m for n in range(self.size) if self.peers.is_suspected(n) for m in self.procs(n) if m in in_job}
-        reports = {int(m): rep for n in alive for m, rep in ready[n]["report"].items()}
-        try:
-            decision = decide(generation=g, ranks_per_node=P, assignment=assignment,
-                              spare_nodes=spare_nodes, failed=failed, reports=reports,
-                              preempt=self.peers.preempted.is_set(), replicas=self.replicas,
-                              work_failures=tuple(self.work_failures), crash_loop_limit=self.crash_loop_limit)
-        except Exception as exc:  # tell everybody, then raise the same error everywhere
-            decision = RoundFailure(generation=g, error=type(exc).__name__, message=str(exc),
-                                    members=tuple(sorted(m for n in alive for m in self.procs(n))),
-                                    failed_nodes=tuple(sorted({m // P for m in failed})))
-        decision = dataclasses.replace(decision, coordinator=self.me, t_decided=time.time(),
-                                       first_suspicion=self.first_suspicion)
-        wire = decision.to_wire()
-        self.peers.disseminate("decision", wire)   # down a tree over the live agents: O(log N) hops
-        self._ready.pop(rid, None)
-        self.log.emit("decision", **{k: wire.get(k) if k not in ("failed_nodes", "fresh") else list(getattr(decision, k, ()))
-                                     for k in ("generation", "failed_nodes", "promoted", "replaced", "sources", "fresh",
-                                               "cut_step", "exhausted", "reason", "recomputed_steps",
-                                               "t_decided", "first_suspicion", "error", "message", "crash_loop")})
-        return decision
-
-    def _apply(self, decision: Decision) -> None:
-        g = decision.generation
-        self.assignment = list(decision.assignment)
-        self.spare_nodes = list(decision.spare_nodes)
-        self.members = list(decision.members)  # first: fencing the failed below is no loss of a member
-        if decision.exhausted:   # no spare left: the checkpoint round must not lose a slow member's copies
-            self.peers.last_resort = True
-        for n in sorted({m // self.P for m in decision.fenced}):
-            self.peers.suspect(n, "fenced by decision", notify=False)
-            if n not in self.peers.returning:   # a returning agent ended its processes itself, and lives on
-                fencing.fence(self.idents[n])
-        self.coordinator = decision.coordinator
-        self.enter_generation(g)
-        self.first_suspicion = None
-        apply_pending(self)   # nodes readmitted to this generation before its decision reached us
-        self.peers.failure.clear()
-        # a suspicion raised after the decision belongs to the next round (a preemption waits for the next
-        # step boundary: Context._one_step)
-        if any(self.peers.is_suspected(n) for n in self.member_nodes):
-            self.peers.failure.set()
-        self._decisions = {k: v for k, v in self._decisions.items() if k > g}
-        # a report sent unasked before this decision belongs to a round now over
-        self._auto = {src: b for src, b in self._auto.items() if b["applied"] >= g}
-        # a collect sent from generation g already asks for the next round: keep it
-        self._collects = {src: c for src, c in self._collects.items() if c[1] >= g}
+        return rounds.recover(self, report, on_phase=on_phase, wait=wait)
 
     def barrier(self, tag: str, participants: list[int], timeout: float, tick=None) -> None:
         """Wait until every MPI rank in ``participants`` has reached the barrier ``tag`` (point-to-point
         messages, so a dead participant blocks nothing). Raises PeerFailure when a participant is suspected,
         the failure flag is raised, or ``timeout`` seconds pass (naming who is missing)."""
-        for p in participants:
-            if p != self.me:
-                self.peers.send(p, "sync", {"tag": tag})
-        end = time.monotonic() + timeout
-        while True:
-            self.pump(0.01)
-            if tick is not None:
-                tick()
-            got = self._sync.get(tag, set()) | {self.me}
-            missing = [p for p in participants if p not in got]
-            if not missing:
-                self._sync.pop(tag, None)
-                return
-            dead = [p for p in participants if self.peers.is_suspected(p)]
-            if dead:
-                raise PeerFailure(f"barrier {tag}: MPI rank(s) {dead} failed")
-            if self.peers.failure.is_set():
-                raise PeerFailure(f"barrier {tag}: a peer failed")
-            if time.monotonic() > end:
-                raise PeerFailure(f"barrier {tag}: MPI rank(s) {missing} did not arrive within {timeout:.1f} s")
+        barriers.barrier(self, tag, participants, timeout, tick=tick)
 
     def exit(self, code: int = 0) -> None:
         """Leave without MPI_Finalize (peers may be dead), after the queued control messages have left (a peer
@@ -554,4 +330,3 @@ class ControlPlane:
         self.wait_sends()
         self.peers.stop()
         os._exit(code)
-
