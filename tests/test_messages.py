@@ -70,3 +70,40 @@ def test_a_recovery_role_with_a_bad_restore_key_is_refused():
         Role.from_wire(dict(wire, fresh=0))
     with pytest.raises(ValueError, match="left message lacks key 'done_step'"):
         Left.from_wire({"generation": 1, "why": ""})
+
+
+# ---- the control plane's own messages (control/messages.py) -----------------------------------------------------
+def test_the_control_planes_messages_keep_the_wire_form_of_the_dicts_they_replace():
+    from deadpool_hpc.control.decision import int_runs
+    from deadpool_hpc.control.messages import Abort, Collect, Finished, Ready, Report, Sync
+
+    rep = {"own_rank": 0, "own": [40, 41], "held": {"2": [41]}, "done_step": 41, "start_step": 0}
+    spare = {"own_rank": None, "own": [], "held": {}, "done_step": -1, "start_step": 0}
+    old_ready = {"round": ["auto", 3], "report": {"0": rep, "1": spare}, "applied": 3,
+                 "assignment": int_runs([0, 2, 4]), "spare_nodes": [1]}
+    ready = Ready(round=("auto", 3), report={0: Report(0, (40, 41), {2: (41,)}, 41, 0), 1: Report()}, applied=3,
+                  assignment=(0, 2, 4), spare_nodes=(1,))
+    assert _same_frame(ready.to_wire(), old_ready) and ready.unasked
+    assert Ready.from_wire(json.loads(json.dumps(old_ready))) == ready
+    asked = Ready.from_wire(dict(old_ready, round=[0, 7]))
+    assert asked.round == (0, 7) and not asked.unasked
+    assert _same_frame(Collect(round=(0, 7), g=3).to_wire(), {"round": [0, 7], "g": 3})
+    assert _same_frame(Sync("ckpt-4").to_wire(), {"tag": "ckpt-4"})
+    assert _same_frame(Finished(200).to_wire(), {"steps": 200}) and Finished.from_wire({}) == Finished(None)
+    assert _same_frame(Abort("boom", 2).to_wire(), {"error": "boom", "mpi_rank": 2})
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda w: w.update(round=["later", 3]), r"key 'round' is \['later', 3\]; expected \[coordinator, round\]"),
+    (lambda w: w["report"]["0"].update(own=[1, "2"]), r"key 'report\[0\].own' is \[1, '2'\]; expected a list of ints"),
+    (lambda w: w["report"].update(x={}), r"key 'report' is .*; expected an object of int -> an object"),
+    (lambda w: w.pop("applied"), "ready message lacks key 'applied'"),
+])
+def test_a_bad_recovery_report_is_refused_by_name(change, match):
+    from deadpool_hpc.control.messages import Ready, Report
+
+    wire = Ready(round=("auto", 3), report={0: Report(0, (1,))}, applied=3, assignment=(0,), spare_nodes=()).to_wire()
+    wire = json.loads(json.dumps(wire))
+    change(wire)
+    with pytest.raises(ValueError, match=match):
+        Ready.from_wire(wire)
