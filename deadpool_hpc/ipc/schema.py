@@ -227,7 +227,7 @@ def _codec_of(hint, owner: str):
             if not isinstance(v, dict):
                 raise _Bad(kind, path, v, expected)
             try:
-                return {key_of(k, v, kind, path): dec1(x, kind, f"{path}[{k!r}]") for k, x in v.items()}
+                return {key_of(k, v, kind, path): dec1(x, kind, f"{path}[{k}]") for k, x in v.items()}
             except _Bad as exc:
                 if _is_item(exc.path, path):
                     raise _Bad(kind, path, v, expected) from None
