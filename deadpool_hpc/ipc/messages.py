@@ -27,7 +27,7 @@ from typing import Annotated
 
 from .schema import FLAT, TO_AGENT, TO_WORKER, Message
 
-STORE_KINDS = frozenset({"store_set", "store_get", "store_wait", "store_check"})
+STORE_KINDS = frozenset({"store_set", "store_get", "store_wait", "store_check"})   # STORE_REQUESTS' kinds
 # the store the start-up's link check meets through (agent/preflight.py): served by every agent, spares included,
 # under this generation number, which no generation of the job has (they count from 0)
 LINK_GENERATION = -1
@@ -147,3 +147,86 @@ class Exit(Role, variant="exit"):
 @dataclass(frozen=True)
 class Finish(Role, variant="finish"):
     """The run is complete: leave."""
+
+
+# ---- the channel's admission (agent/channel.py, worker/client.py) ---------------------------------------------
+@dataclass(frozen=True)
+class Hello(Message, plane=TO_AGENT, kind="hello"):
+    """A training process's first frame: it is ``local_rank`` of its node, process ``pid``."""
+
+    local_rank: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class Welcome(Message, plane=TO_WORKER, kind="welcome"):
+    """The agent admitted ``local_rank``; it is process ``agent_pid``. Sent with the progress page's fd (of
+    ``page_bytes`` bytes)."""
+
+    local_rank: int
+    agent_pid: int
+    page_bytes: int
+
+
+@dataclass(frozen=True)
+class Refused(Message, plane=TO_WORKER, kind="refused"):
+    """The agent refused the connection: ``why``."""
+
+    why: str
+
+
+# ---- the generation store (worker/client.py AgentStore -> agent/store.py GenerationStore) -----------------------
+@dataclass(frozen=True, kw_only=True)
+class StoreRequest(Message):
+    """A store request: ``id`` (its reply names it), the ``generation`` whose store it asks, ``timeout`` (seconds,
+    > 0: a ``get`` / ``wait`` is answered ``timeout`` by then)."""
+
+    id: int
+    generation: int
+    timeout: float = 60.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreSet(StoreRequest, plane=TO_AGENT, kind="store_set"):
+    """Set ``key`` to ``value`` (bytes, base64)."""
+
+    key: str
+    value: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreGet(StoreRequest, plane=TO_AGENT, kind="store_get"):
+    """The value of ``key``, once it is there."""
+
+    key: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreWait(StoreRequest, plane=TO_AGENT, kind="store_wait"):
+    """Answer once every one of ``keys`` is there."""
+
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreCheck(StoreRequest, plane=TO_AGENT, kind="store_check"):
+    """Whether every one of ``keys`` is there now."""
+
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class StoreReply(Message, plane=TO_WORKER, kind="store_reply"):
+    """The answer to request ``id`` (None: a request without one): ``ok``, with ``value`` (a get's, base64; a
+    check's, a boolean), or not, with ``code`` ("failed": the generation failed or was left; "timeout"; "bad": a
+    malformed request or another generation's) and ``error``."""
+
+    SPARSE = True
+    id: int | None
+    ok: bool
+    code: str | None = None
+    error: str | None = None
+    value: str | bool | None = None
+
+
+STORE_REQUESTS = {c.KIND: c for c in (StoreSet, StoreGet, StoreWait, StoreCheck)}

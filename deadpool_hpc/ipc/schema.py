@@ -11,7 +11,7 @@ against its type hint, and raises ValueError naming the kind, the key, the value
 Field types and their wire form:
 
 - ``int`` (a bool is not an int), ``float`` (an int or a float, read back as a float), ``str``, ``bool``.
-- ``X | None``: null or X. ``tuple[X, ...]`` / ``list[X]``: a JSON list of X.
+- ``X | None``: null or X; ``str | bool`` (scalars): the first that fits. ``tuple[X, ...]`` / ``list[X]``: a JSON list of X.
 - ``dict[str, X]``; ``dict[int, X]``: a JSON object keyed by ``str(int)`` (JSON has only string keys), read back
   with int keys. ``dict`` / ``list`` bare: any JSON object / list, passed as it is.
 - another ``Message``: its own wire form, nested under the field's key; ``Annotated[M, FLAT]``: its keys in the
@@ -177,20 +177,23 @@ def _codec_of(hint, owner: str):
         return (lambda v: list(v)), dec, "a list"
     if origin in (Union, types.UnionType):
         inner = [a for a in args if a is not type(None)]
-        if len(inner) != 1 or len(args) != 2:
-            raise TypeError(f"{owner}: only X | None of the unions has a wire form, not {hint!r}")
-        enc1, dec1, exp1 = _codec_of(inner[0], owner)
-        expected = f"{exp1} or null"
+        optional = len(inner) < len(args)
+        if len(inner) > 1 and not all(a in (int, float, str, bool) for a in inner):
+            raise TypeError(f"{owner}: a union of several types is of int, float, str and bool only, not {hint!r}")
+        parts = [_codec_of(a, owner) for a in inner]
+        expected = " or ".join([p[2] for p in parts] + (["null"] if optional else []))
 
         def dec(v, kind, path):
-            if v is None:
+            if v is None and optional:
                 return None
-            try:
-                return dec1(v, kind, path)
-            except _Bad as exc:
-                if exc.path == path:
-                    raise _Bad(kind, path, v, expected) from None
-                raise
+            for _enc1, dec1, _exp1 in parts:
+                try:
+                    return dec1(v, kind, path)
+                except _Bad as exc:
+                    if exc.path != path or len(parts) == 1 and not optional:
+                        raise
+            raise _Bad(kind, path, v, expected)
+        enc1 = parts[0][0]   # a scalar's wire form is itself
         return (lambda v: None if v is None else enc1(v)), dec, expected
     if origin in (tuple, list):
         if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
