@@ -107,3 +107,131 @@ def test_a_bad_recovery_report_is_refused_by_name(change, match):
     change(wire)
     with pytest.raises(ValueError, match=match):
         Ready.from_wire(wire)
+
+
+# ---- every kind that crosses a process has a schema --------------------------------------------------------------
+import ast  # noqa: E402
+import os  # noqa: E402
+
+from deadpool_hpc.ipc import schema  # noqa: E402
+
+PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deadpool_hpc")
+# the calls that carry a message kind, by method name: (plane, where the kind is among the arguments). The plane of a
+# ``send`` depends on what it is called on (the control plane's ``peers``, the agent's ``channel``, a ``client``)
+_SENDS = {"send_many": 1, "send_to_suspect": 1, "broadcast": 0, "disseminate": 0, "tell_returning": 0}
+# files whose ``kind == "..."`` / ``kind in (...)`` tests read a plane's kinds (their dispatchers)
+_DISPATCH = {"agent/node.py": schema.TO_AGENT, "agent/store.py": schema.TO_AGENT, "agent/channel.py": schema.TO_AGENT,
+             "control/plane.py": schema.CONTROL, "control/peers.py": schema.CONTROL,
+             "worker/client.py": schema.TO_WORKER}
+_LOCAL = {(schema.TO_AGENT, "closed")}   # ChannelServer.poll's own report that a connection ended: never on a wire
+# kinds still read as dicts, each with its schema to come (their senders and handlers are in files other helpers
+# own this session): this list only shrinks
+UNTYPED = {
+    (schema.TO_AGENT, "layout"), (schema.TO_AGENT, "preflight"), (schema.TO_AGENT, "link"),
+    (schema.TO_AGENT, "fault"), (schema.TO_AGENT, "inject_spare"), (schema.TO_AGENT, "finished"),
+    (schema.TO_AGENT, "abort"),
+    (schema.TO_WORKER, "slots"), (schema.TO_WORKER, "preflight"), (schema.TO_WORKER, "link"),
+    (schema.TO_WORKER, "nic_down"),
+    (schema.CONTROL, "suspect"), (schema.CONTROL, "teardown"), (schema.CONTROL, "preempt"),
+    (schema.CONTROL, "fenced"), (schema.CONTROL, "inject"), (schema.CONTROL, "rejoin"), (schema.CONTROL, "over"),
+    (schema.CONTROL, "persist"), (schema.CONTROL, "persisted"), (schema.CONTROL, "kv"),
+    (schema.CONTROL, "preflight"), (schema.CONTROL, "swap_ask"), (schema.CONTROL, "swap_answer"),
+    (schema.CONTROL, "link_ask"), (schema.CONTROL, "straggler_summary"), (schema.CONTROL, "straggler"),
+}
+
+
+def _kind_of(node, consts: dict) -> str | None:
+    """The kind an argument names: a string, a module constant holding one, or ``SomeMessage.KIND``."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.Name) and node.id in consts:
+        return consts[node.id]
+    if isinstance(node, ast.Attribute) and node.attr == "KIND":
+        return f"{ast.unparse(node.value)}.KIND"
+    return None
+
+
+def _plane_of_send(rel: str, receiver: str) -> str | None:
+    last = receiver.rsplit(".", 1)[-1]
+    if last == "peers" or rel == "control/peers.py" and receiver == "self":
+        return schema.CONTROL
+    if last in ("channel", "srv"):
+        return schema.TO_WORKER
+    if last == "client" or rel in ("worker/client.py", "faults.py") and receiver == "self":
+        return schema.TO_AGENT
+    return None
+
+
+def kinds_in_the_code() -> dict[tuple[str, str], list[str]]:
+    """(plane, kind) -> where (file:line) for every message kind the package sends, registers a handler for or
+    dispatches on. A ``Message``'s own ``KIND`` counts as typed by construction and is left out."""
+    found: dict[tuple[str, str], list[str]] = {}
+    for d, _dirs, files in os.walk(PKG):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(d, f)
+            rel = os.path.relpath(path, PKG).replace(os.sep, "/")
+            with open(path) as fh:
+                tree = ast.parse(fh.read(), path)
+            consts = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
+                      and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
+                      for t in n.targets if isinstance(t, ast.Name)}
+            hits = []
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                    name, recv, args = node.func.attr, ast.unparse(node.func.value), node.args
+                    if name == "send" and len(args) >= 2:
+                        plane = _plane_of_send(rel, recv)
+                        at = 1 if plane in (schema.CONTROL, schema.TO_WORKER) else 0
+                        if plane is not None:
+                            hits.append((plane, args[at], node))
+                    elif name in _SENDS and len(args) > _SENDS[name]:
+                        hits.append((schema.CONTROL, args[_SENDS[name]], node))
+                    elif name == "on" and args and recv.rsplit(".", 1)[-1] in ("cp", "client"):
+                        plane = schema.CONTROL if recv.endswith("cp") else schema.TO_WORKER
+                        hits.append((plane, args[0], node))
+                    elif name in ("_req", "request", "submit") and args and rel == "worker/client.py":
+                        hits.append((schema.TO_AGENT, args[0], node))
+                    elif name == "get" and args and recv.rsplit(".", 1)[-1] == "client":
+                        hits.append((schema.TO_WORKER, args[0], node))
+                    elif name == "encode" and args and rel in ("control/peers.py",):
+                        hits.append((schema.CONTROL, args[0], node))
+                elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "encode_frame":
+                    plane = {"agent/channel.py": schema.TO_WORKER, "worker/client.py": schema.TO_AGENT}.get(rel)
+                    if plane is not None and node.args:
+                        hits.append((plane, node.args[0], node))
+                elif isinstance(node, ast.Compare) and rel in _DISPATCH and isinstance(node.left, ast.Name) \
+                        and node.left.id == "kind":
+                    for op, right in zip(node.ops, node.comparators):
+                        items = right.elts if isinstance(op, ast.In) and isinstance(right, (ast.Tuple, ast.Set)) \
+                            else [right] if isinstance(op, ast.Eq) else []
+                        hits += [(_DISPATCH[rel], item, node) for item in items]
+            for plane, arg, node in hits:
+                kind = _kind_of(arg, consts)
+                if kind is not None and not kind.endswith(".KIND"):
+                    found.setdefault((plane, kind), []).append(f"{rel}:{node.lineno}")
+    return found
+
+
+def test_every_message_kind_in_the_code_has_a_schema():
+    found = kinds_in_the_code()
+    # the scan sees what it must: kinds of each plane, typed and untyped
+    assert {(schema.CONTROL, "decision"), (schema.CONTROL, "teardown"), (schema.TO_AGENT, "store_set"),
+            (schema.TO_AGENT, "layout"), (schema.TO_WORKER, "slots")} <= set(found)
+    untyped = {pk: where for pk, where in found.items()
+               if pk[1] not in schema.KINDS[pk[0]] and pk not in UNTYPED and pk not in _LOCAL}
+    assert not untyped, f"message kinds without a schema (ipc/schema.py): {untyped}"
+    stale = sorted(pk for pk in UNTYPED if pk[1] in schema.KINDS[pk[0]] or pk not in found)
+    assert not stale, f"UNTYPED lists kinds that have a schema now, or that the code no longer uses: {stale}"
+
+
+def test_the_scan_finds_a_new_untyped_kind(tmp_path, monkeypatch):
+    """A kind added without a schema fails the test above: the scan finds it in a module of the package."""
+    mod = tmp_path / "deadpool_hpc"
+    (mod / "agent").mkdir(parents=True)
+    (mod / "agent" / "new.py").write_text('def f(cp, a):\n    cp.peers.send(1, "brand_new", {})\n'
+                                          '    a.channel.send(0, "to_worker_new", {})\n    cp.on("heard", print)\n')
+    monkeypatch.setattr(__import__(__name__), "PKG", str(mod))
+    assert set(kinds_in_the_code()) == {(schema.CONTROL, "brand_new"), (schema.TO_WORKER, "to_worker_new"),
+                                        (schema.CONTROL, "heard")}
