@@ -113,7 +113,9 @@ def test_a_bad_recovery_report_is_refused_by_name(change, match):
 import ast  # noqa: E402
 import os  # noqa: E402
 
+from deadpool_hpc.control import messages as _control_messages  # noqa: E402,F401 - registers the control plane's
 from deadpool_hpc.ipc import schema  # noqa: E402
+from deadpool_hpc.replica import headers as _replica_headers  # noqa: E402,F401 - registers the replica stream's
 
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deadpool_hpc")
 # the calls that carry a message kind, by method name: (plane, where the kind is among the arguments). The plane of a
@@ -134,9 +136,8 @@ UNTYPED = {
     (schema.TO_WORKER, "nic_down"),
     (schema.CONTROL, "suspect"), (schema.CONTROL, "teardown"), (schema.CONTROL, "preempt"),
     (schema.CONTROL, "fenced"), (schema.CONTROL, "inject"), (schema.CONTROL, "rejoin"), (schema.CONTROL, "over"),
-    (schema.CONTROL, "persist"), (schema.CONTROL, "persisted"), (schema.CONTROL, "kv"),
-    (schema.CONTROL, "preflight"), (schema.CONTROL, "swap_ask"), (schema.CONTROL, "swap_answer"),
-    (schema.CONTROL, "link_ask"), (schema.CONTROL, "straggler_summary"), (schema.CONTROL, "straggler"),
+    (schema.CONTROL, "swap_ask"), (schema.CONTROL, "swap_answer"),
+    (schema.CONTROL, "link_ask"),
 }
 
 

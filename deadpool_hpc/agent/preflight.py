@@ -62,6 +62,8 @@ import statistics
 import subprocess
 import time
 
+from ..control.messages import PeerPreflight, PreflightBuilt, PreflightFigure
+
 SYNC_S = 10.0               # seconds an agent waits for the other nodes' "built", and then for their figures
 PREFLIGHT_TIMEOUT_S = 60.0  # seconds a node's training processes have to answer a matmul check (at least)
 RETIMES = 2                 # a node found slow at start-up times its matmul again, up to this many times,
@@ -190,17 +192,15 @@ class SpeedCheck:
         self._answers: dict[int, dict] = {}
         self.asked_at: float | None = None
         self._slow_in_a_row = 0   # an idle spare's re-checks over the factor, one after the other
-        cp.on("preflight", self._on_peer)
+        cp.on(PeerPreflight.KIND, self._on_peer)
 
     # ---- messages --------------------------------------------------------------------------------------------
-    def _on_peer(self, src: int, body: dict) -> None:
-        if body.get("phase") == "built":
+    def _on_peer(self, src: int, msg: PeerPreflight) -> None:
+        if isinstance(msg, PreflightBuilt):
             self.built.add(src)
-        elif body.get("phase") == "figure" and isinstance(body.get("seconds"), (int, float)):
-            self.figures[src] = float(body["seconds"])
-            links = body.get("links")
-            if isinstance(links, dict):
-                self.links[src] = {int(q): bool(ok) for q, ok in links.items() if str(q).isdigit()}
+        elif isinstance(msg, PreflightFigure):
+            self.figures[src] = msg.seconds
+            self.links[src] = dict(msg.links)
 
     def on_local(self, local: int, body: dict) -> None:
         """A training process's answer (worker/preflight.py)."""
@@ -232,7 +232,7 @@ class SpeedCheck:
         alive = lambda: set(cp.peers.alive())  # noqa: E731
         active = {m // self.P for m in cp.assignment}   # their build is waited for anyway: step 0 needs every rank
         self.built.add(me)
-        cp.peers.send_many(sorted(alive() - {me}), "preflight", {"phase": "built"})
+        cp.peers.send_many(sorted(alive() - {me}), PeerPreflight.KIND, PreflightBuilt().to_wire())
         spares_by = None   # when the active nodes were built: the spares get SYNC_S more
         while not alive() <= self.built and time.monotonic() < deadline:
             if active & alive() <= self.built:
@@ -258,8 +258,8 @@ class SpeedCheck:
         mine_links = {q: r["ok"] for q, r in links.items() if r["seen"]}
         peers = (self.built & alive()) - {me}   # a node built later gets our figures too and judges itself with them
         self.figures[me] = mine
-        cp.peers.send_many(sorted(alive() - {me}), "preflight", {"phase": "figure", "seconds": mine,
-                                                                 "links": {str(q): ok for q, ok in mine_links.items()}})
+        cp.peers.send_many(sorted(alive() - {me}), PeerPreflight.KIND,
+                           PreflightFigure(seconds=mine, links=dict(mine_links)).to_wire())
         t_sent = time.monotonic()
         end = time.monotonic() + SYNC_S
         while not (peers & alive()) <= set(self.figures) and time.monotonic() < end:

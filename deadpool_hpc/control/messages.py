@@ -15,6 +15,10 @@ control/decision.py's, the readmission control/membership.py's.
 - ``Sync`` (``sync``): this agent reached barrier ``tag``.
 - ``Finished`` (``finish``): the run is over (``steps``: the steps trained, when known).
 - ``Abort`` (``abort``): agent ``mpi_rank`` stops the job: ``error``.
+
+Then the node agents' own exchanges (persist rounds, the rendezvous store's sets, stragglers, the start-up
+pre-flight), each described where it is defined below; ``ControlPlane.on`` handlers of these kinds get them typed
+(control/handlers.py).
 """
 from __future__ import annotations
 
@@ -81,3 +85,77 @@ class Finished(Message, plane=CONTROL, kind="finish"):
 class Abort(Message, plane=CONTROL, kind="abort"):
     error: str
     mpi_rank: int
+
+
+# ---- the node agents' own exchanges over the control plane (handlers registered with ControlPlane.on) -----------
+@dataclass(frozen=True)
+class Persist(Message, plane=CONTROL, kind="persist"):
+    """(the persist scheduler -> every training node, agent/persister.py) Write the checkpoint of ``step`` of
+    generation ``g``."""
+
+    g: int
+    step: int
+
+
+@dataclass(frozen=True)
+class Persisted(Message, plane=CONTROL, kind="persisted"):
+    """(a training node -> the scheduler) Done with round ``step`` of generation ``g``: written (``ok``), or missed
+    or failed."""
+
+    g: int
+    step: int
+    ok: bool = True
+
+
+@dataclass(frozen=True)
+class Kv(Message, plane=CONTROL, kind="kv"):
+    """(agent/rendezvous.py) A ``set`` of generation ``g``'s store: ``key`` to ``value`` (bytes, base64)."""
+
+    g: int
+    key: str
+    value: str
+
+
+@dataclass(frozen=True)
+class StragglerSummary(Message, plane=CONTROL, kind="straggler_summary"):
+    """(every training node -> the lowest live agent, agent/stragglers.py) ``node``'s seconds per step in
+    ``generation``: its own work (``own_s``) and the wall step (``step_s``), for its training ``ranks``; ``site``:
+    its health plugin's slowest site ``[factor, name]``, or None."""
+
+    node: int
+    generation: int
+    own_s: float
+    step_s: float
+    ranks: tuple[int, ...]
+    site: list | None = None
+
+    def __post_init__(self):
+        s = self.site
+        if s is not None and not (len(s) == 2 and isinstance(s[0], (int, float)) and not isinstance(s[0], bool)
+                                  and isinstance(s[1], str)):
+            raise ValueError(f"straggler_summary message: key 'site' is {s!r}; expected [factor, name] or null")
+
+
+@dataclass(frozen=True)
+class Straggler(Message, plane=CONTROL, kind="straggler"):
+    """(the lowest live agent -> a straggler) Hand your work to a spare: ``reason``."""
+
+    reason: str = "straggler"
+
+
+@dataclass(frozen=True)
+class PeerPreflight(Message, plane=CONTROL, kind="preflight", tag="phase"):
+    """(agent/preflight.py, every agent -> every agent at start-up) ``built``: this agent's training processes
+    are built; ``figure``: its pre-flight matmul took ``seconds``, and its links to peers (``links``: peer ->
+    ok)."""
+
+
+@dataclass(frozen=True)
+class PreflightBuilt(PeerPreflight, variant="built"):
+    pass
+
+
+@dataclass(frozen=True)
+class PreflightFigure(PeerPreflight, variant="figure"):
+    seconds: float
+    links: dict[int, bool] = field(default_factory=dict)

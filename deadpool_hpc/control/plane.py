@@ -270,7 +270,10 @@ class ControlPlane:
             elif kind == Abort.KIND:
                 self._abort = Abort.from_wire(body)
             elif kind in self.handlers:
-                self.handlers[kind](src, body)
+                try:
+                    self.handlers.dispatch(src, kind, body)   # typed, for a kind with a schema (control/handlers.py)
+                except ValueError as exc:   # malformed: dropped, and said (the sender's bug, not a fault)
+                    self.log.emit("bad_message", kind=kind, src=src, error=str(exc)[:300])
             timeout = 0.0
             deadline = time.monotonic()
         if self._abort is not None:
