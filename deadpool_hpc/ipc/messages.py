@@ -22,7 +22,7 @@ a ``generation``; its agent's ``GenerationStore`` of that generation (agent/stor
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 from .schema import FLAT, TO_AGENT, TO_WORKER, Message
@@ -230,3 +230,27 @@ class StoreReply(Message, plane=TO_WORKER, kind="store_reply"):
 
 
 STORE_REQUESTS = {c.KIND: c for c in (StoreSet, StoreGet, StoreWait, StoreCheck)}
+
+
+# ---- the snapshot slots (worker/client.py attach_slots -> agent/node.py) ----------------------------------------
+@dataclass(frozen=True)
+class Layout(Message, plane=TO_AGENT, kind="layout"):
+    """A training process asks for ``count`` snapshot slots of ``nbytes`` bytes; what they hold: ``tensors``
+    (``[dtype name, shape]`` each, in order), ``rng_nbytes`` of RNG state after them, and ``local_nbytes`` kept in
+    the process only (replica/snapshot.py StateLayout)."""
+
+    nbytes: int
+    count: int = 2
+    tensors: list = field(default_factory=list)
+    rng_nbytes: int = 0
+    local_nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class Slots(Message, plane=TO_WORKER, kind="slots"):
+    """The agent's answer to ``layout``: ``count`` shared buffers of ``nbytes`` bytes, and its doorbell when
+    ``bell``, as fds sent with the frame (in that order)."""
+
+    nbytes: int
+    count: int
+    bell: bool = False

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ..errors import AgentLost, ChannelError, ChannelTimeout, PeerFailure
 from ..ipc.frames import ENV, FD_KEY, MAX_FDS, RESERVED, FrameReader, address_of, encode_frame
-from ..ipc.messages import STORE_REQUESTS, Hello, Refused, StoreReply, StoreRequest, Welcome
+from ..ipc.messages import STORE_REQUESTS, Hello, Layout, Refused, Slots, StoreReply, StoreRequest, Welcome
 from ..process import children
 from ..ipc.shm import Doorbell, ProgressPage, SharedBuffer
 
@@ -271,22 +271,27 @@ class AgentClient:
         raise ChannelError(f"{kind} {body.get('key') or body.get('keys')}: {error}")
 
     def attach_slots(self, nbytes: int, timeout: float, count: int = 2, **layout) -> list[SharedBuffer]:
-        """Ask the agent for ``count`` snapshot slots of ``nbytes`` bytes (``layout {nbytes, count, **layout}``:
-        ``layout`` describes the payload, e.g. its tensors, for the agent's checkpoint writer), wait for its
-        ``slots {nbytes, count}`` message with the fds, map them. Returns the SharedBuffers (``.tensor`` /
-        ``.array`` views; ``.pin()`` on a GPU node). Raises ChannelError if the agent's answer does not match."""
-        self.send("layout", {"nbytes": nbytes, "count": count, **layout})
-        body = self.get("slots", timeout)
+        """Ask the agent for ``count`` snapshot slots of ``nbytes`` bytes (``Layout``; ``layout``: its other fields,
+        ``tensors``, ``rng_nbytes``, ``local_nbytes``, what the payload holds, for the agent's checkpoint writer),
+        wait for its ``Slots`` message with the fds, map them. Returns the SharedBuffers (``.tensor`` / ``.array``
+        views; ``.pin()`` on a GPU node). Raises ChannelError if the agent's answer does not match, TypeError for a
+        ``layout`` field that ``Layout`` lacks."""
+        self.send(Layout.KIND, Layout(nbytes=nbytes, count=count, **layout).to_wire())
+        body = self.get(Slots.KIND, timeout)
         fds = body.get(FD_KEY, [])
         try:
-            if body.get("nbytes") != nbytes or len(fds) != count + bool(body.get("bell")):
-                raise ChannelError(f"the agent sent {len(fds)} fds for slots of {body.get('nbytes')} bytes; asked "
-                                   f"for {count} of {nbytes}" + (" and its doorbell" if body.get("bell") else ""))
+            try:
+                slots = Slots.from_wire(body)
+            except ValueError as exc:
+                raise ChannelError(str(exc)) from exc
+            if slots.nbytes != nbytes or len(fds) != count + slots.bell:
+                raise ChannelError(f"the agent sent {len(fds)} fds for slots of {slots.nbytes} bytes; asked "
+                                   f"for {count} of {nbytes}" + (" and its doorbell" if slots.bell else ""))
         except ChannelError:
             for fd in fds:
                 os.close(fd)
             raise
-        if body.get("bell"):
+        if slots.bell:
             fd = fds.pop()
             os.set_inheritable(fd, False)   # SCM_RIGHTS fds come without close-on-exec: the user's programs never get it
             self.bell = Doorbell(fd)        # agent/desk.py: rung after each claim and written word
