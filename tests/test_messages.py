@@ -129,15 +129,11 @@ _LOCAL = {(schema.TO_AGENT, "closed")}   # ChannelServer.poll's own report that 
 # kinds still read as dicts, each with its schema to come (their senders and handlers are in files other helpers
 # own this session): this list only shrinks
 UNTYPED = {
-    (schema.TO_AGENT, "preflight"), (schema.TO_AGENT, "link"),
     (schema.TO_AGENT, "fault"), (schema.TO_AGENT, "inject_spare"), (schema.TO_AGENT, "finished"),
-    (schema.TO_AGENT, "abort"),
-    (schema.TO_WORKER, "preflight"), (schema.TO_WORKER, "link"),
-    (schema.TO_WORKER, "nic_down"),
+    (schema.TO_AGENT, "abort"), (schema.TO_WORKER, "nic_down"),
     (schema.CONTROL, "suspect"), (schema.CONTROL, "teardown"), (schema.CONTROL, "preempt"),
     (schema.CONTROL, "fenced"), (schema.CONTROL, "inject"), (schema.CONTROL, "rejoin"), (schema.CONTROL, "over"),
-    (schema.CONTROL, "swap_ask"), (schema.CONTROL, "swap_answer"),
-    (schema.CONTROL, "link_ask"),
+    (schema.CONTROL, "swap_ask"), (schema.CONTROL, "swap_answer"), (schema.CONTROL, "link_ask"),
 }
 
 
@@ -236,3 +232,31 @@ def test_the_scan_finds_a_new_untyped_kind(tmp_path, monkeypatch):
     monkeypatch.setattr(__import__(__name__), "PKG", str(mod))
     assert set(kinds_in_the_code()) == {(schema.CONTROL, "brand_new"), (schema.TO_WORKER, "to_worker_new"),
                                         (schema.CONTROL, "heard")}
+
+
+def test_the_link_check_reads_its_answers_typed_and_drops_a_malformed_one():
+    from deadpool_hpc.agent.preflight import LinkCheck, link_request
+    from deadpool_hpc.ipc.messages import LinkAnswer, LinkAsk, LinkResult
+
+    sent = []
+    chk = LinkCheck(_fake_channel(sent), 2)
+    chk.ask(1, [(0, 0, 1), (2, 1, 2)])
+    ask = LinkAsk.from_wire(json.loads(json.dumps(sent[0][2])))
+    assert [(p.peer, p.rank, p.key) for p in ask.pairs] == [(0, 1, "0-1/0"), (2, 0, "1-2/0")]
+    assert sent[0][2] == link_request(1, 1, [(0, 0, 1), (2, 1, 2)], "", 0)
+    ok = LinkResult(seen=True, ok=True, seconds=0.01)
+    chk.on_local(0, json.loads(json.dumps(LinkAnswer(ask.id, {0: ok, 2: ok}).to_wire())))
+    chk.on_local(1, {"id": ask.id, "pairs": {"0": {"seen": "yes"}}})   # malformed: dropped
+    chk.on_local(1, json.loads(json.dumps(LinkAnswer(ask.id, {0: ok, 2: LinkResult(seen=True, error="x",
+                                                                                    partner=True)}).to_wire())))
+    got = chk.collect()
+    assert got[0] == {"seen": True, "ok": True, "seconds": 0.01, "error": None, "partner_fault": False}
+    assert got[2] == {"seen": True, "ok": False, "seconds": None, "error": "x", "partner_fault": True}
+
+
+def _fake_channel(sent: list):
+    class _Channel:
+        def send(self, local, kind, body, fds=()):
+            sent.append((local, kind, body))
+            return True
+    return _Channel()

@@ -254,3 +254,62 @@ class Slots(Message, plane=TO_WORKER, kind="slots"):
     nbytes: int
     count: int
     bell: bool = False
+
+
+# ---- the start-up pre-flight (agent/preflight.py <-> worker/preflight.py) ----------------------------------------
+@dataclass(frozen=True)
+class MatmulAsk(Message, plane=TO_WORKER, kind="preflight"):
+    """Time the pre-flight matmul on your device; answer with ``id``."""
+
+    id: int
+
+
+@dataclass(frozen=True)
+class MatmulFigure(Message, plane=TO_AGENT, kind="preflight"):
+    """The answer to ask ``id``: the matmul took ``seconds`` on ``device``, or failed (``error``)."""
+
+    id: int | None
+    seconds: float | None
+    error: str | None
+    device: str = ""
+
+
+@dataclass(frozen=True)
+class LinkPair(Message):
+    """One link to check: meet the process of ``peer`` (a node) under store ``key``, as ``rank`` 0 or 1 of the
+    pair's group."""
+
+    peer: int
+    rank: int
+    key: str
+
+
+@dataclass(frozen=True)
+class LinkAsk(Message, plane=TO_WORKER, kind="link"):
+    """Check ``pairs`` (each on a thread of its own), waiting ``wait_s`` seconds for a partner and ``timeout_s``
+    for each later step; answer with ``id`` (an int, or a re-check's tag)."""
+
+    id: int | str
+    pairs: tuple[LinkPair, ...]
+    wait_s: float = 5.0
+    timeout_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class LinkResult(Message):
+    """One link's outcome: the partner came (``seen``; if not, nothing is judged by it); its all-reduces were right
+    (``ok``), the median took ``seconds``, or ``error``; ``partner``: the failure is the partner's own device."""
+
+    seen: bool
+    ok: bool = False
+    seconds: float | None = None
+    error: str | None = None
+    partner: bool = False
+
+
+@dataclass(frozen=True)
+class LinkAnswer(Message, plane=TO_AGENT, kind="link"):
+    """The answer to link ask ``id``: each pair's result by peer node."""
+
+    id: int | str | None
+    pairs: dict[int, LinkResult]
