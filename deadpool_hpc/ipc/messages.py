@@ -1,8 +1,9 @@
 """What the agent channel's messages say, at both ends (``agent/`` answers, ``worker/`` asks), beyond the frames
 (``ipc/frames.py``).
 
-The recovery path's messages are typed values, each a frozen dataclass whose ``to_wire`` / ``from_wire`` (the
-JSON-safe body of a channel frame; no pickle) ``ipc/schema.py`` derives from its type hints:
+The channel's messages are typed values, each a frozen dataclass whose ``to_wire`` / ``from_wire`` (the JSON-safe
+body of a channel frame; no pickle) ``ipc/schema.py`` derives from its type hints, registered by the way it goes
+(``schema.TO_AGENT`` / ``schema.TO_WORKER``). The recovery path's:
 
 - ``Failure`` (agent -> worker, kind ``failure``): a recovery round starts; leave the generation.
 - ``Left`` (worker -> agent, ``left``): this process left ``generation`` having completed ``done_step``.
@@ -17,8 +18,11 @@ wrong type raises ValueError naming it. The wire form is the one the dicts read 
 but for a spare's first role, which no longer carries a trainer's keys that nobody read (rank null, world_size,
 high_water, resume).
 
-The generation store: a training process's ``AgentStore`` (worker/client.py) sends ``STORE_KINDS`` requests with
-a ``generation``; its agent's ``GenerationStore`` of that generation (agent/store.py) answers ``store_reply``.
+The generation store: a training process's ``AgentStore`` (worker/client.py) sends ``STORE_REQUESTS`` with a
+``generation``; its agent's ``GenerationStore`` of that generation (agent/store.py) answers ``StoreReply``. The
+others: the admission (``Hello``, ``Welcome``, ``Refused``: agent/channel.py), the snapshot slots (``Layout``,
+``Slots``) and the start-up pre-flight (``MatmulAsk`` / ``MatmulFigure``, ``LinkAsk`` / ``LinkAnswer``:
+agent/preflight.py, worker/preflight.py), each described where it is defined.
 """
 from __future__ import annotations
 
