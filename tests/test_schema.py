@@ -94,6 +94,13 @@ def test_every_type_survives_its_wire_form_and_the_form_is_plain_json():
     assert Coded.from_wire(Coded(4).to_wire()) == Coded(4) and Coded(4).to_wire() == {"n": 8}
 
 
+def test_a_default_from_a_factory_is_made_for_each_message_read():
+    from deadpool_hpc.control.messages import Report
+
+    a, b = Report.from_wire({}), Report.from_wire({})
+    assert a == Report() and a.held == {} and a.held is not b.held
+
+
 def test_a_sparse_message_leaves_out_the_fields_that_are_none():
     assert Sparse(True).to_wire() == {"ok": True} and Sparse.from_wire({"ok": True}) == Sparse(True)
     full = Sparse(False, 3, ["h", 1])

@@ -122,6 +122,13 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+class _Factory:
+    __slots__ = ("make",)
+
+    def __init__(self, make):
+        self.make = make
+
+
 class _Field:
     __slots__ = ("name", "enc", "dec", "default", "flat", "optional")
     # optional: for a flat field, whether it may be None; else whether the field is left out when None (SPARSE)
@@ -292,8 +299,9 @@ class Message:
             plan = []
             for f in dataclasses.fields(cls):
                 hint = hints[f.name]
+                # a default: its value, or its factory (called for each message read: no mutable default shared)
                 default = f.default if f.default is not dataclasses.MISSING else (
-                    f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
+                    _Factory(f.default_factory) if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
                 flat = typing.get_origin(hint) is Annotated and any(m is FLAT for m in hint.__metadata__)
                 if flat:
                     inner = typing.get_args(hint)[0]
@@ -351,7 +359,7 @@ class Message:
                 continue
             if f.name not in body:
                 if f.default is not dataclasses.MISSING:
-                    vals[f.name] = f.default
+                    vals[f.name] = f.default.make() if isinstance(f.default, _Factory) else f.default
                     continue
                 raise ValueError(f"{kind} message lacks key {prefix + f.name!r}")
             vals[f.name] = f.dec(body[f.name], kind, prefix + f.name)
