@@ -113,7 +113,10 @@ def test_a_bad_recovery_report_is_refused_by_name(change, match):
 import ast  # noqa: E402
 import os  # noqa: E402
 
+from deadpool_hpc.agent import watch as _watch  # noqa: E402,F401 - registers the ring watch's
 from deadpool_hpc.control import messages as _control_messages  # noqa: E402,F401 - registers the control plane's
+from deadpool_hpc.control import membership as _membership  # noqa: E402,F401 - registers readmit
+from deadpool_hpc.process import forkserver as _forkserver  # noqa: E402,F401 - registers the fork server's
 from deadpool_hpc.ipc import schema  # noqa: E402
 from deadpool_hpc.replica import headers as _replica_headers  # noqa: E402,F401 - registers the replica stream's
 
@@ -122,9 +125,13 @@ PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 # ``send`` depends on what it is called on (the control plane's ``peers``, the agent's ``channel``, a ``client``)
 _SENDS = {"send_many": 1, "send_to_suspect": 1, "broadcast": 0, "disseminate": 0, "tell_returning": 0}
 # files whose ``kind == "..."`` / ``kind in (...)`` tests read a plane's kinds (their dispatchers)
-_DISPATCH = {"agent/node.py": schema.TO_AGENT, "agent/store.py": schema.TO_AGENT, "agent/channel.py": schema.TO_AGENT,
+_DISPATCH = {"process/forkserver.py": schema.FORKSERVER, "agent/watch.py": schema.WATCH,
+             "agent/node.py": schema.TO_AGENT, "agent/store.py": schema.TO_AGENT, "agent/channel.py": schema.TO_AGENT,
              "control/plane.py": schema.CONTROL, "control/peers.py": schema.CONTROL,
              "worker/client.py": schema.TO_WORKER}
+# files that encode messages of a plane of their own with ipc/wire.py ``encode`` (``wire.encode``)
+_ENCODES = {"control/peers.py": schema.CONTROL, "process/forkserver.py": schema.FORKSERVER,
+            "agent/watch.py": schema.WATCH}
 _LOCAL = {(schema.TO_AGENT, "closed")}   # ChannelServer.poll's own report that a connection ended: never on a wire
 # kinds still read as dicts, each with its schema to come (their senders and handlers are in files other helpers
 # own this session): this list only shrinks
@@ -192,11 +199,14 @@ def kinds_in_the_code() -> dict[tuple[str, str], list[str]]:
                         hits.append((schema.TO_AGENT, args[0], node))
                     elif name == "get" and args and recv.rsplit(".", 1)[-1] == "client":
                         hits.append((schema.TO_WORKER, args[0], node))
-                    elif name == "encode" and args and rel in ("control/peers.py",):
-                        hits.append((schema.CONTROL, args[0], node))
-                elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "encode_frame":
-                    plane = {"agent/channel.py": schema.TO_WORKER, "worker/client.py": schema.TO_AGENT}.get(rel)
-                    if plane is not None and node.args:
+                    elif name == "encode" and args and rel in _ENCODES:
+                        hits.append((_ENCODES[rel], args[0], node))
+                elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args:
+                    if node.func.id == "encode_frame":
+                        plane = {"agent/channel.py": schema.TO_WORKER, "worker/client.py": schema.TO_AGENT}.get(rel)
+                    else:
+                        plane = _ENCODES.get(rel) if node.func.id == "encode" else None
+                    if plane is not None:
                         hits.append((plane, node.args[0], node))
                 elif isinstance(node, ast.Compare) and rel in _DISPATCH and isinstance(node.left, ast.Name) \
                         and node.left.id == "kind":
@@ -229,9 +239,11 @@ def test_the_scan_finds_a_new_untyped_kind(tmp_path, monkeypatch):
     (mod / "agent").mkdir(parents=True)
     (mod / "agent" / "new.py").write_text('def f(cp, a):\n    cp.peers.send(1, "brand_new", {})\n'
                                           '    a.channel.send(0, "to_worker_new", {})\n    cp.on("heard", print)\n')
+    (mod / "process").mkdir()
+    (mod / "process" / "forkserver.py").write_text('def g(s):\n    return encode("fork_new", {}, s)\n')
     monkeypatch.setattr(__import__(__name__), "PKG", str(mod))
     assert set(kinds_in_the_code()) == {(schema.CONTROL, "brand_new"), (schema.TO_WORKER, "to_worker_new"),
-                                        (schema.CONTROL, "heard")}
+                                        (schema.CONTROL, "heard"), (schema.FORKSERVER, "fork_new")}
 
 
 def test_the_link_check_reads_its_answers_typed_and_drops_a_malformed_one():
