@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from deadpool_hpc.config import Fault, RunConfig
-from deadpool_hpc.control.membership import Readmit, may_readmit, on_readmit, spares_of
+from deadpool_hpc.control.membership import Membership, Readmit, may_readmit, on_readmit, spares_of
 from deadpool_hpc.errors import ConfigError
 from deadpool_hpc.faultplan import check, rounds
 
@@ -46,15 +46,23 @@ class _Peers:
 
 
 class _CP:
-    """The few fields of a ControlPlane that membership.py reads (P = 1)."""
+    """The few fields of a ControlPlane that membership.py reads (P = 1); its view is replaced, as the plane's."""
+
+    generation = property(lambda self: self.membership.generation)
+    assignment = property(lambda self: self.membership.assignment)
+    spare_nodes = property(lambda self: self.membership.spare_nodes)
+    members = property(lambda self: self.membership.members)
 
     def __init__(self, me, generation, assignment, spare_nodes, members, peers, failure=False):
-        self.me, self.P, self.generation = me, 1, generation
-        self.assignment, self.spare_nodes, self.members = list(assignment), list(spare_nodes), list(members)
+        self.me, self.P = me, 1
+        self.membership = Membership(generation, assignment, spare_nodes, members)
         self.peers, self.pending_readmits = peers, []
         self.failure = threading.Event()
         if failure:
             self.failure.set()
+
+    def adopt(self, view):
+        self.membership = view
 
     def procs(self, n):
         return [n]
@@ -77,11 +85,11 @@ def test_a_readmission_of_a_generation_not_applied_yet_waits_for_it():
     later = Readmit(node=1, generation=2, assignment=(0, 3), spare_nodes=(1,), members=(0, 1, 2, 3), suspected=(),
                     coordinator=0, t=0.0)
     on_readmit(cp, later)
-    assert cp.pending_readmits == [later] and cp.spare_nodes == [] and 1 in cp.peers.suspected
+    assert cp.pending_readmits == [later] and cp.spare_nodes == () and 1 in cp.peers.suspected
     now = Readmit(node=1, generation=1, assignment=(0, 3), spare_nodes=(1,), members=(0, 1, 2, 3), suspected=(),
                   coordinator=0, t=0.0)
     on_readmit(cp, now)
-    assert cp.spare_nodes == [1] and 1 in cp.members and 1 not in cp.peers.suspected
+    assert cp.spare_nodes == (1,) and 1 in cp.members and 1 not in cp.peers.suspected
 
 
 def _cfg(**kw):

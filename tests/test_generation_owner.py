@@ -1,13 +1,16 @@
-"""The generation has one owner (issue 44): ``ControlPlane`` stores it, ``enter_generation`` is the one writer, and
-the control thread (``Peers.generation``) reads the plane's value instead of keeping a copy. Pure: the sources are
-parsed (ast) and the writer's check is run on a bare object; nothing starts MPI."""
+"""The generation has one owner: ``ControlPlane`` stores it in its frozen view (control/membership.py Membership),
+``adopt`` is the view's one writer (``enter_generation`` goes through it), and the control thread
+(``Peers.generation``) reads the plane's value instead of keeping a copy. Pure: the sources are parsed (ast) and the
+writers are run on a plane made without its ``__init__``; nothing starts MPI."""
 import ast
+import dataclasses
 import os
 import types
 
 import pytest
 
 from deadpool_hpc.control.peers import Peers
+from deadpool_hpc.control.membership import Membership
 from deadpool_hpc.control.plane import ControlPlane
 
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deadpool_hpc")
@@ -35,11 +38,14 @@ def _writes(attr: str):
 
 
 def test_nothing_writes_the_control_planes_generation_but_enter_generation():
-    stray = [w for w in _writes("generation") if any(o in w[2].split(".")[-2] for o in OWNERS)]
-    assert not stray, f"the control plane's generation written around ControlPlane.enter_generation: {stray}"
-    private = [w for w in _writes("_generation") if w[0].startswith("control/") or "cp" in w[2]]
-    assert {(f, t) for f, _line, t in private} == {("control/plane.py", "self._generation")}, private
-    assert len(private) == 2, private   # __init__ (0) and enter_generation
+    stray = [w for attr in ("generation", "assignment", "spare_nodes", "members", "coordinator")
+             for w in _writes(attr) if any(o in w[2].split(".")[-2] for o in OWNERS)]
+    assert not stray, f"the control plane's view written around ControlPlane.adopt: {stray}"
+    copies = [w for w in _writes("_generation") if w[0].startswith("control/") or "cp" in w[2]]
+    assert not copies, f"a copy of the control plane's generation: {copies}"
+    private = _writes("_membership")
+    assert {(f, t) for f, _line, t in private} == {("control/plane.py", "self._membership")}, private
+    assert len(private) == 2, private   # __init__ (generation 0) and adopt
 
 
 def test_peers_reads_the_generation_it_is_handed_and_has_no_copy():
@@ -51,11 +57,32 @@ def test_peers_reads_the_generation_it_is_handed_and_has_no_copy():
     assert Peers.generation.fget(bare) == 5
 
 
+def _plane(view: Membership) -> ControlPlane:
+    cp = ControlPlane.__new__(ControlPlane)   # no MPI: only the view's members are used
+    cp._membership = view
+    return cp
+
+
 def test_enter_generation_takes_integers_from_zero_up_and_names_a_bad_value():
-    cp = types.SimpleNamespace(_generation=0)
+    cp = _plane(Membership.initial(ranks_per_node=2, active_nodes=2, size=3))
     ControlPlane.enter_generation(cp, 3)
-    assert ControlPlane.generation.fget(cp) == 3 and ControlPlane.generation.fset is None
+    assert cp.generation == 3 and ControlPlane.generation.fset is None
+    assert cp.assignment == (0, 1, 2, 3) and cp.spare_nodes == (2,) and cp.members == tuple(range(6))
     for bad in (-1, 2.0, "2", True, None):
         with pytest.raises(ValueError, match=f"generation {bad!r}"):
             ControlPlane.enter_generation(cp, bad)
-    assert cp._generation == 3
+    assert cp.generation == 3
+
+
+def test_the_view_is_replaced_never_changed():
+    cp = _plane(Membership.initial(ranks_per_node=1, active_nodes=2, size=3))
+    before = cp.membership
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        before.spare_nodes = (1,)
+    cp.adopt(before.with_spare(3, 1))
+    assert before.spare_nodes == (2,) and cp.spare_nodes == (2, 3) and cp.members == (0, 1, 2, 3)
+    assert cp.membership.with_spare(3, 1) == cp.membership   # listed once
+    with pytest.raises(TypeError, match="Membership"):
+        cp.adopt({"generation": 1})
+    for name in ("generation", "assignment", "spare_nodes", "members", "coordinator"):
+        assert getattr(ControlPlane, name).fset is None, name

@@ -3,8 +3,8 @@
 Most failures in the field leave the node itself fine: a crashed process, a NCCL error, an OOM, a hang. When one of
 this node's training processes exits or hangs after the start-up, the agent (``NodeAgent.node_failed``) ends them
 all, declares the node failed with ``returning`` (the others recover around it as around any lost node, but leave
-its agent alive and let its ``rejoin`` through: control/peers.py), and raises ``Returning``. The agent's loop then
-runs ``Comeback.come_back``:
+its agent alive and let its ``rejoin`` through: control/peers.py), and records the exit (agent/state.py
+``PendingExit``, ``returning``). The agent's loop then runs ``Comeback.come_back``:
 
 1. quarantine: a node that failed again within ``--quarantine`` seconds of its last return stays out, unless its
    training process ended as another node's did with the same work (the same rank, step and signal or exit code:
@@ -34,8 +34,8 @@ from typing import Protocol
 
 from ..control.crashloop import follows_work
 from ..control.membership import may_readmit, readmit, rejoin
-from ..errors import Fenced, Returning
-from .state import NodeState
+from ..errors import Fenced
+from .state import NodeState, PendingExit
 
 RETURNABLE = ("exit", "hang")   # node_failed causes after which the node may come back (not its checks' verdicts)
 REJOIN_EVERY_S = 1.0
@@ -93,9 +93,11 @@ class Comeback:
         return bool(a.cfg.spare_return) and cause in RETURNABLE and a.state in (NodeState.TRAINING, NodeState.SPARE)
 
     # ---- the node that failed -----------------------------------------------------------------------------
-    def come_back(self, exc: Returning) -> None:
-        """Check this node and bring it back as a spare. Returns once it is one (or the run is over: the agent's
-        state is then done or saved). Raises Fenced when the node stays out, JobAborted if the run was aborted."""
+    def come_back(self, exc: PendingExit) -> None:
+        """Check this node and bring it back as a spare (``exc``: the failure, its reason and cause). Returns once
+        it is one, or the run is over (the agent's state is then done or saved), or its fresh processes failed
+        (the agent's ``pending_exit`` is set again). Raises Fenced when the node stays out, JobAborted if the run
+        was aborted."""
         a, cfg = self.agent, self.agent.cfg
         t0 = time.monotonic()
         a.transition(NodeState.RETURNING, f"its training processes failed ({exc.cause}): checks, then rejoin")

@@ -17,6 +17,9 @@ its ring neighbours (agent/watch.py); a node that freezes or loses power, by the
 The loop (``run``) never blocks: each iteration (``tick``) it moves control messages (``ControlPlane.pump``),
 local channel messages, supervisor and watch events, commits, and expires store waits. A recovery
 (``Recovery.run``) is a series of rounds; each waits only with deadlines and keeps ticking the loop's sources.
+A failure of this node (``node_failed``) is recorded (``pending_exit``, agent/state.py PendingExit), not raised:
+``tick`` stops at it and does nothing more while it is pending, every wait that ticks stops early, and ``run``
+acts on it at the top of its loop (the agent leaves, fenced, or the node returns: agent/comeback.py).
 What the recovery, the desk and planned swaps use of this class is public (``tick``, ``node_failed``,
 ``configure``, ``view``, ``send_role``, ...); the rest is this module's.
 
@@ -31,7 +34,7 @@ import time
 
 from ..cause import signal_name
 from ..control.crashloop import WorkFailure, end_of
-from ..errors import STARTUP_FAILED_EXIT, Fenced, Returning
+from ..errors import STARTUP_FAILED_EXIT, Fenced
 from ..ipc.messages import Finish, Left, RoundFailed, Spare, Train, View
 from ..ipc.shm import Doorbell
 from ..placement import held_by, holders_of
@@ -45,7 +48,7 @@ from .preflight import SpeedCheck
 from .recovery import Recovery
 from .rendezvous import Rendezvous
 from .sparecheck import SpareChecks
-from .state import NodeState, check_transition
+from .state import NodeState, PendingExit, check_transition
 from .stragglers import Stragglers
 STEADY_TICK_S = 0.05  # seconds between passes of the agent's loop when nothing happens (a quiet loop keeps an idle
 #                       agent near 1 % of a core; every source it serves also wakes it at once)
@@ -56,6 +59,10 @@ STARTUP_HEARTBEAT_DEADLINE_S = 5.0
 # an exited training process's stderr may still hold its last words: the most its agent waits for the pipe's end
 # before it declares the node failed (the end comes with the process's, unless a child of it holds its stderr)
 STDERR_WAIT_S = 0.2
+
+
+class _Stopped(Exception):
+    """(``NodeAgent._tick_or_stop``) This node failed during the start-up's pre-flight: ends its waits."""
 
 
 class NodeAgent:
@@ -90,6 +97,7 @@ class NodeAgent:
         self._preempt_ignored = False
         self.exit_code = 0
         self.last_work_failure: WorkFailure | None = None   # how this node's last failure ended (agent/comeback.py)
+        self.pending_exit: PendingExit | None = None   # this node failed: ``run`` acts on it at the top of its loop
         self.checkpoint_dir = RunDir(cfg.run_dir).checkpoint
         self.resume = latest_checkpoint(cfg.run_dir)  # a requeued attempt (the launchers clear a new run's)
         self.recovery = Recovery(self)     # agent/recovery.py: the rounds after a failure
@@ -111,23 +119,31 @@ class NodeAgent:
         if self.resume is not None:
             self.cp.enter_generation(self.resume["generation"] + 1)
         self._start()
-        while self.state not in (NodeState.DONE, NodeState.SAVED):
-            try:
-                self._serve()
-            except Returning as exc:   # its training processes failed, its agent lives on (agent/comeback.py)
-                self.comeback.come_back(exc)
+        while True:
+            failed, self.pending_exit = self.pending_exit, None
+            if failed is not None and not failed.returning:   # (``node_failed``) the others go on without it
+                raise Fenced(f"this node failed: {failed.reason}")
+            if failed is not None:   # its training processes failed, its agent lives on (agent/comeback.py)
+                self.comeback.come_back(failed)
+                continue
+            if self.state in (NodeState.DONE, NodeState.SAVED):
+                break
+            self._serve()
         if self.state == NodeState.SAVED:   # the members leave for a requeue: so does a node on its way back
             self.cp.tell_returning("over", {"code": self.exit_code})
         return self.exit_code
 
     def _serve(self) -> None:
-        """The loop of ``run`` until the run ends for this node; raises Returning (``node_failed``)."""
+        """The loop of ``run`` until the run ends for this node, or this node fails (it returns with ``pending_exit``
+        set: ``node_failed``)."""
         while self.state not in (NodeState.DONE, NodeState.SAVED):
             # a local message, a training process's exit (its socket closes), a control message or a suspicion
             # (the heartbeat thread wakes the channel) end the wait at once; the rest (ring-watch connections,
             # replicas committed) is looked at each pass: every 5 ms while a failure is handled, else STEADY_TICK_S
             steady = not self.cp.failure.is_set() and not self.recovery.wanted()
             self.tick(STEADY_TICK_S if steady else 0.005)
+            if self.pending_exit is not None:
+                return
             if self.state in (NodeState.DONE, NodeState.SAVED):
                 break
             if self.cp.finished() is not None:
@@ -142,7 +158,9 @@ class NodeAgent:
             elif self.peers.preempted.is_set() and self.state == NodeState.TRAINING:
                 self.cp.failure.set()  # Slurm's warning (SIGUSR2/SIGTERM): agree on a cut, save it, requeue
             if self.cp.failure.is_set() or self.recovery.wanted():
-                end = self.recovery.run()   # (a failure of this node raises through it: node_failed)
+                end = self.recovery.run()   # (it stops early at a failure of this node: node_failed)
+                if self.pending_exit is not None:
+                    return
                 if end is None:   # the run finished during the recovery
                     self.finish()
                     break
@@ -169,8 +187,13 @@ class NodeAgent:
                           generation=self.cp.generation)
 
     def tick(self, timeout: float = 0.0) -> None:
-        """One pass over every source of events; returns within about ``timeout`` seconds."""
-        self.cp.pump(0)
+        """One pass over every source of events; returns within about ``timeout`` seconds. Stops at a failure of this
+        node (``node_failed``: the rest of the pass is not done) and does nothing while one is pending."""
+        if self.pending_exit is not None:
+            return
+        self.cp.pump(0)   # (its handlers may fail the node: a planned swap, a spare's re-check)
+        if self.pending_exit is not None:
+            return
         for local, kind, body in self.channel.poll(timeout):
             self._on_local(local, kind, body)
         for local, rc in self.sup.poll():
@@ -186,6 +209,7 @@ class NodeAgent:
                               + (" during its start-up" if starting else ""),
                               cause="startup_failed" if starting else "exit",
                               work=None if starting else self._work_failure(local, rc))
+            return
         frozen = self.swaps.frozen()  # stopped on purpose at a planned swap's boundary: not a hang
         armed = [lo for lo in range(self.P) if self.channel.progress(lo) is not None and self.channel.progress(lo).armed
                  and lo not in frozen]
@@ -199,6 +223,7 @@ class NodeAgent:
                           stack_s=round(st.seconds, 3), hung_in=st.hung_in, stack_errors=st.errors)
             self.node_failed(f"training process {local} made no progress for {stuck:.1f} s"
                              + (f" (in {st.hung_in['function']})" if st.hung_in else ""), cause="hang")
+            return
         for lost in self.watch.poll():
             self.peers.suspect(lost, "its agent's watch connection closed (the process is gone)")
         for local, rep in self.reps.items():
@@ -214,32 +239,50 @@ class NodeAgent:
             for name, verdict in self.health.pending():
                 self.swaps.want(name, verdict, time.time())
         self.stragglers.tick()
-        self.swaps.tick()
+        self.swaps.tick()   # (a planned swap's boundary fails the node)
+        if self.pending_exit is not None:
+            return
         self.persister.tick()
         if self.state == NodeState.SPARE and self.cfg.spare_check_every:
-            self.spare_checks.tick()
+            self.spare_checks.tick()   # (a failed re-check fails the node)
+            if self.pending_exit is not None:
+                return
         if self.metrics is not None:
             self.metrics.tick()
 
     # ---- start-up --------------------------------------------------------------------------------------------
     def _start(self) -> None:
+        """The start-up: the training processes' models built, the health check, the pre-flight; then each its
+        role. Returns early when this node fails meanwhile (``pending_exit``)."""
         deadline = time.monotonic() + self.cfg.startup_timeout
         # every training process built its model and sent its layout, and the site's health check (if any) passed
         while not self.checked() or len(self.layouts) < self.P:
+            if self.pending_exit is not None:   # (the health check failed)
+                return
             self.tick(0.01)
+            if self.pending_exit is not None:
+                return
             if time.monotonic() > deadline:   # a failure of this node like any other: a spare takes its place
                 if not self.checked():
                     self.health_check.kill()
                     self.node_failed(f"the health check {self.cfg.health_check!r} was still running after "
                                       f"{self.cfg.startup_timeout:.0f} s (--startup-timeout)", cause="health_check")
+                    return
                 late = [lo for lo in range(self.P) if lo not in self.layouts]
                 self.node_failed(f"training process(es) {late} did not reach ctx.run within "
                                   f"{self.cfg.startup_timeout:.0f} s (--startup-timeout)", cause="startup_timeout")
+                return
+        if self.pending_exit is not None:   # (the health check failed as the last layout came)
+            return
         if self.cfg.preflight_factor:   # links with the neighbour nodes, the timed matmul (agent/preflight.py)
-            verdict = self.speed.at_startup(self.tick, deadline)
+            try:
+                verdict = self.speed.at_startup(self._tick_or_stop, deadline)
+            except _Stopped:
+                return
             if verdict:
                 cause, why = verdict
                 self.node_failed(f"pre-flight: {why}", cause=cause)
+                return
         self.spare_checks.arm()
         self.peers.deadline = self.cfg.heartbeat_deadline   # (STARTUP_HEARTBEAT_DEADLINE_S until now)
         self.retarget_watch()
@@ -255,10 +298,18 @@ class NodeAgent:
         else:
             self.transition(NodeState.SPARE, "started: its processes are spares")
 
+    def _tick_or_stop(self, timeout: float = 0.0) -> None:
+        """``tick`` for the start-up's pre-flight (agent/preflight.py), whose waits know nothing of a pending exit:
+        raises _Stopped, which ``_start`` catches right above that call, once this node failed."""
+        self.tick(timeout)
+        if self.pending_exit is not None:
+            raise _Stopped()
+
     def restart_as_spare(self) -> None:
         """(agent/comeback.py) Readmitted: forget the failed processes' state, start fresh ones and make them spares
-        of the current generation. A process that fails to come up is this node's failure, as at the start-up.
-        Returns with the state ``saved`` instead if the members left for a requeue while the processes started."""
+        of the current generation. A process that fails to come up is this node's failure, as at the start-up (it
+        returns with ``pending_exit`` set). Returns with the state ``saved`` instead if the members left for a
+        requeue while the processes started."""
         self.layouts.clear()
         self.written.clear()
         self.committed_seen.clear()
@@ -277,10 +328,13 @@ class NodeAgent:
         deadline = time.monotonic() + self.cfg.startup_timeout
         while len(self.layouts) < self.P:
             self.tick(0.01)
+            if self.pending_exit is not None:
+                return
             if time.monotonic() > deadline:
                 late = [lo for lo in range(self.P) if lo not in self.layouts]
                 self.node_failed(f"training process(es) {late} of the returned node did not reach ctx.run within "
                                  f"{self.cfg.startup_timeout:.0f} s (--startup-timeout)", cause="startup_timeout")
+                return
         if self.state != NodeState.RETURNING:
             return   # the members left for a requeue meanwhile (agent/comeback.py ``_on_over``): so does this node
         self.spare_checks.arm()
@@ -292,7 +346,8 @@ class NodeAgent:
         self.transition(NodeState.SPARE, "readmitted: fresh processes started as spares")
 
     def checked(self) -> bool:
-        """Whether the site's health check (agent/preflight.py) is done and passed; one that failed fails the node."""
+        """Whether the site's health check (agent/preflight.py) is done; one that failed fails the node
+        (``node_failed``: True, with ``pending_exit`` set)."""
         hc = self.health_check
         if hc is None:
             return True
@@ -399,6 +454,11 @@ class NodeAgent:
         """Point the ring watch at this agent's ring neighbours among the live agents."""
         self.watch.retarget(self.peers.alive(), {n: ident["watch"] for n, ident in enumerate(self.cp.idents)})
 
+    def cut_to(self, step: int) -> None:
+        """(agent/recovery.py) A decision's cut step: training resumes from it, so each local rank's last snapshot
+        written counts as that step's. Mid-round, before the round's waits: a round that fails later keeps it."""
+        self.written.update((lo, step) for lo in list(self.written))
+
     def _on_written(self, local: int, step: int) -> None:
         """(desk thread) Training process ``local`` wrote its snapshot of ``step`` in the current generation."""
         self.written[local] = step
@@ -438,11 +498,20 @@ class NodeAgent:
         return WorkFailure(rank=rank, step=page.step, end=end_of(rc), node=self.node, generation=self.cp.generation,
                            t=time.time())
 
+    @property
+    def exiting(self) -> bool:
+        """This node failed and ``run`` has not acted on it yet (``pending_exit``): a wait that ticks stops early."""
+        return self.pending_exit is not None
+
     def node_failed(self, reason: str, cause: str = "other", work: WorkFailure | None = None) -> None:
         """A training process of this node exited or froze: the node is lost (spares are nodes). Tell every agent,
-        end the node's processes, and leave (raises Fenced, which ends the agent with exit 1); or, when the node may
-        come back (agent/comeback.py: an exit or a hang past the start-up), end them first and raise Returning.
-        ``work``: how a training process ended, which travels with the notice (the crash-loop rule's record)."""
+        end the node's processes, and record the exit (``pending_exit``): the agent leaves (Fenced, raised by
+        ``run`` at the top of its loop: exit 1), or, when the node may come back (agent/comeback.py: an exit or a
+        hang past the start-up), it returns to the spare pool. Returns; the caller stops what it was doing. A second
+        failure while one is pending is not declared again. ``work``: how a training process ended, which travels
+        with the notice (the crash-loop rule's record)."""
+        if self.pending_exit is not None:
+            return
         self.log.emit("node_failed", reason=reason, cause=cause, generation=self.cp.generation,
                       **({"rank": work.rank, "step": work.step, "end": work.end} if work is not None else {}))
         self.log.sync()
@@ -452,11 +521,12 @@ class NodeAgent:
             for rep in self.reps.values():
                 rep.quiesce()
             self.cp.declare_failed(reason, returning=True, work=work)
-            raise Returning(reason, cause)
+            self.pending_exit = PendingExit(reason, cause, returning=True)
+            return
         self.cp.declare_failed(reason, work=work)
         self.sup.kill_all(1.0)
         self.transition(NodeState.DONE, f"this node failed ({cause})")
-        raise Fenced(f"this node failed: {reason}")
+        self.pending_exit = PendingExit(reason, cause, returning=False)
 
     def _on_inject(self, body: dict) -> None:
         """(control thread) Training rank 0 asks this (spare) node to fire a fault on itself."""

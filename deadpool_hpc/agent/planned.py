@@ -52,7 +52,7 @@ class SwapHost(Protocol):
         """Send ``sig`` to training process ``local`` if it is alive; whether it was sent."""
 
     def node_failed(self, reason: str, cause: str) -> None:
-        """Declare this node failed and leave (raises Fenced)."""
+        """Declare this node failed: its exit is recorded (the agent's loop acts on it); the caller stops."""
 
 
 class PlannedSwaps:
@@ -141,6 +141,7 @@ class PlannedSwaps:
             a.log.emit("swap_requested", **self._common(cur), role="spare")
             a.health.consumed(cur["detector"])
             a.node_failed(cur["msg"], cause="planned")
+            return
         cur.update(phase="armed", target=max(a.written.values(), default=-1) + 1, armed=time.monotonic())
         a.log.emit("swap_requested", **self._common(cur), role="active", boundary=cur["target"])
         for local in list(a.written):

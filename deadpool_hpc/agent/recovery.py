@@ -19,6 +19,8 @@ the agreement (control/), the replicas (replica/transport.py), the worker's half
 Runs on the agent's main thread; uses the NodeAgent's public parts, listed in ``RecoveryHost`` (agent/node.py:
 ``tick``, ``node_failed``, ``configure``, ``view``, ``send_role``, ...), and returns how the recovery leaves the node
 (``RecoveryEnd``: the agent's next state, agent/state.py, and its exit code) instead of writing them into the agent.
+A failure of this node meanwhile (``node_failed``) is not raised through the round: it is recorded in the agent
+(``exiting``), every wait of the round stops at it, and the round returns None (the agent's loop acts on it).
 The checkpoint's shards are assembled by replica/persist.py ``assemble_shard``, as background persistence's are.
 """
 from __future__ import annotations
@@ -42,11 +44,10 @@ MAX_FAILED_ROUNDS = 8
 
 
 class RecoveryHost(Protocol):
-    """What a recovery uses of its node agent (agent/node.py's NodeAgent is one). It writes one piece of the agent's
-    state directly: ``written`` (each local rank's entry set to the decision's cut step: training resumes from it;
-    mid-round, before the round's waits, so it stays a write: the desk thread adds entries meanwhile and a failed
-    round keeps it). The agent's state and exit code are not written: ``run`` returns them (``RecoveryEnd``). The
-    rest is calls on the agent's parts, listed with each member."""
+    """What a recovery uses of its node agent (agent/node.py's NodeAgent is one). It writes nothing of the agent:
+    the agent's state and exit code are ``run``'s result (``RecoveryEnd``), the snapshots written are set to the
+    decision's cut step by the agent (``cut_to``), and a failure of this node is the agent's (``node_failed``,
+    ``exiting``). The rest is calls on the agent's parts, listed with each member."""
 
     cfg: object              # RunConfig: ready_timeout, wait_timeout, rendezvous_timeout, collective_timeout,
     #                          world_size, nodes, replica_holders, run_dir, crash_loop_limit
@@ -60,7 +61,6 @@ class RecoveryHost(Protocol):
     reps: dict               # local rank -> Replicator: quiesce(), report(), expect_restore(), wait_restore(),
     #                          send_restore(), own, held(rank)
     layouts: dict            # local rank -> StateLayout (read only)
-    written: dict            # local rank -> step of its last snapshot (agent/desk.py); WRITTEN: set to the cut step
     checkpoint_dir: str      # RUN_DIR/checkpoint
     sup: object              # Supervisor: alive(), wait_all(timeout)
     channel: object          # ChannelServer: send(local, kind, body) (the ``Failure`` notice)
@@ -70,11 +70,16 @@ class RecoveryHost(Protocol):
     spare_checks: object     # SpareChecks: end() (promoted: a re-check under way no longer matters)
     persister: object        # Persister: quiesce() (no background write races the no-spare checkpoint)
 
+    exiting: bool            # this node failed (``node_failed``): every wait of the round stops, the round returns
+
     def tick(self, timeout: float = 0.0) -> None:
         """One pass over the agent's sources of events (every wait of a round keeps ticking)."""
 
     def node_failed(self, reason: str, cause: str = "other", work=None) -> None:
-        """Declare this node failed and leave: raises Fenced or Returning."""
+        """Declare this node failed: recorded (``exiting``), acted on by the agent's loop; the round stops."""
+
+    def cut_to(self, step: int) -> None:
+        """A decision's cut step: training resumes from it (each local rank's last snapshot written is that step)."""
 
     def configure(self, local: int) -> None:
         """Point local rank ``local``'s Replicator at the current generation."""
@@ -136,6 +141,10 @@ class Recovery:
         """Whether a training process left the generation, or failed to join the new one: a round must run."""
         return bool(self.left) or self.round_failed
 
+    def processes_left(self) -> bool:
+        """Whether a training process left the generation (``Left``) and no round took it up yet."""
+        return bool(self.left)
+
     def forget(self) -> None:
         """The node's training processes were replaced (readmitted: ``NodeAgent.restart_as_spare``): what the old
         ones said (``Left``, ``RoundFailed``) and the rounds that failed in a row are forgotten."""
@@ -170,7 +179,7 @@ class Recovery:
     def run(self) -> RecoveryEnd | None:
         """Rounds until one succeeds; every wait has a deadline and keeps the loop's sources ticking. Returns how
         the recovery leaves the node (the agent moves to its state), or None when the run finished meanwhile (the
-        agent finishes). A failure of this node raises through it (``node_failed``: Fenced, Returning)."""
+        agent finishes) or this node failed (the agent's ``exiting``: its loop acts on it)."""
         a = self.agent
         a.swaps.suspend()  # a planned swap waiting for its boundary lets its stopped processes go
         t_fail = time.time()
@@ -191,7 +200,8 @@ class Recovery:
                 a.log.emit("recovery_round_failed", generation=a.cp.generation, round=self.rounds,
                            error=str(exc)[:300])
 
-    def _round(self, t_fail: float) -> RecoveryEnd:
+    def _round(self, t_fail: float) -> RecoveryEnd | None:
+        """One round: None when this node failed during it (``exiting``)."""
         a, cfg, P = self.agent, self.agent.cfg, self.agent.P
         g0 = a.cp.generation
         self.round_failed = False
@@ -203,9 +213,12 @@ class Recovery:
         end = time.monotonic() + cfg.ready_timeout
         while any(lo not in self.left for lo in a.sup.alive()):
             a.tick(0.005)
+            if a.exiting:
+                return None
             if time.monotonic() > end:
                 a.node_failed(f"training process(es) {[lo for lo in a.sup.alive() if lo not in self.left]} "
                               f"did not leave the failed generation within {cfg.ready_timeout:.0f} s")
+                return None
         for rep in a.reps.values():
             rep.quiesce()
         # a claim waiting for a slot belongs to the failed generation: granted after the resume, it would hold the
@@ -217,11 +230,13 @@ class Recovery:
             report[m] = Report.from_wire(dict(rep.report(), done_step=self.left.get(local, -1),
                                               start_step=a.resume["step"] if a.resume else 0))
         self.phase("detect")
-        decision = a.cp.recover(report, on_phase=self.phase, wait=a.tick)
+        decision = a.cp.recover(report, on_phase=self.phase, wait=a.tick, stop=lambda: a.exiting)
+        if decision is None:   # this node failed while it waited
+            return None
         g = decision.generation
         self.high_water = max(self.high_water, decision.high_water)
         self.left = {}
-        a.written.update((lo, decision.cut_step) for lo in list(a.written))  # training resumes from the cut
+        a.cut_to(decision.cut_step)   # training resumes from the cut
         if decision.reason == "rebuild":  # collectives timed out with nobody at fault
             if decision.cut_step == self.rebuilt_at:
                 raise RecoveryTimeout(
@@ -253,7 +268,9 @@ class Recovery:
             else:
                 slots[local] = a.reps[local].own.get(decision.cut_step)
         trainers = sorted({decision.assignment[r] // P for r in range(cfg.world_size)})
-        a.cp.barrier(f"rebuild{g}.{decision.coordinator}", trainers, cfg.rendezvous_timeout, tick=a.tick)
+        if not a.cp.barrier(f"rebuild{g}.{decision.coordinator}", trainers, cfg.rendezvous_timeout, tick=a.tick,
+                            stop=lambda: a.exiting):
+            return None
         self.phase("rebuild")
         a.rendezvous.open(g)
         for local, r in ranks.items():
@@ -292,10 +309,11 @@ class Recovery:
                        to=list(to), error=str(exc)[:300])
 
     # ---- no spare left, or preempted -----------------------------------------------------------------------
-    def _save_checkpoint(self, decision: Decision) -> RecoveryEnd:
+    def _save_checkpoint(self, decision: Decision) -> RecoveryEnd | None:
         """No spare left, or preempted: write every shard of the cut step this node holds (its ranks' own, and the
         lost ranks whose source it is), wait for every member agent, commit LATEST (each member does: the
-        coordinator may die right here), tell the training processes to leave with 75 (requeue)."""
+        coordinator may die right here), tell the training processes to leave with 75 (requeue). None when this node
+        failed meanwhile (``exiting``)."""
         a, cfg, P = self.agent, self.agent.cfg, self.agent.P
         cut, g = decision.cut_step, decision.generation
         a.persister.quiesce()   # a background write of an older step must not race this one
@@ -311,11 +329,15 @@ class Recovery:
             return self._leave_for_requeue(decision)
         written: list[int] = []
 
-        self._on_disk(decision, "write", lambda: self._write_shards(decision, written), written)
-        a.cp.barrier(f"saved{g}.{decision.coordinator}", a.cp.member_nodes, cfg.collective_timeout, tick=a.tick)
-        self._on_disk(decision, "commit",
-                      lambda: persist.commit(a.checkpoint_dir, cut, cfg.world_size, g, self.high_water),
-                      [])   # every shard is written: another member's LATEST may name them, none is removed
+        if not self._on_disk(decision, "write", lambda: self._write_shards(decision, written), written):
+            return None
+        if not a.cp.barrier(f"saved{g}.{decision.coordinator}", a.cp.member_nodes, cfg.collective_timeout,
+                            tick=a.tick, stop=lambda: a.exiting):
+            return None
+        if not self._on_disk(decision, "commit",
+                             lambda: persist.commit(a.checkpoint_dir, cut, cfg.world_size, g, self.high_water),
+                             []):   # every shard is written: another member's LATEST may name them, none is removed
+            return None
         if a.node == decision.coordinator:
             a.log.emit("checkpoint_saved", step=cut, generation=g, path=a.checkpoint_dir, reason=decision.reason)
         self._crash_loop(decision, cut)
@@ -336,11 +358,13 @@ class Recovery:
                    limit=a.cfg.crash_loop_limit, checkpoint_step=saved, error=text)
         a.log.emit("error", error=text)
 
-    def _on_disk(self, decision: Decision, phase: str, fn, written: list[int]) -> None:
+    def _on_disk(self, decision: Decision, phase: str, fn, written: list[int]) -> bool:
         """Run ``fn`` (a write of the no-spare checkpoint) on a thread, the agent's loop ticking meanwhile, for at most
-        the collective timeout. A write that fails or does not end in time ends the run (CheckpointFailed, which the
-        agent reports as its ``error`` and the others are told to stop): the run needs this checkpoint now and there
-        is none to go on without. What this node wrote of it is removed first; LATEST is left as it was."""
+        the collective timeout. True once it is done; False when this node failed meanwhile (``exiting``: the wait
+        stops, the write goes on on its thread). A write that fails or does not end in time ends the run
+        (CheckpointFailed, which the agent reports as its ``error`` and the others are told to stop): the run needs
+        this checkpoint now and there is none to go on without. What this node wrote of it is removed first; LATEST
+        is left as it was."""
         a, cfg = self.agent, self.agent.cfg
         out: dict = {}
 
@@ -356,8 +380,10 @@ class Recovery:
         end = time.monotonic() + cfg.collective_timeout
         while not out.get("done") and time.monotonic() < end:
             a.tick(0.02)
+            if a.exiting:
+                return False
         if out.get("done") and "error" not in out:
-            return
+            return True
         reason = persist.failure_reason(out["error"], a.checkpoint_dir) if "error" in out else \
             f"the {phase} did not complete within {cfg.collective_timeout:.0f} s (the file system does not answer)"
         for rank in written:

@@ -30,7 +30,8 @@ class SpareCheckHost(Protocol):
     state: NodeState         # agent/state.py (a str enum: "training", "spare", ...); read only
     P: int                   # ranks per node
     node: int                # this node's index
-    recovery: object         # Recovery: in_round, left, rounds (read only: no re-check while a failure is handled)
+    recovery: object         # Recovery: in_round, processes_left(), rounds (read only: no re-check while a failure
+    #                          is handled)
     swaps: object            # PlannedSwaps: current (a planned swap under way: no link re-check for a spare)
     speed: object            # SpeedCheck (agent/preflight.py): ask_local(), spare_verdict(), asked_at (WRITTEN by
     #                          ``end``), link: ask(), collect(), asked_at (WRITTEN by ``end``)
@@ -43,7 +44,7 @@ class SpareCheckHost(Protocol):
         """Whether the site's health check is done and passed; one that failed fails the node."""
 
     def node_failed(self, reason: str, cause: str = "other", work=None) -> None:
-        """Declare this node failed and leave: raises Fenced or Returning."""
+        """Declare this node failed: its exit is recorded (the agent's loop acts on it); the caller stops."""
 
 
 class SpareChecks:
@@ -72,7 +73,7 @@ class SpareChecks:
         training node. One that fails leaves the pool (fenced, one spare fewer) now, not when a recovery promotes
         it. Never while a failure is handled."""
         a = self.agent
-        if a.cp.failure.is_set() or a.recovery.in_round or a.recovery.left:
+        if a.cp.failure.is_set() or a.recovery.in_round or a.recovery.processes_left():
             return
         if a.speed.asked_at is None and a.health_check is None and a.speed.link.asked_at is None:
             if time.monotonic() < self.next_t:
@@ -88,6 +89,7 @@ class SpareChecks:
             why = a.speed.spare_verdict()
             if why:
                 a.node_failed(f"spare check: {why}", cause="preflight_slow")
+                return
             elif why == "":
                 self._ask_link()
         if a.speed.link.asked_at is not None and (res := a.speed.link.collect()) is not None:

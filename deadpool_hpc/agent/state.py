@@ -1,8 +1,9 @@
 """The node agent's state (agent/node.py ``NodeAgent.state``) and the moves allowed between its states.
 
 Owns: ``NodeState``, the table ``ALLOWED`` (which state may follow which, each move named after the code that makes
-it) and ``check_transition``. Pure: nothing of the agent is imported. ``NodeAgent.transition`` is the only writer of
-an agent's state; it checks each move here and logs each change (``agent_state``, docs/troubleshooting.md).
+it), ``check_transition``, and ``PendingExit`` (this node failed: what the agent's loop does next). Pure: nothing of
+the agent is imported. ``NodeAgent.transition`` is the only writer of an agent's state; it checks each move here and
+logs each change (``agent_state``, docs/troubleshooting.md).
 
 The states are strings (a ``StrEnum``): what shows a state (the ``agent_state`` event, the node's metrics label
 ``deadpool_node_state{state}``) keeps the words it had before the enum, and a state compares equal to its word.
@@ -11,6 +12,7 @@ docs/architecture.md ("The node agent's states") has the same table with the mov
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 
 class NodeState(enum.StrEnum):
@@ -59,3 +61,16 @@ def check_transition(old: NodeState, new: NodeState) -> None:
         allowed = ", ".join(sorted(s.value for s in ALLOWED[old])) or "none: it is final"
         raise IllegalTransition(f"the node agent's state cannot move from {old.value!r} to {new.value!r} "
                                 f"(from {old.value!r} it may move to: {allowed})")
+
+
+@dataclass(frozen=True)
+class PendingExit:
+    """This node failed (``NodeAgent.node_failed``: its training processes are ended, the others told): recorded
+    where it was seen, and acted on at the top of the agent's loop, not raised through the waits under way (each
+    wait of a recovery round or a barrier stops early when one is recorded). ``returning``: the node checks itself
+    and asks to come back to the spare pool (agent/comeback.py); otherwise its agent leaves (fenced). ``reason``:
+    what failed, ``cause``: its kind (``exit``, ``hang``, ``startup_timeout``, ``health_check``, ``planned``, ...)."""
+
+    reason: str
+    cause: str
+    returning: bool

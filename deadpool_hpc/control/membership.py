@@ -18,11 +18,61 @@ leaves, and the job goes on without it).
 """
 from __future__ import annotations
 
+import dataclasses
+import operator
 import time
 from dataclasses import dataclass
 
 from ..ipc.schema import CONTROL, Message
 from .decision import IdRuns
+
+
+@dataclass(frozen=True)
+class Membership:
+    """One agent's view of its generation (``ControlPlane.membership``): replaced whole, never changed in place (a
+    decision applied, a readmission, a rejoin, a resume), so a reader on another thread (the control thread:
+    ``Peers.generation``) sees one view or the next, never a mix.
+
+    generation: the generation applied (0 at the start); assignment: the virtual process holding each training rank
+    (assignment[r]); spare_nodes: the spare nodes' MPI ranks, in promotion order; members: the generation's virtual
+    processes (training and spare); coordinator: the MPI rank that decided it (None before the first decision).
+    Raises ValueError for a generation that is not an integer >= 0."""
+
+    generation: int
+    assignment: tuple[int, ...]
+    spare_nodes: tuple[int, ...]
+    members: tuple[int, ...]
+    coordinator: int | None = None
+
+    def __post_init__(self):
+        g = self.generation
+        try:
+            n = operator.index(g)
+        except TypeError:
+            n = -1
+        if isinstance(g, bool) or n < 0:
+            raise ValueError(f"generation {g!r}: must be an integer >= 0")
+        for key in ("assignment", "spare_nodes", "members"):
+            object.__setattr__(self, key, tuple(getattr(self, key)))
+
+    @classmethod
+    def initial(cls, ranks_per_node: int, active_nodes: int, size: int) -> "Membership":
+        """Generation 0: nodes 0 .. active_nodes - 1 train (node n holds virtual processes n*P .. n*P+P-1), the
+        other ``size - active_nodes`` agents are spares, every virtual process is a member."""
+        return cls(0, tuple(range(active_nodes * ranks_per_node)), tuple(range(active_nodes, size)),
+                   tuple(range(size * ranks_per_node)))
+
+    def replace(self, **changes) -> "Membership":
+        """A new view with ``changes`` (field=value) applied."""
+        return dataclasses.replace(self, **changes)
+
+    def with_spare(self, node: int, ranks_per_node: int) -> "Membership":
+        """The view with ``node`` a spare of this generation: appended to ``spare_nodes`` (last in promotion order)
+        unless listed, its virtual processes among the members."""
+        P = ranks_per_node
+        spares = self.spare_nodes if node in self.spare_nodes else self.spare_nodes + (node,)
+        return self.replace(spare_nodes=spares,
+                            members=tuple(sorted(set(self.members) | set(range(node * P, (node + 1) * P)))))
 
 
 def spares_of(view_spares, alive, assignment, P: int) -> list[int]:
@@ -107,17 +157,11 @@ def rejoin(cp, msg: Readmit) -> None:
     """(the readmitted node) Take the coordinator's view as this agent's own: the generation it joins, its layout,
     the suspected agents; what its control plane kept from before its failure (rounds, decisions, barriers) is
     dropped."""
-    cp.enter_generation(msg.generation)
-    cp.assignment, cp.spare_nodes, cp.members = list(msg.assignment), list(msg.spare_nodes), list(msg.members)
-    cp.coordinator = msg.coordinator
-    cp._collects, cp._ready, cp._auto, cp._decisions, cp._sync = {}, {}, {}, {}, {}
-    cp.pending_readmits = []
-    cp.first_suspicion = None
+    cp.adopt(Membership(msg.generation, msg.assignment, msg.spare_nodes, msg.members, msg.coordinator))
+    cp.forget_rounds()
     cp.peers.notice_g = msg.generation
     cp.peers.rejoined(msg.suspected)
 
 
 def _add(cp, node: int) -> None:
-    if node not in cp.spare_nodes:
-        cp.spare_nodes.append(node)
-    cp.members = sorted(set(cp.members) | set(cp.procs(node)))
+    cp.adopt(cp.membership.with_spare(node, cp.P))

@@ -20,7 +20,6 @@ dispatch of the inbox (``pump``) into the tables those read.
 """
 from __future__ import annotations
 
-import operator
 import os
 import time
 
@@ -31,7 +30,7 @@ from . import round as rounds
 from .crashloop import WorkFailure
 from .decision import Decision, RoundFailure, decision_from_wire
 from .handlers import HandlerTable
-from .membership import Readmit, on_readmit
+from .membership import Membership, Readmit, on_readmit
 from .messages import Abort, Collect, Finished, Ready, Report, Sync
 from .mpi import import_mpi, unlink_mpi_shm
 from .peers import Peers
@@ -83,7 +82,10 @@ class ControlPlane:
             c.Set_errhandler(MPI.ERRORS_RETURN)
         self.ctrl = world.Dup()
         self.ctrl.Set_errhandler(MPI.ERRORS_RETURN)
-        self._generation = 0   # the one copy: ``generation`` reads it, ``enter_generation`` writes it, Peers reads it
+        # the generation's view (control/membership.py Membership), replaced whole by ``adopt``, its one writer;
+        # ``generation``, ``assignment``, ``spare_nodes``, ``members`` and ``coordinator`` read it, and so does the
+        # control thread (Peers.generation)
+        self._membership = Membership.initial(ranks_per_node, active_nodes, self.size)
         # seconds the recovery's and the barriers' loops wait for a control message (or, through their ``wait``, a
         # local event) before they look again: an event ends the wait at once, so this only bounds the latency of
         # what rings nothing; shorter costs CPU in every agent of a large job at once. What a waiting agent
@@ -94,17 +96,12 @@ class ControlPlane:
         self.handlers = HandlerTable(reserved=OWN_KINDS)   # readable; ``on`` / ``off`` write it (control/handlers.py)
         for kind, fn in (handlers or {}).items():
             self.on(kind, fn)
-        W = active_nodes * ranks_per_node
-        self.assignment = list(range(W))
-        self.spare_nodes = list(range(active_nodes, self.size))
-        self.members = list(range(self.size * ranks_per_node))
         self.waker = Waker(host, secret)
         self.idents = bootstrap.exchange_identities(world, self.size, {**(extra_identity or {}),
                                                                        "wake": self.waker.address,
                                                                        "hb": self.waker.hb_address})
         unlink_mpi_shm()  # every agent is past MPI_Init: the exchange above was a collective over COMM_WORLD
         bootstrap.wire_up(MPI, (world, self.ctrl), self.me, self.size)   # no connection made mid-recovery
-        self.coordinator: int | None = None  # of the last applied decision
         self._round = 0
         self._collects: dict[int, tuple] = {}        # coordinator MPI rank -> (its newest round id, its generation)
         self._ready: dict[tuple, dict[int, Ready]] = {}  # round id -> {MPI rank: its report}
@@ -127,7 +124,7 @@ class ControlPlane:
         self.peers = Peers(self.ctrl, secret, period, deadline, waker=self.waker,
                            wake_addresses=[ident["wake"] for ident in self.idents],
                            heartbeat_addresses=[ident["hb"] for ident in self.idents], on_suspect=self._on_suspect,
-                           watch_k=watch_k, ceiling=ceiling, generation=lambda: self._generation)
+                           watch_k=watch_k, ceiling=ceiling, generation=lambda: self._membership.generation)
         self.peers.on_preempt = self._on_preempt
         self.peers.on_probe = self._on_probe
         self.peers.on_work_failure = self._on_work_failure
@@ -137,23 +134,60 @@ class ControlPlane:
         self.world.Barrier()
         self.peers.start()   # every peer's heartbeat deadline counts from here (Peers.start)
 
+    # ---- the generation's view (control/membership.py Membership): read here, replaced by ``adopt`` ---------------
+    @property
+    def membership(self):
+        """This agent's view of its generation (a frozen Membership: generation, assignment, spare_nodes, members,
+        coordinator). Replaced whole, never changed: a reader keeps a consistent view as long as it holds it."""
+        return self._membership
+
     @property
     def generation(self) -> int:
         """The generation this agent has applied (0 at the start; each recovery's decision is the next). Read-only:
-        ``enter_generation`` is its one writer, and the control thread (``peers.generation``) reads this same value."""
-        return self._generation
+        ``adopt`` (and ``enter_generation``) replace it, and the control thread (``peers.generation``) reads this
+        same value."""
+        return self._membership.generation
+
+    @property
+    def assignment(self) -> tuple[int, ...]:
+        """The virtual process that holds each training rank (assignment[r]) in the current generation."""
+        return self._membership.assignment
+
+    @property
+    def spare_nodes(self) -> tuple[int, ...]:
+        """The current generation's spare nodes (MPI ranks), in promotion order."""
+        return self._membership.spare_nodes
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The current generation's virtual processes (training and spare)."""
+        return self._membership.members
+
+    @property
+    def coordinator(self) -> int | None:
+        """The MPI rank whose decision made the current generation (None before the first)."""
+        return self._membership.coordinator
+
+    def adopt(self, view) -> None:
+        """Make ``view`` (a Membership) this agent's: a decision applied (control/round.py ``apply_decision``), a
+        readmission (control/membership.py), a rejoin's view. The one writer of the view. Raises TypeError for
+        anything but a Membership."""
+        if not isinstance(view, Membership):
+            raise TypeError(f"a control plane's view is a Membership, not {type(view).__name__}")
+        self._membership = view
 
     def enter_generation(self, g: int) -> None:
-        """Make ``g`` this agent's generation: a decision applied (control/round.py ``apply_decision``), a
-        readmission taken as this agent's own view (control/membership.py ``rejoin``), or a resume from a checkpoint
-        of generation ``g - 1`` (agent/node.py). Raises ValueError for a negative or non-integer ``g``."""
-        try:
-            n = operator.index(g)
-        except TypeError:
-            n = -1
-        if isinstance(g, bool) or n < 0:
-            raise ValueError(f"generation {g!r}: must be an integer >= 0")
-        self._generation = n
+        """Make ``g`` this agent's generation, the rest of the view kept: a resume from a checkpoint of generation
+        ``g - 1`` (agent/node.py). Raises ValueError for a negative or non-integer ``g``."""
+        self.adopt(self._membership.replace(generation=g))
+
+    def forget_rounds(self) -> None:
+        """Drop what this control plane kept of rounds, decisions and barriers before its node failed (a rejoin,
+        control/membership.py): the reports and collects seen, the decisions not applied, the barriers reached,
+        the readmissions waiting for a generation, the first suspicion of the last failure."""
+        self._collects, self._ready, self._auto, self._decisions, self._sync = {}, {}, {}, {}, {}
+        self.pending_readmits = []
+        self.first_suspicion = None
 
     def on(self, kind: str, handler) -> None:
         """Register ``handler(src, body)`` for control messages of ``kind`` (called from ``pump``, on the agent's main
@@ -315,24 +349,27 @@ class ControlPlane:
             time.sleep(0.01)
 
     # ---- recovery (control/round.py) and barriers (control/barrier.py) ----------------------------------------
-    def recover(self, report: dict[int, Report], on_phase=None, wait=None) -> Decision:
+    def recover(self, report: dict[int, Report], on_phase=None, wait=None, stop=None) -> Decision | None:
         """Agree on the next generation. Called by every live process after leaving the current one.
 
         report: {virtual process: Report} for this node's processes (control/messages.py; agreement.decide reads
         them). wait(seconds): block until then or until something happens (default: a control message;
         the node agent's also ends on a local event), so that the hundreds of agents of a large job do not all poll at
-        once. on_phase(name): called at "agree" (report sent, or reports asked for) and "decided" (fault injection
-        for tests). Returns the Decision (with its coordinator and times filled in). Raises ReplicaError from
-        ``decide`` (after telling the members), Fenced if the decision declares this process failed, JobAborted if another process aborted, RecoveryTimeout if no decision
-        comes within ``recovery_timeout`` seconds, RunFinished if the run ended meanwhile.
+        once. stop(): checked after each wait; when true the round is left at once and None returned (the caller's
+        own failure, seen while it waited: it acts on it). on_phase(name): called at "agree" (report sent, or reports
+        asked for) and "decided" (fault injection for tests). Returns the Decision (with its coordinator and times
+        filled in). Raises ReplicaError from ``decide`` (after telling the members), Fenced if the decision declares
+        this process failed, JobAborted if another process aborted, RecoveryTimeout if no decision comes within
+        ``recovery_timeout`` seconds, RunFinished if the run ended meanwhile.
         """
-        return rounds.recover(self, report, on_phase=on_phase, wait=wait)
+        return rounds.recover(self, report, on_phase=on_phase, wait=wait, stop=stop)
 
-    def barrier(self, tag: str, participants: list[int], timeout: float, tick=None) -> None:
+    def barrier(self, tag: str, participants: list[int], timeout: float, tick=None, stop=None) -> bool:
         """Wait until every MPI rank in ``participants`` has reached the barrier ``tag`` (point-to-point
-        messages, so a dead participant blocks nothing). Raises PeerFailure when a participant is suspected,
-        the failure flag is raised, or ``timeout`` seconds pass (naming who is missing)."""
-        barriers.barrier(self, tag, participants, timeout, tick=tick)
+        messages, so a dead participant blocks nothing): True; False at once when ``stop()`` is true after a
+        ``tick()`` (the caller's own failure). Raises PeerFailure when a participant is suspected, the failure flag
+        is raised, or ``timeout`` seconds pass (naming who is missing)."""
+        return barriers.barrier(self, tag, participants, timeout, tick=tick, stop=stop)
 
     def exit(self, code: int = 0) -> None:
         """Leave without MPI_Finalize (peers may be dead), after the queued control messages have left (a peer

@@ -33,19 +33,22 @@ from .membership import apply_pending, spares_of
 from .messages import Collect, Ready, Report
 
 
-def recover(cp, report: dict[int, Report], on_phase=None, wait=None) -> Decision:
+def recover(cp, report: dict[int, Report], on_phase=None, wait=None, stop=None) -> Decision | None:
     """Agree on the next generation. Called by every live process after leaving the current one.
 
     report: {virtual process: Report} for this node's processes (control/messages.py; agreement.decide reads
     them). wait(seconds): block until then or until something happens (default: a control message;
     the node agent's also ends on a local event), so that the hundreds of agents of a large job do not all poll at
-    once. on_phase(name): called at "agree" (report sent, or reports asked for) and "decided" (fault injection
-    for tests). Returns the Decision (with its coordinator and times filled in). Raises ReplicaError from
-    ``decide`` (after telling the members), Fenced if the decision declares this process failed, JobAborted if another process aborted, RecoveryTimeout if no decision
-    comes within ``recovery_timeout`` seconds, RunFinished if the run ended meanwhile.
+    once. stop(): checked after each wait; when true the round is left at once and None returned (the caller's
+    own failure, seen while it waited: it acts on it). on_phase(name): called at "agree" (report sent, or reports
+    asked for) and "decided" (fault injection for tests). Returns the Decision (with its coordinator and times
+    filled in). Raises ReplicaError from ``decide`` (after telling the members), Fenced if the decision declares
+    this process failed, JobAborted if another process aborted, RecoveryTimeout if no decision comes within
+    ``recovery_timeout`` seconds, RunFinished if the run ended meanwhile.
     """
     on_phase = on_phase or (lambda _name: None)
     wait = wait or cp.pump
+    stop = stop or (lambda: False)
     cp.peers.failure.set()
     if cp.peers.notice_g < cp.generation:  # nobody told us: we are the first to leave this generation
         cp.peers.disseminate("teardown", {"g": cp.generation})
@@ -91,6 +94,8 @@ def recover(cp, report: dict[int, Report], on_phase=None, wait=None) -> Decision
                                   f"{cp.recovery_timeout:.0f} s (coordinator: MPI rank {alive[0]})")
         # a coordinator re-checks its round at least every ``settle`` seconds; the others wait for a message
         wait(cp.settle if alive[0] == cp.me else cp.poll_s)
+        if stop():   # the caller's own failure, seen while it waited: it acts on it, not this round
+            return None
     if isinstance(decision, RoundFailure):
         raise decision.exception()
     if set(cp.procs()) & set(decision.fenced):
@@ -195,17 +200,16 @@ def apply_decision(cp, decision: Decision) -> None:
     returning), its coordinator, the readmissions kept for it, the failure flag cleared (raised again if a member
     is suspected already), and the round tables emptied of what belongs to rounds now over."""
     g = decision.generation
-    cp.assignment = list(decision.assignment)
-    cp.spare_nodes = list(decision.spare_nodes)
-    cp.members = list(decision.members)  # first: fencing the failed below is no loss of a member
+    # first: fencing the failed below is no loss of a member
+    cp.adopt(cp.membership.replace(assignment=decision.assignment, spare_nodes=decision.spare_nodes,
+                                   members=decision.members))
     if decision.exhausted:   # no spare left: the checkpoint round must not lose a slow member's copies
         cp.peers.last_resort = True
     for n in sorted({m // cp.P for m in decision.fenced}):
         cp.peers.suspect(n, "fenced by decision", notify=False)
         if n not in cp.peers.returning:   # a returning agent ended its processes itself, and lives on
             fencing.fence(cp.idents[n])
-    cp.coordinator = decision.coordinator
-    cp.enter_generation(g)
+    cp.adopt(cp.membership.replace(generation=g, coordinator=decision.coordinator))
     cp.first_suspicion = None
     apply_pending(cp)   # nodes readmitted to this generation before its decision reached us
     cp.peers.failure.clear()

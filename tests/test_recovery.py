@@ -1,0 +1,246 @@
+"""A node agent's recovery rounds (agent/recovery.py) through their narrow interface (``RecoveryHost``): a fake node
+agent whose attributes cannot be written once the round starts (the round returns its result, it writes nothing of
+the agent), a fake control plane whose ``recover`` and ``barrier`` return what the test says. Pure logic, no
+process: the real rounds are tests/test_hotswap.py's, tests/test_never_hang.py's and tests/test_lifecycle.py's."""
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from deadpool_hpc.agent.recovery import MAX_FAILED_ROUNDS, Recovery, RecoveryEnd
+from deadpool_hpc.agent.state import NodeState
+from deadpool_hpc.control.decision import Decision
+from deadpool_hpc.errors import PeerFailure, RecoveryTimeout, RunFinished
+from deadpool_hpc.ipc.messages import Exit, Failure, Left, RoundFailed, Spare, Train, View
+
+
+class Slot:
+    def __init__(self, step, pulled=False):
+        self.step, self.crc, self.pulled = step, 1234, pulled
+
+
+class Rep:
+    """One local rank's Replicator: its report, its own slots, the restore it expects."""
+
+    def __init__(self, rank, steps):
+        self.rank, self.steps = rank, steps
+        self.slots = [Slot(s) for s in steps]
+        self.own = SimpleNamespace(get=lambda step: next(s for s in self.slots if s.step == step), slots=self.slots)
+        self.calls = []
+
+    def quiesce(self):
+        self.calls.append("quiesce")
+
+    def report(self):
+        return {"own_rank": self.rank, "own": list(self.steps), "held": {}}
+
+    def expect_restore(self, r, step, g):
+        self.calls.append(("expect_restore", r, step, g))
+        self.slots.append(Slot(step, pulled=True))
+
+    def wait_restore(self, flag, timeout):
+        self.calls.append("wait_restore")
+        return self.slots[-1]
+
+
+class CP:
+    """The control plane as a round sees it: ``recover`` and ``barrier`` give what the test queued."""
+
+    def __init__(self, decisions, barriers=(True,), ranks=None):
+        self.generation, self.failure, self.member_nodes = 0, threading.Event(), [0, 1, 2]
+        self.decisions, self.barriers, self.ranks = list(decisions), list(barriers), ranks or {}
+        self.reports, self.barrier_calls = [], []
+
+    def recover(self, report, on_phase=None, wait=None, stop=None):
+        self.reports.append(report)
+        d = self.decisions.pop(0)
+        if isinstance(d, BaseException):
+            raise d
+        if d is not None:
+            self.generation = d.generation
+        return d
+
+    def barrier(self, tag, participants, timeout, tick=None, stop=None):
+        self.barrier_calls.append((tag, list(participants), stop is not None))
+        return self.barriers.pop(0)
+
+    def train_rank(self, local):
+        return self.ranks.get(local)
+
+    def wait_sends(self):
+        pass
+
+
+class Host:
+    """The node agent as a round sees it (``RecoveryHost``). ``seal()``: from then on no attribute may be set."""
+
+    def __init__(self, cp, node=0, P=1, reps=None, alive=(0,), fail_in_tick=False):
+        self.cfg = SimpleNamespace(ready_timeout=5.0, wait_timeout=5.0, rendezvous_timeout=5.0, collective_timeout=5.0,
+                                   world_size=3, nodes=3, replica_holders=1, run_dir="/nonexistent",
+                                   crash_loop_limit=0)
+        self.cp, self.node, self.P, self.resume = cp, node, P, None
+        self.log = SimpleNamespace(events=[], emit=lambda name, **kw: self.log.events.append(name))
+        self.faults = SimpleNamespace(wants_phase=lambda name, rounds: False,
+                                      at_phase=lambda name, rounds: self.phases.append(name))
+        self.reps = reps if reps is not None else {0: Rep(0, [40, 41])}
+        self.layouts, self.checkpoint_dir = {}, "/nonexistent/checkpoint"
+        self.alive = list(alive)
+        self.sup = SimpleNamespace(alive=lambda: list(self.alive), wait_all=lambda t: None)
+        self.sent, self.roles, self.phases, self.cuts, self.failed, self.ticks = [], [], [], [], [], []
+        self.channel = SimpleNamespace(send=lambda local, kind, body: self.sent.append((local, kind, body)))
+        self.desk = SimpleNamespace(drop_pending=lambda: None)
+        self.rendezvous = SimpleNamespace(fail_all=lambda: None, open=lambda g: self.phases.append(f"open{g}"))
+        self.swaps = SimpleNamespace(suspend=lambda: None)
+        self.spare_checks = SimpleNamespace(end=lambda: None)
+        self.persister = SimpleNamespace(quiesce=lambda: None)
+        self.fail_in_tick = fail_in_tick
+        self._sealed = False
+
+    def seal(self):
+        self._sealed = True
+
+    def __setattr__(self, name, value):
+        if getattr(self, "_sealed", False):
+            raise AssertionError(f"the round wrote the agent's {name!r}")
+        object.__setattr__(self, name, value)
+
+    @property
+    def exiting(self):
+        return bool(self.failed)
+
+    def tick(self, timeout=0.0):
+        self.ticks.append(timeout)
+        if self.fail_in_tick:
+            self.node_failed("training process 0 exited with code 1", cause="exit")
+
+    def node_failed(self, reason, cause="other", work=None):
+        self.failed.append(cause)
+
+    def cut_to(self, step):
+        self.cuts.append(step)
+
+    def configure(self, local):
+        pass
+
+    def view(self):
+        return View(self.cp.generation, (0, 1, 2), ())
+
+    def send_role(self, local, role):
+        self.roles.append((local, role))
+
+    def retarget_watch(self):
+        pass
+
+    def replica_address(self, proc):
+        return ["127.0.0.1", 1]
+
+
+def decision(**kw):
+    base = dict(generation=1, failed_nodes=(1,), fenced=(1,), assignment=(0, 3, 2), promoted={1: 3},
+                replaced={1: 3}, sources={1: 2}, exhausted=False, reason="hot swap", spare_nodes=(),
+                members=(0, 2, 3), cut_step=40, recomputed_steps=1, high_water=41, coordinator=0)
+    return Decision(**{**base, **kw})
+
+
+def _left(rec, local=0, done=41):
+    rec.on_left(local, Left(generation=0, done_step=done, why="failure"))
+
+
+def test_a_round_that_keeps_the_node_a_spare_returns_that_and_writes_nothing_of_the_agent():
+    cp = CP([decision(assignment=(0, 3, 2), spare_nodes=(4,))], ranks={})
+    host = Host(cp, node=4, reps={0: Rep(None, [])})
+    rec = Recovery(host)
+    _left(rec)
+    assert rec.wanted() and rec.processes_left()
+    host.seal()
+    end = rec.run()
+    assert end == RecoveryEnd(NodeState.SPARE, "recovery round 1: a spare of generation 1")
+    assert host.sent == [(0, Failure.KIND, Failure(0).to_wire())]
+    assert [type(r) for _, r in host.roles] == [Spare] and host.cuts == [40] and cp.barrier_calls == []
+    assert cp.reports == [{"4": {"own_rank": None, "own": [], "held": {}, "done_step": 41, "start_step": 0}}]
+    assert not rec.wanted() and not rec.in_round and host.phases == ["detect"]
+
+
+def test_a_promoted_spare_restores_meets_the_trainers_and_is_told_its_rank():
+    rep = Rep(None, [])
+    cp = CP([decision()], ranks={0: 1})   # node 3's process takes over rank 1, pulled from node 2
+    host = Host(cp, node=3, reps={0: rep})
+    rec = Recovery(host)
+    _left(rec)
+    host.seal()
+    end = rec.run()
+    assert end.state == NodeState.TRAINING and end.exit_code is None
+    assert ("expect_restore", 1, 40, 1) in rep.calls and "wait_restore" in rep.calls
+    assert cp.barrier_calls == [("rebuild1.0", [0, 2, 3], True)]   # the new trainers' nodes; it can stop early
+    (local, role), = host.roles
+    assert isinstance(role, Train) and role.rank == 1 and role.restore.promoted and role.restore.pulled
+    assert role.restore.cut_step == 40 and role.restore.round == 1 and host.phases == ["detect", "rebuild", "open1"]
+
+
+def test_this_nodes_failure_while_its_processes_leave_stops_the_round_before_the_agreement():
+    cp = CP([decision()])
+    host = Host(cp, fail_in_tick=True)   # local 0 never says Left: the agent's tick sees it exit
+    rec = Recovery(host)
+    rec.on_round_failed(0, RoundFailed(generation=0, error="join failed"))
+    host.seal()
+    assert rec.run() is None
+    assert host.failed == ["exit"] and len(host.ticks) == 1 and cp.reports == [] and host.roles == []
+    assert not rec.in_round
+
+
+def test_a_stopped_agreement_or_barrier_ends_the_round_with_nothing_sent():
+    cp = CP([None])   # recover returned None: this node failed while it waited
+    host = Host(cp)
+    rec = Recovery(host)
+    _left(rec)
+    assert rec.run() is None and host.roles == [] and host.cuts == []
+    cp = CP([decision(assignment=(0, 1, 2), promoted={}, sources={}, replaced={})], barriers=[False],
+            ranks={0: 0})
+    host = Host(cp)
+    rec = Recovery(host)
+    _left(rec)
+    assert rec.run() is None and host.roles == [] and host.cuts == [40]
+
+
+def test_a_failed_round_starts_the_next_and_too_many_in_a_row_end_the_run():
+    cp = CP([PeerFailure("barrier: a peer failed"), decision(spare_nodes=(4,))])
+    host = Host(cp, node=4, reps={0: Rep(None, [])})
+    rec = Recovery(host)
+    _left(rec)
+    assert rec.run().state == NodeState.SPARE and rec.rounds == 2
+    assert host.log.events == ["recovery_round_failed"]
+    cp = CP([PeerFailure("x")] * (MAX_FAILED_ROUNDS + 1))
+    rec = Recovery(Host(cp))
+    _left(rec)
+    with pytest.raises(RecoveryTimeout, match=f"{MAX_FAILED_ROUNDS} recovery rounds"):
+        rec.run()
+    assert len(cp.reports) == MAX_FAILED_ROUNDS
+    rec = Recovery(Host(CP([RunFinished("over")])))
+    _left(rec)
+    assert rec.run() is None
+
+
+def test_no_spare_left_before_any_step_leaves_for_a_requeue_without_a_checkpoint():
+    cp = CP([decision(exhausted=True, reason="no spare node left", fresh=(1,), cut_step=0, sources={},
+                      promoted={}, replaced={})], ranks={0: 0})
+    host = Host(cp)
+    rec = Recovery(host)
+    _left(rec)
+    host.seal()
+    end = rec.run()
+    assert end.state == NodeState.SAVED and end.exit_code == 75
+    assert host.roles == [(0, Exit(75))] and "checkpoint_skipped" in host.log.events
+
+
+def test_a_left_of_an_older_generation_starts_no_round_and_a_round_failed_of_a_replaced_one_neither():
+    cp = CP([])
+    cp.generation = 2
+    rec = Recovery(Host(cp))
+    rec.on_left(0, Left(generation=1, done_step=5, why="failure"))
+    assert not rec.wanted()
+    rec.on_round_failed(0, RoundFailed(generation=1, error="join failed"))
+    assert not rec.wanted()
+    rec.on_round_failed(0, RoundFailed(generation=2, error="join failed"))
+    assert rec.wanted() and not rec.processes_left()
