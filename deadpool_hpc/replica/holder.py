@@ -20,10 +20,10 @@ import threading
 import time
 
 from ..errors import WireError
+from .headers import Ack, Go, Push, RestoreOffer
 from .restore import receive
 from .slots import ReplicaState
 from .snapshot import RunningCrc
-from .headers import Ack, Go, Push, RestoreOffer
 from .stream import KEEP_S, POLL_S, Link, LinkError, PeerGone, Stalled
 
 MAX_CONNECTIONS = 64      # concurrent incoming connections; more are closed at once

@@ -20,9 +20,9 @@ import time
 from collections import deque
 
 from ..errors import WireError
+from .headers import Ack, Go, Push
 from .slots import OwnWrite, ReplicaState
 from .snapshot import Slot
-from .headers import Ack, Go, Push
 from .stream import KEEP_S, POLL_S, Link, LinkError, PeerGone, Stopped, fmt
 
 INLINE_STAMP_BYTES = 1 << 20  # a written payload up to this many bytes on the wire is checksummed by the caller of

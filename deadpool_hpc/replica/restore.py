@@ -23,9 +23,9 @@ import time
 from dataclasses import dataclass
 
 from ..errors import PeerFailure, ReplicaError, WireError
+from .headers import Ack, Go, RestoreOffer
 from .slots import ReplicaState
 from .snapshot import RunningCrc, Slot
-from .headers import Ack, Go, RestoreOffer
 from .stream import POLL_S, Link, LinkError, fmt
 
 RETRY_S = 0.01   # a source told to try again (the target has not read the decision yet) waits this long first
