@@ -272,3 +272,25 @@ def _fake_channel(sent: list):
             sent.append((local, kind, body))
             return True
     return _Channel()
+
+
+def test_the_replica_streams_and_the_fork_servers_messages_keep_the_dicts_they_replace():
+    from deadpool_hpc.agent.watch import Watch
+    from deadpool_hpc.process.forkserver import Exited, Spawn, Spawned
+    from deadpool_hpc.replica.headers import Ack, Go, Push, RestoreOffer
+
+    assert _same_frame(Push(generation=2, rank=1, step=7, nbytes=64, crc=9).to_wire(),
+                       {"generation": 2, "rank": 1, "step": 7, "nbytes": 64, "crc": 9})
+    offer = {"generation": 2, "rank": 1, "step": 7, "ok": True, "source": ["10.0.0.2", 4000], "reason": "",
+             "nbytes": 64, "crc": 9}
+    assert RestoreOffer.from_wire(offer).to_wire() == offer
+    assert _same_frame(Go(ok=False, retry=True, reason="busy").to_wire(), {"ok": False, "retry": True, "reason": "busy"})
+    assert _same_frame(Ack(ok=True, reason="").to_wire(), {"ok": True, "reason": ""})   # a restore's
+    assert _same_frame(Ack(ok=True, reason="", rank=1, step=7, crc=9).to_wire(),
+                       {"rank": 1, "step": 7, "crc": 9, "ok": True, "reason": ""})     # a push's
+    spawn = {"argv": ["run", "0"], "env": {"A": "1"}, "cwd": "/tmp"}
+    assert Spawn.from_wire(spawn).to_wire() == spawn and Spawn.from_wire(spawn).argv == ("run", "0")
+    assert Spawned(5).to_wire() == {"pid": 5} and Exited(5, -9).to_wire() == {"pid": 5, "rc": -9}
+    assert Watch(3).to_wire() == {"node": 3}
+    with pytest.raises(ValueError, match="spawn message: key 'env' is .*; expected an object of str -> a string"):
+        Spawn.from_wire(dict(spawn, env={"A": 1}))
