@@ -12,6 +12,7 @@ import pytest
 from deadpool_hpc.agent.recovery import MAX_FAILED_ROUNDS, Recovery, RecoveryEnd
 from deadpool_hpc.agent.state import NodeState
 from deadpool_hpc.control.decision import Decision
+from deadpool_hpc.control.messages import Report
 from deadpool_hpc.errors import PeerFailure, RecoveryTimeout, RunFinished
 from deadpool_hpc.ipc.messages import Exit, Failure, Left, RoundFailed, Spare, Train, View
 
@@ -159,7 +160,7 @@ def test_a_round_that_keeps_the_node_a_spare_returns_that_and_writes_nothing_of_
     assert end == RecoveryEnd(NodeState.SPARE, "recovery round 1: a spare of generation 1")
     assert host.sent == [(0, Failure.KIND, Failure(0).to_wire())]
     assert [type(r) for _, r in host.roles] == [Spare] and host.cuts == [40] and cp.barrier_calls == []
-    assert cp.reports == [{"4": {"own_rank": None, "own": [], "held": {}, "done_step": 41, "start_step": 0}}]
+    assert cp.reports == [{4: Report(own_rank=None, own=(), held={}, done_step=41, start_step=0)}]
     assert not rec.wanted() and not rec.in_round and host.phases == ["detect"]
 
 

@@ -11,7 +11,8 @@ import pytest
 
 from deadpool_hpc.control import round as rounds
 from deadpool_hpc.control.barrier import barrier
-from deadpool_hpc.control.decision import Decision, int_runs
+from deadpool_hpc.control.decision import Decision
+from deadpool_hpc.control.messages import Ready, Report
 from deadpool_hpc.control.handlers import HandlerTable
 from deadpool_hpc.control.membership import Membership
 from deadpool_hpc.control.plane import OWN_KINDS, ControlPlane
@@ -83,13 +84,16 @@ def fenced(monkeypatch):
 
 
 def _report(rank: int, own, held=None) -> dict:
-    return {str(rank): {"own_rank": rank, "own": list(own), "held": held or {}, "done_step": max(own)}}
+    """Node ``rank``'s report (P = 1): its one process's Report (control/messages.py), by virtual process."""
+    return {rank: Report(own_rank=rank, own=tuple(own), held={int(r): tuple(s) for r, s in (held or {}).items()},
+                         done_step=max(own))}
 
 
 def _ready(cp: ControlPlane, report: dict, applied: int = 0) -> dict:
-    """A report sent unasked (``recover``'s first message), as another agent of ``cp``'s view sends it."""
-    return {"round": ["auto", applied], "report": report, "applied": applied,
-            "assignment": int_runs(cp.assignment), "spare_nodes": list(cp.spare_nodes)}
+    """A report sent unasked (``recover``'s first message), as another agent of ``cp``'s view sends it (its wire
+    form, as it reaches the inbox)."""
+    return Ready(round=("auto", applied), report=report, applied=applied, assignment=tuple(cp.assignment),
+                 spare_nodes=tuple(cp.spare_nodes)).to_wire()
 
 
 # 3 nodes x 1 rank + spare 3; node 1 died; its rank's replica lives on node 2 (held up to step 40)
@@ -194,7 +198,7 @@ def test_the_coordinator_asks_only_the_missing_after_collect_after_and_suspects_
     monkeypatch.setattr(rounds.time, "monotonic", lambda: clock["t"])
     alive = peers.alive()
     rid = rounds._start_round(cp, alive)
-    cp._auto[2] = _ready(cp, reports[2])
+    cp._auto[2] = Ready.from_wire(_ready(cp, reports[2]))
     assert rounds._coordinate(cp, rid, alive, reports[0]) is None and peers.sent == []
     clock["t"] += cp.collect_after
     assert rounds._coordinate(cp, rid, alive, reports[0]) is None
@@ -208,7 +212,7 @@ def test_apply_keeps_a_returning_agent_alive_and_raises_the_flag_for_a_member_su
     cp, peers, _ = _lost_node_1(me=0)
     peers.returning = {1: 0.0}
     peers.failure.set()
-    cp._auto = {2: {"applied": 0}, 3: {"applied": 1}}
+    cp._auto = {2: Ready.from_wire(_ready(cp, {}, 0)), 3: Ready.from_wire(_ready(cp, {}, 1))}
     cp._collects = {2: (["x"], 0), 3: (["y"], 1)}
     d = Decision(generation=1, failed_nodes=(1,), fenced=(1,), assignment=(0, 3, 2), promoted={1: 3},
                  replaced={1: 3}, sources={1: 2}, exhausted=False, reason="hot swap", spare_nodes=(),
@@ -216,7 +220,7 @@ def test_apply_keeps_a_returning_agent_alive_and_raises_the_flag_for_a_member_su
     rounds.apply_decision(cp, d)
     assert fenced == [] and 1 in peers.suspected            # suspected, not killed: it ended its processes itself
     assert not peers.failure.is_set()
-    assert cp._auto == {3: {"applied": 1}} and cp._collects == {3: (["y"], 1)}
+    assert list(cp._auto) == [3] and cp._auto[3].applied == 1 and cp._collects == {3: (["y"], 1)}
     peers.suspected.add(3)   # a member lost after the decision: the next round's
     rounds.apply_decision(cp, Decision(**{**d.__dict__, "generation": 2}))
     assert peers.failure.is_set() and cp.generation == 2

@@ -48,6 +48,7 @@ from collections import deque
 
 from ..errors import ChannelError
 from ..ipc.frames import RESERVED, FrameReader, address_of, encode_frame
+from ..ipc.messages import Hello, Refused, Welcome
 from ..ipc.shm import PAGE_BYTES, ProgressPage
 
 logger = logging.getLogger(__name__)
@@ -363,13 +364,17 @@ class ChannelServer:
                 return
 
     def _hello(self, c: _Conn, kind: str, body: dict, out: list) -> None:
-        lr, pid = body.get("local_rank"), body.get("pid")
-        if kind != "hello":
+        if kind != Hello.KIND:
             return self._refuse(c, f"first message is {kind!r}; expected 'hello'")
-        if not isinstance(lr, int) or isinstance(lr, bool) or lr < 0 or (self.ranks is not None and lr >= self.ranks):
+        try:
+            hello = Hello.from_wire(body)
+        except ValueError as exc:
+            return self._refuse(c, str(exc))
+        lr, pid = hello.local_rank, hello.pid
+        if lr < 0 or (self.ranks is not None and lr >= self.ranks):
             accepted = "0..%d" % (self.ranks - 1) if self.ranks else "an integer >= 0"
             return self._refuse(c, f"hello's local_rank {lr!r} is not {accepted}")
-        if not isinstance(pid, int) or pid != c.pid:
+        if pid != c.pid:
             return self._refuse(c, f"hello's pid {pid!r} is not the connecting process's pid {c.pid}")
         with self._lock:
             other = self._by_rank.get(lr)
@@ -393,8 +398,8 @@ class ChannelServer:
                     self._sel.register(c.pidfd, selectors.EVENT_READ, _Exited(c))
                 old = self._pages.pop(lr, None)
                 page = self._pages[lr] = ProgressPage.create()
-                self._queue(c, encode_frame("welcome", {"local_rank": lr, "agent_pid": os.getpid(),
-                                                        "page_bytes": PAGE_BYTES}, self.secret, 1), [page.fd])
+                welcome = Welcome(local_rank=lr, agent_pid=os.getpid(), page_bytes=PAGE_BYTES)
+                self._queue(c, encode_frame(Welcome.KIND, welcome.to_wire(), self.secret, 1), [page.fd])
         if busy is not None:
             return self._refuse(c, f"local rank {lr} is already connected (pid {busy})")
         if old is not None:
@@ -404,7 +409,7 @@ class ChannelServer:
     def _refuse(self, c: _Conn, reason: str) -> None:
         """Answer ``refused {why}`` (best effort), log ``agent_refused``, close a not-yet-accepted connection."""
         try:
-            c.sock.send(encode_frame("refused", {"why": reason}, self.secret), socket.MSG_NOSIGNAL)
+            c.sock.send(encode_frame(Refused.KIND, Refused(reason).to_wire(), self.secret), socket.MSG_NOSIGNAL)
         except OSError:
             pass
         logger.warning("channel %s refused a connection (pid %s, uid %s): %s", self.name, c.pid, c.uid, reason)

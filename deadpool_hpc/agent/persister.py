@@ -44,6 +44,7 @@ import threading
 import time
 from typing import Protocol
 
+from ..control.messages import Persist, Persisted
 from ..replica import persist
 from ..rundir import latest_checkpoint
 from .state import NodeState
@@ -104,12 +105,12 @@ class Persister:
             # --persist-every, each round's request replaced the last before any node got to write it, and nothing
             # was ever persisted (seen with --persist-every 1 and 0.6 s steps)
             if rep is not None and rep.committed_step >= 0 and (self._asked is None or rep.committed_step >= self._asked):
-                body = {"g": cp.generation, "step": rep.committed_step + 2}
+                msg = Persist(g=cp.generation, step=rep.committed_step + 2)
                 done = self._over()
                 if done is not None:   # what rounds every node is done with left (failed rounds) frees room
                     self._in_background("clean", self._clean, done)
-                self._asked = body["step"]
-                cp.peers.send_many(self._trainers(), "persist", body)
+                self._asked = msg.step
+                cp.peers.send_many(self._trainers(), Persist.KIND, msg.to_wire())
         if self.want is not None and self._thread is None:
             self._copy()
 
@@ -129,15 +130,15 @@ class Persister:
         cp, P = self.agent.cp, self.agent.P
         return sorted({m // P for m in cp.assignment})
 
-    def _on_persist(self, src: int, body: dict) -> None:
-        if int(body.get("g", -1)) == self.agent.cp.generation and self.agent.cp.train_rank(0) is not None:
-            self.want = (int(body["g"]), int(body["step"]))
+    def _on_persist(self, src: int, msg: Persist) -> None:
+        if msg.g == self.agent.cp.generation and self.agent.cp.train_rank(0) is not None:
+            self.want = (msg.g, msg.step)
 
     def _answer(self, g: int, step: int, ok: bool) -> None:
         """Tell the scheduler this node is done with round ``step`` of generation ``g``: written (``ok``), or
         missed or failed (its reason is this node's ``persist_missed`` / ``persist_failed`` event)."""
         cp = self.agent.cp
-        cp.peers.send(cp.assignment[0] // self.agent.P, "persisted", {"g": g, "step": step, "ok": ok})
+        cp.peers.send(cp.assignment[0] // self.agent.P, Persisted.KIND, Persisted(g, step, ok).to_wire())
 
     def _over(self) -> int | None:
         """The scheduler: the newest step every training node has answered in this generation (each node writes its
@@ -147,14 +148,14 @@ class Persister:
         steps = [self.answered.get(n) for n in self._trainers()]
         return None if any(s is None for s in steps) else min(steps)
 
-    def _on_persisted(self, src: int, body: dict) -> None:
-        key = (int(body.get("g", -1)), int(body.get("step", -1)))
+    def _on_persisted(self, src: int, msg: Persisted) -> None:
+        key = (msg.g, msg.step)
         if key[0] != self.agent.cp.generation or not self._scheduler():
             return
         if self._answered_g != key[0]:
             self._answered_g, self.answered = key[0], {}
         self.answered[src] = max(self.answered.get(src, -1), key[1])
-        if not body.get("ok", True):   # (a node of a version without ``ok`` answers written rounds only)
+        if not msg.ok:   # (a node of a version without ``ok`` answers written rounds only: ok by default)
             self.acks.pop(key, None)
             return
         done = self.acks.setdefault(key, set())

@@ -55,12 +55,18 @@ NCCL's paths on a GPU node (the link check is gloo over TCP).
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
 import statistics
 import subprocess
 import time
+
+from ..control.messages import PeerPreflight, PreflightBuilt, PreflightFigure
+from ..ipc.messages import LinkAnswer, LinkAsk, LinkPair, LinkResult, MatmulAsk, MatmulFigure
+
+logger = logging.getLogger(__name__)
 
 SYNC_S = 10.0               # seconds an agent waits for the other nodes' "built", and then for their figures
 PREFLIGHT_TIMEOUT_S = 60.0  # seconds a node's training processes have to answer a matmul check (at least)
@@ -116,14 +122,20 @@ class LinkCheck:
     def __init__(self, channel, P: int):
         self.channel, self.P = channel, P
         self._id = 0
-        self._answers: dict[int, dict] = {}
+        self._answers: dict[int, dict[int, LinkResult]] = {}   # local rank -> its results by peer node
         self._pairs: list[tuple[int, int, int]] = []
         self.asked_at: float | None = None   # while a check is under way
 
     def on_local(self, local: int, body: dict) -> None:
-        """A training process's answer (worker/preflight.py ``link_answer``)."""
-        if body.get("id") == self._id and isinstance(body.get("pairs"), dict):
-            self._answers[local] = body["pairs"]
+        """A training process's answer (worker/preflight.py ``link_answer``; ipc/messages.py LinkAnswer). A
+        malformed one is dropped, and said (its process counts as not answering)."""
+        try:
+            answer = LinkAnswer.from_wire(body)
+        except ValueError as exc:
+            logger.warning("training process %d's link answer dropped: %s", local, exc)
+            return
+        if answer.id == self._id:
+            self._answers[local] = answer.pairs
 
     def ask(self, me: int, pairs: list[tuple[int, int, int]], tag: str = "") -> None:
         """Ask this node's training processes to check ``pairs`` (``ring_pairs``' form); ``tag`` makes the keys of
@@ -145,15 +157,15 @@ class LinkCheck:
         self.asked_at = None
         out = {}
         for q, _, _ in self._pairs:
-            per = [self._answers.get(lo, {}).get(str(q)) or {"seen": True, "ok": False, "seconds": None, "error":
-                   f"training process {lo} did not answer within {LINK_BOUND_S:.0f} s"} for lo in range(self.P)]
-            seen = all(r.get("seen") for r in per)
-            ok = seen and all(r.get("ok") for r in per)
-            secs = [r["seconds"] for r in per if isinstance(r.get("seconds"), (int, float))]
-            bad = [r for r in per if r.get("seen") and not r.get("ok")]
+            per = [self._answers.get(lo, {}).get(q) or LinkResult(seen=True, ok=False, error=(
+                   f"training process {lo} did not answer within {LINK_BOUND_S:.0f} s")) for lo in range(self.P)]
+            seen = all(r.seen for r in per)
+            ok = seen and all(r.ok for r in per)
+            secs = [r.seconds for r in per if r.seconds is not None]
+            bad = [r for r in per if r.seen and not r.ok]
             out[q] = {"seen": seen, "ok": ok, "seconds": round(max(secs), 6) if ok and secs else None,
-                      "error": bad[0].get("error") if bad else None,
-                      "partner_fault": bool(bad) and all(r.get("partner") for r in bad)}
+                      "error": bad[0].error if bad else None,
+                      "partner_fault": bool(bad) and all(r.partner for r in bad)}
         return out
 
     def run(self, tick, me: int, nodes) -> dict[int, dict]:
@@ -170,8 +182,9 @@ class LinkCheck:
 
 def link_request(rid, me: int, pairs, tag: str, local: int) -> dict:
     """The ``link`` message to local process ``local`` of node ``me`` for ``pairs`` (peer, a, b)."""
-    return {"id": rid, "wait_s": LINK_WAIT_S, "timeout_s": LINK_TIMEOUT_S,
-            "pairs": [{"peer": q, "rank": 0 if me == a else 1, "key": f"{a}-{b}/{tag}{local}"} for q, a, b in pairs]}
+    return LinkAsk(id=rid, wait_s=LINK_WAIT_S, timeout_s=LINK_TIMEOUT_S,
+                   pairs=tuple(LinkPair(peer=q, rank=0 if me == a else 1, key=f"{a}-{b}/{tag}{local}")
+                               for q, a, b in pairs)).to_wire()
 
 
 class SpeedCheck:
@@ -187,41 +200,47 @@ class SpeedCheck:
         self.links: dict[int, dict[int, bool]] = {}   # node -> its links (peer -> ok) whose partner came
         self.median: float | None = None      # of every node's figure at start-up: what a spare's re-check is held to
         self._id = 0
-        self._answers: dict[int, dict] = {}
+        self._answers: dict[int, MatmulFigure] = {}
         self.asked_at: float | None = None
         self._slow_in_a_row = 0   # an idle spare's re-checks over the factor, one after the other
-        cp.on("preflight", self._on_peer)
+        cp.on(PeerPreflight.KIND, self._on_peer)
 
     # ---- messages --------------------------------------------------------------------------------------------
-    def _on_peer(self, src: int, body: dict) -> None:
-        if body.get("phase") == "built":
+    def _on_peer(self, src: int, msg: PeerPreflight) -> None:
+        if isinstance(msg, PreflightBuilt):
             self.built.add(src)
-        elif body.get("phase") == "figure" and isinstance(body.get("seconds"), (int, float)):
-            self.figures[src] = float(body["seconds"])
-            links = body.get("links")
-            if isinstance(links, dict):
-                self.links[src] = {int(q): bool(ok) for q, ok in links.items() if str(q).isdigit()}
+        elif isinstance(msg, PreflightFigure):
+            self.figures[src] = msg.seconds
+            self.links[src] = dict(msg.links)
 
     def on_local(self, local: int, body: dict) -> None:
-        """A training process's answer (worker/preflight.py)."""
-        if body.get("id") == self._id:
-            self._answers[local] = body
+        """A training process's answer (worker/preflight.py; ipc/messages.py MatmulFigure). A malformed one is
+        dropped, and said (its process counts as not answering)."""
+        try:
+            figure = MatmulFigure.from_wire(body)
+        except ValueError as exc:
+            self.log.emit("bad_message", kind=MatmulFigure.KIND, local=local, error=str(exc)[:300])
+            return
+        if figure.id == self._id:
+            self._answers[local] = figure
 
     def ask_local(self) -> None:
         self._id += 1
         self._answers = {}
         self.asked_at = time.monotonic()
         for local in range(self.P):
-            self.channel.send(local, "preflight", {"id": self._id})
+            self.channel.send(local, MatmulAsk.KIND, MatmulAsk(self._id).to_wire())
 
     def local_figure(self) -> tuple[float | None, str | None] | None:
         """None while some answer is missing; else (this node's figure: the slowest process's seconds, error)."""
         if len(self._answers) < self.P:
             return None
-        errors = [f"training process {lo}: {a['error']}" for lo, a in sorted(self._answers.items()) if a.get("error")]
+        errors = [f"training process {lo}: {a.error}" for lo, a in sorted(self._answers.items()) if a.error]
         if errors:
             return None, "; ".join(errors)
-        return max(float(a["seconds"]) for a in self._answers.values()), None
+        if any(a.seconds is None for a in self._answers.values()):
+            return None, "a training process sent no figure and no error"
+        return max(a.seconds for a in self._answers.values()), None
 
     # ---- start-up --------------------------------------------------------------------------------------------
     def at_startup(self, tick, deadline: float) -> tuple[str, str] | None:
@@ -232,7 +251,7 @@ class SpeedCheck:
         alive = lambda: set(cp.peers.alive())  # noqa: E731
         active = {m // self.P for m in cp.assignment}   # their build is waited for anyway: step 0 needs every rank
         self.built.add(me)
-        cp.peers.send_many(sorted(alive() - {me}), "preflight", {"phase": "built"})
+        cp.peers.send_many(sorted(alive() - {me}), PeerPreflight.KIND, PreflightBuilt().to_wire())
         spares_by = None   # when the active nodes were built: the spares get SYNC_S more
         while not alive() <= self.built and time.monotonic() < deadline:
             if active & alive() <= self.built:
@@ -258,8 +277,8 @@ class SpeedCheck:
         mine_links = {q: r["ok"] for q, r in links.items() if r["seen"]}
         peers = (self.built & alive()) - {me}   # a node built later gets our figures too and judges itself with them
         self.figures[me] = mine
-        cp.peers.send_many(sorted(alive() - {me}), "preflight", {"phase": "figure", "seconds": mine,
-                                                                 "links": {str(q): ok for q, ok in mine_links.items()}})
+        cp.peers.send_many(sorted(alive() - {me}), PeerPreflight.KIND,
+                           PreflightFigure(seconds=mine, links=dict(mine_links)).to_wire())
         t_sent = time.monotonic()
         end = time.monotonic() + SYNC_S
         while not (peers & alive()) <= set(self.figures) and time.monotonic() < end:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..control.decision import Decision
+from ..control.messages import Report
 from ..errors import CRASH_LOOP_EXIT, CheckpointFailed, PeerFailure, RecoveryTimeout, ReplicaError, RunFinished
 from ..ipc.messages import Exit, Failure, Left, Restore, RoundFailed, Spare, Train
 from ..placement import held_by
@@ -226,8 +227,8 @@ class Recovery:
         report = {}
         for local, rep in a.reps.items():
             m = a.node * P + local
-            report[str(m)] = dict(rep.report(), done_step=self.left.get(local, -1),
-                                  start_step=a.resume["step"] if a.resume else 0)
+            report[m] = Report.from_wire(dict(rep.report(), done_step=self.left.get(local, -1),
+                                              start_step=a.resume["step"] if a.resume else 0))
         self.phase("detect")
         decision = a.cp.recover(report, on_phase=self.phase, wait=a.tick, stop=lambda: a.exiting)
         if decision is None:   # this node failed while it waited

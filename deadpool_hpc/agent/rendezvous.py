@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 
+from ..control.messages import Kv
 from ..ipc.messages import LINK_GENERATION
 from .preflight import link_pair_of
 from .store import GenerationStore
@@ -25,7 +26,7 @@ class Rendezvous:
         self.early: dict[int, list] = {}   # generation -> [(key, value)] broadcast before we had that store
         self.link = GenerationStore(LINK_GENERATION, broadcast=lambda key, value: self._broadcast(LINK_GENERATION,
                                                                                                   key, value))
-        cp.on("kv", self._on_kv)
+        cp.on(Kv.KIND, self._on_kv)
         cp.on_member_lost = self.fail_all
 
     def open(self, g: int) -> GenerationStore:
@@ -62,15 +63,15 @@ class Rendezvous:
         """Carry a local ``set`` of generation ``g``'s store to the other agents that serve it: the generation's
         members; for the link store, the key's pair only (O(1) messages per node, not O(nodes))."""
         cp = self.cp
-        body = {"g": g, "key": key, "value": base64.b64encode(value).decode()}
+        msg = Kv(g=g, key=key, value=base64.b64encode(value).decode())
         if g == LINK_GENERATION:
             dests = set(link_pair_of(key) or cp.peers.alive())
         else:
             dests = set(cp.member_nodes)
-        cp.peers.send_many(sorted(dests - {cp.me}), "kv", body)   # encoded once; a suspected node skipped
+        cp.peers.send_many(sorted(dests - {cp.me}), Kv.KIND, msg.to_wire())   # encoded once; a suspected node skipped
 
-    def _on_kv(self, src: int, body: dict) -> None:
-        g, key, value = int(body["g"]), body["key"], base64.b64decode(body["value"])
+    def _on_kv(self, src: int, msg: Kv) -> None:
+        g, key, value = msg.g, msg.key, base64.b64decode(msg.value)
         if g == LINK_GENERATION:
             self.link.apply(key, value)
         elif g in self.stores:

@@ -20,7 +20,7 @@ import math
 import threading
 import time
 
-from ..ipc.messages import STORE_KINDS
+from ..ipc.messages import STORE_REQUESTS, StoreCheck, StoreGet, StoreReply, StoreSet
 
 
 class _Parked:
@@ -165,12 +165,14 @@ class GenerationStore:
         completes. Returns False (and does nothing) if ``kind`` is not a store message. A request for another
         generation, or malformed, is answered with ``code: "bad"``.
         """
-        if kind not in STORE_KINDS:
+        cls = STORE_REQUESTS.get(kind)
+        if cls is None:
             return False
         rid = body.get("id")
+        rid = rid if isinstance(rid, int) and not isinstance(rid, bool) else None
 
         def done(reply: dict) -> None:
-            send(local_rank, "store_reply", dict(reply, id=rid))
+            send(local_rank, StoreReply.KIND, StoreReply(id=rid, **reply).to_wire())
 
         gen = body.get("generation")
         if gen != self.generation:
@@ -178,38 +180,26 @@ class GenerationStore:
                   "error": f"a store request for generation {gen!r}; this agent serves generation {self.generation}"})
             return True
         try:
-            timeout = body.get("timeout", 60.0)
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
-                    or timeout <= 0:
-                raise ValueError(f"timeout {timeout!r} is not a positive number of seconds")
-            if kind == "store_set":
-                key, value = body["key"], base64.b64decode(body["value"], validate=True)
-                if not isinstance(key, str):
-                    raise ValueError(f"key {key!r} is not a string")
+            req = cls.from_wire(body)
+            if not math.isfinite(req.timeout) or req.timeout <= 0:
+                raise ValueError(f"timeout {req.timeout!r} is not a positive number of seconds")
+            if isinstance(req, StoreSet):
+                value = base64.b64decode(req.value, validate=True)
                 if self._failed is not None:
                     done(self._fail_body(self._failed))
                     return True
                 try:
-                    self.set(key, value)
+                    self.set(req.key, value)
                 except Exception as exc:  # noqa: BLE001 - the broadcast failed: the caller must hear it
-                    done({"ok": False, "code": "failed", "error": f"broadcasting {key!r} failed: {exc}"})
+                    done({"ok": False, "code": "failed", "error": f"broadcasting {req.key!r} failed: {exc}"})
                 else:
                     done({"ok": True})
-            elif kind == "store_check":
-                done({"ok": True, "value": self.check(_str_list(body["keys"]))})
-            elif kind == "store_get":
-                key = body["key"]
-                if not isinstance(key, str):
-                    raise ValueError(f"key {key!r} is not a string")
-                self.get(key, done, timeout)
+            elif isinstance(req, StoreCheck):
+                done({"ok": True, "value": self.check(list(req.keys))})
+            elif isinstance(req, StoreGet):
+                self.get(req.key, done, req.timeout)
             else:
-                self.wait(_str_list(body["keys"]), done, timeout)
-        except (KeyError, ValueError, TypeError) as exc:
+                self.wait(list(req.keys), done, req.timeout)
+        except (ValueError, TypeError) as exc:
             done({"ok": False, "code": "bad", "error": f"malformed {kind}: {exc!r}"})
         return True
-
-
-def _str_list(keys) -> list[str]:
-    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-        raise ValueError(f"keys {keys!r} is not a list of strings")
-    return keys

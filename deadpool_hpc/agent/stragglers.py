@@ -43,6 +43,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+from ..control.messages import Straggler, StragglerSummary
 from .health import Unhealthy
 from .state import NodeState
 
@@ -199,8 +200,8 @@ class Stragglers:
         self._generation = None
         self._next_table = 0.0
         self.last_figure = None   # this node's newest (own, wall) seconds per step (agent/metrics.py shows it)
-        cp.on("straggler_summary", self.on_summary)
-        cp.on("straggler", self.on_verdict)
+        cp.on(StragglerSummary.KIND, self.on_summary)
+        cp.on(Straggler.KIND, self.on_verdict)
 
     def tick(self) -> None:
         a = self.a
@@ -222,20 +223,17 @@ class Stragglers:
         self.last_figure = fig
         ranks = [r for lo in range(a.P) if (r := self.cp.train_rank(lo)) is not None]
         site = a.health.slowness() if a.health is not None else None
-        self.cp.peers.send(min(self.cp.peers.alive()), "straggler_summary",
-                           {"node": self.cp.me, "generation": self.cp.generation, "own_s": fig[0], "step_s": fig[1],
-                            "ranks": ranks, "site": list(site) if site else None})
+        self.cp.peers.send(min(self.cp.peers.alive()), StragglerSummary.KIND,
+                           StragglerSummary(node=self.cp.me, generation=self.cp.generation, own_s=fig[0],
+                                            step_s=fig[1], ranks=tuple(ranks),
+                                            site=list(site) if site else None).to_wire())
 
     # ---- the coordinator --------------------------------------------------------------------------------------
-    def on_summary(self, src: int, body: dict) -> None:
+    def on_summary(self, src: int, msg: StragglerSummary) -> None:
         if self.judge is None:
             return
-        try:
-            node, gen = int(body["node"]), int(body["generation"])
-            own, step, ranks = float(body["own_s"]), float(body["step_s"]), tuple(int(r) for r in body["ranks"])
-            site = (float(body["site"][0]), str(body["site"][1])) if body.get("site") else None
-        except (KeyError, TypeError, ValueError, IndexError):
-            return
+        node, gen, own, step, ranks = msg.node, msg.generation, msg.own_s, msg.step_s, msg.ranks
+        site = (float(msg.site[0]), msg.site[1]) if msg.site else None
         if node != src or self.cp.peers.is_suspected(node):
             return
         now = time.monotonic()
@@ -273,9 +271,9 @@ class Stragglers:
             said = (f"{v.site[1]} ({v.site[0]:.2f} x slower)" if v.site else
                     f"own work {v.own_s * 1e3:.1f} ms/step, {v.ratio:.2f} x the other nodes' median "
                     f"({v.median_s * 1e3:.1f} ms)")
-            cp.peers.send(v.node, "straggler", {"reason": f"straggler: {said} for {v.slow_for_s:.0f} s"})
+            cp.peers.send(v.node, Straggler.KIND, Straggler(f"straggler: {said} for {v.slow_for_s:.0f} s").to_wire())
 
     # ---- the straggler's agent --------------------------------------------------------------------------------
-    def on_verdict(self, src: int, body: dict) -> None:
+    def on_verdict(self, src: int, msg: Straggler) -> None:
         if self.a.state == NodeState.TRAINING:
-            self.a.swaps.want("straggler", Unhealthy(str(body.get("reason", "straggler"))), time.time())
+            self.a.swaps.want("straggler", Unhealthy(msg.reason), time.time())

@@ -16,8 +16,17 @@ from __future__ import annotations
 import select
 import socket
 import struct
+from dataclasses import dataclass
 
 from ..ipc import wire
+from ..ipc.schema import WATCH, Message
+
+
+@dataclass(frozen=True)
+class Watch(Message, plane=WATCH, kind="watch"):
+    """The first frame on a ring-watch connection: its sender is node ``node`` (its MPI rank)."""
+
+    node: int
 
 
 class RingWatch:
@@ -45,7 +54,7 @@ class RingWatch:
         self.successor = succ
         try:
             s = socket.create_connection(tuple(addresses[succ]), timeout=1.0)
-            payload = wire.encode("watch", {"node": self.me}, self.secret)
+            payload = wire.encode(Watch.KIND, Watch(self.me).to_wire(), self.secret)
             s.sendall(struct.pack(">I", len(payload)) + payload)
             s.setblocking(False)
             self.watched[s] = succ
@@ -77,7 +86,7 @@ class RingWatch:
                 try:
                     n = struct.unpack(">I", data[:4])[0]
                     kind, body = wire.decode(data[4:4 + n], n, self.secret)
-                    self.watched[c] = int(body["node"]) if kind == "watch" else None
+                    self.watched[c] = Watch.from_wire(body).node if kind == Watch.KIND else None
                 except (struct.error, wire.WireError, KeyError, ValueError, TypeError):
                     self._drop(c)
                 continue

@@ -12,18 +12,18 @@ from ..errors import ReplicaError
 from ..placement import holders_of, promotion
 from .crashloop import find_loop
 from .decision import Decision
+from .messages import Report
 
 
 def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare_nodes: list[int],
-           failed: set[int], reports: dict[int, dict], preempt: bool = False, replicas: int = 1,
+           failed: set[int], reports: dict[int, Report], preempt: bool = False, replicas: int = 1,
            work_failures=(), crash_loop_limit: int = 0) -> Decision:
     """Plan the next generation.
 
     assignment[r] = MPI rank holding training rank r; spare_nodes = ids of live spare nodes, in promotion
-    order; failed = suspected MPI ranks; reports[m] from each live process m:
-    ``{"own_rank": r or None, "own": [steps], "held": {"r": [steps]}, "done_step": int, "start_step": int}`` (a
-    spare that holds nothing reports {}; ``start_step``: the step this attempt started from, 0 or a requeued
-    attempt's checkpoint). Only verified snapshots are reported; ``own`` counts for rank r only when the
+    order; failed = suspected MPI ranks; reports[m]: the Report of each live process m (control/messages.py: its
+    ``own_rank``, ``own`` steps, ``held`` steps by rank, ``done_step``, ``start_step``; a spare that holds nothing
+    reports the defaults). Only verified snapshots are reported; ``own`` counts for rank r only when the
     process still holds r (a promoted spare whose restore failed reports no own steps).
 
     Returns the Decision (decision.py; its coordinator and times are left for the coordinator to fill
@@ -76,19 +76,19 @@ def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare
 
     def own_steps(m: int, r: int) -> set[int]:
         rep = reports.get(m)
-        if m // P in failed_nodes or not rep or rep.get("own_rank") != r:
+        if m // P in failed_nodes or rep is None or rep.own_rank != r:
             return set()
-        return set(rep.get("own", []))
+        return set(rep.own)
 
     held = {r: {} for r in range(W)}  # rank -> {step: [live MPI ranks holding a verified copy]}
     for m in members:
-        for r, steps in (reports[m].get("held") or {}).items():
+        for r, steps in reports[m].held.items():
             for s in steps:
-                held.setdefault(int(r), {}).setdefault(int(s), []).append(m)
+                held.setdefault(r, {}).setdefault(s, []).append(m)
     avail = {r: own_steps(assignment[r], r) | set(held[r]) for r in range(W)}
     gone = [r for r in range(W) if not avail[r]]
-    done = max((rep.get("done_step", -1) for rep in reports.values() if rep), default=-1)
-    start = max((rep.get("start_step", 0) for rep in reports.values() if rep), default=0)
+    done = max((rep.done_step for rep in reports.values()), default=-1)
+    start = max((rep.start_step for rep in reports.values()), default=0)
     fresh: list[int] = []
     if gone and done <= start and all(s <= start for a in avail.values() for s in a):
         # a fresh start: lost before every rank's first snapshot was committed, so no rank has trained a

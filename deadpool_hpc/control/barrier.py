@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from ..errors import PeerFailure
+from .messages import Sync
 
 
 def barrier(cp, tag: str, participants: list[int], timeout: float, tick=None, stop=None) -> bool:
@@ -16,7 +17,7 @@ def barrier(cp, tag: str, participants: list[int], timeout: float, tick=None, st
     who is missing)."""
     for p in participants:
         if p != cp.me:
-            cp.peers.send(p, "sync", {"tag": tag})
+            cp.peers.send(p, Sync.KIND, Sync(tag).to_wire())
     end = time.monotonic() + timeout
     while True:
         cp.pump(0.01)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..ipc.schema import Message
+
 # steps: how far apart two failures of the same rank may be and still be "the same step". A restore resumes at the
 # cut step, so a crash on a batch recurs at that batch's step exactly; an allocation that grows over a few steps may
 # be ended a step or two apart on nodes with a little more or less free memory
@@ -44,7 +46,7 @@ def end_of(rc: int) -> str:
 
 
 @dataclass(frozen=True)
-class WorkFailure:
+class WorkFailure(Message):
     """One training process's end while it trained: training ``rank`` at ``step`` (the step its progress page
     showed: the one it was in), ``end`` (``end_of``: "SIGABRT", "exit code 137", ...), on ``node`` (its agent's MPI
     rank), in ``generation``; ``t``: when its agent saw it (Unix seconds)."""
@@ -56,30 +58,9 @@ class WorkFailure:
     generation: int
     t: float
 
-    def to_wire(self) -> dict:
-        return {"rank": self.rank, "step": self.step, "end": self.end, "node": self.node,
-                "generation": self.generation, "t": self.t}
-
-    @classmethod
-    def from_wire(cls, d) -> "WorkFailure":
-        """Raises ValueError naming the first missing or malformed key."""
-        what = "a work failure"
-        if not isinstance(d, dict):
-            raise ValueError(f"{what} on the wire is {type(d).__name__}; expected an object")
-        for key in ("rank", "step", "node", "generation"):
-            v = d.get(key)
-            if not isinstance(v, int) or isinstance(v, bool):
-                raise ValueError(f"{what} on the wire: key {key!r} is {v!r}; expected an int")
-        if not isinstance(d.get("end"), str):
-            raise ValueError(f"{what} on the wire: key 'end' is {d.get('end')!r}; expected a string")
-        if not isinstance(d.get("t"), (int, float)) or isinstance(d.get("t"), bool):
-            raise ValueError(f"{what} on the wire: key 't' is {d.get('t')!r}; expected a number")
-        return cls(rank=d["rank"], step=d["step"], end=d["end"], node=d["node"], generation=d["generation"],
-                   t=float(d["t"]))
-
 
 @dataclass(frozen=True)
-class CrashLoop:
+class CrashLoop(Message):
     """A crash loop found by ``find_loop``: training ``rank`` ended by ``end`` at ``steps`` (each failure's, in
     order) on ``nodes`` (distinct, in the order they failed), ``repeats`` = len(nodes) - 1 times on another node."""
 
@@ -87,6 +68,11 @@ class CrashLoop:
     end: str
     steps: tuple[int, ...]
     nodes: tuple[int, ...]
+
+    def __post_init__(self):
+        if not self.steps or not self.nodes:
+            raise ValueError(f"a crash loop of rank {self.rank} has steps {list(self.steps)} and nodes "
+                             f"{list(self.nodes)}; expected at least one of each")
 
     @property
     def repeats(self) -> int:
@@ -104,20 +90,6 @@ class CrashLoop:
         return (f"rank {self.rank} ended by {self.end} at {at} on {', '.join(f'node{n}' for n in self.nodes)}: a "
                 f"crash that follows the work, not the node; stopped after {self.repeats} "
                 f"repeat{'s' if self.repeats != 1 else ''} (--crash-loop-limit)")
-
-    def to_wire(self) -> dict:
-        return {"rank": self.rank, "end": self.end, "steps": list(self.steps), "nodes": list(self.nodes)}
-
-    @classmethod
-    def from_wire(cls, d) -> "CrashLoop":
-        """Raises ValueError naming the first missing or malformed key."""
-        what = "a crash loop"
-        ints = lambda v: isinstance(v, list) and v and all(isinstance(x, int) and not isinstance(x, bool) for x in v)  # noqa: E731
-        if not isinstance(d, dict) or not isinstance(d.get("rank"), int) or not isinstance(d.get("end"), str) \
-                or not ints(d.get("steps")) or not ints(d.get("nodes")):
-            raise ValueError(f"{what} on the wire is {str(d)[:120]!r}; expected rank (int), end (str), steps and "
-                             f"nodes (non-empty lists of ints)")
-        return cls(rank=d["rank"], end=d["end"], steps=tuple(d["steps"]), nodes=tuple(d["nodes"]))
 
 
 def same_work(a: WorkFailure, b: WorkFailure, window: int = STEP_WINDOW) -> bool:

@@ -14,33 +14,11 @@ written out id by id (80 KB) exceeded the control plane's 64 KiB message limit (
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
+from typing import Annotated
 
+from ..ipc.schema import CONTROL, Codec, Message, OneOf
 from .crashloop import CrashLoop
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _req(d: dict, key: str, what: str, ok, kind: str):
-    if key not in d:
-        raise ValueError(f"{what} on the wire lacks key {key!r}")
-    v = d[key]
-    if not ok(v):
-        raise ValueError(f"{what} on the wire: key {key!r} is {v!r}; expected {kind}")
-    return v
-
-
-def _int(d, key, what):
-    return _req(d, key, what, _is_int, "an int")
-
-
-def _opt_float(d, key, what):
-    v = _req(d, key, what, lambda x: x is None or (isinstance(x, (int, float)) and not isinstance(x, bool)),
-             "a number or null")
-    return None if v is None else float(v)
 
 
 MAX_IDS = 1 << 24   # ids in one list on the wire: far above any job, low enough that a bad message cannot exhaust memory
@@ -61,8 +39,11 @@ def int_runs(ids) -> list[list[int]]:
 def from_int_runs(runs, what: str = "a list of ids") -> tuple[int, ...]:
     """The ids of ``int_runs`` output. Raises ValueError naming ``what`` when ``runs`` is not a list of
     ``[first, count]`` pairs of ints with count >= 1 and at most MAX_IDS ids in all."""
+    def is_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
     if not isinstance(runs, (list, tuple)) or not all(
-            isinstance(r, (list, tuple)) and len(r) == 2 and _is_int(r[0]) and _is_int(r[1]) and r[1] >= 1
+            isinstance(r, (list, tuple)) and len(r) == 2 and is_int(r[0]) and is_int(r[1]) and r[1] >= 1
             for r in runs):
         raise ValueError(f"{what} on the wire is {str(runs)[:80]!r}; expected runs [[first, count >= 1], ...]")
     if sum(r[1] for r in runs) > MAX_IDS:
@@ -70,25 +51,11 @@ def from_int_runs(runs, what: str = "a list of ids") -> tuple[int, ...]:
     return tuple(i for first, count in runs for i in range(first, first + count))
 
 
-def _ints(d, key, what) -> tuple[int, ...]:
-    return from_int_runs(_req(d, key, what, lambda v: True, "runs"), f"{what}: key {key!r}")
-
-
-def _int_map(d, key, what) -> dict[int, int]:
-    def ok(x):
-        if not isinstance(x, dict) or not all(_is_int(v) for v in x.values()):
-            return False
-        try:
-            [int(k) for k in x]
-        except (TypeError, ValueError):
-            return False
-        return True
-
-    return {int(k): v for k, v in _req(d, key, what, ok, "an object of int -> int").items()}
+IdRuns = Annotated[tuple[int, ...], Codec(int_runs, from_int_runs)]   # a list of ids, on the wire as runs
 
 
 @dataclass(frozen=True)
-class Decision:
+class Decision(Message):
     """The plan for the next generation, made by one recovery round's coordinator and applied by every member.
 
     - generation: the generation this plan starts (one more than the newest applied one among the reports).
@@ -119,68 +86,37 @@ class Decision:
     """
 
     generation: int
-    failed_nodes: tuple[int, ...]
-    fenced: tuple[int, ...]
-    assignment: tuple[int, ...]
+    failed_nodes: IdRuns
+    fenced: IdRuns
+    assignment: IdRuns
     promoted: dict[int, int]
     replaced: dict[int, int]
     sources: dict[int, int]
     exhausted: bool
     reason: str
-    spare_nodes: tuple[int, ...]
-    members: tuple[int, ...]
+    spare_nodes: IdRuns
+    members: IdRuns
     cut_step: int
     recomputed_steps: int
     high_water: int
-    fresh: tuple[int, ...] = ()
+    fresh: IdRuns = ()
     crash_loop: CrashLoop | None = None
     coordinator: int | None = None
     t_decided: float | None = None
     first_suspicion: float | None = None
 
-    def to_wire(self) -> dict:
-        """A JSON-safe dict: runs of ids (``int_runs``) for the tuples, string keys for the int-keyed maps."""
-        d = dataclasses.asdict(self)
-        for k in ("failed_nodes", "fenced", "assignment", "spare_nodes", "members", "fresh"):
-            d[k] = int_runs(d[k])
-        for k in ("promoted", "replaced", "sources"):
-            d[k] = {str(r): v for r, v in d[k].items()}
-        d["crash_loop"] = None if self.crash_loop is None else self.crash_loop.to_wire()
-        return d
-
     @classmethod
-    def from_wire(cls, d: dict) -> "Decision":
-        """The inverse of ``to_wire``. Raises ValueError naming the first missing or malformed key."""
-        what = "a recovery decision"
-        if not isinstance(d, dict):
-            raise ValueError(f"{what} on the wire is a {type(d).__name__}, not an object")
-        if "error" in d:
-            raise ValueError(f"{what} on the wire is a failed round ({d['error']!r}); use decision_from_wire")
-        return cls(
-            generation=_int(d, "generation", what),
-            failed_nodes=_ints(d, "failed_nodes", what),
-            fenced=_ints(d, "fenced", what),
-            assignment=_ints(d, "assignment", what),
-            promoted=_int_map(d, "promoted", what),
-            replaced=_int_map(d, "replaced", what),
-            sources=_int_map(d, "sources", what),
-            exhausted=_req(d, "exhausted", what, lambda x: isinstance(x, bool), "true or false"),
-            reason=_req(d, "reason", what, lambda x: isinstance(x, str), "a string"),
-            spare_nodes=_ints(d, "spare_nodes", what),
-            members=_ints(d, "members", what),
-            cut_step=_int(d, "cut_step", what),
-            recomputed_steps=_int(d, "recomputed_steps", what),
-            high_water=_int(d, "high_water", what),
-            fresh=_ints(d, "fresh", what),
-            crash_loop=None if d.get("crash_loop") is None else CrashLoop.from_wire(d["crash_loop"]),
-            coordinator=_req(d, "coordinator", what, lambda x: x is None or _is_int(x), "an int or null"),
-            t_decided=_opt_float(d, "t_decided", what),
-            first_suspicion=_opt_float(d, "first_suspicion", what),
-        )
+    def from_wire(cls, d) -> "Decision":
+        """The inverse of ``to_wire`` (ipc/schema.py). Raises ValueError naming the first missing or malformed key,
+        or for a failed round's body (read one with ``decision_from_wire``)."""
+        if isinstance(d, dict) and "error" in d:
+            raise ValueError(f"a recovery decision on the wire is a failed round ({d['error']!r}); use "
+                             f"decision_from_wire")
+        return super().from_wire(d)
 
 
 @dataclass(frozen=True)
-class RoundFailure:
+class RoundFailure(Message):
     """A round whose ``agreement.decide`` raised: the coordinator sends this instead of a plan, and every member
     raises the same error (``exception()``).
 
@@ -196,9 +132,9 @@ class RoundFailure:
     generation: int
     error: str
     message: str
-    members: tuple[int, ...]
-    failed_nodes: tuple[int, ...]
-    fenced: tuple[int, ...] = field(default=())
+    members: IdRuns
+    failed_nodes: IdRuns
+    fenced: IdRuns = field(default=())
     coordinator: int | None = None
     t_decided: float | None = None
     first_suspicion: float | None = None
@@ -211,33 +147,11 @@ class RoundFailure:
             cls = RuntimeError
         return cls(self.message)
 
-    def to_wire(self) -> dict:
-        d = dataclasses.asdict(self)
-        for k in ("members", "failed_nodes", "fenced"):
-            d[k] = int_runs(d[k])
-        return d
 
-    @classmethod
-    def from_wire(cls, d: dict) -> "RoundFailure":
-        what = "a failed recovery round"
-        if not isinstance(d, dict):
-            raise ValueError(f"{what} on the wire is a {type(d).__name__}, not an object")
-        return cls(
-            generation=_int(d, "generation", what),
-            error=_req(d, "error", what, lambda x: isinstance(x, str), "a string"),
-            message=_req(d, "message", what, lambda x: isinstance(x, str), "a string"),
-            members=_ints(d, "members", what),
-            failed_nodes=_ints(d, "failed_nodes", what),
-            fenced=_ints(d, "fenced", what),
-            coordinator=_req(d, "coordinator", what, lambda x: x is None or _is_int(x), "an int or null"),
-            t_decided=_opt_float(d, "t_decided", what),
-            first_suspicion=_opt_float(d, "first_suspicion", what),
-        )
+DECISION = OneOf(CONTROL, "decision", (Decision, RoundFailure), lambda d: RoundFailure if "error" in d else Decision)
 
 
 def decision_from_wire(d: dict) -> Decision | RoundFailure:
     """A ``decision`` control message's body: a RoundFailure if it carries "error", else a Decision.
     Raises ValueError naming the first missing or malformed key."""
-    if isinstance(d, dict) and "error" in d:
-        return RoundFailure.from_wire(d)
-    return Decision.from_wire(d)
+    return DECISION.from_wire(d)

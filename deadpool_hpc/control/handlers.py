@@ -4,12 +4,17 @@ message of each kind that ``ControlPlane`` does not handle itself (``ControlPlan
 Owns: registration (one handler per kind, refused twice, refused for a kind the plane keeps for itself) and the
 read-only view dispatch reads. Does not own: the messages, their transport (control/peers.py) or the thread that runs
 the handlers (the agent's main thread, in ``pump``). Pure logic: tests/unit/control/test_handlers.py runs it without MPI.
+
+A kind with a schema on the control plane (ipc/schema.py ``KINDS``; control/messages.py) reaches its handler typed:
+``dispatch`` reads the body into its message first. A kind without one (a few still) reaches it as the dict.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 
-Handler = Callable[[int, dict], None]   # handler(src, body): src is the sender's MPI rank
+from ..ipc.schema import CONTROL, KINDS, Message
+
+Handler = Callable[[int, "Message | dict"], None]   # handler(src, msg): src is the sender's MPI rank
 
 
 class HandlerTable(Mapping):
@@ -43,6 +48,17 @@ class HandlerTable(Mapping):
         for k in kinds:
             del self._fns[k]
         return kinds
+
+    def dispatch(self, src: int, kind: str, body: dict) -> bool:
+        """Run the handler of ``kind`` (if any: False when none) with ``src`` and the body, read into its message when
+        the kind has a schema. Raises ValueError (naming the kind and the key) for a malformed body; the handler
+        does not run then."""
+        fn = self._fns.get(kind)
+        if fn is None:
+            return False
+        reader = KINDS[CONTROL].get(kind)
+        fn(src, body if reader is None else reader.from_wire(body))
+        return True
 
     def __getitem__(self, kind: str) -> Handler:
         return self._fns[kind]

@@ -23,7 +23,8 @@ import operator
 import time
 from dataclasses import dataclass
 
-from .decision import from_int_runs, int_runs
+from ..ipc.schema import CONTROL, Message
+from .decision import IdRuns
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ def spares_of(view_spares, alive, assignment, P: int) -> list[int]:
 
 
 @dataclass(frozen=True)
-class Readmit:
+class Readmit(Message, plane=CONTROL, kind="readmit"):
     """A node back in the spare pool. node: its MPI rank; generation: the generation it joins (no new one);
     assignment / spare_nodes / members: that generation's view after the readmission (what the node takes as its
     own); suspected: the MPI ranks the coordinator suspects (the node's heartbeat view); coordinator: who readmitted
@@ -91,42 +92,12 @@ class Readmit:
 
     node: int
     generation: int
-    assignment: tuple[int, ...]
+    assignment: IdRuns
     spare_nodes: tuple[int, ...]
-    members: tuple[int, ...]
+    members: IdRuns
     suspected: tuple[int, ...]
     coordinator: int
     t: float
-
-    KIND = "readmit"
-
-    def to_wire(self) -> dict:
-        return {"node": self.node, "generation": self.generation, "assignment": int_runs(self.assignment),
-                "spare_nodes": list(self.spare_nodes), "members": int_runs(self.members),
-                "suspected": list(self.suspected), "coordinator": self.coordinator, "t": self.t}
-
-    @classmethod
-    def from_wire(cls, d: dict) -> "Readmit":
-        """Raises ValueError naming the first missing or malformed key."""
-        what = "a readmission"
-        if not isinstance(d, dict):
-            raise ValueError(f"{what} on the wire is {type(d).__name__}; expected an object")
-
-        def ints(key):
-            v = d.get(key)
-            if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-                raise ValueError(f"{what} on the wire: key {key!r} is {v!r}; expected a list of ints")
-            return tuple(v)
-
-        for key in ("node", "generation", "coordinator"):
-            if not isinstance(d.get(key), int) or isinstance(d.get(key), bool):
-                raise ValueError(f"{what} on the wire: key {key!r} is {d.get(key)!r}; expected an int")
-        if not isinstance(d.get("t"), (int, float)) or isinstance(d.get("t"), bool):
-            raise ValueError(f"{what} on the wire: key 't' is {d.get('t')!r}; expected a number")
-        return cls(node=d["node"], generation=d["generation"],
-                   assignment=from_int_runs(d.get("assignment"), f"{what}: key 'assignment'"),
-                   spare_nodes=ints("spare_nodes"), members=from_int_runs(d.get("members"), f"{what}: key 'members'"),
-                   suspected=ints("suspected"), coordinator=d["coordinator"], t=float(d["t"]))
 
 
 def may_readmit(cp, node: int) -> str | None:

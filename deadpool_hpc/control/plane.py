@@ -31,13 +31,14 @@ from .crashloop import WorkFailure
 from .decision import Decision, RoundFailure, decision_from_wire
 from .handlers import HandlerTable
 from .membership import Membership, Readmit, on_readmit
+from .messages import Abort, Collect, Finished, Ready, Report, Sync
 from .mpi import import_mpi, unlink_mpi_shm
 from .peers import Peers
 from .waker import Waker
 
 # control-message kinds this module dispatches itself (``pump``), or the control thread consumes and never hands to
 # the main thread (control/peers.py): a handler registered for one of them would never run, so ``on`` refuses it
-OWN_KINDS = frozenset({"collect", "ready", "decision", "sync", Readmit.KIND, "finish", "abort",
+OWN_KINDS = frozenset({Collect.KIND, Ready.KIND, "decision", Sync.KIND, Readmit.KIND, Finished.KIND, Abort.KIND,
                        "suspect", "preempt", "fenced", "inject"})
 
 
@@ -103,8 +104,8 @@ class ControlPlane:
         bootstrap.wire_up(MPI, (world, self.ctrl), self.me, self.size)   # no connection made mid-recovery
         self._round = 0
         self._collects: dict[int, tuple] = {}        # coordinator MPI rank -> (its newest round id, its generation)
-        self._ready: dict[tuple, dict[int, dict]] = {}  # round id -> {MPI rank: ready body}
-        self._auto: dict[int, dict] = {}              # MPI rank -> the report it sent unasked (its newest)
+        self._ready: dict[tuple, dict[int, Ready]] = {}  # round id -> {MPI rank: its report}
+        self._auto: dict[int, Ready] = {}              # MPI rank -> the report it sent unasked (its newest)
         # seconds a coordinator waits for the reports sent unasked before it asks the agents still missing
         # (``collect``): those the failure notice did not reach (a forwarder died unnoticed). Not sooner: at 256
         # agents on 2 cores the notice takes ~0.5 s to reach everyone, and a collect to an agent whose report is
@@ -113,8 +114,8 @@ class ControlPlane:
         self.collect_after = 2.0
         self._decisions: dict[int, tuple[int, Decision | RoundFailure]] = {}
         self._sync: dict[str, set[int]] = {}
-        self._finish: dict | None = None
-        self._abort: dict | None = None
+        self._finish: Finished | None = None
+        self._abort: Abort | None = None
         self.first_suspicion: float | None = None
         self.on_member_lost = None  # on_member_lost(): a member of the current generation was suspected (any thread)
         self.pending_readmits: list = []   # Readmit messages of a generation not applied here yet (membership.py)
@@ -276,54 +277,63 @@ class ControlPlane:
                 kind, src, body = self.peers.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
-            if kind == "collect":
-                if int(body["g"]) >= self.generation:  # a collect from before our last decision is stale
-                    self._collects[src] = (body["round"], int(body["g"]))
-            elif kind == "ready":
-                if body["round"][0] == "auto":   # sent unasked, as soon as the sender began to recover
-                    self._auto[src] = body
+            if kind == Collect.KIND:
+                c = Collect.from_wire(body)
+                if c.g >= self.generation:  # a collect from before our last decision is stale
+                    self._collects[src] = (c.round, c.g)
+            elif kind == Ready.KIND:
+                r = Ready.from_wire(body)
+                if r.unasked:   # sent unasked, as soon as the sender began to recover
+                    self._auto[src] = r
                 else:
-                    self._ready.setdefault(tuple(body["round"]), {})[src] = body
+                    self._ready.setdefault(r.round, {})[src] = r
             elif kind == "decision":
                 d = decision_from_wire(body)  # ValueError naming the bad key: a bug, not a fault to tolerate
                 # it may come through a forwarder of the tree: the coordinator is the one that must be unsuspected
                 self._decisions[d.generation] = (src if d.coordinator is None else d.coordinator, d)
-            elif kind == "sync":
-                self._sync.setdefault(body["tag"], set()).add(src)
+            elif kind == Sync.KIND:
+                self._sync.setdefault(Sync.from_wire(body).tag, set()).add(src)
             elif kind == Readmit.KIND:   # a node back in the spare pool (control/membership.py)
                 msg = Readmit.from_wire(body)
                 if msg.node == self.me:
                     self.readmitted = msg   # (agent/comeback.py takes it)
                 else:
                     on_readmit(self, msg)
-            elif kind == "finish":
-                self._finish = body
-            elif kind == "abort":
-                self._abort = body
+            elif kind == Finished.KIND:
+                self._finish = Finished.from_wire(body)
+            elif kind == Abort.KIND:
+                self._abort = Abort.from_wire(body)
             elif kind in self.handlers:
-                self.handlers[kind](src, body)
+                try:
+                    self.handlers.dispatch(src, kind, body)   # typed, for a kind with a schema (control/handlers.py)
+                except ValueError as exc:   # malformed: dropped, and said (the sender's bug, not a fault)
+                    self.log.emit("bad_message", kind=kind, src=src, error=str(exc)[:300])
             timeout = 0.0
             deadline = time.monotonic()
         if self._abort is not None:
-            raise JobAborted(f"MPI rank {self._abort.get('mpi_rank')} aborted the job: {self._abort.get('error')}")
+            raise JobAborted(f"MPI rank {self._abort.mpi_rank} aborted the job: {self._abort.error}")
         if self.peers.fenced:
             raise Fenced(self.peers.fenced)
 
-    def finished(self) -> dict | None:
+    def finished(self) -> Finished | None:
         self.pump()
         return self._finish
 
     def finish(self, body: dict) -> None:
-        """Tell every live process the run is over (they exit without recovering), and every returning one."""
+        """Tell every live process the run is over (they exit without recovering), and every returning one.
+        ``body``: the ``finished`` message of the training process (``{"steps": int | None}``; ValueError if it
+        is malformed)."""
+        msg = Finished.from_wire(body)
         self.peers.stop_watching()
-        self.peers.broadcast("finish", body)
-        self.tell_returning("finish", body)
-        self._finish = body
+        self.peers.broadcast(Finished.KIND, msg.to_wire())
+        self.tell_returning(Finished.KIND, msg.to_wire())
+        self._finish = msg
 
     def abort(self, error: str) -> None:
+        msg = Abort(error=error, mpi_rank=self.me).to_wire()
         self.peers.stop_watching()
-        self.peers.broadcast("abort", {"error": error, "mpi_rank": self.me})
-        self.tell_returning("abort", {"error": error, "mpi_rank": self.me})
+        self.peers.broadcast(Abort.KIND, msg)
+        self.tell_returning(Abort.KIND, msg)
 
     def tell_returning(self, kind: str, body: dict) -> None:
         """Send to every agent on its way back to the spare pool (it is still suspected: no broadcast reaches it)."""
@@ -339,11 +349,11 @@ class ControlPlane:
             time.sleep(0.01)
 
     # ---- recovery (control/round.py) and barriers (control/barrier.py) ----------------------------------------
-    def recover(self, report: dict, on_phase=None, wait=None, stop=None) -> Decision | None:
+    def recover(self, report: dict[int, Report], on_phase=None, wait=None, stop=None) -> Decision | None:
         """Agree on the next generation. Called by every live process after leaving the current one.
 
-        report: {str(virtual process): {"own_rank", "own", "held", "done_step"}} for this node's processes (see
-        agreement.decide). wait(seconds): block until then or until something happens (default: a control message;
+        report: {virtual process: Report} for this node's processes (control/messages.py; agreement.decide reads
+        them). wait(seconds): block until then or until something happens (default: a control message;
         the node agent's also ends on a local event), so that the hundreds of agents of a large job do not all poll at
         once. stop(): checked after each wait; when true the round is left at once and None returned (the caller's
         own failure, seen while it waited: it acts on it). on_phase(name): called at "agree" (report sent, or reports

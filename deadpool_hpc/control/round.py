@@ -28,15 +28,16 @@ import time
 from ..errors import Fenced, RecoveryTimeout, RunFinished
 from ..process import fence as fencing
 from .agreement import decide
-from .decision import Decision, RoundFailure, from_int_runs, int_runs
+from .decision import Decision, RoundFailure
 from .membership import apply_pending, spares_of
+from .messages import Collect, Ready, Report
 
 
-def recover(cp, report: dict, on_phase=None, wait=None, stop=None) -> Decision | None:
+def recover(cp, report: dict[int, Report], on_phase=None, wait=None, stop=None) -> Decision | None:
     """Agree on the next generation. Called by every live process after leaving the current one.
 
-    report: {str(virtual process): {"own_rank", "own", "held", "done_step"}} for this node's processes (see
-    agreement.decide). wait(seconds): block until then or until something happens (default: a control message;
+    report: {virtual process: Report} for this node's processes (control/messages.py; agreement.decide reads
+    them). wait(seconds): block until then or until something happens (default: a control message;
     the node agent's also ends on a local event), so that the hundreds of agents of a large job do not all poll at
     once. stop(): checked after each wait; when true the round is left at once and None returned (the caller's
     own failure, seen while it waited: it acts on it). on_phase(name): called at "agree" (report sent, or reports
@@ -77,13 +78,13 @@ def recover(cp, report: dict, on_phase=None, wait=None, stop=None) -> Decision |
             my_round = None
             if auto_to != alive[0]:   # report at once to the coordinator-to-be: no collect round trip
                 auto_to = alive[0]
-                cp.peers.send(auto_to, "ready", _ready_body(cp, ["auto", cp.generation], report))
+                cp.peers.send(auto_to, Ready.KIND, _ready(cp, ("auto", cp.generation), report).to_wire())
                 if not told:
                     told = True
                     on_phase("agree")
             for src, (rid, _g) in list(cp._collects.items()):
                 if src in alive and answered.get(src) != rid:
-                    cp.peers.send(src, "ready", _ready_body(cp, rid, report))
+                    cp.peers.send(src, Ready.KIND, _ready(cp, rid, report).to_wire())
                     answered[src] = rid
                     if not told:
                         told = True
@@ -111,9 +112,9 @@ def _coordinator_candidates(cp) -> list[int]:
     return cp.peers.alive()
 
 
-def _ready_body(cp, rid, report: dict) -> dict:
-    return {"round": rid, "report": report, "applied": cp.generation, "assignment": int_runs(cp.assignment),
-            "spare_nodes": list(cp.spare_nodes)}   # the assignment as runs of ids: O(N) ids, a few runs
+def _ready(cp, rid: tuple, report: dict[int, Report]) -> Ready:
+    return Ready(round=tuple(rid), report=report, applied=cp.generation, assignment=tuple(cp.assignment),
+                 spare_nodes=tuple(cp.spare_nodes))   # the assignment travels as runs of ids: O(N) ids, a few runs
 
 
 def _start_round(cp, alive: list[int]) -> tuple:
@@ -138,21 +139,21 @@ def _take_decision(cp) -> Decision | RoundFailure | None:
     return best
 
 
-def _coordinate(cp, rid: tuple, alive: list[int], report: dict) -> Decision | RoundFailure | None:
+def _coordinate(cp, rid: tuple, alive: list[int], report: dict[int, Report]) -> Decision | RoundFailure | None:
     ready = cp._ready.setdefault(rid, {})
     if cp.me not in ready:
-        ready[cp.me] = _ready_body(cp, list(rid), report)
+        ready[cp.me] = _ready(cp, rid, report)
     if cp._auto:
         for src, body in cp._auto.items():
             old = ready.get(src)
-            if old is None or body["applied"] > old["applied"]:   # a newer report replaces an older one
+            if old is None or body.applied > old.applied:   # a newer report replaces an older one
                 ready[src] = body
         cp._auto.clear()
     now = time.monotonic()
     if not cp._collected and len(ready) < len(alive) and now - cp._round_t0 >= cp.collect_after:
         cp._collected = True
-        cp.peers.send_many([p for p in alive if p not in ready], "collect",
-                           {"round": list(rid), "g": cp.generation})
+        cp.peers.send_many([p for p in alive if p not in ready], Collect.KIND,
+                           Collect(round=rid, g=cp.generation).to_wire())
     if len(ready) < len(alive) and now - cp._round_t0 <= cp.ready_timeout:
         return None  # someone is missing for sure: the O(N) look below waits for the last report
     missing = [p for p in alive if p not in ready]
@@ -164,15 +165,15 @@ def _coordinate(cp, rid: tuple, alive: list[int], report: dict) -> Decision | Ro
         return None
     if now - cp.peers.last_suspicion < cp.settle:
         return None
-    view = max((ready[n] for n in alive), key=lambda b: b["applied"])
-    g = view["applied"] + 1
+    view = max((ready[n] for n in alive), key=lambda b: b.applied)
+    g = view.applied + 1
     P = cp.P
-    assignment = list(from_int_runs(view["assignment"], "a recovery report's assignment"))
+    assignment = list(view.assignment)
     # a spare readmitted (control/membership.py) after some reports' view was taken is a spare all the same
-    spare_nodes = spares_of(view["spare_nodes"], alive, assignment, P)
+    spare_nodes = spares_of(view.spare_nodes, alive, assignment, P)
     in_job = set(assignment) | {n * P + i for n in spare_nodes for i in range(P)}
     failed = {m for n in range(cp.size) if cp.peers.is_suspected(n) for m in cp.procs(n) if m in in_job}
-    reports = {int(m): rep for n in alive for m, rep in ready[n]["report"].items()}
+    reports = {m: rep for n in alive for m, rep in ready[n].report.items()}
     try:
         decision = decide(generation=g, ranks_per_node=P, assignment=assignment,
                           spare_nodes=spare_nodes, failed=failed, reports=reports,
@@ -218,6 +219,6 @@ def apply_decision(cp, decision: Decision) -> None:
         cp.peers.failure.set()
     cp._decisions = {k: v for k, v in cp._decisions.items() if k > g}
     # a report sent unasked before this decision belongs to a round now over
-    cp._auto = {src: b for src, b in cp._auto.items() if b["applied"] >= g}
+    cp._auto = {src: b for src, b in cp._auto.items() if b.applied >= g}
     # a collect sent from generation g already asks for the next round: keep it
     cp._collects = {src: c for src, c in cp._collects.items() if c[1] >= g}

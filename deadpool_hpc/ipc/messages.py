@@ -1,8 +1,9 @@
 """What the agent channel's messages say, at both ends (``agent/`` answers, ``worker/`` asks), beyond the frames
 (``ipc/frames.py``).
 
-The recovery path's messages are typed values, each a frozen dataclass with ``to_wire`` / ``from_wire`` (the
-JSON-safe body of a channel frame; no pickle), as ``control/decision.py`` is for the control plane's decision:
+The channel's messages are typed values, each a frozen dataclass whose ``to_wire`` / ``from_wire`` (the JSON-safe
+body of a channel frame; no pickle) ``ipc/schema.py`` derives from its type hints, registered by the way it goes
+(``schema.TO_AGENT`` / ``schema.TO_WORKER``). The recovery path's:
 
 - ``Failure`` (agent -> worker, kind ``failure``): a recovery round starts; leave the generation.
 - ``Left`` (worker -> agent, ``left``): this process left ``generation`` having completed ``done_step``.
@@ -17,102 +18,60 @@ wrong type raises ValueError naming it. The wire form is the one the dicts read 
 but for a spare's first role, which no longer carries a trainer's keys that nobody read (rank null, world_size,
 high_water, resume).
 
-The generation store: a training process's ``AgentStore`` (worker/client.py) sends ``STORE_KINDS`` requests with
-a ``generation``; its agent's ``GenerationStore`` of that generation (agent/store.py) answers ``store_reply``.
+The generation store: a training process's ``AgentStore`` (worker/client.py) sends ``STORE_REQUESTS`` with a
+``generation``; its agent's ``GenerationStore`` of that generation (agent/store.py) answers ``StoreReply``. The
+others: the admission (``Hello``, ``Welcome``, ``Refused``: agent/channel.py), the snapshot slots (``Layout``,
+``Slots``) and the start-up pre-flight (``MatmulAsk`` / ``MatmulFigure``, ``LinkAsk`` / ``LinkAnswer``:
+agent/preflight.py, worker/preflight.py), each described where it is defined.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import Annotated
 
-STORE_KINDS = frozenset({"store_set", "store_get", "store_wait", "store_check"})
+from .schema import FLAT, TO_AGENT, TO_WORKER, Message
+
+STORE_KINDS = frozenset({"store_set", "store_get", "store_wait", "store_check"})   # STORE_REQUESTS' kinds
 # the store the start-up's link check meets through (agent/preflight.py): served by every agent, spares included,
 # under this generation number, which no generation of the job has (they count from 0)
 LINK_GENERATION = -1
 
 
-def _get(body: dict, key: str, what: str, types: tuple, kind: str):
-    if not isinstance(body, dict) or key not in body:
-        raise ValueError(f"{what} message lacks key {key!r}")
-    v = body[key]
-    if isinstance(v, bool) and bool not in types or not isinstance(v, types):
-        raise ValueError(f"{what} message: key {key!r} is {v!r}; expected {kind}")
-    return v
-
-
-def _int(body, key, what) -> int:
-    return _get(body, key, what, (int,), "an int")
-
-
-def _ints(body, key, what) -> tuple[int, ...]:
-    v = _get(body, key, what, (list, tuple), "a list of ints")
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
-        raise ValueError(f"{what} message: key {key!r} is {v!r}; expected a list of ints")
-    return tuple(v)
-
-
-def _number(body, key, what) -> float:
-    return float(_get(body, key, what, (int, float), "a number"))
-
-
-def _flag(body, key, what) -> bool:
-    return _get(body, key, what, (bool,), "a boolean")
-
-
 @dataclass(frozen=True)
-class Failure:
+class Failure(Message, plane=TO_WORKER, kind="failure"):
     """The agent starts a recovery round (its generation was ``generation``): leave it and say how far you got."""
 
-    KIND: ClassVar[str] = "failure"
     generation: int
-
-    def to_wire(self) -> dict:
-        return {"generation": self.generation}
-
-    @classmethod
-    def from_wire(cls, body: dict) -> "Failure":
-        return cls(_int(body, "generation", cls.KIND))
 
 
 @dataclass(frozen=True)
-class Left:
+class Left(Message, plane=TO_AGENT, kind="left"):
     """A training process left ``generation`` (or, a spare, answers a round: ``done_step`` -1); ``done_step``: the
     steps it completed there, whose snapshot it settled (the cut may be there); ``why``: what ended it (<= 200)."""
 
-    KIND: ClassVar[str] = "left"
     generation: int
     done_step: int
     why: str
 
     def to_wire(self) -> dict:
-        return {"generation": self.generation, "done_step": self.done_step, "why": self.why[:200]}
-
-    @classmethod
-    def from_wire(cls, body: dict) -> "Left":
-        return cls(_int(body, "generation", cls.KIND), _int(body, "done_step", cls.KIND),
-                   _get(body, "why", cls.KIND, (str,), "a string"))
+        return dict(super().to_wire(), why=self.why[:200])
 
 
 @dataclass(frozen=True)
-class RoundFailed:
+class RoundFailed(Message, plane=TO_AGENT, kind="round_failed"):
     """Joining or restoring generation ``generation`` failed in this process (``error``, <= 300 characters)."""
 
-    KIND: ClassVar[str] = "round_failed"
     generation: int
     error: str
 
     def to_wire(self) -> dict:
-        return {"generation": self.generation, "error": self.error[:300]}
-
-    @classmethod
-    def from_wire(cls, body: dict) -> "RoundFailed":
-        return cls(_int(body, "generation", cls.KIND), _get(body, "error", cls.KIND, (str,), "a string"))
+        return dict(super().to_wire(), error=self.error[:300])
 
 
 @dataclass(frozen=True)
-class View:
+class View(Message):
     """The generation a role belongs to and its layout (fault targets, the summary): ``active_nodes`` (sorted),
-    ``spare_nodes`` (live spares, in promotion order)."""
+    ``spare_nodes`` (live spares, in promotion order). On the wire with ``spares_left`` too (read by nobody)."""
 
     generation: int
     active_nodes: tuple[int, ...]
@@ -123,17 +82,11 @@ class View:
         return len(self.spare_nodes)
 
     def to_wire(self) -> dict:
-        return {"active_nodes": list(self.active_nodes), "spare_nodes": list(self.spare_nodes),
-                "spares_left": self.spares_left, "generation": self.generation}
-
-    @classmethod
-    def from_wire(cls, body: dict) -> "View":
-        return cls(_int(body, "generation", "role"), _ints(body, "active_nodes", "role"),
-                   _ints(body, "spare_nodes", "role"))
+        return dict(super().to_wire(), spares_left=self.spares_left)
 
 
 @dataclass(frozen=True)
-class Restore:
+class Restore(Message):
     """Where a recovery's trainer finds the cut step's state, and what the round was (its ``recovered`` event).
 
     - cut_step: the step every rank restores; slot: the index of this process's own snapshot slot that holds it
@@ -159,105 +112,208 @@ class Restore:
     t_fail: float
     t_agreed: float
 
-    def to_wire(self) -> dict:
-        return {"cut_step": self.cut_step, "slot": self.slot, "crc": self.crc, "fresh": self.fresh,
-                "pulled": self.pulled, "promoted": self.promoted, "serving": self.serving,
-                "recomputed_steps": self.recomputed_steps, "failed_nodes": list(self.failed_nodes),
-                "round": self.round, "t_fail": self.t_fail, "t_agreed": self.t_agreed}
 
-    @classmethod
-    def from_wire(cls, body: dict) -> "Restore":
-        w = "role"
-        return cls(_int(body, "cut_step", w), _int(body, "slot", w), _int(body, "crc", w), _flag(body, "fresh", w),
-                   _flag(body, "pulled", w), _flag(body, "promoted", w), _flag(body, "serving", w),
-                   _int(body, "recomputed_steps", w), _ints(body, "failed_nodes", w), _int(body, "round", w),
-                   _number(body, "t_fail", w), _number(body, "t_agreed", w))
-
-
-class Role:
+@dataclass(frozen=True)
+class Role(Message, plane=TO_WORKER, kind="role", tag="what"):
     """What a training process does next (kind ``role``): a ``Train``, ``Spare``, ``Exit`` or ``Finish``.
     ``Role.from_wire(body)`` gives the one ``body["what"]`` names."""
 
-    KIND: ClassVar[str] = "role"
-    WHAT: ClassVar[str] = ""
-
-    def to_wire(self) -> dict:
-        raise NotImplementedError
-
-    @staticmethod
-    def from_wire(body: dict) -> "Role":
-        what = _get(body, "what", "role", (str,), "a string")
-        kinds = {k.WHAT: k for k in (Train, Spare, Exit, Finish)}
-        if what not in kinds:
-            raise ValueError(f"role message: 'what' is {what!r}; expected one of {sorted(kinds)}")
-        return kinds[what]._from_wire(body)
-
 
 @dataclass(frozen=True)
-class Train(Role):
+class Train(Role, variant="train"):
     """Train as ``rank`` of ``world_size`` in ``view.generation``. ``restore`` None: the attempt's first generation
     (load ``resume``, a requeued attempt's checkpoint record, if any); else a recovery's plan. ``high_water``: the
-    highest step any process completed (faults fire only past it)."""
+    highest step any process completed (faults fire only past it). The view's and the plan's keys sit in the body
+    itself."""
 
-    WHAT: ClassVar[str] = "train"
-    view: View
+    view: Annotated[View, FLAT]
     rank: int
     world_size: int
     high_water: int
     resume: dict | None
-    restore: Restore | None = None
-
-    def to_wire(self) -> dict:
-        return {**self.view.to_wire(), "what": self.WHAT, "rank": self.rank, "world_size": self.world_size,
-                "high_water": self.high_water, "resume": self.resume,
-                **(self.restore.to_wire() if self.restore is not None else {})}
-
-    @classmethod
-    def _from_wire(cls, body: dict) -> "Train":
-        resume = _get(body, "resume", "role", (dict, type(None)), "an object or null")
-        return cls(View.from_wire(body), _int(body, "rank", "role"), _int(body, "world_size", "role"),
-                   _int(body, "high_water", "role"), resume, Restore.from_wire(body) if "cut_step" in body else None)
+    restore: Annotated[Restore | None, FLAT] = None
 
 
 @dataclass(frozen=True)
-class Spare(Role):
+class Spare(Role, variant="spare"):
     """Wait as a spare (in ``view.generation``) until a recovery promotes this process."""
 
-    WHAT: ClassVar[str] = "spare"
-    view: View
-
-    def to_wire(self) -> dict:
-        return {**self.view.to_wire(), "what": self.WHAT}
-
-    @classmethod
-    def _from_wire(cls, body: dict) -> "Spare":
-        return cls(View.from_wire(body))
+    view: Annotated[View, FLAT]
 
 
 @dataclass(frozen=True)
-class Exit(Role):
+class Exit(Role, variant="exit"):
     """Leave with ``code`` (75: the checkpoint is saved, requeue me)."""
 
-    WHAT: ClassVar[str] = "exit"
     code: int
-
-    def to_wire(self) -> dict:
-        return {"what": self.WHAT, "code": self.code}
-
-    @classmethod
-    def _from_wire(cls, body: dict) -> "Exit":
-        return cls(_int(body, "code", "role"))
 
 
 @dataclass(frozen=True)
-class Finish(Role):
+class Finish(Role, variant="finish"):
     """The run is complete: leave."""
 
-    WHAT: ClassVar[str] = "finish"
 
-    def to_wire(self) -> dict:
-        return {"what": self.WHAT}
+# ---- the channel's admission (agent/channel.py, worker/client.py) ---------------------------------------------
+@dataclass(frozen=True)
+class Hello(Message, plane=TO_AGENT, kind="hello"):
+    """A training process's first frame: it is ``local_rank`` of its node, process ``pid``."""
 
-    @classmethod
-    def _from_wire(cls, body: dict) -> "Finish":
-        return cls()
+    local_rank: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class Welcome(Message, plane=TO_WORKER, kind="welcome"):
+    """The agent admitted ``local_rank``; it is process ``agent_pid``. Sent with the progress page's fd (of
+    ``page_bytes`` bytes)."""
+
+    local_rank: int
+    agent_pid: int
+    page_bytes: int
+
+
+@dataclass(frozen=True)
+class Refused(Message, plane=TO_WORKER, kind="refused"):
+    """The agent refused the connection: ``why``."""
+
+    why: str
+
+
+# ---- the generation store (worker/client.py AgentStore -> agent/store.py GenerationStore) -----------------------
+@dataclass(frozen=True, kw_only=True)
+class StoreRequest(Message):
+    """A store request: ``id`` (its reply names it), the ``generation`` whose store it asks, ``timeout`` (seconds,
+    > 0: a ``get`` / ``wait`` is answered ``timeout`` by then)."""
+
+    id: int
+    generation: int
+    timeout: float = 60.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreSet(StoreRequest, plane=TO_AGENT, kind="store_set"):
+    """Set ``key`` to ``value`` (bytes, base64)."""
+
+    key: str
+    value: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreGet(StoreRequest, plane=TO_AGENT, kind="store_get"):
+    """The value of ``key``, once it is there."""
+
+    key: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreWait(StoreRequest, plane=TO_AGENT, kind="store_wait"):
+    """Answer once every one of ``keys`` is there."""
+
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreCheck(StoreRequest, plane=TO_AGENT, kind="store_check"):
+    """Whether every one of ``keys`` is there now."""
+
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class StoreReply(Message, plane=TO_WORKER, kind="store_reply"):
+    """The answer to request ``id`` (None: a request without one): ``ok``, with ``value`` (a get's, base64; a
+    check's, a boolean), or not, with ``code`` ("failed": the generation failed or was left; "timeout"; "bad": a
+    malformed request or another generation's) and ``error``."""
+
+    SPARSE = True
+    id: int | None
+    ok: bool
+    code: str | None = None
+    error: str | None = None
+    value: str | bool | None = None
+
+
+STORE_REQUESTS = {c.KIND: c for c in (StoreSet, StoreGet, StoreWait, StoreCheck)}
+
+
+# ---- the snapshot slots (worker/client.py attach_slots -> agent/node.py) ----------------------------------------
+@dataclass(frozen=True)
+class Layout(Message, plane=TO_AGENT, kind="layout"):
+    """A training process asks for ``count`` snapshot slots of ``nbytes`` bytes; what they hold: ``tensors``
+    (``[dtype name, shape]`` each, in order), ``rng_nbytes`` of RNG state after them, and ``local_nbytes`` kept in
+    the process only (replica/snapshot.py StateLayout)."""
+
+    nbytes: int
+    count: int = 2
+    tensors: list = field(default_factory=list)
+    rng_nbytes: int = 0
+    local_nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class Slots(Message, plane=TO_WORKER, kind="slots"):
+    """The agent's answer to ``layout``: ``count`` shared buffers of ``nbytes`` bytes, and its doorbell when
+    ``bell``, as fds sent with the frame (in that order)."""
+
+    nbytes: int
+    count: int
+    bell: bool = False
+
+
+# ---- the start-up pre-flight (agent/preflight.py <-> worker/preflight.py) ----------------------------------------
+@dataclass(frozen=True)
+class MatmulAsk(Message, plane=TO_WORKER, kind="preflight"):
+    """Time the pre-flight matmul on your device; answer with ``id``."""
+
+    id: int
+
+
+@dataclass(frozen=True)
+class MatmulFigure(Message, plane=TO_AGENT, kind="preflight"):
+    """The answer to ask ``id``: the matmul took ``seconds`` on ``device``, or failed (``error``)."""
+
+    id: int | None
+    seconds: float | None
+    error: str | None
+    device: str = ""
+
+
+@dataclass(frozen=True)
+class LinkPair(Message):
+    """One link to check: meet the process of ``peer`` (a node) under store ``key``, as ``rank`` 0 or 1 of the
+    pair's group."""
+
+    peer: int
+    rank: int
+    key: str
+
+
+@dataclass(frozen=True)
+class LinkAsk(Message, plane=TO_WORKER, kind="link"):
+    """Check ``pairs`` (each on a thread of its own), waiting ``wait_s`` seconds for a partner and ``timeout_s``
+    for each later step; answer with ``id`` (an int, or a re-check's tag)."""
+
+    id: int | str
+    pairs: tuple[LinkPair, ...]
+    wait_s: float = 5.0
+    timeout_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class LinkResult(Message):
+    """One link's outcome: the partner came (``seen``; if not, nothing is judged by it); its all-reduces were right
+    (``ok``), the median took ``seconds``, or ``error``; ``partner``: the failure is the partner's own device."""
+
+    seen: bool
+    ok: bool = False
+    seconds: float | None = None
+    error: str | None = None
+    partner: bool = False
+
+
+@dataclass(frozen=True)
+class LinkAnswer(Message, plane=TO_AGENT, kind="link"):
+    """The answer to link ask ``id``: each pair's result by peer node."""
+
+    id: int | str | None
+    pairs: dict[int, LinkResult]

@@ -38,9 +38,44 @@ import socket
 import struct
 import subprocess
 import sys
+from dataclasses import dataclass
 
 from ..errors import WireError
+from ..ipc.schema import FORKSERVER, Message
 from ..ipc.wire import MAX_MESSAGE_BYTES, decode, encode
+
+
+@dataclass(frozen=True)
+class Spawn(Message, plane=FORKSERVER, kind="spawn"):
+    """(an agent -> the server) Fork a training process running ``argv`` with environment ``env`` in ``cwd``; its
+    stdout and stderr come as the 2 descriptors sent with it."""
+
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    cwd: str
+
+
+@dataclass(frozen=True)
+class Spawned(Message, plane=FORKSERVER, kind="spawned"):
+    """(the server -> the agent) Forked: process ``pid``, whose pidfd comes with it."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class Exited(Message, plane=FORKSERVER, kind="exited"):
+    """(the server -> the agent) Process ``pid`` ended with ``rc`` (``Popen.returncode``: negative = the signal)."""
+
+    pid: int
+    rc: int
+
+
+def _message(cls, body: dict):
+    """``cls.from_wire(body)``, a malformed body a WireError."""
+    try:
+        return cls.from_wire(body)
+    except ValueError as exc:
+        raise WireError(f"fork server message: {exc}") from exc
 
 ENV = "DEADPOOL_FORKSERVER"   # the server's abstract socket name, set by the local launcher for its agents
 PR_SET_PDEATHSIG = 1
@@ -106,9 +141,10 @@ class ForkedProcess:
             self.returncode = -signal.SIGKILL
         else:
             kind, body = decode(data, len(data), self._secret)
-            if kind != "exited" or body.get("pid") != self.pid:
+            exited = _message(Exited, body) if kind == Exited.KIND else None
+            if exited is None or exited.pid != self.pid:
                 raise WireError(f"fork server sent {kind!r} {body} for process {self.pid}; expected 'exited'")
-            self.returncode = int(body["rc"])
+            self.returncode = exited.rc
         self._conn.close()
 
 
@@ -122,7 +158,7 @@ def spawn(name: str, argv: list[str], env: dict, secret: bytes, timeout: float =
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         conn.connect("\0" + name)
-        msg = encode("spawn", {"argv": [str(a) for a in argv], "env": dict(env), "cwd": os.getcwd()}, secret)
+        msg = encode(Spawn.KIND, Spawn(tuple(str(a) for a in argv), dict(env), os.getcwd()).to_wire(), secret)
         socket.send_fds(conn, [msg], [1, stderr])
         if not select.select([conn], [], [], timeout)[0]:
             raise TimeoutError(f"fork server {name!r} did not answer within {timeout:.0f} s")
@@ -130,12 +166,16 @@ def spawn(name: str, argv: list[str], env: dict, secret: bytes, timeout: float =
         if not data:
             raise OSError(f"fork server {name!r} closed the connection without forking")
         kind, body = decode(data, len(data), secret)
-        if kind != "spawned" or len(fds) != 1:
+        try:
+            if kind != Spawned.KIND or len(fds) != 1:
+                raise WireError(f"fork server answered {kind!r} {body} with {len(fds)} descriptors; expected "
+                                f"'spawned' with its pidfd")
+            spawned = _message(Spawned, body)
+        except WireError:
             for f in fds:
                 os.close(f)
-            raise WireError(f"fork server answered {kind!r} {body} with {len(fds)} descriptors; expected 'spawned' "
-                            f"with its pidfd")
-        return ForkedProcess(conn, int(body["pid"]), secret, fds[0])
+            raise
+        return ForkedProcess(conn, spawned.pid, secret, fds[0])
     except BaseException:
         conn.close()
         raise
@@ -150,7 +190,7 @@ def die_with(parent: int) -> None:
         os._exit(1)
 
 
-def _child(conn: socket.socket, fds: list[int], body: dict, closing: list, server: int, run) -> None:
+def _child(conn: socket.socket, fds: list[int], req: Spawn, closing: list, server: int, run) -> None:
     """In the forked process: become what ``python -m deadpool_hpc.worker.entry RUN_DIR LOCAL`` would be, and
     ``run(argv)`` it."""
     code = 1
@@ -170,17 +210,17 @@ def _child(conn: socket.socket, fds: list[int], body: dict, closing: list, serve
         for sig in (signal.SIGTERM, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        env = body["env"]
+        env = req.env
         os.environ.clear()
         os.environ.update(env)
-        os.chdir(body["cwd"])
+        os.chdir(req.cwd)
         for p in reversed([p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]):
             if p not in sys.path:
                 sys.path.insert(0, p)
         random.seed()   # and numpy's global generator, as a fresh interpreter has (str hashes keep the server's seed)
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
-        run(body["argv"])   # ends with os._exit
+        run(list(req.argv))   # ends with os._exit
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:  # noqa: BLE001 - a fresh interpreter would print it and exit 1
@@ -213,8 +253,9 @@ def serve(listener: socket.socket, secret: bytes, run) -> None:
                     conn.settimeout(REQUEST_TIMEOUT_S)   # a peer that connects and sends nothing stalls no one
                     msg, fds, _flags, _addr = socket.recv_fds(conn, MAX_MESSAGE_BYTES, 2)
                     kind, body = decode(msg, len(msg), secret)
-                    if kind != "spawn" or len(fds) != 2:
+                    if kind != Spawn.KIND or len(fds) != 2:
                         raise WireError(f"expected 'spawn' with 2 file descriptors, got {kind!r} with {len(fds)}")
+                    req = _message(Spawn, body)
                     conn.settimeout(None)
                 except (OSError, WireError) as exc:
                     print(f"fork server: request refused: {exc}", file=sys.stderr, flush=True)
@@ -225,7 +266,7 @@ def serve(listener: socket.socket, secret: bytes, run) -> None:
                 server = os.getpid()
                 pid = os.fork()
                 if pid == 0:
-                    _child(conn, fds, body, [listener, *conns.values(), *pidfds], server, run)
+                    _child(conn, fds, req, [listener, *conns.values(), *pidfds], server, run)
                 for f in fds:
                     os.close(f)
                 pidfd = os.pidfd_open(pid)
@@ -235,7 +276,7 @@ def serve(listener: socket.socket, secret: bytes, run) -> None:
                 poller.register(pidfd, select.POLLIN)
                 poller.register(conn.fileno(), select.POLLIN)
                 try:   # with a pidfd of its own: valid even if the child exits (and is reaped here) before it is read
-                    socket.send_fds(conn, [encode("spawned", {"pid": pid}, secret)], [pidfd])
+                    socket.send_fds(conn, [encode(Spawned.KIND, Spawned(pid).to_wire(), secret)], [pidfd])
                 except OSError:
                     pass   # the agent is gone: its connection's hang-up kills the child below
             elif fd in pidfds:   # a child exited: reap it, tell its agent
@@ -249,7 +290,7 @@ def serve(listener: socket.socket, secret: bytes, run) -> None:
                 if conn is not None:
                     poller.unregister(cfd)
                     try:
-                        conn.send(encode("exited", {"pid": pid, "rc": rc}, secret))
+                        conn.send(encode(Exited.KIND, Exited(pid, rc).to_wire(), secret))
                     except OSError:
                         pass
                     conn.close()

@@ -20,6 +20,7 @@ import threading
 import time
 
 from ..errors import WireError
+from .headers import Ack, Go, Push, RestoreOffer
 from .restore import receive
 from .slots import ReplicaState
 from .snapshot import RunningCrc
@@ -76,7 +77,7 @@ class Holder:
             first = True
             while True:
                 try:
-                    kind, body = link.recv_msg(st.secret)
+                    msg = link.recv_msg(st.secret)
                 except WireError as exc:
                     st.log.emit("replica_rejected", role="receiver", peer=link.peer, reason=str(exc)[:300])
                     return
@@ -86,14 +87,14 @@ class Holder:
                     return  # the pusher closed its kept connection between two pushes, or left it idle KEEP_S
                 link.deadline = None
                 link.idle = st.timeout
-                if kind == "push":
-                    if not self._receive(link, body):
+                if isinstance(msg, Push):
+                    if not self._receive(link, msg):
                         return
-                elif kind == "restore":
-                    return receive(st, link, body)
+                elif isinstance(msg, RestoreOffer):
+                    return receive(st, link, msg)
                 else:
                     st.log.emit("replica_rejected", role="receiver", peer=link.peer,
-                                reason=f"unexpected message {kind!r}")
+                                reason=f"unexpected message {msg.KIND!r}")
                     return
                 first = False
                 link.stop, link.idle, link.last = closed, KEEP_S, time.monotonic()
@@ -108,19 +109,16 @@ class Holder:
             with st.lock:
                 self.handlers -= 1
 
-    def _receive(self, link: Link, hdr: dict) -> bool:
+    def _receive(self, link: Link, hdr: Push) -> bool:
         """One push on ``link``; True when the exchange completed (the link can carry the next push)."""
         st = self.st
-        rank, step, nbytes, crc = (hdr.get(k) for k in ("rank", "step", "nbytes", "crc"))
+        rank, step, nbytes, crc, generation = hdr.rank, hdr.step, hdr.nbytes, hdr.crc, hdr.generation
         slot = pair = None
         retry = False
         token = object()
-        generation = hdr.get("generation")
         with st.lock:
             epoch = st.epoch
-            if not all(isinstance(v, int) for v in (rank, step, nbytes, crc, generation)):
-                reason = f"malformed push header {hdr}"
-            elif generation < st.generation and not st.paused:
+            if generation < st.generation and not st.paused:
                 reason = f"push of generation {generation}; this holder is at generation {st.generation}"
             elif nbytes != st.layout.wire_nbytes:
                 reason = f"payload of {nbytes} bytes, expected {st.layout.wire_nbytes}"
@@ -139,12 +137,12 @@ class Holder:
         if reason is not None:
             if not retry:  # a retryable refusal (busy, not configured yet) is the pusher's to report if it gives up
                 st.log.emit("replica_rejected", role="holder", peer=link.peer, rank=rank, step=step, reason=reason[:300])
-            link.send_msg("go", {"ok": False, "reason": reason, "retry": retry}, st.secret)
+            link.send_msg(Go(ok=False, retry=retry, reason=reason), st.secret)
             return True
         try:
             link.stop = st.stop_for(epoch)
             st.track(link, st.links)
-            link.send_msg("go", {"ok": True, "reason": "", "retry": False}, st.secret)
+            link.send_msg(Go(ok=True, retry=False, reason=""), st.secret)
             wire = st.layout.wire(slot)
             got = RunningCrc(wire)
             hook = st.receive_hook
@@ -166,7 +164,7 @@ class Holder:
                 self._release(rank, token)   # before the ack: the sender's next push must not find it busy
             if not ok:
                 st.log.emit("replica_rejected", role="holder", peer=link.peer, rank=rank, step=step, reason=reason)
-            link.send_msg("ack", {"rank": rank, "step": step, "crc": crc, "ok": ok, "reason": reason}, st.secret)
+            link.send_msg(Ack(ok=ok, reason=reason, rank=rank, step=step, crc=crc), st.secret)
             return True
         finally:
             with st.lock:

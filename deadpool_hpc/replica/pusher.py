@@ -20,6 +20,7 @@ import time
 from collections import deque
 
 from ..errors import WireError
+from .headers import Ack, Go, Push
 from .slots import OwnWrite, ReplicaState
 from .snapshot import Slot
 from .stream import KEEP_S, POLL_S, Link, LinkError, PeerGone, Stopped, fmt
@@ -150,9 +151,9 @@ class Sender:
                     st.track(link, st.links)
                 link.stop, link.idle, link.last = stop, st.timeout, time.monotonic()
                 try:
-                    link.send_msg("push", {"generation": st.generation, "rank": rank, "step": step,
-                                           "nbytes": st.layout.wire_nbytes, "crc": slot.crc}, st.secret)
-                    kind, go = link.recv_msg(st.secret)
+                    link.send_msg(Push(generation=st.generation, rank=rank, step=step,
+                                       nbytes=st.layout.wire_nbytes, crc=slot.crc), st.secret)
+                    go = link.recv_msg(st.secret)
                 except PeerGone:
                     if not kept or stop():
                         raise
@@ -161,12 +162,12 @@ class Sender:
                     self._drop(link)
                     link = None
                     continue
-                if kind != "go":
-                    raise WireError(f"expected 'go', got {kind!r}")
-                if go.get("ok"):
+                if not isinstance(go, Go):
+                    raise WireError(f"expected 'go', got {go.KIND!r}")
+                if go.ok:
                     break
-                reason = str(go.get("reason"))
-                if not go.get("retry"):
+                reason = go.reason
+                if not go.retry:
                     ok = True  # the exchange completed: the connection is still good
                     self._refused(step, peer, reason)
                     return link
@@ -179,12 +180,12 @@ class Sender:
                     if stop():
                         raise Stopped(stop())
             link.send(st.layout.wire(slot))
-            kind, ack = link.recv_msg(st.secret)
-            if kind != "ack" or ack.get("rank") != rank or ack.get("step") != step or ack.get("crc") != slot.crc:
-                raise WireError(f"expected the ack of rank {rank} step {step} crc {slot.crc}, got {kind} {ack}")
+            ack = link.recv_msg(st.secret)
+            if not isinstance(ack, Ack) or (ack.rank, ack.step, ack.crc) != (rank, step, slot.crc):
+                raise WireError(f"expected the ack of rank {rank} step {step} crc {slot.crc}, got {ack}")
             ok = True
-            if not ack.get("ok"):
-                self._refused(step, peer, str(ack.get("reason")))
+            if not ack.ok:
+                self._refused(step, peer, ack.reason)
                 return link
             with st.lock:
                 if st.epoch == epoch:

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from ..errors import PeerFailure, ReplicaError, WireError
+from .headers import Ack, Go, RestoreOffer
 from .slots import ReplicaState
 from .snapshot import RunningCrc, Slot
 from .stream import POLL_S, Link, LinkError, fmt
@@ -80,18 +81,16 @@ def wait(st: ReplicaState, failure: threading.Event, timeout: float) -> Slot:
                 st.expected = None
 
 
-def receive(st: ReplicaState, link: Link, hdr: dict) -> None:
+def receive(st: ReplicaState, link: Link, hdr: RestoreOffer) -> None:
     """(a replica server's handler thread) The restore ``hdr`` announced on ``link``: accept it if expected and
     receive it, else say why (and whether to try again)."""
-    gen, rank, step, nbytes, crc = (hdr.get(k) for k in ("generation", "rank", "step", "nbytes", "crc"))
-    src = hdr.get("source")
-    peer = fmt(src) if isinstance(src, list) and len(src) == 2 else link.peer   # its replica address, not a port
+    gen, rank, step, nbytes, crc = hdr.generation, hdr.rank, hdr.step, hdr.nbytes, hdr.crc
+    src = hdr.source
+    peer = fmt(src) if src is not None and len(src) == 2 else link.peer   # its replica address, not a port
     retry, e = False, None
     with st.lock:
         cur = st.expected
-        if not all(isinstance(v, int) for v in (gen, rank, step)) or not isinstance(hdr.get("ok"), bool):
-            reason = f"malformed restore header {hdr}"
-        elif cur is None or cur.generation < gen:
+        if cur is None or cur.generation < gen:
             reason, retry = f"no restore of generation {gen} expected yet", True
         elif (cur.generation, cur.rank, cur.step) != (gen, rank, step):
             reason = (f"this process expects rank {cur.rank} step {cur.step} for generation {cur.generation}, not "
@@ -100,11 +99,11 @@ def receive(st: ReplicaState, link: Link, hdr: dict) -> None:
             reason, retry = "the expected copy is arriving on another connection", True
         elif cur.slot is not None or cur.error is not None:
             reason = "the expected restore has ended already"
-        elif not hdr["ok"]:
-            cur.error = ReplicaError(f"{cur.what(peer)}: {str(hdr.get('reason'))[:500]}")
+        elif not hdr.ok:
+            cur.error = ReplicaError(f"{cur.what(peer)}: {hdr.reason[:500]}")
             st.cv.notify_all()
             reason = "noted"
-        elif nbytes != st.layout.wire_nbytes or not isinstance(crc, int):
+        elif nbytes != st.layout.wire_nbytes:
             cur.error = ReplicaError(f"{cur.what(peer)}: announced {nbytes} bytes (crc {crc!r}); expected "
                                      f"{st.layout.wire_nbytes} bytes")
             st.cv.notify_all()
@@ -113,7 +112,7 @@ def receive(st: ReplicaState, link: Link, hdr: dict) -> None:
             reason, e = None, cur
             e.receiving = True
     if e is None:
-        link.send_msg("go", {"ok": False, "retry": retry, "reason": reason}, st.secret)
+        link.send_msg(Go(ok=False, retry=retry, reason=reason), st.secret)
         return
     w = None
     # the transfer ends with the wait for it (a frozen source must not keep the own slot from the next restore)
@@ -122,9 +121,9 @@ def receive(st: ReplicaState, link: Link, hdr: dict) -> None:
     try:
         w = st.claim_for_restore(step, lambda: st.closed or st.expected is not e)
         if w is None:
-            link.send_msg("go", {"ok": False, "retry": False, "reason": "the expected restore has ended"}, st.secret)
+            link.send_msg(Go(ok=False, retry=False, reason="the expected restore has ended"), st.secret)
             return
-        link.send_msg("go", {"ok": True, "retry": False, "reason": ""}, st.secret)
+        link.send_msg(Go(ok=True, retry=False, reason=""), st.secret)
         slot = w.slot
         slot.rank = rank
         wire = st.layout.wire(slot)
@@ -143,7 +142,7 @@ def receive(st: ReplicaState, link: Link, hdr: dict) -> None:
                 e.slot = slot
         if not ok and e.error is not None:
             st.log.emit("replica_rejected", role="restore", peer=peer, rank=rank, step=step, reason=reason)
-        link.send_msg("ack", {"ok": ok, "reason": reason}, st.secret)
+        link.send_msg(Ack(ok=ok, reason=reason), st.secret)
     except LinkError as exc:
         with st.lock:
             if e.slot is None and e.error is None:
@@ -187,25 +186,24 @@ def send(st: ReplicaState, address, rank: int, step: int, generation: int, failu
                               f"{st.own.steps()}; held: {({str(r): p.steps() for r, p in st.held.items()})})")
                 else:
                     slot.readers += 1
-            hdr = {"generation": generation, "rank": rank, "step": step, "ok": slot is not None, "source": st.address,
-                   "reason": "" if slot is not None else reason, "nbytes": total,
-                   "crc": slot.crc if slot is not None else 0}
-            link.send_msg("restore", hdr, st.secret)
-            kind, go = link.recv_msg(st.secret)
-            if kind != "go":
-                raise ReplicaError(f"{what}: expected 'go', got {kind!r}")
-            if not go.get("ok") and go.get("retry"):
+            link.send_msg(RestoreOffer(generation=generation, rank=rank, step=step, ok=slot is not None,
+                                       source=None if st.address is None else list(st.address), reason="" if slot is not None else reason,
+                                       nbytes=total, crc=slot.crc if slot is not None else 0), st.secret)
+            go = link.recv_msg(st.secret)
+            if not isinstance(go, Go):
+                raise ReplicaError(f"{what}: expected 'go', got {go.KIND!r}")
+            if not go.ok and go.retry:
                 again = True   # not expected yet: ask again, with the copy or with why there is none
                 continue
             if slot is None:
                 raise ReplicaError(reason)   # (the target was told why)
-            if not go.get("ok"):
-                raise ReplicaError(f"{what}: refused: {go.get('reason')}")
+            if not go.ok:
+                raise ReplicaError(f"{what}: refused: {go.reason}")
             hook = st.serve_hook
             link.send(st.layout.wire(slot), None if hook is None else (lambda sent: hook(rank, step, sent, total)))
-            kind, ack = link.recv_msg(st.secret)
-            if kind != "ack" or not ack.get("ok"):
-                raise ReplicaError(f"{what}: not acknowledged: {kind} {ack}")
+            ack = link.recv_msg(st.secret)
+            if not isinstance(ack, Ack) or not ack.ok:
+                raise ReplicaError(f"{what}: not acknowledged: {ack}")
             return
         except WireError as exc:
             raise ReplicaError(f"{what}: {exc}") from exc

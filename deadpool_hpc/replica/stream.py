@@ -31,9 +31,13 @@ import time
 
 from ..errors import WireError
 from ..ipc import wire
+from ..ipc.schema import Message
+from .headers import Ack, Go, Push, RestoreOffer
 from .transports import TcpTransport
 
 TCP = TcpTransport()
+
+STREAM_KINDS = {c.KIND: c for c in (Push, RestoreOffer, Go, Ack)}   # what a Link's messages may be
 
 POLL_S = 0.05                 # longest a call waits before it looks at stop() and its deadlines again
 CHUNK = 16 * 1024 * 1024      # bytes handed to one send()/recv_into()
@@ -172,21 +176,30 @@ class Link:
             if on_recv is not None:
                 on_recv(off)
 
-    def send_msg(self, kind: str, body: dict, secret: bytes) -> None:
-        msg = wire.encode(kind, body, secret)
-        self.send(_LEN.pack(len(msg)) + msg)
+    def send_msg(self, msg: Message, secret: bytes) -> None:
+        """Send one framed message (replica/headers.py)."""
+        data = wire.encode(msg.KIND, msg.to_wire(), secret)
+        self.send(_LEN.pack(len(data)) + data)
 
-    def recv_msg(self, secret: bytes) -> tuple[str, dict]:
-        """Receive one framed message; raises WireError if its length or signature is wrong."""
+    def recv_msg(self, secret: bytes) -> Push | RestoreOffer | Go | Ack:
+        """Receive one framed message (replica/headers.py); raises WireError if its length or signature is wrong,
+        or it is not one of the stream's kinds with a well-formed body (naming the kind and the key)."""
         head = bytearray(_LEN.size)
         self.recv_into(head)
         (n,) = _LEN.unpack(head)
         if not wire.TAG_BYTES < n <= wire.MAX_MESSAGE_BYTES:
             raise WireError(f"replica message from {self.peer} announces {n} bytes; accepted: "
                             f"{wire.TAG_BYTES + 1}..{wire.MAX_MESSAGE_BYTES}")
-        body = bytearray(n)
-        self.recv_into(body)
-        return wire.decode(body, n, secret)
+        raw = bytearray(n)
+        self.recv_into(raw)
+        kind, body = wire.decode(raw, n, secret)
+        cls = STREAM_KINDS.get(kind)
+        if cls is None:
+            raise WireError(f"replica message from {self.peer} is of kind {kind!r}; accepted: {sorted(STREAM_KINDS)}")
+        try:
+            return cls.from_wire(body)
+        except ValueError as exc:
+            raise WireError(f"replica message from {self.peer}: {exc}") from exc
 
     def shutdown(self) -> None:
         """Wake any call blocked on this link (safe from another thread; the owner still closes it)."""

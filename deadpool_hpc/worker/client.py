@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ..errors import AgentLost, ChannelError, ChannelTimeout, PeerFailure
 from ..ipc.frames import ENV, FD_KEY, MAX_FDS, RESERVED, FrameReader, address_of, encode_frame
+from ..ipc.messages import STORE_REQUESTS, Hello, Layout, Refused, Slots, StoreReply, StoreRequest, Welcome
 from ..process import children
 from ..ipc.shm import Doorbell, ProgressPage, SharedBuffer
 
@@ -53,13 +54,13 @@ class AgentClient:
     ``lost`` (threading.Event, set once the agent's end closed); ``lost_why`` (str).
     """
 
-    def __init__(self, sock: socket.socket, secret: bytes, local_rank: int, reader: FrameReader, welcome: dict,
+    def __init__(self, sock: socket.socket, secret: bytes, local_rank: int, reader: FrameReader, welcome: Welcome,
                  page: ProgressPage, on_lost=None, send_timeout: float = 10.0):
         self.sock = sock
         children.keep_from_children(sock.fileno())   # a forked child (loader worker) must not hold our channel
         self.secret = secret
         self.local_rank = local_rank
-        self.agent_pid = welcome.get("agent_pid")
+        self.agent_pid = welcome.agent_pid
         self.progress = page
         self.bell: Doorbell | None = None   # the agent's doorbell (agent/desk.py), from ``attach_slots``
         self.on_lost = on_lost
@@ -119,26 +120,31 @@ class AgentClient:
                         from None
             sock.settimeout(max(0.001, deadline - time.monotonic()))
             try:
-                sock.sendall(encode_frame("hello", {"local_rank": local_rank, "pid": os.getpid()}, secret),
+                sock.sendall(encode_frame(Hello.KIND, Hello(local_rank, os.getpid()).to_wire(), secret),
                              socket.MSG_NOSIGNAL)
             except TimeoutError:
                 raise ChannelTimeout(f"the node agent took no hello within {timeout:g} s") from None
             except OSError as exc:
                 raise ChannelError(f"the node agent closed the channel before the hello: {exc}") from None
             kind, body = _first_message(sock, reader, deadline, timeout)
-            if kind != "welcome" or len(body.get(FD_KEY, ())) != 1:
-                for fd in body.get(FD_KEY, ()):
+            fds = body.pop(FD_KEY, [])
+            try:
+                if kind == Refused.KIND:
+                    raise ChannelError(f"the node agent refused local rank {local_rank}: {Refused.from_wire(body).why}")
+                if kind != Welcome.KIND or len(fds) != 1:
+                    raise ChannelError(f"the node agent answered the hello with {kind!r}; expected 'welcome' with 1 fd")
+                welcome = Welcome.from_wire(body)
+            except (ChannelError, ValueError) as exc:
+                for fd in fds:
                     os.close(fd)
-                if kind == "refused":
-                    raise ChannelError(f"the node agent refused local rank {local_rank}: {body.get('why')}")
-                raise ChannelError(f"the node agent answered the hello with {kind!r}; expected 'welcome' with 1 fd")
-            page = ProgressPage.attach(body.pop(FD_KEY)[0])
+                raise exc if isinstance(exc, ChannelError) else ChannelError(str(exc)) from exc
+            page = ProgressPage.attach(fds[0])
         except BaseException:
             sock.close()
             reader.close()
             raise
         sock.settimeout(send_timeout)
-        return cls(sock, secret, local_rank, reader, body, page, on_lost, send_timeout)
+        return cls(sock, secret, local_rank, reader, welcome, page, on_lost, send_timeout)
 
     # ---- sending -------------------------------------------------------------------------
     def send(self, kind: str, body: dict) -> None:
@@ -210,19 +216,24 @@ class AgentClient:
             self._cond.notify_all()
 
     def submit(self, kind: str, body: dict) -> cf.Future:
-        """Send ``kind`` with a fresh ``id`` and return at once: the Future gets the body of the agent's
-        ``store_reply`` with that id (``answer`` reads it), or AgentLost if the channel goes first. Raises AgentLost
-        if it is gone already."""
+        """Send store request ``kind`` (one of ``ipc/messages.py`` STORE_REQUESTS) with ``body`` and a fresh ``id``
+        and return at once: the Future gets the agent's StoreReply with that id (``answer`` reads it), or AgentLost
+        if the channel goes first. Raises AgentLost if it is gone already, ValueError for a request that is not one
+        (naming the key)."""
         rid = next(self._ids)
         fut: cf.Future = cf.Future()
         fut.rid = rid
         with self._cond:
             if self.lost.is_set():
                 raise AgentLost(f"request {kind!r}: {self.lost_why}")
+        if kind not in STORE_REQUESTS:
+            raise ValueError(f"request kind {kind!r} is not a store request; accepted: {sorted(STORE_REQUESTS)}")
+        msg: StoreRequest = STORE_REQUESTS[kind].from_wire(dict(body, id=rid))
+        with self._cond:
             self._replies[rid] = fut
         fut.add_done_callback(lambda _f: self._forget(rid))
         try:
-            self.send(kind, dict(body, id=rid))
+            self.send(kind, msg.to_wire())
         except BaseException:
             self._forget(rid)
             raise
@@ -232,9 +243,10 @@ class AgentClient:
         with self._cond:
             self._replies.pop(rid, None)
 
-    def request(self, kind: str, body: dict, timeout: float) -> dict:
-        """Send ``kind`` with a fresh ``id`` and wait for the agent's ``store_reply`` with that id (``timeout``
-        seconds). Returns the reply body. Raises AgentLost, ChannelTimeout, or what ``answer`` raises."""
+    def request(self, kind: str, body: dict, timeout: float) -> StoreReply:
+        """Send store request ``kind`` with a fresh ``id`` and wait for the agent's ``store_reply`` with that id
+        (``timeout`` seconds). Returns the reply. Raises AgentLost, ChannelTimeout, or what ``submit`` and ``answer``
+        raise."""
         deadline = _deadline(timeout, f"request {kind!r}")
         fut = self.submit(kind, body)
         try:
@@ -246,12 +258,12 @@ class AgentClient:
         return self.answer(kind, body, reply)
 
     @staticmethod
-    def answer(kind: str, body: dict, reply: dict) -> dict:
-        """The reply body if it says ``ok``; else raises PeerFailure (``code`` "failed": the generation failed or
+    def answer(kind: str, body: dict, reply: StoreReply) -> StoreReply:
+        """The reply if it says ``ok``; else raises PeerFailure (``code`` "failed": the generation failed or
         was left), ChannelTimeout (``code`` "timeout"), ChannelError (anything else)."""
-        if reply.get("ok"):
+        if reply.ok:
             return reply
-        code, error = reply.get("code"), reply.get("error", "no reason given")
+        code, error = reply.code, reply.error or "no reason given"
         if code == "failed":
             raise PeerFailure(f"{kind} {body.get('key') or body.get('keys')}: {error}")
         if code == "timeout":
@@ -259,22 +271,27 @@ class AgentClient:
         raise ChannelError(f"{kind} {body.get('key') or body.get('keys')}: {error}")
 
     def attach_slots(self, nbytes: int, timeout: float, count: int = 2, **layout) -> list[SharedBuffer]:
-        """Ask the agent for ``count`` snapshot slots of ``nbytes`` bytes (``layout {nbytes, count, **layout}``:
-        ``layout`` describes the payload, e.g. its tensors, for the agent's checkpoint writer), wait for its
-        ``slots {nbytes, count}`` message with the fds, map them. Returns the SharedBuffers (``.tensor`` /
-        ``.array`` views; ``.pin()`` on a GPU node). Raises ChannelError if the agent's answer does not match."""
-        self.send("layout", {"nbytes": nbytes, "count": count, **layout})
-        body = self.get("slots", timeout)
+        """Ask the agent for ``count`` snapshot slots of ``nbytes`` bytes (``Layout``; ``layout``: its other fields,
+        ``tensors``, ``rng_nbytes``, ``local_nbytes``, what the payload holds, for the agent's checkpoint writer),
+        wait for its ``Slots`` message with the fds, map them. Returns the SharedBuffers (``.tensor`` / ``.array``
+        views; ``.pin()`` on a GPU node). Raises ChannelError if the agent's answer does not match, TypeError for a
+        ``layout`` field that ``Layout`` lacks."""
+        self.send(Layout.KIND, Layout(nbytes=nbytes, count=count, **layout).to_wire())
+        body = self.get(Slots.KIND, timeout)
         fds = body.get(FD_KEY, [])
         try:
-            if body.get("nbytes") != nbytes or len(fds) != count + bool(body.get("bell")):
-                raise ChannelError(f"the agent sent {len(fds)} fds for slots of {body.get('nbytes')} bytes; asked "
-                                   f"for {count} of {nbytes}" + (" and its doorbell" if body.get("bell") else ""))
+            try:
+                slots = Slots.from_wire(body)
+            except ValueError as exc:
+                raise ChannelError(str(exc)) from exc
+            if slots.nbytes != nbytes or len(fds) != count + slots.bell:
+                raise ChannelError(f"the agent sent {len(fds)} fds for slots of {slots.nbytes} bytes; asked "
+                                   f"for {count} of {nbytes}" + (" and its doorbell" if slots.bell else ""))
         except ChannelError:
             for fd in fds:
                 os.close(fd)
             raise
-        if body.get("bell"):
+        if slots.bell:
             fd = fds.pop()
             os.set_inheritable(fd, False)   # SCM_RIGHTS fds come without close-on-exec: the user's programs never get it
             self.bell = Doorbell(fd)        # agent/desk.py: rung after each claim and written word
@@ -325,11 +342,15 @@ class AgentClient:
 
     def _dispatch(self) -> None:
         for kind, body in self._reader.messages():
-            if kind == "store_reply":
+            if kind == StoreReply.KIND:
+                try:
+                    reply = StoreReply.from_wire(body)
+                except ValueError as exc:
+                    raise ChannelError(str(exc)) from exc
                 with self._cond:
-                    fut = self._replies.get(body.get("id"))
+                    fut = self._replies.get(reply.id)
                 if fut is not None and not fut.done():
-                    fut.set_result(body)
+                    fut.set_result(reply)
                 continue
             with self._dispatch_lock:
                 with self._cond:
@@ -464,7 +485,7 @@ class AgentStore(dist.Store):
         self._timeout_s = float(timeout)
         client.stores.append(self)
 
-    def _req(self, kind: str, body: dict, timeout: float) -> dict:
+    def _req(self, kind: str, body: dict, timeout: float) -> StoreReply:
         body = dict(body, generation=self.generation, timeout=timeout)
         return self.client.request(kind, body, timeout + 1.0)   # +1 s: the agent's own deadline answers first
 
@@ -472,7 +493,7 @@ class AgentStore(dist.Store):
         self._req("store_set", {"key": key, "value": _b64(value)}, self._timeout_s)
 
     def get(self, key: str) -> bytes:
-        return base64.b64decode(self._req("store_get", {"key": key}, self._timeout_s)["value"])
+        return base64.b64decode(self._req("store_get", {"key": key}, self._timeout_s).value)
 
     def wait(self, keys, timeout=None) -> None:
         if isinstance(timeout, dt.timedelta):
@@ -481,7 +502,7 @@ class AgentStore(dist.Store):
         self._req("store_wait", {"keys": list(keys)}, t)
 
     def check(self, keys) -> bool:
-        return bool(self._req("store_check", {"keys": list(keys)}, self._timeout_s)["value"])
+        return bool(self._req("store_check", {"keys": list(keys)}, self._timeout_s).value)
 
     def _unsupported(self, op: str):
         raise ChannelError(f"AgentStore supports set/get/wait/check only; {op} is not available (no leader to "

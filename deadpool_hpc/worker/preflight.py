@@ -26,7 +26,7 @@ import statistics
 import threading
 import time
 
-from ..ipc.messages import LINK_GENERATION
+from ..ipc.messages import LINK_GENERATION, LinkAnswer, LinkAsk, LinkPair, LinkResult, MatmulAsk, MatmulFigure
 
 REPS = 3
 MATMULS = 8
@@ -56,15 +56,17 @@ def matmul_seconds(device) -> float:
 
 
 def answer(client, device, body: dict) -> None:
-    """(channel reader thread) Time the matmul on a thread of its own and send the figure back to the agent."""
+    """(channel reader thread) Time the matmul on a thread of its own and send the figure back to the agent.
+    ``body``: a ``preflight`` message (ipc/messages.py MatmulAsk; ValueError if malformed)."""
+    ask = MatmulAsk.from_wire(body)
+
     def run() -> None:
         try:
             seconds, error = matmul_seconds(device), None
         except Exception as exc:  # noqa: BLE001 - a device that cannot multiply is what the check is for
             seconds, error = None, f"{type(exc).__name__}: {exc}"[:500]
         try:
-            client.send("preflight", {"id": body.get("id"), "seconds": seconds, "error": error,
-                                      "device": str(device)})
+            client.send(MatmulFigure.KIND, MatmulFigure(ask.id, seconds, error, str(device)).to_wire())
         except Exception:  # noqa: BLE001 - the agent is gone: the process ends with it
             pass
 
@@ -146,15 +148,15 @@ def link_pair(store, key: str, rank: int, wait_s: float, timeout_s: float) -> di
 
 
 def link_answer(client, body: dict) -> None:
-    """(channel reader thread) Run every pair of ``body["pairs"]`` (``{"key", "rank", "peer"}``), each on a thread
-    of its own, and send the results (by peer node) back to the agent."""
+    """(channel reader thread) Run every pair of the ``link`` message ``body`` (ipc/messages.py LinkAsk;
+    ValueError if malformed), each on a thread of its own, and send the results (by peer node) back to the agent."""
     from .client import AgentStore
 
-    pairs = body.get("pairs") or []
-    wait_s, timeout_s = float(body.get("wait_s", 5.0)), float(body.get("timeout_s", 5.0))
+    ask = LinkAsk.from_wire(body)
+    pairs, wait_s, timeout_s = ask.pairs, ask.wait_s, ask.timeout_s
 
     def run() -> None:
-        results: dict[str, dict] = {}
+        results: dict[int, dict] = {}
         t_start = time.monotonic()
         try:
             # one per process, kept on the client: an AgentStore must outlive torch's use of it, and each new one
@@ -163,8 +165,8 @@ def link_answer(client, body: dict) -> None:
             if store is None:
                 store = client.link_store = AgentStore(client, LINK_GENERATION, timeout=30.0)
 
-            def one(p: dict) -> None:
-                results[str(p["peer"])] = link_pair(store, p["key"], int(p["rank"]), wait_s, timeout_s)
+            def one(p: LinkPair) -> None:
+                results[p.peer] = link_pair(store, p.key, p.rank, wait_s, timeout_s)
 
             threads = [threading.Thread(target=one, args=(p,), name="deadpool-link", daemon=True) for p in pairs]
             for t in threads:
@@ -173,13 +175,14 @@ def link_answer(client, body: dict) -> None:
             for t in threads:
                 t.join(max(0.0, end - time.monotonic()))
             for p in pairs:   # a pair still running met its partner and then stalled
-                results.setdefault(str(p["peer"]), {"seen": True, "ok": False, "seconds": None,
-                                                    "error": f"did not end within {end - t_start:.0f} s"})
+                results.setdefault(p.peer, {"seen": True, "ok": False, "seconds": None,
+                                            "error": f"did not end within {end - t_start:.0f} s"})
         except Exception as exc:  # noqa: BLE001 - reported, not raised: the agent judges
-            results = {str(p["peer"]): {"seen": True, "ok": False, "seconds": None,
-                                        "error": f"{type(exc).__name__}: {exc}"[:300]} for p in pairs}
+            results = {p.peer: {"seen": True, "ok": False, "seconds": None,
+                                "error": f"{type(exc).__name__}: {exc}"[:300]} for p in pairs}
         try:
-            client.send("link", {"id": body.get("id"), "pairs": dict(results)})
+            answer = LinkAnswer(ask.id, {q: LinkResult(**r) for q, r in results.items()})
+            client.send(LinkAnswer.KIND, answer.to_wire())
         except Exception:  # noqa: BLE001 - the agent is gone: the process ends with it
             pass
 

@@ -4,6 +4,7 @@ tests/slurm/test_slurm_persist.py (real agents, real disks)."""
 import types
 
 from deadpool_hpc.agent.persister import Persister
+from deadpool_hpc.control.messages import Persisted
 
 
 class _Peers:
@@ -54,16 +55,16 @@ def test_a_round_a_slow_node_still_writes_is_never_cleaned_away():
     _ask(p, rep, 0)                                  # round 2
     asks = [b["step"] for d, k, b in host.cp.peers.sent if k == "persist"]
     assert asks == [2, 2, 2]
-    p._on_persisted(0, {"g": 0, "step": 2, "ok": True})
-    p._on_persisted(2, {"g": 0, "step": 2, "ok": True})      # node 1 still writes round 2
+    p._on_persisted(0, Persisted.from_wire({"g": 0, "step": 2, "ok": True}))
+    p._on_persisted(2, Persisted.from_wire({"g": 0, "step": 2, "ok": True}))      # node 1 still writes round 2
     _ask(p, rep, 2)                                  # round 4
     _ask(p, rep, 4)                                  # round 6: the old rule cleaned below 4 here, round 2 included
     assert [b["step"] for d, k, b in host.cp.peers.sent if k == "persist"][-1] == 6
     assert disk == [], disk                         # node 1 answered nothing: nothing is cleaned
-    p._on_persisted(1, {"g": 0, "step": 2, "ok": True})
+    p._on_persisted(1, Persisted.from_wire({"g": 0, "step": 2, "ok": True}))
     assert ("commit", (0, 2)) in disk                # every node wrote round 2: committed
     for n in (0, 1, 2):
-        p._on_persisted(n, {"g": 0, "step": 4, "ok": n != 1})   # node 1 failed round 4 (a full disk)
+        p._on_persisted(n, Persisted.from_wire({"g": 0, "step": 4, "ok": n != 1}))   # node 1 failed round 4 (a full disk)
     assert ("commit", (0, 4)) not in disk
     _ask(p, rep, 6)
     assert disk[-1] == ("clean", (4,)), disk        # every node is done with 4: the rounds below it go
@@ -83,9 +84,9 @@ def test_missed_and_failed_rounds_are_answered_and_a_new_generation_starts_over(
 
     s, shost, srep, disk = _scheduler()
     for n in (0, 1, 2):
-        s._on_persisted(n, {"g": 0, "step": 4})
+        s._on_persisted(n, Persisted.from_wire({"g": 0, "step": 4}))
     assert s._over() == 4 and ("commit", (0, 4)) in disk   # a node without ``ok`` answers written rounds only
     shost.cp.generation = 1
     assert s._over() is None                          # a recovery: nothing is known of the new generation's rounds
-    s._on_persisted(0, {"g": 0, "step": 6, "ok": True})   # a stale answer is ignored
+    s._on_persisted(0, Persisted.from_wire({"g": 0, "step": 6, "ok": True}))   # a stale answer is ignored
     assert s._over() is None

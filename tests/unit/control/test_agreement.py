@@ -5,10 +5,16 @@ import json
 
 import pytest
 
-from deadpool_hpc.control.agreement import decide
+from deadpool_hpc.control.agreement import decide as _decide
 from deadpool_hpc.control.decision import Decision, RoundFailure, decision_from_wire, from_int_runs, int_runs
+from deadpool_hpc.control.messages import Report
 from deadpool_hpc.errors import ReplicaError
 from deadpool_hpc.placement import held_by, holder_nodes, holders_of
+
+
+def decide(**kw):
+    """``agreement.decide`` with each report read from its wire form (a dict; {}: a spare that holds nothing)."""
+    return _decide(**dict(kw, reports={m: Report.from_wire(json.loads(json.dumps(r))) for m, r in kw["reports"].items()}))
 
 
 def reports(own_steps, held, assignment=None):

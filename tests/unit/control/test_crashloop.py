@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 
 from deadpool_hpc.config import RunConfig
-from deadpool_hpc.control.agreement import decide
+from deadpool_hpc.control.agreement import decide as _decide
 from deadpool_hpc.control.crashloop import (DEFAULT_LIMIT, STEP_WINDOW, CrashLoop, WorkFailure, end_of, find_loop,
                                             follows_work)
 from deadpool_hpc.control.decision import Decision, decision_from_wire
+from deadpool_hpc.control.messages import Report
 from deadpool_hpc.errors import ConfigError
 
 
@@ -93,11 +94,16 @@ def test_wire_forms_round_trip_and_refuse_bad_values():
         WorkFailure.from_wire({**f.to_wire(), "step": "50"})
     loop = CrashLoop(1, "SIGABRT", (50, 50), (1, 3))
     assert CrashLoop.from_wire(loop.to_wire()) == loop
-    with pytest.raises(ValueError, match="a crash loop on the wire"):
+    with pytest.raises(ValueError, match=r"a crash loop of rank 1 has steps \[\] and nodes \[1\]"):
         CrashLoop.from_wire({"rank": 1, "end": "SIGABRT", "steps": [], "nodes": [1]})
 
 
 # ---- the decision ----------------------------------------------------------------------------------------------
+def decide(**kw):
+    """``agreement.decide`` with each report read from its wire form (a dict; {}: a spare that holds nothing)."""
+    return _decide(**dict(kw, reports={m: Report.from_wire(r) for m, r in kw["reports"].items()}))
+
+
 def _reports(W: int, own: list[int], start: int = 0) -> dict:
     """Each of W virtual processes (P = 1) holds its own rank's snapshots ``own`` and its left neighbour's."""
     return {m: {"own_rank": m, "own": own, "held": {str((m - 1) % W): own}, "done_step": max(own),

@@ -79,3 +79,16 @@ def test_the_reserved_kinds_are_the_ones_pump_dispatches_itself():
     """``OWN_KINDS`` keeps up with ``ControlPlane.pump``: every kind it handles before the handlers is reserved."""
     pumped = _compared_kinds(plane.ControlPlane.pump) | {plane.Readmit.KIND}
     assert pumped and pumped <= plane.OWN_KINDS, sorted(pumped - plane.OWN_KINDS)
+
+
+def test_a_kind_with_a_schema_reaches_its_handler_typed_and_a_malformed_one_not_at_all():
+    from deadpool_hpc.control.messages import Persist
+
+    t, got = HandlerTable(), []
+    t.on("persist", lambda src, msg: got.append((src, msg)))
+    t.on("no_schema_kind", lambda src, body: got.append((src, body)))
+    assert t.dispatch(3, "persist", {"g": 1, "step": 8}) and got[-1] == (3, Persist(g=1, step=8))
+    assert t.dispatch(2, "no_schema_kind", {"x": 1}) and got[-1] == (2, {"x": 1})
+    with pytest.raises(ValueError, match="persist message: key 'step' is '8'; expected an int"):
+        t.dispatch(3, "persist", {"g": 1, "step": "8"})
+    assert len(got) == 2 and not t.dispatch(1, "nobody", {})

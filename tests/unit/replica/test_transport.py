@@ -24,6 +24,7 @@ import torch
 
 from deadpool_hpc.errors import PeerFailure, ReplicaError
 from deadpool_hpc.replica.snapshot import StateLayout, checksum
+from deadpool_hpc.replica.headers import Ack, Go, Push
 from deadpool_hpc.replica.stream import Link
 from deadpool_hpc.replica.transport import Replicator
 from snapnode import SnapNode  # tests/snapnode.py
@@ -354,11 +355,10 @@ def test_an_ack_commits_only_the_step_it_names(reps):
     def fake_holder():
         sock, _ = srv.accept()
         link = Link(sock, "fake", idle=5)
-        _, hdr = link.recv_msg(SECRET)
-        link.send_msg("go", {"ok": True, "reason": "", "retry": False}, SECRET)
-        link.recv_into(bytearray(hdr["nbytes"]))
-        link.send_msg("ack", {"rank": hdr["rank"], "step": hdr["step"] - 1, "crc": hdr["crc"], "ok": True,
-                              "reason": ""}, SECRET)
+        hdr = link.recv_msg(SECRET)
+        link.send_msg(Go(ok=True, retry=False, reason=""), SECRET)
+        link.recv_into(bytearray(hdr.nbytes))
+        link.send_msg(Ack(ok=True, reason="", rank=hdr.rank, step=hdr.step - 1, crc=hdr.crc), SECRET)
         time.sleep(0.5)
         link.close()
 
@@ -505,10 +505,10 @@ def test_an_ack_sent_after_the_target_took_its_copy_still_reaches_the_source(rep
     src.node.wait_committed(2, threading.Event(), 10)
     send_msg = Link.send_msg
 
-    def late_ack(self, kind, body, secret):
-        if kind == "ack":
+    def late_ack(self, msg, secret):
+        if isinstance(msg, Ack):
             time.sleep(0.3)   # the target's wait has returned by now
-        return send_msg(self, kind, body, secret)
+        return send_msg(self, msg, secret)
 
     monkeypatch.setattr(Link, "send_msg", late_ack)
     assert restore(src, dst, 3, 2).step == 2
@@ -580,8 +580,8 @@ def test_quiesce_drops_an_incoming_push_but_restores_go_on(reps):
     # a sender that stops half-way through step 2's payload
     link = Link.connect(holder.address, idle=5)
     payload = state[0].numpy().view(np.uint8)
-    link.send_msg("push", {"generation": 0, "rank": 0, "step": 2, "nbytes": n, "crc": checksum(payload)}, SECRET)
-    assert link.recv_msg(SECRET)[1]["ok"]
+    link.send_msg(Push(generation=0, rank=0, step=2, nbytes=n, crc=checksum(payload)), SECRET)
+    assert link.recv_msg(SECRET).ok
     link.send(payload[: n // 2])
     wait_until(lambda: holder.state.writing, 2, "the holder to be receiving")
     t = time.monotonic()
