@@ -1,7 +1,7 @@
 """The agreement round and the barriers (control/round.py, control/barrier.py) against a fake control thread: a
 ControlPlane made without MPI (no ``__init__``: its tables set here), whose ``peers`` records what is sent and
 whose inbox the test fills. Pure logic, no process, no socket: the real round among real agents is
-tests/test_hotswap.py's and tests/test_never_hang.py's."""
+tests/e2e/test_hotswap.py's and tests/e2e/test_never_hang.py's."""
 from __future__ import annotations
 
 import queue

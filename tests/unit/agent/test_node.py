@@ -1,7 +1,7 @@
 """A node's failure as the node agent's loop sees it (agent/node.py ``node_failed``, ``tick``, ``run``): recorded as
 a pending exit, never raised through the waits under way, and acted on at the top of ``run``'s loop. NodeAgent's
 own methods on a fake agent (its log, control plane, supervisor and comeback recorded): no process. The real
-failures are tests/test_hotswap.py's, tests/test_lifecycle.py's and tests/test_never_hang.py's."""
+failures are tests/e2e/test_hotswap.py's, tests/e2e/test_lifecycle.py's and tests/e2e/test_never_hang.py's."""
 from __future__ import annotations
 
 from types import SimpleNamespace

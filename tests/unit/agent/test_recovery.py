@@ -1,7 +1,7 @@
 """A node agent's recovery rounds (agent/recovery.py) through their narrow interface (``RecoveryHost``): a fake node
 agent whose attributes cannot be written once the round starts (the round returns its result, it writes nothing of
 the agent), a fake control plane whose ``recover`` and ``barrier`` return what the test says. Pure logic, no
-process: the real rounds are tests/test_hotswap.py's, tests/test_never_hang.py's and tests/test_lifecycle.py's."""
+process: the real rounds are tests/e2e/test_hotswap.py's, tests/e2e/test_never_hang.py's and tests/e2e/test_lifecycle.py's."""
 from __future__ import annotations
 
 import threading

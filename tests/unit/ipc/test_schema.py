@@ -1,6 +1,6 @@
 """The message schema (ipc/schema.py): a frozen dataclass's wire form derived from its type hints, read back only
 when every key has the type its hint says, and refused by kind, key, value and expectation otherwise. Pure logic.
-Run: .venv/bin/python -m pytest -q -p no:cacheprovider -n 0 tests/test_schema.py
+Run: .venv/bin/python -m pytest -q -p no:cacheprovider -n 0 tests/unit/ipc/test_schema.py
 """
 from __future__ import annotations
 
