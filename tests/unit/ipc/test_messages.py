@@ -112,6 +112,8 @@ def test_a_bad_recovery_report_is_refused_by_name(change, match):
 # ---- every kind that crosses a process has a schema --------------------------------------------------------------
 import ast  # noqa: E402
 import os  # noqa: E402
+import sys  # noqa: E402
+import paths  # noqa: E402
 
 from deadpool_hpc.agent import watch as _watch  # noqa: E402,F401 - registers the ring watch's
 from deadpool_hpc.control import messages as _control_messages  # noqa: E402,F401 - registers the control plane's
@@ -120,7 +122,7 @@ from deadpool_hpc.process import forkserver as _forkserver  # noqa: E402,F401 - 
 from deadpool_hpc.ipc import schema  # noqa: E402
 from deadpool_hpc.replica import headers as _replica_headers  # noqa: E402,F401 - registers the replica stream's
 
-PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deadpool_hpc")
+PKG = os.path.join(paths.ROOT, "deadpool_hpc")
 # the calls that carry a message kind, by method name: (plane, where the kind is among the arguments). The plane of a
 # ``send`` depends on what it is called on (the control plane's ``peers``, the agent's ``channel``, a ``client``)
 _SENDS = {"send_many": 1, "send_to_suspect": 1, "broadcast": 0, "disseminate": 0, "tell_returning": 0}
@@ -241,7 +243,7 @@ def test_the_scan_finds_a_new_untyped_kind(tmp_path, monkeypatch):
                                           '    a.channel.send(0, "to_worker_new", {})\n    cp.on("heard", print)\n')
     (mod / "process").mkdir()
     (mod / "process" / "forkserver.py").write_text('def g(s):\n    return encode("fork_new", {}, s)\n')
-    monkeypatch.setattr(__import__(__name__), "PKG", str(mod))
+    monkeypatch.setattr(sys.modules[__name__], "PKG", str(mod))
     assert set(kinds_in_the_code()) == {(schema.CONTROL, "brand_new"), (schema.TO_WORKER, "to_worker_new"),
                                         (schema.CONTROL, "heard"), (schema.FORKSERVER, "fork_new")}
 
