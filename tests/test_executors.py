@@ -141,3 +141,31 @@ def test_local_job_cancel_stops_every_process_and_writes_the_summary(tmp_path):
     assert not s["completed"] and s["interrupted"] == "SIGTERM" and not s["processes_left"], s
     assert job.status()["state"] == "CANCELLED"
     assert any(e["event"] == "interrupted" for e in read_events(os.path.join(run_dir, "events.jsonl")))
+
+
+@pytest.mark.e2e
+def test_deadpool_cancel_stops_a_deadpool_run_of_another_process(tmp_path):
+    """`deadpool cancel RUN_DIR` (attach: a local run) sends SIGTERM to the launcher that holds run.lock: it stops
+    every process, writes the summary (`interrupted`: SIGTERM) and exits 128 + 15, as Ctrl-C's sibling would."""
+    import json
+    import subprocess
+    import sys
+
+    run_dir = str(tmp_path / "run")
+    deadpool = [sys.executable, "-m", "deadpool_hpc.launch.cli"]
+    proc = subprocess.Popen(deadpool + ["run", "--nodes", "2", "--spares", "1", "--steps", "100000", "--run-dir",
+                                        run_dir], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_step(run_dir, 3)
+        c = subprocess.run(deadpool + ["cancel", run_dir], capture_output=True, text=True, timeout=60)
+        assert c.returncode == 0, c.stderr
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc == 128 + 15, (rc, proc.stderr.read())
+    s = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert s["interrupted"] == "SIGTERM" and not s["completed"] and not s["processes_left"], s
+    again = subprocess.run(deadpool + ["cancel", run_dir], capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and "nothing to cancel" in again.stderr, again.stderr

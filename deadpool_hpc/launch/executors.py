@@ -167,7 +167,8 @@ class DeadpoolJob:
         running, keeps no replicas, ``node`` is not one of its active nodes, or no spare is left."""
         from .swap import request
 
-        return request(self.job_id or self.run_dir, node, reason)
+        # by the run directory: it names its job (slurm_job_id), which a submitit job's id does not name back
+        return request(self.run_dir, node, reason)
 
     def cancel(self) -> None:
         """Stop the run: every process of a local run (as SIGTERM would: ``interrupted`` in its summary), or
@@ -182,10 +183,11 @@ class DeadpoolJob:
 class LocalExecutor:
     """The embedded default: a run of emulated nodes as local processes under MPICH's hydra (launch/local.py).
     ``settings`` are RunConfig's fields (``nodes``, ``spares``, ``steps``, ``run_dir``, ...); ``on_poll(events)``
-    is called with the run's new events every ``poll_s`` seconds (the live console of ``deadpool run``)."""
+    is called with the run's new events every ``poll_s`` seconds (the live console of ``deadpool run``);
+    ``timeout``: seconds before the whole run is killed (None: no limit; ``result()`` raises TimeoutError)."""
 
-    def __init__(self, *, on_poll=None, poll_s: float = 0.25, **settings):
-        self.settings, self.on_poll, self.poll_s = settings, on_poll, poll_s
+    def __init__(self, *, on_poll=None, poll_s: float = 0.25, timeout: float | None = None, **settings):
+        self.settings, self.on_poll, self.poll_s, self.timeout = settings, on_poll, poll_s, timeout
 
     def submit(self, what=None, resume: bool = False, **train_args) -> "LocalJob":
         """Start one run in a thread of this process and return its LocalJob. Raises ConfigError before anything
@@ -201,7 +203,7 @@ class LocalExecutor:
             check_output_file(cfg.summary_path, run_dir=cfg.run_dir)
         if resume:
             check_resume(cfg.run_dir, cfg.world_size)
-        return LocalJob(cfg, self.on_poll, self.poll_s, resume).start()
+        return LocalJob(cfg, self.on_poll, self.poll_s, resume, self.timeout).start()
 
     def run(self, what=None, resume: bool = False, **train_args) -> dict:
         """``submit(...).result()`` in this thread, so that SIGTERM, SIGHUP and SIGINT stop the run (what
@@ -209,18 +211,19 @@ class LocalExecutor:
         from .local import launch
 
         cfg = _config(self.settings, what, train_args)
-        return launch(cfg, on_poll=self.on_poll, poll_s=self.poll_s, resume=resume)
+        return launch(cfg, on_poll=self.on_poll, poll_s=self.poll_s, resume=resume, timeout=self.timeout)
 
 
 class LocalJob(DeadpoolJob):
     """A local run going on in a thread of this process (LocalExecutor.submit)."""
 
-    def __init__(self, cfg: RunConfig, on_poll=None, poll_s: float = 0.25, resume: bool = False):
+    def __init__(self, cfg: RunConfig, on_poll=None, poll_s: float = 0.25, resume: bool = False,
+                 timeout: float | None = None):
         from .local import StopRequest
 
         self.cfg, self.run_dir, self.job_id = cfg, os.path.abspath(cfg.run_dir), None
         self._stop = StopRequest()
-        self._args = (on_poll, poll_s, resume)
+        self._args = (on_poll, poll_s, resume, timeout)
         self._summary: dict | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="deadpool-local-run", daemon=True)
@@ -232,9 +235,10 @@ class LocalJob(DeadpoolJob):
     def _run(self) -> None:
         from .local import launch
 
-        on_poll, poll_s, resume = self._args
+        on_poll, poll_s, resume, timeout = self._args
         try:
-            self._summary = launch(self.cfg, on_poll=on_poll, poll_s=poll_s, resume=resume, stop=self._stop)
+            self._summary = launch(self.cfg, on_poll=on_poll, poll_s=poll_s, resume=resume, timeout=timeout,
+                                   stop=self._stop)
         except BaseException as exc:   # raised again by result()
             self._error = exc
 
