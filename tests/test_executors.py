@@ -98,6 +98,8 @@ def test_one_cli_and_the_batch_commands_in_their_own_module(capsys):
             batch.main([cmd, "--help"])
         assert info.value.code == 0, cmd
     assert cli.main(["summary", "/nonexistent/run"]) == 2
+    assert set(slurm.BATCH_COMMANDS) == used | {"requeue-if-needed"}
+    assert slurm._moved(["render"]) == 2 and "use `deadpool submit --dry-run`" in capsys.readouterr().err
 
 
 def _wait_step(run_dir, step, seconds=240):

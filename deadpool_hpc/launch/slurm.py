@@ -438,3 +438,29 @@ def end_attempt(run_dir: str, out: str | None = None, since: float | None = None
     if s["completed"]:
         return 0
     return 143 if how.get("killed") else 1
+
+
+# ---- the old command line ---------------------------------------------------------------------------------------
+BATCH_COMMANDS = ("write-config", "copy-config", "prepare", "watch", "launch", "task", "relaunch", "end",
+                  "requeue-if-needed")
+
+
+def _moved(argv: list[str]) -> int:
+    """``python -m deadpool_hpc.launch.slurm CMD``, as batch scripts rendered by an older deadpool-hpc call it (a job
+    requeued after an upgrade runs the script it was submitted with): the batch script's commands go on in
+    ``python -m deadpool_hpc.launch.batch`` (exec'd, same arguments); the others are ``deadpool`` sub-commands now,
+    which this names (exit 2)."""
+    cmd = argv[0] if argv else ""
+    if cmd in BATCH_COMMANDS:
+        os.execv(sys.executable, [sys.executable, "-m", "deadpool_hpc.launch.batch", *argv])
+    now = {"submit": "deadpool submit", "render": "deadpool submit --dry-run", "status": "deadpool status --json",
+           "summary": "deadpool summary", "scaling": "deadpool scaling"}.get(cmd)
+    print(f"deadpool: error: `python -m deadpool_hpc.launch.slurm {cmd}` is no longer a command"
+          + (f"; use `{now}`" if now else f"; accepted: the sub-commands of `deadpool --help`, or in a batch script "
+                                          f"{', '.join(BATCH_COMMANDS)} (python -m deadpool_hpc.launch.batch)"),
+          file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(_moved(sys.argv[1:]))
