@@ -36,7 +36,7 @@ import time
 from deadpool_hpc.config import RunConfig, parse_train_arg
 from deadpool_hpc.errors import ConfigError
 from deadpool_hpc.events import EventTail, read_events
-from deadpool_hpc.launch.local import launch
+from deadpool_hpc.launch import LocalExecutor
 from deadpool_hpc.launch.options import check_train_fn
 from deadpool_hpc.process.fence import is_alive
 
@@ -190,7 +190,7 @@ def drive(a, cfg: RunConfig, rng: random.Random) -> tuple[dict, list[dict], list
 
     def run() -> None:
         try:
-            out["summary"] = launch(cfg, timeout=a.minutes * 180 + 600)
+            out["summary"] = LocalExecutor(timeout=a.minutes * 180 + 600).run(cfg)
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             out["error"] = exc
     thread = threading.Thread(target=run, daemon=True)
@@ -308,7 +308,7 @@ def main() -> int:  # noqa: C901
         ap.error(str(exc))
     os.makedirs(a.out, exist_ok=True)
     if (steps := a.steps) is None:
-        cal = launch(config(a, 20, "calibration", spares=0), timeout=300)
+        cal = LocalExecutor(timeout=300).run(config(a, 20, "calibration", spares=0))
         steps = math.ceil(60 * a.minutes / cal["median_step_s"])
         print(f"calibration: median step {cal['median_step_s']:.3f} s -> --steps {steps}", flush=True)
     print(f"chaos run: {a.nodes} nodes + {a.spares} spares, {steps} steps, kinds {','.join(a.kinds)}, mtbf "
@@ -318,7 +318,7 @@ def main() -> int:  # noqa: C901
                                                             signal.SIGKILL)))   # ours: this run's own hellos
     unexplained = attach(faults, summary, events)
     print("failure-free run of the same steps ...", flush=True)
-    base = launch(config(a, steps, "baseline"), timeout=a.minutes * 180 + 600)
+    base = LocalExecutor(timeout=a.minutes * 180 + 600).run(config(a, steps, "baseline"))
     with open(os.path.join(a.out, "faults.jsonl"), "w") as fh:
         fh.writelines(json.dumps(f) + "\n" for f in faults)
     t_first, t_end = span(events)

@@ -31,7 +31,7 @@ import time
 
 from deadpool_hpc.config import RunConfig, parse_train_arg
 from deadpool_hpc.events import EventTail, read_events
-from deadpool_hpc.launch.local import launch
+from deadpool_hpc.launch import LocalExecutor
 
 
 def step_times(run_dir: str, warmup: int) -> dict[int, float]:
@@ -62,7 +62,7 @@ def run(cfg: RunConfig, warmup: int) -> tuple[dict, dict[str, float]]:
     """Launch ``cfg``; returns (its summary, {"agent" | "training": CPU seconds per step of all such processes,
     between step ``warmup`` and 10 steps before the end})."""
     box = {}
-    t = threading.Thread(target=lambda: box.update(s=launch(cfg, timeout=600)))
+    t = threading.Thread(target=lambda: box.update(s=LocalExecutor(timeout=600).run(cfg)))
     t.start()
     tail, step, marks = EventTail(f"{cfg.run_dir}/events.jsonl"), 0, []
     for at in (warmup, cfg.steps - 10):

@@ -56,11 +56,11 @@ def plain_worker(steps: int, out: str) -> None:
 def deadpool_run(run_dir: str, nodes: int, steps: int, replicate: bool, warmup: int) -> tuple[float, int]:
     from deadpool_hpc.config import RunConfig
     from deadpool_hpc.events import read_events
-    from deadpool_hpc.launch.local import launch
+    from deadpool_hpc.launch import LocalExecutor
 
     cfg = RunConfig(nodes=nodes, spares=1, steps=steps, replicate=replicate, run_dir=run_dir,
                     train_fn="examples.ddp_gpt:train").validate()
-    s = launch(cfg, timeout=900)
+    s = LocalExecutor(timeout=900).run(cfg)
     assert s["completed"], s
     # wall time between rank 0's consecutive step events: the step, the snapshot hand-off, the loop's own work
     ts = [e["t"] for e in read_events(f"{run_dir}/events.jsonl") if e["event"] == "step" and e["step"] > warmup]

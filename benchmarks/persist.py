@@ -21,12 +21,12 @@ import tempfile
 
 from deadpool_hpc.config import RunConfig
 from deadpool_hpc.events import read_events
-from deadpool_hpc.launch.local import launch
+from deadpool_hpc.launch import LocalExecutor
 
 
 def _run(run_dir: str, args, every: float) -> list[dict]:
     cfg = RunConfig(nodes=args.nodes, spares=0, steps=args.steps, run_dir=run_dir, persist_every=every).validate()
-    s = launch(cfg, timeout=600)
+    s = LocalExecutor(timeout=600).run(cfg)
     if not s["completed"]:
         raise SystemExit(f"run {run_dir} did not complete: {s['errors']}")
     return list(read_events(f"{run_dir}/events.jsonl"))

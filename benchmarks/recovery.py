@@ -14,7 +14,7 @@ import statistics
 import tempfile
 
 from deadpool_hpc.config import RunConfig, parse_fault
-from deadpool_hpc.launch.local import launch
+from deadpool_hpc.launch import LocalExecutor
 
 PHASES = ("detect", "agree", "rebuild", "restore", "recompute")
 
@@ -40,7 +40,7 @@ def main() -> None:
             cfg = RunConfig(nodes=a.nodes, spares=a.spares, steps=a.steps, run_dir=f"{tmp}/r{i}", replicas=a.replicas,
                             train_fn=a.train_fn,
                             hang_timeout=a.hang_timeout, faults=[parse_fault(k, v) for k, v in specs]).validate()
-            s = launch(cfg, timeout=600)
+            s = LocalExecutor(timeout=600).run(cfg)
             assert s["completed"] and len(s["failures"]) == len(specs), s
             rows.append(s["failures"])
             digests.add(s["param_digest"])

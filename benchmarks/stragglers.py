@@ -33,7 +33,7 @@ import tempfile
 
 from deadpool_hpc.config import RunConfig, parse_fault
 from deadpool_hpc.events import read_events
-from deadpool_hpc.launch.local import launch
+from deadpool_hpc.launch import LocalExecutor
 from deadpool_hpc.report.timeline import step_rate
 
 FACTOR = RunConfig.straggler_factor
@@ -42,7 +42,7 @@ FACTOR = RunConfig.straggler_factor
 def run(run_dir: str, steps: int, window: float, faults=()) -> tuple[dict, list[dict]]:
     cfg = RunConfig(nodes=3, spares=1, steps=steps, run_dir=run_dir, straggler_window=window,
                     faults=[parse_fault("slow", f) for f in faults]).validate()
-    s = launch(cfg, timeout=900)
+    s = LocalExecutor(timeout=900).run(cfg)
     assert s["completed"], s
     return s, list(read_events(f"{run_dir}/events.jsonl"))
 

@@ -2,7 +2,7 @@
 
 Owns where each file of a run lives, which checks a path must pass to be a run directory, the lock
 that keeps a second run out, what a fresh run removes (``prepare_run_dir``: every launch path calls it, the
-local launcher, the batch template through ``python -m deadpool_hpc.launch.slurm prepare`` and submitit's
+local launcher, the batch template through ``python -m deadpool_hpc.launch.batch prepare`` and submitit's
 HotSwapJob), atomic writes of config.json and of the summaries, and the ``requeued`` event (``emit_requeued``).
 Does not own what the files hold (config.py, events.py, summary.py) nor the checkpoint format
 (replica/persist.py).

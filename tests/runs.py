@@ -9,7 +9,7 @@ import warnings
 from deadpool_hpc.config import RunConfig, parse_fault
 from deadpool_hpc.process.fence import is_alive
 from deadpool_hpc.events import read_events
-from deadpool_hpc.launch.local import launch
+from deadpool_hpc.launch import LocalExecutor
 
 
 def faults(*specs: str) -> list:
@@ -34,10 +34,10 @@ def _mapped_anywhere() -> set[str]:
 
 
 def launch_reaped(cfg: RunConfig, timeout: float) -> dict:
-    """``launch(cfg)``; whatever happened, no process that said hello in the run may be left alive, and no MPICH
-    segment may be left in /dev/shm by it (control/mpi.py:unlink_mpi_shm)."""
+    """``LocalExecutor(timeout=timeout).run(cfg)``; whatever happened, no process that said hello in the run may be
+    left alive, and no MPICH segment may be left in /dev/shm by it (control/mpi.py:unlink_mpi_shm)."""
     before = _mpi_segments()
-    summary = launch(cfg, timeout=timeout)
+    summary = LocalExecutor(timeout=timeout).run(cfg)
     for e in read_events(os.path.join(cfg.run_dir, "events.jsonl")):
         if e["event"] == "hello":
             assert not is_alive(e), f"pid {e['pid']} ({e.get('role')}) outlived the run"

@@ -1,13 +1,21 @@
-"""The ``deadpool`` command.
+"""The ``deadpool`` command: the launch vocabulary of executors.py on the command line.
 
-- ``deadpool run ...``: the embedded launch (emulated nodes as local processes).
+- ``deadpool run ...``: the embedded launch (emulated nodes as local processes; LocalExecutor).
 - ``deadpool submit ...``: the same run options plus Slurm ones; renders the batch template (templates/train.sbatch)
-  and submits it; the last line printed is the Slurm job id.
-- ``deadpool status JOBID|RUN_DIR [--png FILE]``: steps, failures, swaps and recovery times, from the run's event
-  log (``--png``: its timeline too, as ``deadpool plot`` draws it).
+  and submits it (SlurmExecutor); the last line printed is the Slurm job id. ``--dry-run``: print the batch
+  script instead, nothing written nor submitted.
+- ``deadpool status JOBID|RUN_DIR [--png FILE] [--json]``: steps, failures, swaps and recovery times, from the run's
+  event log (``--png``: its timeline too, as ``deadpool plot`` draws it; ``--json``: Slurm's state and the run's
+  progress as JSON, the raw view).
 - ``deadpool plot RUN_DIR [-o FILE]``: the run's timeline as a picture (deadpool_hpc/report/: steps/s over wall
   time, every fault, decision, swap, return, straggler verdict and checkpoint, each failure's recovery phases).
 - ``deadpool swap JOBID|RUN_DIR NODE``: a planned swap of NODE at the next step boundary (launch/swap.py).
+- ``deadpool cancel JOBID|RUN_DIR``: stop the run (``scancel`` of a Slurm job; SIGTERM to a local run's launcher).
+- ``deadpool summary RUN_DIR [--out FILE]``: write RUN_DIR/summary.json again from the event log (exit 0 iff the
+  run completed).
+- ``deadpool scaling OUT_DIR``: the table of a scaling sweep's summaries (templates/scaling.sbatch's OUT_DIR).
+
+What the batch script runs on its nodes is not here: ``python -m deadpool_hpc.launch.batch`` (batch.py).
 
 Exit 2 on bad input (a run directory in use by another run included), before any process starts or any
 job is submitted; 1 if the run did not complete; 3 if its summary could not be written (a full or read-only run
@@ -40,7 +48,8 @@ def cmd_run(a) -> int:
     from rich.console import Console
 
     from .console import LiveView, print_summary
-    from .local import Interrupted, check_resume, launch
+    from .executors import LocalExecutor
+    from .local import Interrupted, check_resume
 
     saved = check_resume(a.run_dir, cfg.world_size) if a.resume else None
     console = Console()
@@ -50,7 +59,7 @@ def cmd_run(a) -> int:
         + (f"; resuming from its checkpoint at step {saved['step']}" if saved else ""))
     try:
         with LiveView(cfg, console) as view:
-            summary = launch(cfg, on_poll=view.update, resume=a.resume)
+            summary = LocalExecutor(on_poll=view.update).run(cfg, resume=a.resume)
     except Interrupted as exc:
         say(f"\ninterrupted ({exc}) before the run started: no process ran; {cfg.run_dir} is as it was")
         return 128 + exc.signum
@@ -110,11 +119,15 @@ def _sayer(console):
 
 
 def cmd_submit(a) -> int:
-    from .slurm import submit
+    from .executors import SlurmExecutor
 
     cfg = config_from_args(a)
-    job_id = submit(cfg, partition=a.partition, time=a.time, account=a.account, extra=a.sbatch_arg,
-                    signal_lead=a.signal_lead)
+    ex = SlurmExecutor(partition=a.partition, time=a.time, account=a.account, sbatch_args=a.sbatch_arg,
+                       signal_lead=a.signal_lead)
+    if a.dry_run:
+        print(ex.render(cfg))
+        return 0
+    job_id = ex.submit(cfg).job_id
     print(f"submitted: {cfg.nodes} active + {cfg.spares} spare node(s), run dir {cfg.run_dir}; "
           f"follow it with: deadpool status {job_id}")
     print(job_id)
@@ -129,6 +142,11 @@ def cmd_status(a) -> int:
     from .console import print_summary
     from .slurm import make_summary, status
 
+    if a.json:
+        import json
+
+        print(json.dumps(status(a.target), indent=1))
+        return 0
     if a.png is not None:   # a bad file name or no matplotlib: exit 2 before Slurm is asked anything
         from ..report.plot import check_output, require_matplotlib
 
@@ -180,12 +198,47 @@ def _plot(run_dir: str, out: str | None) -> int:
 
 
 def cmd_swap(a) -> int:
-    from .swap import request
+    from .executors import attach
 
-    r = request(a.target, a.node, a.reason)
+    r = attach(a.target).swap(a.node, a.reason)
     print(f"swap of {r['node']} (node{r['index']}) requested: it leaves at its next step boundary and a spare "
           f"takes its place; follow it in {r['run_dir']}/events.jsonl (swap_requested, decision, resumed)")
     return 0
+
+
+def cmd_cancel(a) -> int:
+    from .executors import attach
+
+    job = attach(a.target)
+    job.cancel()
+    what = f"job {job.job_id}" if job.job_id else f"the run in {job.run_dir}"
+    print(f"{what}: stop requested; the ranks save a checkpoint where they can, and the summary says why it stopped "
+          f"(deadpool status {a.target})")
+    return 0
+
+
+def cmd_summary(a) -> int:
+    from .slurm import write_summary
+
+    s = write_summary(a.run_dir, a.out)
+    f = s["failures"]
+    print(f"[deadpool] summary: completed={s['completed']} steps={s['steps_completed']} "
+          f"final_loss={s['final_loss']} swaps={s['swaps']} "
+          f"recovery_s={[round(x['recovery_s'], 2) if x['recovery_s'] else None for x in f]} "
+          f"digest={s['param_digest']}")
+    if not s.get("summary_written", True):
+        return SUMMARY_UNWRITTEN   # printed above in full: the run directory refused it
+    return 0 if s["completed"] else 1
+
+
+def cmd_scaling(a) -> int:
+    import json
+
+    from .slurm import scaling_table
+
+    rows = scaling_table(a.out_dir)
+    print(json.dumps(rows, indent=1))
+    return 0 if rows and all(r["completed"] for r in rows) else 1
 
 
 def main(argv=None) -> int:
@@ -207,11 +260,15 @@ def main(argv=None) -> int:
                          "requeued (default: the template's, 120; the save of your model must fit in it)")
     sm.add_argument("--account")
     sm.add_argument("--sbatch-arg", action="append", default=[], help="extra sbatch argument (repeatable)")
+    sm.add_argument("--dry-run", action="store_true", help="print the batch script that would be submitted; nothing "
+                                                           "is written nor submitted")
     sm.set_defaults(fn=cmd_submit)
     st = sub.add_parser("status", help="summarise a run from its event log: a Slurm job id or a run directory")
     st.add_argument("target", metavar="JOBID|RUN_DIR")
     st.add_argument("--png", metavar="FILE", help="also draw the run's timeline to FILE (.png, .svg or .pdf; needs "
                                                   "matplotlib: pip install 'deadpool-hpc[plot]')")
+    st.add_argument("--json", action="store_true", help="print Slurm's view of the job and the run's progress as "
+                                                        "JSON (the raw view)")
     st.set_defaults(fn=cmd_status)
     pl = sub.add_parser("plot", help="draw a run's timeline: steps/s over wall time, faults, decisions, swaps, returns, "
                                      "straggler verdicts, checkpoints and recovery phases (needs matplotlib)")
@@ -225,6 +282,19 @@ def main(argv=None) -> int:
     sw.add_argument("node", metavar="NODE", help="Slurm's node name (a Slurm job) or node<index> (a local run)")
     sw.add_argument("--reason", default="deadpool swap", help="recorded in the event log and the summary")
     sw.set_defaults(fn=cmd_swap)
+    ca = sub.add_parser("cancel", help="stop a run: scancel of a Slurm job, SIGTERM to a local run's launcher (the "
+                                       "ranks save a checkpoint where they can)")
+    ca.add_argument("target", metavar="JOBID|RUN_DIR")
+    ca.set_defaults(fn=cmd_cancel)
+    su = sub.add_parser("summary", help="write RUN_DIR/summary.json again from its event log (exit 0 iff the run "
+                                        "completed)")
+    su.add_argument("run_dir", metavar="RUN_DIR")
+    su.add_argument("--out", metavar="FILE", help="also write the summary here")
+    su.set_defaults(fn=cmd_summary)
+    sc = sub.add_parser("scaling", help="table of a scaling sweep's summaries (scaling.sbatch's OUT_DIR); a "
+                                        "MODE=control-plane sweep is the scale study's: python -m study.scale_study")
+    sc.add_argument("out_dir", metavar="OUT_DIR")
+    sc.set_defaults(fn=cmd_scaling)
     a = parser.parse_args(argv)
     from ..logs import setup as setup_logging
 

@@ -106,7 +106,7 @@ class Interrupted(KeyboardInterrupt):
 
 
 def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | None = None,
-           resume: bool = False) -> dict:
+           resume: bool = False, stop: "StopRequest | None" = None) -> dict:
     """Run ``cfg`` on this machine and return its summary (also written to RUN_DIR/summary.json and to
     ``cfg.summary_path`` if set).
 
@@ -120,13 +120,17 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
     ``resume``: start from the run directory's checkpoint (checkpoint/LATEST: a run that a crash loop, a lost node with
     no spare left or a signal stopped) instead of step 0; its event log is kept and appended to. ConfigError, before
     anything starts, when there is no checkpoint there or it was saved by another world size.
+    ``stop``: a StopRequest whose ``request(signum)`` stops the run from another thread as that signal would
+    (executors.LocalJob.cancel(), for a run launched in a thread).
+
+    This is the blocking engine under ``LocalExecutor`` (launch/executors.py), the public way to start a local run.
     """
     cfg.validate()
     if cfg.total_processes > LOCAL_MAX_PROCESSES:
         raise ConfigError(f"{cfg.total_processes} training processes requested ({cfg.total_nodes} nodes x "
                           f"{cfg.ranks_per_node} ranks per node); the local launcher (deadpool run) runs at most "
                           f"{LOCAL_MAX_PROCESSES} on one machine: use fewer --nodes / --spares / --ranks-per-node, or "
-                          f"Slurm (deadpool submit, the batch template train.sbatch, or HotSwapJob), which has no "
+                          f"Slurm (deadpool submit, SlurmExecutor or SubmititExecutor), which has no "
                           f"such cap")
     check_extensions(cfg.replica_transport)   # a missing or broken plugin named before anything starts
     run_dir = check_run_dir(cfg.run_dir)
@@ -139,7 +143,7 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
     run_id = secrets.token_hex(8)
     rd = RunDir(run_dir)
     # spill: the lines a process could not write to events.jsonl (a full, read-only or hung run directory) come here
-    with _StopSignals() as stop, rd.locked(run_id), closing(EventSpill(f"deadpool-events-{run_id}")) as spill:
+    with (stop or StopRequest()) as stop, rd.locked(run_id), closing(EventSpill(f"deadpool-events-{run_id}")) as spill:
         # (the lock comes before anything in the directory is touched)
         if cfg.train_fn.startswith("deadpool_hpc.train."):
             try:
@@ -242,11 +246,12 @@ class _Tail:
 
 
 class _Interrupted(BaseException):
-    """Raised by the stop-signal handler inside ``_StopSignals.raising()``."""
+    """Raised by the stop-signal handler inside ``StopRequest.raising()``."""
 
 
-class _StopSignals:
-    """SIGTERM, SIGHUP and SIGINT stop the run: ``signum`` records the first one. The handler only
+class StopRequest:
+    """SIGTERM, SIGHUP and SIGINT stop the run: ``signum`` records the first one (``request(signum)`` records one
+    from another thread, as the signal would). The handler only
     records (the launcher's loop sees it within ``poll_s`` and kills the run's processes), except inside
     ``raising()``, where it raises _Interrupted at once. The previous handlers come back on exit. A signal
     the launcher inherited as ignored (``nohup``: SIGHUP; a background job of a script: SIGINT) stays
@@ -278,6 +283,12 @@ class _StopSignals:
             yield
         finally:
             self._raise = False
+
+    def request(self, signum: int = signal.SIGTERM) -> None:
+        """Stop the run as signal ``signum`` would (from any thread; no handler runs: the loop sees it within
+        ``poll_s``, or, before any process started, ``launch`` raises Interrupted)."""
+        if self.signum is None:
+            self.signum = signum
 
     def _handle(self, signum, _frame):
         if self.signum is None:

@@ -1,18 +1,8 @@
-"""Slurm launch: render and submit the batch template (``templates/train.sbatch``, shipped with the package), and
-the small commands the job itself runs.
+"""Slurm launch: render and submit the batch template (``templates/train.sbatch``, shipped with the package), the
+job's status, and the functions the job itself runs at its start and end (``python -m deadpool_hpc.launch.batch``,
+batch.py, calls them: write_config, copy_config, prepare, end_attempt).
 
-``python -m deadpool_hpc.launch.slurm`` sub-commands:
-
-- ``write-config``  write RUN_DIR/config.json from ``deadpool run``-style options (the batch script uses it)
-- ``copy-config``   copy a config file (the batch script's CONFIG) to RUN_DIR/config.json
-- ``prepare``       (batch script) clear RUN_DIR for a fresh run, or for a resumed one with ``--resume``
-- ``submit``        write the config, render the template into RUN_DIR/job.sbatch, ``sbatch --parsable`` it
-- ``render``        print the rendered batch script (nothing is submitted)
-- ``status``        a job id or a run directory: Slurm's state plus the run's progress from its event log
-- ``summary``       RUN_DIR/summary.json from the event log (exit 0 iff the run completed)
-- ``task``          one Slurm task: run the worker, then, if the batch script died with its node, finish the job
-- ``watch``         on the batch host: touch RUN_DIR/batch.alive every second; drain the nodes the run declares dead
-- ``end``           (batch script, after srun) requeue the job if it should go on, else write the summary
+People submit with ``deadpool submit`` or ``SlurmExecutor`` (executors.py), which call ``submit`` here.
 
 The ranks are launched by ``srun --no-kill --kill-on-bad-exit=0 --mpi=pmi2`` inside an allocation made with
 ``--no-kill`` (docs/slurm.md explains why, with measurements). What runs inside the job (task wrapper, watcher,
@@ -21,11 +11,10 @@ summary) in slurm_common.py; the run options in options.py.
 
 Paths: a relative ``--run-dir``, ``--summary`` or ``CONFIG`` means the submitter's current directory on every
 launch path (``deadpool submit`` makes them absolute before it submits; the templates resolve them against
-``$SLURM_SUBMIT_DIR``; ``HotSwapJob`` against the directory it is constructed in).
+``$SLURM_SUBMIT_DIR``; ``SubmititExecutor.submit`` against the directory it is called in).
 """
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import os
@@ -40,8 +29,7 @@ from ..errors import ConfigError
 from ..events import read_events
 from .. import rundir
 from ..rundir import RunDir, check_free
-from . import slurm_job, slurm_startup, timelimit
-from .options import add_run_options, config_from_args
+from . import slurm_job, timelimit
 from .slurm_common import hosts_by_rank as hosts_by_rank
 from .slurm_common import load_config as load_config
 from .slurm_common import make_summary as make_summary
@@ -112,7 +100,7 @@ def copy_config(config: str, run_dir: str) -> str:
         raise ConfigError(f"CONFIG {config!r}: cannot be read ({exc.strerror or exc})") from None
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"CONFIG {config!r}: not a RunConfig ({exc}); accepted: a config.json written by "
-                          f"`python -m deadpool_hpc.launch.slurm write-config` or a run") from None
+                          f"`python -m deadpool_hpc.launch.batch write-config` or a run") from None
     return rundir.write_config(run_dir, text)
 
 
@@ -452,112 +440,27 @@ def end_attempt(run_dir: str, out: str | None = None, since: float | None = None
     return 143 if how.get("killed") else 1
 
 
-# ---- CLI ----------------------------------------------------------------------------------------------------------
-def main(argv=None) -> int:
-    from ..logs import setup as setup_logging
+# ---- the old command line ---------------------------------------------------------------------------------------
+BATCH_COMMANDS = ("write-config", "copy-config", "prepare", "watch", "launch", "task", "relaunch", "end",
+                  "requeue-if-needed")
 
-    p = argparse.ArgumentParser(prog="python -m deadpool_hpc.launch.slurm", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    wc = sub.add_parser("write-config", help="write RUN_DIR/config.json")
-    add_run_options(wc)
-    sm = sub.add_parser("submit", help="write the config, render the template, sbatch it; prints the job id")
-    add_run_options(sm)
-    cc = sub.add_parser("copy-config", help="copy CONFIG to RUN_DIR/config.json (atomically)")
-    cc.add_argument("config")
-    cc.add_argument("run_dir")
-    pr = sub.add_parser("prepare", help="(batch script, holding run.lock) clear RUN_DIR for a fresh or resumed run")
-    pr.add_argument("run_dir")
-    pr.add_argument("--resume", action="store_true", help="resume from RUN_DIR/checkpoint if there is one")
-    rd = sub.add_parser("render", help="print the batch script for these options")
-    add_run_options(rd)
-    for q in (sm,):
-        q.add_argument("--partition")
-        q.add_argument("--time")
-        q.add_argument("--signal-lead", type=timelimit.signal_lead_arg, metavar="SECONDS")
-        q.add_argument("--account")
-        q.add_argument("--sbatch-arg", action="append", default=[], help="extra sbatch argument (repeatable)")
-    st = sub.add_parser("status", help="job id or run dir")
-    st.add_argument("target")
-    su = sub.add_parser("summary", help="write RUN_DIR/summary.json")
-    su.add_argument("run_dir")
-    su.add_argument("--out")
-    sc = sub.add_parser("scaling", help="table of a scaling sweep's summaries (scaling.sbatch's OUT_DIR); a "
-                                        "MODE=control-plane sweep is the scale study's: python -m study.scale_study")
-    sc.add_argument("out_dir")
-    tk = sub.add_parser("task", help="(inside srun) run one worker, finish the job if the batch host died")
-    tk.add_argument("run_dir")
-    tk.add_argument("--no-finisher", action="store_true")
-    rq = sub.add_parser("requeue-if-needed", help="(batch scripts rendered before `end`) requeue the job if it should go on")
-    rq.add_argument("run_dir")
-    en = sub.add_parser("end", help="(batch script, after srun) requeue the job if it should go on, else write the summary")
-    en.add_argument("run_dir")
-    en.add_argument("--out", help="also write the summary here")
-    en.add_argument("--since", type=float, help="when this attempt started (wall time, s)")
-    en.add_argument("--srun-rc", type=int)
-    la = sub.add_parser("launch", help="(batch script, before each srun) record the launch: its id and nodes")
-    la.add_argument("run_dir")
-    la.add_argument("launch_id")
-    la.add_argument("--total", type=int, required=True, help="nodes of the step")
-    la.add_argument("--exclude", default="", help="hosts left out (comma-separated)")
-    rl = sub.add_parser("relaunch", help="(batch script, after a start-up loss) one spare fewer; prints TOTAL SPARES "
-                                         "EXCLUDED")
-    rl.add_argument("run_dir")
-    rl.add_argument("launch_id")
-    wt = sub.add_parser("watch", help="(on the batch host) heartbeat file + drain dead nodes")
-    wt.add_argument("run_dir")
-    wt.add_argument("--drain", default="1")
-    a = p.parse_args(argv)
-    setup_logging(f"slurm-{a.cmd}")
-    try:
-        if a.cmd == "write-config":
-            print(write_config(config_from_args(a)))
-        elif a.cmd == "copy-config":
-            print(copy_config(a.config, a.run_dir))
-        elif a.cmd == "prepare":
-            prepare(a.run_dir, resume=a.resume)
-        elif a.cmd == "render":
-            cfg = config_from_args(a)
-            print(render(cfg))
-        elif a.cmd == "submit":
-            print(submit(config_from_args(a), a.partition, a.time, a.account, a.sbatch_arg,
-                         signal_lead=a.signal_lead))
-        elif a.cmd == "status":
-            print(json.dumps(status(a.target), indent=1))
-        elif a.cmd == "summary":
-            s = write_summary(a.run_dir, a.out)
-            f = s["failures"]
-            print(f"[deadpool] summary: completed={s['completed']} steps={s['steps_completed']} "
-                  f"final_loss={s['final_loss']} swaps={s['swaps']} "
-                  f"recovery_s={[round(x['recovery_s'], 2) if x['recovery_s'] else None for x in f]} "
-                  f"digest={s['param_digest']}")
-            if not s.get("summary_written", True):
-                return 3   # printed above in full: the run directory refused it
-            return 0 if s["completed"] else 1
-        elif a.cmd == "scaling":
-            rows = scaling_table(a.out_dir)
-            print(json.dumps(rows, indent=1))
-            return 0 if rows and all(r["completed"] for r in rows) else 1
-        elif a.cmd == "task":
-            return slurm_job.task_main(a.run_dir, finisher=not a.no_finisher)
-        elif a.cmd == "requeue-if-needed":
-            return 0 if slurm_job.requeue_if_needed(a.run_dir) else 1
-        elif a.cmd == "end":
-            return end_attempt(a.run_dir, a.out, a.since, a.srun_rc)
-        elif a.cmd == "launch":
-            slurm_startup.write_launch(a.run_dir, a.launch_id, slurm_startup.step_nodes(a.total, a.exclude))
-        elif a.cmd == "relaunch":
-            try:
-                total, spares, excluded = slurm_startup.relaunch(a.run_dir, a.launch_id)
-            except LookupError:
-                return 1   # nothing to relaunch
-            print(total, spares, ",".join(excluded))
-        elif a.cmd == "watch":
-            slurm_job.watch(a.run_dir, do_drain=a.drain not in ("0", "no", "false", ""))
-    except (ConfigError, FileNotFoundError) as exc:
-        print(f"deadpool: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+
+def _moved(argv: list[str]) -> int:
+    """``python -m deadpool_hpc.launch.slurm CMD``, as batch scripts rendered by an older deadpool-hpc call it (a job
+    requeued after an upgrade runs the script it was submitted with): the batch script's commands go on in
+    ``python -m deadpool_hpc.launch.batch`` (exec'd, same arguments); the others are ``deadpool`` sub-commands now,
+    which this names (exit 2)."""
+    cmd = argv[0] if argv else ""
+    if cmd in BATCH_COMMANDS:
+        os.execv(sys.executable, [sys.executable, "-m", "deadpool_hpc.launch.batch", *argv])
+    now = {"submit": "deadpool submit", "render": "deadpool submit --dry-run", "status": "deadpool status --json",
+           "summary": "deadpool summary", "scaling": "deadpool scaling"}.get(cmd)
+    print(f"deadpool: error: `python -m deadpool_hpc.launch.slurm {cmd}` is no longer a command"
+          + (f"; use `{now}`" if now else f"; accepted: the sub-commands of `deadpool --help`, or in a batch script "
+                                          f"{', '.join(BATCH_COMMANDS)} (python -m deadpool_hpc.launch.batch)"),
+          file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_moved(sys.argv[1:]))

@@ -1,6 +1,6 @@
 """Inside a Slurm job: the task wrapper, the batch-host watcher, the finisher, and what ends an attempt.
 
-``python -m deadpool_hpc.launch.slurm task|watch|end`` run these (templates/train.sbatch).
+``python -m deadpool_hpc.launch.batch task|watch|end`` run these (templates/train.sbatch).
 The batch host is an ordinary node of the allocation: if it dies, the batch script and srun die with
 it but the ranks train on; each task then checks whether the watcher still touches RUN_DIR/batch.alive,
 and the last one to exit writes summary.json and completes the job itself (docs/slurm.md).

@@ -5,7 +5,7 @@ exchange, the wire-up, the start barrier: control/plane.py): every other agent w
 its start-up deadline (``--startup-timeout``, 300 s by default) ends it. Nothing inside the job's MPI world can
 help, so the batch host watches from outside it:
 
-- each task wrapper (``python -m deadpool_hpc.launch.slurm task``, one per node) touches a *beacon*,
+- each task wrapper (``python -m deadpool_hpc.launch.batch task``, one per node) touches a *beacon*,
   ``RUN_DIR/starting/LAUNCH_ID/TASK``, every ``BEACON_PERIOD_S`` seconds while it lives (``Beacon``);
 - the batch host's watcher (``StartupWatch.poll``, called each second by ``slurm_job.watch``) looks at the beacons
   of the current launch until some node agent of it has said ``hello`` (which each one does once the start-up

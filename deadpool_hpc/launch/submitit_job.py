@@ -1,29 +1,29 @@
-"""submitit launch: ``HotSwapJob(cfg)`` is the callable, ``executor(folder, cfg)`` the matching AutoExecutor.
+"""What each Slurm task of a submitit job runs: ``HotSwapJob(cfg)``, the callable that ``SubmititExecutor``
+(launch/executors.py) and the submitit plugin (plugins/submitit) submit.
 
-    from deadpool_hpc.launch.submitit_job import HotSwapJob, executor
-    ex = executor("submitit-logs", cfg, slurm_partition="debug")     # nodes = cfg.nodes + cfg.spares, --no-kill
-    job = ex.submit(HotSwapJob(cfg))
-    summary = job.result()      # the run summary (dict) of a completed run; raises otherwise (see below)
+    from deadpool_hpc.launch import SubmititExecutor
+    job = SubmititExecutor("submitit-logs", slurm={"partition": "debug"}, nodes=4, spares=1).submit(train)
+    summary = job.result()      # the run summary (dict)
 
-submitit runs the callable once per Slurm task (one task per node, ``tasks_per_node=1``, with
+submitit runs the callable once per Slurm task (one task per node, ``ntasks_per_node=1``, with
 ``cpus_per_task = cfg.ranks_per_node``), each inside submitit's own ``srun``. Every task starts the node agent
 (``python -m deadpool_hpc.agent RUN_DIR``) as a child, handing it the PMI-2 descriptor srun gave the task, so the
 MPI processes (one agent per node) are exactly those of ``templates/train.sbatch``; each agent starts the node's
 training processes. Task 0 then waits for the other survivors and
 returns the summary built from the event log; the other tasks return their worker's exit code.
 
-Results: the jobs ``executor()`` submits are ``HotSwapSlurmJob``s, whose ``result()`` is task 0's, the summary
-(submitit's own ``Job.result()`` refuses a job of several tasks). It is returned only for a run that completed:
-a job that Slurm ended (``scancel``; the end of a preemption's grace time) leaves no result, so ``result()``
-raises submitit's ``UncompletedJobError`` (state CANCELLED, ...), after task 0 wrote RUN_DIR/summary.json
-(``stopped``, and the checkpoint the ranks saved when they got SIGTERM); a run that failed raises
-``RunIncomplete`` (as submitit's ``FailedJobError``) naming the step reached, the errors and the summary's path.
+Results: task 0's result is the summary, returned only for a run that completed: a job that Slurm ended
+(``scancel``; the end of a preemption's grace time) leaves no result (submitit's ``UncompletedJobError``, state
+CANCELLED, ...), after task 0 wrote RUN_DIR/summary.json (``stopped``, and the checkpoint the ranks saved when they
+got SIGTERM); a run that failed raises ``RunIncomplete`` (as submitit's ``FailedJobError``) naming the step
+reached, the errors and the summary's path. (``SubmititJob.result()`` returns that summary in both cases.)
 ``cfg.summary_path`` (relative: to the directory ``HotSwapJob`` is constructed in) gets a copy of the summary.
+``hot_swap_job_class()`` is the submitit Job class whose ``result()`` is task 0's (the plugin's jobs).
 
-What makes the step survive a node crash is in ``executor()``: ``#SBATCH --no-kill`` (job) through
-``slurm_additional_parameters`` and ``srun --no-kill --kill-on-bad-exit=0 --mpi=pmi2`` (step) through
-``slurm_srun_args`` (submitit >= 1.5 appends them to its srun line; checked with 1.5.4). Without the srun
-``--no-kill`` Slurm kills the whole step when any node fails.
+What makes the step survive a node crash is in the job's parameters (``SubmititExecutor.parameters``):
+``#SBATCH --no-kill`` (job) through ``additional_parameters`` and ``srun --no-kill --kill-on-bad-exit=0
+--mpi=pmi2`` (step) through ``srun_args`` (submitit >= 1.5 appends them to its srun line; checked with 1.5.4).
+Without the srun ``--no-kill`` Slurm kills the whole step when any node fails.
 
 The config is written and the job secret file (RUN_DIR/.secret, mode 600) created when the ``HotSwapJob`` is
 constructed, on the submitting host (RUN_DIR must be on a filesystem the nodes share). Every task derives the same
@@ -51,7 +51,7 @@ and ends the job as below. With no spare left the run ends with the reason (RunI
 
 Limits: the batch host (the node of task 0) is special here as everywhere under sbatch. If it dies, the ranks
 train on and finish, but task 0's result is lost: ``job.task(0).result()`` raises, and the summary must be
-rebuilt with ``python -m deadpool_hpc.launch.slurm summary RUN_DIR``. A run that loses a node with no spare
+rebuilt with ``deadpool summary RUN_DIR``. A run that loses a node with no spare
 left saves a checkpoint, and task 0 requeues the job (``scontrol requeue``, at most ``max_requeues`` times) as the
 sbatch template does; the requeued job resumes from it.
 """
@@ -74,12 +74,15 @@ from ..logs import setup as setup_logging
 from ..errors import ConfigError
 from ..rundir import RunDir, emit_requeued, latest_checkpoint
 from .options import check_extensions
-from . import slurm, slurm_job, slurm_startup, timelimit
+from . import slurm, slurm_job, slurm_startup
 
 _log = logging.getLogger(__name__)
 
+JOB_FLAGS = {"no-kill": True, "requeue": True, "exclusive": True}   # sbatch options of a job, as templates/train.sbatch
+
 
 def srun_args(mpi: str = "pmi2") -> list[str]:
+    """The srun flags every hot-swap step needs: a node's death must not end the step (docs/slurm.md)."""
     return ["--no-kill", "--kill-on-bad-exit=0", f"--mpi={mpi}"]
 
 
@@ -110,30 +113,6 @@ def hot_swap_job_class():
 
         _job_class = HotSwapSlurmJob
     return _job_class
-
-
-def executor(folder: str, cfg: RunConfig, timeout_min: int = 60, **params):
-    """A submitit AutoExecutor sized and flagged for ``cfg``; the jobs it submits are HotSwapSlurmJobs
-    (``job.result()`` is the run summary). Extra ``params`` go to update_parameters (e.g.
-    ``slurm_partition="debug"``); ``slurm_additional_parameters`` are merged with ours. Raises ConfigError (a
-    ValueError) when ``timeout_min`` leaves no time to train before submitit's signal (``slurm_signal_delay_s``
-    seconds before the time limit, default 90; launch/timelimit.py)."""
-    import submitit
-
-    timelimit.check_submitit(timeout_min, params.get("slurm_signal_delay_s", 90),
-                             lead_name="slurm_signal_delay_s")
-
-    ex = submitit.AutoExecutor(folder=folder, cluster=params.pop("cluster", "slurm"))
-    inner = getattr(ex, "_executor", None)  # AutoExecutor wraps the cluster's executor, which makes the Job objects
-    if inner is not None and issubclass(hot_swap_job_class(), inner.job_class):
-        inner.job_class = hot_swap_job_class()
-    add = {"no-kill": True, "requeue": True, "exclusive": True}  # as templates/train.sbatch
-    add.update(params.pop("slurm_additional_parameters", {}) or {})
-    ex.update_parameters(nodes=cfg.total_nodes, tasks_per_node=1, cpus_per_task=cfg.ranks_per_node,  # one agent per node
-                         timeout_min=timeout_min,
-                         slurm_additional_parameters=add,
-                         slurm_srun_args=list(params.pop("slurm_srun_args", srun_args())), **params)
-    return ex
 
 
 class HotSwapJob:
@@ -242,7 +221,7 @@ class HotSwapJob:
     def _relaunch(self, env: dict, lid: str) -> tuple[int, str]:
         """(task 0) A node was lost before the agents' MPI world existed: one spare fewer (slurm_startup.relaunch),
         and the agents again, on the live nodes of this allocation, as a step of their own (``srun --overlap``,
-        the task wrapper ``deadpool_hpc.launch.slurm task``; submitit's own step cannot be started again: ending it
+        the task wrapper ``deadpool_hpc.launch.batch task``; submitit's own step cannot be started again: ending it
         would end this task). The other submitit tasks have returned by then. Returns (the step's exit code, its
         launch id). Raises RunIncomplete when no spare is left."""
         try:
@@ -257,7 +236,7 @@ class HotSwapJob:
         cmd = ["srun", *srun_args(), "--overlap", f"--nodes={total}", f"--ntasks={total}", "--ntasks-per-node=1",
                f"--cpus-per-task={self.cfg.ranks_per_node}", "--distribution=block", f"--exclude={','.join(excluded)}",
                f"--output={os.path.join(self.run_dir, 'task-%t.log')}",
-               sys.executable, "-m", "deadpool_hpc.launch.slurm", "task", self.run_dir, "--no-finisher"]
+               sys.executable, "-m", "deadpool_hpc.launch.batch", "task", self.run_dir, "--no-finisher"]
         _log.warning("%s lost before the agents' MPI world existed: the agents again on %d nodes", excluded, total)
         proc = subprocess.Popen(cmd, env=env)   # checkpoint() signals it; srun passes SIGUSR2 on to the tasks
         self._worker = proc

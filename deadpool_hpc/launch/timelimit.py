@@ -165,7 +165,7 @@ def sbatch_option(args: list[str] | None, long: str, short: str | None = None) -
 
 
 def check_submitit(time, delay_s, time_name: str = "timeout_min", lead_name: str = "signal_delay_s") -> None:
-    """The submitit executors' check (``deadpool_hpc.launch.submitit_job.executor``, ``DeadpoolExecutor``): the time
+    """The submitit executors' check (``SubmititExecutor``, the plugin's ``DeadpoolExecutor``): the time
     limit ``time`` (submitit's ``timeout_min``: minutes, or any Slurm --time string; None: no limit) against
     submitit's signal lead ``delay_s`` (``signal_delay_s``, seconds; submitit's default 90), as check_lead. Raises
     ConfigError naming the parameters by ``time_name`` and ``lead_name``."""

@@ -392,13 +392,14 @@ def test_bad_paths_exit_2_with_a_message_before_anything_runs(tmp_path, capsys):
 
 def test_launch_checks_paths_too(tmp_path):
     from deadpool_hpc.errors import ConfigError
-    from deadpool_hpc.launch.local import launch
+    from deadpool_hpc.launch import LocalExecutor
 
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="exists and is not a directory"):
-        launch(RunConfig(nodes=2, spares=1, steps=2, run_dir=str(tmp_path / "file")))
+        LocalExecutor().run(RunConfig(nodes=2, spares=1, steps=2, run_dir=str(tmp_path / "file")))
     with pytest.raises(ConfigError, match="is a directory"):
-        launch(RunConfig(nodes=2, spares=1, steps=2, run_dir=str(tmp_path / "r"), summary_path=str(tmp_path)))
+        LocalExecutor().run(RunConfig(nodes=2, spares=1, steps=2, run_dir=str(tmp_path / "r"),
+                                      summary_path=str(tmp_path)))
     assert not (tmp_path / "r").exists()
 
 

@@ -1,5 +1,5 @@
 """The submitit plugin (plugins/submitit, deadpool-submitit) without Slurm: AutoExecutor(cluster="deadpool")
-resolves to DeadpoolExecutor through submitit's entry points, sizes the sbatch job as executor() does, and refuses
+resolves to DeadpoolExecutor through submitit's entry points, sizes the sbatch job as SubmititExecutor does, and refuses
 bad parameters and training functions that the workers could not import, with a message naming them.
 
 Nothing here reaches Slurm: every refusal comes before sbatch. submitit's SlurmExecutor only needs an ``srun`` on
@@ -47,7 +47,7 @@ def test_entry_point_resolves_to_the_deadpool_executor(ex):
     assert submitit.AutoExecutor.which() != "deadpool"  # never chosen without cluster="deadpool"
 
 
-def test_the_job_is_sized_and_flagged_like_executor(ex):
+def test_the_job_is_sized_and_flagged_for_hot_swap(ex):
     from deadpool_hpc.launch.submitit_job import hot_swap_job_class
 
     ex.update_parameters(nodes=4, deadpool_spares=1, deadpool_ranks_per_node=2, timeout_min=10,
@@ -193,11 +193,31 @@ def test_a_time_limit_that_leaves_no_time_before_the_signal_is_refused_at_submit
     assert not (tmp_path / "run").exists()
 
 
-def test_executor_refuses_a_time_limit_shorter_than_its_signal(tmp_path):
-    from deadpool_hpc.launch.submitit_job import executor
+def test_submitit_executor_refuses_a_time_limit_shorter_than_its_signal():
+    from deadpool_hpc.launch import SubmititExecutor
 
-    cfg = RunConfig(nodes=2, spares=1, steps=5, run_dir=str(tmp_path / "run"))
-    with pytest.raises(ConfigError, match=r"^timeout_min=2 \(120 s\) leaves no time .* slurm_signal_delay_s=90 asks"):
-        executor(str(tmp_path / "s"), cfg, timeout_min=2)
-    with pytest.raises(ConfigError, match=r"slurm_signal_delay_s=91 asks .* accepted: slurm_signal_delay_s=90 or less"):
-        executor(str(tmp_path / "s"), cfg, timeout_min=3, slurm_signal_delay_s=91)
+    with pytest.raises(ConfigError, match=r"^timeout_min=2 \(120 s\) leaves no time .* signal_delay_s=90 asks"):
+        SubmititExecutor("s", timeout_min=2, nodes=2, spares=1)
+    with pytest.raises(ConfigError, match=r"signal_delay_s=91 asks .* accepted: signal_delay_s=90 or less"):
+        SubmititExecutor("s", timeout_min=3, slurm={"slurm_signal_delay_s": 91})
+
+
+def test_submitit_executor_sizes_the_job_as_the_plugin_does(ex, tmp_path):
+    """deadpool-hpc's own SubmititExecutor (submitit's public SlurmExecutor underneath) and the plugin give Slurm the
+    same job: nodes + spares nodes, one task each, ranks_per_node CPUs, the hot-swap sbatch and srun flags."""
+    from deadpool_hpc.launch import SubmititExecutor
+
+    ours = SubmititExecutor(tmp_path / "s", timeout_min=10, slurm={"partition": "debug", "srun_args": ["--cpu-bind=none"],
+                                                        "additional_parameters": {"comment": "x"}})
+    p = ours.parameters(RunConfig(nodes=4, spares=1, ranks_per_node=2))
+    ex.update_parameters(nodes=4, deadpool_spares=1, deadpool_ranks_per_node=2, timeout_min=10,
+                         deadpool_partition="debug", deadpool_additional_parameters={"comment": "x"},
+                         deadpool_srun_args=["--cpu-bind=none"])
+    theirs = ex._executor.parameters
+    for k in ("nodes", "ntasks_per_node", "cpus_per_task", "time", "partition", "additional_parameters", "srun_args"):
+        assert p[k] == theirs[k], (k, p[k], theirs[k])
+    sub = submitit.SlurmExecutor(folder=tmp_path / "s")
+    sub.update_parameters(**p)   # submitit's public API takes them as they are
+    text = sub._make_submission_file_text("CMD", "uid")
+    assert "#SBATCH --no-kill" in text and "#SBATCH --nodes=5" in text and "#SBATCH --partition=debug" in text
+    assert "--no-kill --kill-on-bad-exit=0 --mpi=pmi2 --cpu-bind=none CMD" in text

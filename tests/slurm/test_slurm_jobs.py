@@ -194,13 +194,14 @@ def _job_diagnostics(job_id, folder):
 
 
 def _submitit_job(tmp_path, spares=1):
-    from deadpool_hpc.config import RunConfig
-    from deadpool_hpc.launch.submitit_job import HotSwapJob, executor
+    """A run through SubmititExecutor; returns (submitit's Job, the run directory, our SubmititJob handle)."""
+    from deadpool_hpc.launch import SubmititExecutor
 
     run_dir = str(tmp_path / "run")
-    cfg = RunConfig(nodes=ACTIVE, spares=spares, steps=STEPS, run_dir=run_dir)
-    ex = executor(str(tmp_path / "submitit"), cfg, timeout_min=10, slurm_partition="debug")
-    return ex.submit(HotSwapJob(cfg)), run_dir
+    ex = SubmititExecutor(str(tmp_path / "submitit"), timeout_min=10, slurm={"partition": "debug"},
+                          nodes=ACTIVE, spares=spares, steps=STEPS, run_dir=run_dir)
+    handle = ex.submit(None)
+    return handle.submitit_job, run_dir, handle
 
 
 def _submitit_at_step(tmp_path, job, run_dir, action, pick_node):
@@ -223,10 +224,11 @@ def _wait_done(job, seconds):
 def test_submitit_without_spare_checkpoints_requeues_and_resumes(tmp_path, fail_node, reference_digest):
     """(h) submitit, ACTIVE nodes and no spare: node2 dies; the ranks save a checkpoint, task 0 requeues the job
     (as the template does), and the requeued job resumes from it; job.result() is the final summary."""
-    job, run_dir = _submitit_job(tmp_path, spares=0)
+    job, run_dir, handle = _submitit_job(tmp_path, spares=0)
     _submitit_at_step(tmp_path, job, run_dir, fail_node, _host_of(1))
     _wait_done(job, 300)
-    s = job.result()  # HotSwapSlurmJob: task 0's result, the summary
+    s = handle.result()  # task 0's result, the summary
+    assert s == job.task(0).result()
     assert _final_state(job.job_id) == "COMPLETED"
     assert s["completed"] and s["steps_completed"] == STEPS, s
     assert s["requeues"] == 1 and s["swaps"] == 0 and s["failures"][0]["requeued"], s
@@ -234,7 +236,7 @@ def test_submitit_without_spare_checkpoints_requeues_and_resumes(tmp_path, fail_
 
 
 def test_submitit_survives_a_node_crashed_before_the_agents_mpi_world_exists(tmp_path, fail_node, reference_digest):
-    """(c) the same run through submitit (HotSwapJob + executor()), task 1's node crashed as soon as its task runs,
+    """(c) the same run through submitit (SubmititExecutor), task 1's node crashed as soon as its task runs,
     while the agents are in srun's launch or MPI_Init (issue 28, scope 0). Task 0 watches the tasks'
     beacons as the batch host does under sbatch, every surviving task ends its agent, and task 0 starts the agents
     again on the live nodes (a step of their own, srun --overlap) with the spare in the lost node's place. The
@@ -242,11 +244,11 @@ def test_submitit_survives_a_node_crashed_before_the_agents_mpi_world_exists(tmp
     HotSwapJob through the plugin.)"""
     from slurm_helpers import crash_in_the_start_up
 
-    job, run_dir = _submitit_job(tmp_path)
+    job, run_dir, handle = _submitit_job(tmp_path)
     t_submit = time.time()
     lost = crash_in_the_start_up(run_dir, 1, fail_node)   # task 1's node (task 0's holds the result)
     _wait_done(job, 240)
-    s = job.result()
+    s = handle.result()
     assert _final_state(job.job_id) == "COMPLETED"
     assert s["completed"] and s["steps_completed"] == STEPS, s
     assert [r["lost_hosts"] for r in s["relaunches"]] == [[lost]] and s["spares_left"] == 0, s["relaunches"]
@@ -262,13 +264,13 @@ def test_submitit_preemption_checkpoints_requeues_and_resumes(tmp_path, slurm_cl
     """(e) submitit's checkpoint(): Slurm delivers SIGUSR2 to every task (as before preemption or the time limit;
     here `scancel --signal=USR2`); the ranks save a persistent checkpoint at an agreed step, checkpoint() returns
     the job to requeue, submitit requeues it, and the requeued job resumes there and completes identically."""
-    job, run_dir = _submitit_job(tmp_path)
+    job, run_dir, handle = _submitit_job(tmp_path)
     _submitit_at_step(tmp_path, job, run_dir,
                       lambda _n: subprocess.run(["scancel", "--signal=USR2", str(job.job_id)], check=True, timeout=30),
                       lambda ev: None)
     t_signal = time.time()
     _wait_done(job, 240)
-    s = job.result()
+    s = handle.result()
     assert _final_state(job.job_id) == "COMPLETED"
     assert s["completed"] and s["steps_completed"] == STEPS, s
     assert s["failures"] == [] and s["swaps"] == 0 and s["requeues"] == 1, s
@@ -292,7 +294,7 @@ def test_scaling_template_from_another_directory_writes_one_summary_per_size(tmp
     """(g) sbatch/scaling.sbatch as a job array over active-node counts 2 and 3 (+1 spare), submitted as in the
     issue from a directory that is not the checkout, with a relative OUT_DIR and neither TRAIN_SBATCH nor VENV:
     the template finds train.sbatch next to itself and the checkout's .venv (through the job's Command). One
-    completed run and one summary per size, and `python -m deadpool_hpc.launch.slurm scaling` tabulates them."""
+    completed run and one summary per size, and `deadpool scaling` tabulates them."""
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     own_venv = os.path.realpath(VENV) == os.path.realpath(os.path.join(ROOT, ".venv"))
@@ -304,7 +306,7 @@ def test_scaling_template_from_another_directory_writes_one_summary_per_size(tmp
     out = "".join(job_output(elsewhere / f"deadpool-scaling-{job}_{i}.out") for i in (0, 1))
     assert states == {"COMPLETED"}, f"{states}\n{out}"
     out_dir = elsewhere / "scaling"
-    table = subprocess.run([sys.executable, "-m", "deadpool_hpc.launch.slurm", "scaling", str(out_dir)],
+    table = subprocess.run([sys.executable, "-m", "deadpool_hpc.launch.cli", "scaling", str(out_dir)],
                            capture_output=True, text=True, timeout=60)
     assert table.returncode == 0, table.stdout + table.stderr
     rows = json.loads(table.stdout)

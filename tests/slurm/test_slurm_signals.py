@@ -155,23 +155,24 @@ def test_term_to_every_process_of_a_running_job_ends_it_with_the_summary(tmp_pat
 
 
 def test_submitit_scancel_raises_instead_of_returning_a_summary(tmp_path, slurm_cluster, monkeypatch):
-    """submitit, a running HotSwapJob cancelled with `scancel` (job.cancel()): the workers save on SIGTERM, task 0
-    writes the summary (RUN_DIR, and cfg.summary_path, relative to where HotSwapJob was constructed) and leaves no
-    result, so job.result() and job.task(0).result() raise submitit's UncompletedJobError naming the state."""
+    """submitit, a running job cancelled with `scancel` (SubmititJob.cancel()): the workers save on SIGTERM, task 0
+    writes the summary (RUN_DIR, and cfg.summary_path, relative to where it was submitted) and leaves no result, so
+    submitit's job.result() and job.task(0).result() raise UncompletedJobError naming the state, and the
+    handle's result() returns the summary task 0 wrote (not completed, stopped: CANCELLED)."""
     from submitit.core.utils import UncompletedJobError
 
-    from deadpool_hpc.config import RunConfig
-    from deadpool_hpc.launch.submitit_job import HotSwapJob, executor
+    from deadpool_hpc.launch import SubmititExecutor
 
     monkeypatch.chdir(tmp_path)
-    cfg = RunConfig(nodes=2, spares=1, steps=STEPS, run_dir="run", summary_path="s.json")
-    ex = executor(str(tmp_path / "submitit"), cfg, timeout_min=10, slurm_partition="debug")
-    job = ex.submit(HotSwapJob(cfg))
+    handle = SubmititExecutor(str(tmp_path / "submitit"), timeout_min=10, slurm={"partition": "debug"}, nodes=2,
+                              spares=1, steps=STEPS, run_dir="run", summary_path="s.json").submit(None)
+    job = handle.submitit_job
     (tmp_path / "elsewhere").mkdir()
-    monkeypatch.chdir(tmp_path / "elsewhere")  # relative paths were resolved when HotSwapJob was made
+    monkeypatch.chdir(tmp_path / "elsewhere")  # relative paths were resolved when the job was submitted
     run_dir = str(tmp_path / "run")
+    assert handle.run_dir == run_dir
     try:
-        _, t_cancel = crash_when(run_dir, lambda _n: job.cancel(check=True), lambda ev: None, 15, time.time() + 150,
+        _, t_cancel = crash_when(run_dir, lambda _n: handle.cancel(), lambda ev: None, 15, time.time() + 150,
                                  job.done)
         end = time.time() + 120
         while not job.done() and time.time() < end:
@@ -184,6 +185,7 @@ def test_submitit_scancel_raises_instead_of_returning_a_summary(tmp_path, slurm_
         job.result()
     with pytest.raises(UncompletedJobError):
         job.task(0).result()
+    assert handle.result() == json.load(open(os.path.join(run_dir, "summary.json")))
     s = json.load(open(tmp_path / "s.json"))
     assert s == json.load(open(os.path.join(run_dir, "summary.json")))
     assert not s["completed"] and s["launcher"] == "submitit" and "CANCELLED" in s["stopped"]["reason"], s

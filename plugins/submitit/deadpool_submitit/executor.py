@@ -1,5 +1,9 @@
 """``DeadpoolExecutor``: submitit's SlurmExecutor for hot-swap runs, registered as ``cluster="deadpool"``.
 
+The same run as deadpool-hpc's own ``SubmititExecutor`` (deadpool_hpc/launch/executors.py: one vocabulary for
+every back-end, ``DeadpoolJob`` handles with ``swap(node)``), for code written against submitit's vocabulary:
+here the executor is submitit's (AutoExecutor, ``deadpool_`` parameters) and so are its jobs.
+
     import submitit
     from deadpool_hpc.train.demo import train
 
@@ -9,8 +13,8 @@
     job = ex.submit(train)          # or a HotSwapJob, a "package.module:function" string, None (the demo)
     summary = job.result()          # the run summary (dict) of a completed run
 
-Everything that makes a run survive a node crash is what ``deadpool_hpc.launch.submitit_job.executor()`` does,
-applied at every submission: Slurm gets ``nodes + spares`` nodes, one task per node (the node agent) with
+Everything that makes a run survive a node crash is what ``SubmititExecutor.parameters`` sets, applied at every
+submission: Slurm gets ``nodes + spares`` nodes, one task per node (the node agent) with
 ``cpus_per_task = ranks_per_node`` CPUs, ``#SBATCH --no-kill --requeue --exclusive`` and
 ``srun --no-kill --kill-on-bad-exit=0 --mpi=pmi2``. The callable submitit runs is a ``HotSwapJob`` (its
 ``checkpoint()`` handles preemption and the time limit), and the job objects are ``HotSwapSlurmJob``s, whose
@@ -29,7 +33,6 @@ and ``checkpoint_wait_s``.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import re
 import shutil
@@ -42,17 +45,13 @@ from deadpool_hpc.config import RunConfig
 from deadpool_hpc.errors import ConfigError
 from deadpool_hpc.launch import slurm as deadpool_slurm
 from deadpool_hpc.launch import timelimit
+from deadpool_hpc.launch.executors import train_fn_spec as _train_fn_spec
 from deadpool_hpc.launch.options import check_train_fn
-from deadpool_hpc.launch.submitit_job import HotSwapJob, hot_swap_job_class, srun_args
-from deadpool_hpc.worker.entry import load_train_fn
+from deadpool_hpc.launch.submitit_job import JOB_FLAGS, HotSwapJob, hot_swap_job_class, srun_args
 
 __all__ = ["DeadpoolExecutor", "RUN_PARAMETERS", "train_fn_spec"]
 
 DEMO = RunConfig.train_fn  # "deadpool_hpc.train.demo:train"
-
-# sbatch options every hot-swap job carries (as deadpool_hpc/launch/templates/train.sbatch); additional_parameters
-# may add to them
-JOB_FLAGS = {"no-kill": True, "requeue": True, "exclusive": True}
 
 _ACCEPTED_FN = ("accepted: a module-level function fn(ctx) of a module the nodes can import (as for "
                 "`deadpool run --train-fn`), its 'package.module:function' name, a HotSwapJob, or None (the "
@@ -138,40 +137,10 @@ def _run_config_error(exc: ConfigError) -> ConfigError:
 
 
 def train_fn_spec(fn) -> str:
-    """The "package.module:function" name the workers import for ``fn``: a module-level function (its module must
-    be importable by name, so not ``__main__``), such a name (a str, checked when the job is submitted), or None
-    (the built-in demo, ``deadpool_hpc.train.demo:train``). Raises ValueError, naming ``fn`` and what is accepted,
-    for anything else: a lambda, a nested function or closure, a method, a functools.partial, a callable object,
-    a function its module does not hold under its name."""
-    if fn is None:
-        return DEMO
-    if isinstance(fn, str):
-        return fn
-    if not inspect.isfunction(fn):
-        raise ValueError(f"deadpool executor: cannot submit {fn!r}: not a function; {_ACCEPTED_FN}")
-    mod, qualname = fn.__module__, fn.__qualname__
-    what = f"{mod}.{qualname}"
-    if fn.__name__ == "<lambda>":
-        raise ValueError(f"deadpool executor: cannot submit the lambda {what}: the workers import the training "
-                         f"function by name; {_ACCEPTED_FN}")
-    if "<locals>" in qualname:
-        raise ValueError(f"deadpool executor: cannot submit {what}: a function defined inside another (a closure) "
-                         f"cannot be imported by name; {_ACCEPTED_FN}")
-    if "." in qualname:
-        raise ValueError(f"deadpool executor: cannot submit {what}: a method or class attribute; {_ACCEPTED_FN}")
-    if not mod or mod == "__main__":
-        raise ValueError(f"deadpool executor: cannot submit {qualname!r} of __main__ (a script): the workers import "
-                         f"the function by its module's name; move it to an importable module. {_ACCEPTED_FN}")
-    spec = f"{mod}:{qualname}"
-    try:
-        found = load_train_fn(spec)
-    except Exception as exc:  # ImportError, AttributeError, or the module's own error
-        raise ValueError(f"deadpool executor: cannot submit {what}: {spec!r} does not import here "
-                         f"({type(exc).__name__}: {exc}); {_ACCEPTED_FN}") from None
-    if found is not fn:
-        raise ValueError(f"deadpool executor: cannot submit {what}: {spec!r} names another object (was the function "
-                         f"redefined or decorated?); {_ACCEPTED_FN}")
-    return spec
+    """The "package.module:function" name the workers import for ``fn``: deadpool_hpc.launch.executors.train_fn_spec,
+    whose message names what this executor's ``submit`` accepts. Raises ValueError for a function the workers
+    could not import by name."""
+    return _train_fn_spec(fn, _ACCEPTED_FN)
 
 
 class DeadpoolExecutor(SlurmExecutor):

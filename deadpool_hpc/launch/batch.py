@@ -1,0 +1,92 @@
+"""What the batch script runs on its allocation: ``python -m deadpool_hpc.launch.batch COMMAND``. Internal: the
+templates (templates/train.sbatch) call these; people use the ``deadpool`` command (cli.py).
+
+- ``write-config``       write RUN_DIR/config.json from ``deadpool run``-style options (a template run without CONFIG)
+- ``copy-config``        copy a config file (the batch script's CONFIG) to RUN_DIR/config.json
+- ``prepare``            (holding run.lock) clear RUN_DIR for a fresh run, or for a resumed one with ``--resume``
+- ``watch``              on the batch host: touch RUN_DIR/batch.alive every second; drain the nodes the run declares dead
+- ``launch``             before each srun: record the launch, its id and its nodes (slurm_startup.py)
+- ``task``               one Slurm task: run the worker, then, if the batch script died with its node, finish the job
+- ``relaunch``           after a start-up loss: one spare fewer; prints TOTAL SPARES EXCLUDED
+- ``end``                after srun: requeue the job if it should go on, else write the summary
+- ``requeue-if-needed``  (batch scripts rendered before ``end`` existed) requeue the job if it should go on
+
+Exit 2 on bad input (ConfigError, a missing file), with ``deadpool: error: ...`` on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import ConfigError
+from . import slurm, slurm_job, slurm_startup
+from .options import add_run_options, config_from_args
+
+
+def main(argv=None) -> int:
+    from ..logs import setup as setup_logging
+
+    p = argparse.ArgumentParser(prog="python -m deadpool_hpc.launch.batch", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    wc = sub.add_parser("write-config", help="write RUN_DIR/config.json")
+    add_run_options(wc)
+    cc = sub.add_parser("copy-config", help="copy CONFIG to RUN_DIR/config.json (atomically)")
+    cc.add_argument("config")
+    cc.add_argument("run_dir")
+    pr = sub.add_parser("prepare", help="(holding run.lock) clear RUN_DIR for a fresh or resumed run")
+    pr.add_argument("run_dir")
+    pr.add_argument("--resume", action="store_true", help="resume from RUN_DIR/checkpoint if there is one")
+    wt = sub.add_parser("watch", help="(on the batch host) heartbeat file + drain dead nodes")
+    wt.add_argument("run_dir")
+    wt.add_argument("--drain", default="1")
+    la = sub.add_parser("launch", help="(before each srun) record the launch: its id and nodes")
+    la.add_argument("run_dir")
+    la.add_argument("launch_id")
+    la.add_argument("--total", type=int, required=True, help="nodes of the step")
+    la.add_argument("--exclude", default="", help="hosts left out (comma-separated)")
+    tk = sub.add_parser("task", help="(inside srun) run one worker, finish the job if the batch host died")
+    tk.add_argument("run_dir")
+    tk.add_argument("--no-finisher", action="store_true")
+    rl = sub.add_parser("relaunch", help="(after a start-up loss) one spare fewer; prints TOTAL SPARES EXCLUDED")
+    rl.add_argument("run_dir")
+    rl.add_argument("launch_id")
+    en = sub.add_parser("end", help="(after srun) requeue the job if it should go on, else write the summary")
+    en.add_argument("run_dir")
+    en.add_argument("--out", help="also write the summary here")
+    en.add_argument("--since", type=float, help="when this attempt started (wall time, s)")
+    en.add_argument("--srun-rc", type=int)
+    rq = sub.add_parser("requeue-if-needed", help="(scripts rendered before `end`) requeue the job if it should go on")
+    rq.add_argument("run_dir")
+    a = p.parse_args(argv)
+    setup_logging(f"slurm-{a.cmd}")
+    try:
+        if a.cmd == "write-config":
+            print(slurm.write_config(config_from_args(a)))
+        elif a.cmd == "copy-config":
+            print(slurm.copy_config(a.config, a.run_dir))
+        elif a.cmd == "prepare":
+            slurm.prepare(a.run_dir, resume=a.resume)
+        elif a.cmd == "watch":
+            slurm_job.watch(a.run_dir, do_drain=a.drain not in ("0", "no", "false", ""))
+        elif a.cmd == "launch":
+            slurm_startup.write_launch(a.run_dir, a.launch_id, slurm_startup.step_nodes(a.total, a.exclude))
+        elif a.cmd == "task":
+            return slurm_job.task_main(a.run_dir, finisher=not a.no_finisher)
+        elif a.cmd == "relaunch":
+            try:
+                total, spares, excluded = slurm_startup.relaunch(a.run_dir, a.launch_id)
+            except LookupError:
+                return 1   # nothing to relaunch
+            print(total, spares, ",".join(excluded))
+        elif a.cmd == "end":
+            return slurm.end_attempt(a.run_dir, a.out, a.since, a.srun_rc)
+        elif a.cmd == "requeue-if-needed":
+            return 0 if slurm_job.requeue_if_needed(a.run_dir) else 1
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"deadpool: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
