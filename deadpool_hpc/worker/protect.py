@@ -70,6 +70,7 @@ from ..placement import held_by
 from .state.document import RankDocument, _decode, _distributed_sampler, _name, _stateful
 from .state.layout import SnapshotLayout
 from .state.loader import LoaderGuard
+from .steps import NO_HOOKS, StepHooks
 from .state.shards import ShardedState, _is_fsdp1, _is_fsdp2, _local, replicate_group
 from .state.shares import DataParallelShares, _ddp_class
 
@@ -77,9 +78,10 @@ from .state.shares import DataParallelShares, _ddp_class
 class Protected(SnapshotLayout, DataParallelShares, ShardedState, RankDocument):
     """The state ``ctx.protect`` keeps: see the module docstring; each kind of state in its own module of
     worker/state/ (the snapshot layout, the data-parallel shares, the FSDP2 shards, the per-rank JSON document), mixed
-    in here. The context drives it like ``ShardedAdamW``:
-    ``bind(rank, watch)``, ``state_tensors()`` (snapshot), ``restore_targets()`` + ``gather()`` (restore),
-    ``before_update`` (set by the context: wait for the replica's commit), ``param_digest()``."""
+    in here. A ``StepState`` (worker/steps.py), as ``ShardedAdamW`` is: ``bind(rank, watch)``, ``state_tensors()``
+    (snapshot), ``restore_targets()`` + ``gather()`` (restore), ``end_of_run()``, ``param_digest()``; during a step
+    it calls ``hooks`` (the context's ``StepSequence``): before the first collective, after the gradient all-reduce,
+    before the update."""
 
     def __init__(self, world_size: int, model, optimizer, scheduler=None, dataloader=None, extra=None, *,
                  python_rng: bool = False, numpy_rng: bool = False, ring: tuple[int, int, int] = (1, 1, 0),
@@ -116,9 +118,7 @@ class Protected(SnapshotLayout, DataParallelShares, ShardedState, RankDocument):
         self.cuda = torch.cuda.is_available()
         self.rank: int | None = None
         self.watch = None
-        self.before_update = lambda: None
-        self.claim_next = lambda: None   # set by the context: reserve the next snapshot's slot (Context._claim_next)
-        self._reduced = False            # this step's gradient all-reduce completed
+        self.hooks: StepHooks = NO_HOOKS   # set by the context (worker/steps.py StepSequence)
         self._restoring = False
         self._queued = False
         self._cache_sig, self._cache = None, None
@@ -126,7 +126,7 @@ class Protected(SnapshotLayout, DataParallelShares, ShardedState, RankDocument):
         self._zeros = None    # the JSON region's padding (state_tensors)
         self._pad = None      # zero bytes after short FSDP2 shards (_zero_bytes)
         self.params = [p for p in self.inner.parameters() if p.requires_grad]
-        # the state lives in host memory: its snapshot is a memory copy, done inline (Context._snapshot); a device's
+        # the state lives in host memory: its snapshot is a memory copy, done inline (StepSequence.snapshot); a device's
         # is a device-to-host transfer, left to the background copier
         self.on_host = all(t.device.type == "cpu" for t in self.inner.parameters())
         self._sig_tensors = [_local(t) for t in list(self.inner.parameters()) + list(self.inner.buffers())]
@@ -287,14 +287,13 @@ class Protected(SnapshotLayout, DataParallelShares, ShardedState, RankDocument):
 
 
     def _pre_step(self, optimizer, args, kwargs) -> None:
-        if not self._restoring:
-            self.before_update()   # the replica of the current state must be committed first
-            # past this step's all-reduce every rank's replica of the step is committed (or there is one rank); one
-            # all-reduce allows one early claim (an update with no backward of its own, e.g. a second opt.step(),
-            # claims nothing)
-            if self._reduced or self.world_size == 1:
-                self._reduced = False
-                self.claim_next()
+        if not self._restoring:   # (a restore's dry step is no training step)
+            self.hooks.before_update()   # wait for the commit, claim the next snapshot's slot (worker/steps.py)
+
+    def end_of_run(self) -> None:
+        """(every rank, after the last step) FSDP2: make ``param_digest`` cover every rank's shards."""
+        if self.sharded:
+            self.gather_digests()
 
     def param_digest(self) -> str:
         """sha256 over the model's parameters (``parameters()`` order, raw bytes). FSDP2: over every rank's

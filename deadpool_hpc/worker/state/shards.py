@@ -174,12 +174,12 @@ class ShardedState:
 
     def on_reduced(self) -> None:
         """(FSDP2) A gradient reduce-scatter of this step completed (dataplane/fsdp.py)."""
-        self._reduced = True
+        self.hooks.reduced()
 
     def _forward_starts_sharded(self, module, args) -> None:
-        self._reduced = False
+        self.hooks.forward_starts()
         if self.rank is not None and not self._restoring:
-            self.before_update()
+            self.hooks.before_collective()
 
     def _load_shards(self, tree: dict) -> None:
         """(FSDP2) Copy the saved shards into the live ones, in place: DCP's set_*_state_dict would treat the local

@@ -183,7 +183,7 @@ class DataParallelShares:
 
     def _forward_starts(self, module, args) -> None:
         self._queued = False   # a backward that failed half-way never ran its callback
-        self._reduced = False
+        self.hooks.forward_starts()
 
     def _grad_ready(self, param) -> None:
         if not self._queued and self.world_size > 1 and self.rank is not None:
@@ -195,7 +195,7 @@ class DataParallelShares:
         for this rank's replica of the step to be committed: the all-reduce completes nowhere before every rank's is,
         so no survivor can be more than one snapshot ahead of a lost rank's newest replica (module docstring)."""
         self._queued = False
-        self.before_update()
+        self.hooks.before_collective()
         by_dtype: dict[torch.dtype, list] = {}
         for p in self.params:
             by_dtype.setdefault(p.dtype, []).append(p)
@@ -214,4 +214,4 @@ class DataParallelShares:
                     else:
                         p.grad.copy_(g)
                     off += n
-        self._reduced = True
+        self.hooks.reduced()
