@@ -9,8 +9,9 @@ ZeroRedundancyOptimizer broadcasts with blocking collectives that nothing interr
 (notes/ft-probes.md 1c), hence this one: every collective goes through dataplane.collectives.
 
 The shard (parameter shard + its AdamW state) is the state unique to a rank; ``state_tensors()``
-hands it to the replica plane. ``ShardedAdamW`` is a ``StepState`` (worker/steps.py), as ``ctx.protect``'s state is. Given identical inputs and world size, results are bitwise
-reproducible (elementwise CPU math, fixed collective order).
+hands it to the replica plane: ``ShardedAdamW`` is a ``StepState`` (worker/steps.py), as ``ctx.protect``'s
+state is. Given identical inputs and world size, results are bitwise reproducible (elementwise CPU math, fixed
+collective order).
 """
 from __future__ import annotations
 

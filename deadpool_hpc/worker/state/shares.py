@@ -16,10 +16,10 @@ from ...dataplane import collectives
 from ...errors import ReplicaError
 from ...placement import held_by, holders_of
 from ...replica.snapshot import checksum
-from .document import _set_groups
+from .document import set_param_groups
 
 
-def _ddp_class():
+def ddp_class():
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel
@@ -170,7 +170,7 @@ class DataParallelShares:
         osd = tree["optim"]
         if tree["optim_empty"]:
             self.optimizer.state.clear()
-            _set_groups(self.optimizer, osd["param_groups"])
+            set_param_groups(self.optimizer, osd["param_groups"])
         else:
             if not self.optimizer.state:
                 # a spare's optimizer has no state yet: fill it first, or DCP makes it with a dry step of the
