@@ -158,3 +158,44 @@ def test_protect_s_optimizer_step_runs_the_update_s_part_of_the_sequence(local_g
     seq.step = 1
     seq.snapshot()
     assert seq.writer.calls[-1] == ("snapshot", 1, 3)
+
+
+# ---- the context's surface (worker/context.py) -----------------------------------------------------------------------
+def fake_context(world_size=1):
+    from deadpool_hpc.config import RunConfig
+    from deadpool_hpc.worker.context import Context
+
+    sent = []
+    client = types.SimpleNamespace(progress=types.SimpleNamespace(beat=lambda: None), on=lambda *a: None,
+                                   send=lambda *a, **k: sent.append(a), wake=lambda: None)
+    ctx = Context(RunConfig(nodes=world_size, spares=0, steps=4), client, groups=None, log=None, node=0, local=0)
+    return ctx, sent
+
+
+# docs/worker-contract.md's table, and what worker/entry.py reads after the training function
+DOCUMENTED = {"rank", "world_size", "device", "process_group", "generation", "config", "protect", "device_mesh",
+              "init_device_mesh", "watch", "step", "zero_adamw", "run"}
+FOR_THE_ENTRY_POINT = {"exit_code", "attached", "refusal"}
+
+
+def test_the_context_shows_the_training_function_only_what_the_contract_documents(local_group):
+    ctx, _ = fake_context()
+    public = {n for n in dir(ctx) if not n.startswith("_")}
+    assert public == DOCUMENTED | FOR_THE_ENTRY_POINT
+    assert ctx.step == 0 and ctx.rank is None and ctx.exit_code == 0 and not ctx.attached and ctx.refusal is None
+
+
+def test_the_agent_s_failure_notice_is_read_as_a_typed_failure(local_group):
+    """A well-formed ``Failure`` sets the failure flag of a training process; a waiting one answers with its ``Left``
+    at once instead. A notice without its generation is refused, naming the field (the channel logs it)."""
+    from deadpool_hpc.ipc.messages import Failure, Left
+
+    ctx, sent = fake_context()
+    ctx._on_failure(Failure(2).to_wire())
+    assert ctx._failure.is_set()
+    ctx._failure.clear()
+    ctx._waiting = Left(2, 5, "peer failed")
+    ctx._on_failure(Failure(2).to_wire())
+    assert sent == [(Left.KIND, Left(2, 5, "peer failed").to_wire())] and not ctx._failure.is_set()
+    with pytest.raises(ValueError, match="generation"):
+        ctx._on_failure({})
