@@ -5,20 +5,21 @@ A training process is torch and a thin client of its node agent (worker/client.p
 snapshots the state unique to this rank into the agent's shared slot and waits for the agent's ``committed`` before
 the optimizer updates: the per-step snapshot protocol, whose side here is ``SnapshotWriter`` (replica/writer.py,
 which describes the protocol and its interface with the agent's snapshot desk). With ``ctx.protect`` on host memory
-the copy is made right after the update, on the training thread, into a slot claimed while the optimizer ran
-(``_claim_next``); otherwise, and whenever that slot is not granted in time, by the writer's copy thread overlapping
+the copy is made right after the update, on the training thread, into a slot claimed while the optimizer ran;
+otherwise, and whenever that slot is not granted in time, by the writer's copy thread overlapping
 the next forward and backward. When the agent says a peer failed (or a collective fails), it leaves
 the generation, tells its agent how far it got, and waits for its next role: train (join the new generation's
 process group through the agent-backed store, restore the cut step from the shared slot the agent filled,
 gather, resume), stay a spare, save and leave (75: requeue), or finish. A failure while it joins or restores
 ends that round; the agent starts the next (worker/recovery.py). Spare processes build the model and buffers, then
-wait in ``run``.
+wait in ``run``. The order of a step around the state (wait committed, all-reduce, claim, update, snapshot) is
+``StepSequence``'s (worker/steps.py); the state is a ``StepState`` of either kind (``ctx.protect``'s ``Protected``,
+``ctx.zero_adamw``'s ``ShardedAdamW``).
 The contract is in docs/worker-contract.md.
 """
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import threading
 import time
@@ -30,11 +31,12 @@ from ..dataplane.collectives import Watch
 from ..dataplane.groups import device_for
 from ..errors import PeerFailure
 from ..faults import RankFaults
-from ..ipc.messages import Finish, Left, Spare, Train
+from ..ipc.messages import Failure, Finish, Left, Spare, Train
 from ..replica.snapshot import Slot, StateLayout
 from ..replica.writer import SnapshotWriter
 from . import preflight
 from .recovery import Recovering
+from .steps import StepSequence, StepState
 from .zero import ShardedAdamW
 
 def _local_default_group() -> None:
@@ -57,42 +59,47 @@ def _local_default_group() -> None:
 
 
 class Context(Recovering):
-    """Per-process handle given to the training function.
+    """Per-process handle given to the training function (docs/worker-contract.md).
 
     rank: training rank (None while a spare); world_size: number of training ranks; device; generation;
     config (RunConfig); process_group (the current generation's default group); watch (the Watch every
-    collective of a step waits under: ``collectives.all_reduce(t, ctx.watch)``).
+    collective of a step waits under: ``collectives.all_reduce(t, ctx.watch)``); step (the current step);
+    device_mesh, init_device_mesh, protect, zero_adamw, run. For the entry point (worker/entry.py): exit_code,
+    attached, refusal. Everything else is private.
     """
 
     def __init__(self, cfg, client, groups, log, node: int, local: int, backend: str = "gloo"):
         self.config = cfg
-        self.client = client
-        self.groups = groups
-        self.log = log
-        self.node, self.local = node, local
-        self.backend = backend
         self.device = device_for(backend)
         self.world_size = cfg.world_size
-        self.step = 0
-        self.opt: ShardedAdamW | None = None
-        self.exit_code = 0
-        self.failure = threading.Event()
-        self.watch = Watch(self.failure, cfg.wait_timeout, client.progress.beat)
-        self.faults = RankFaults(cfg.faults, node=node, local=local, ranks_per_node=cfg.ranks_per_node, log=log,
-                                 send=client.send)
+        self._client = client
+        self._groups = groups
+        self._log = log
+        self._node, self._local = node, local
+        self._state: StepState | None = None   # what ctx.protect / ctx.zero_adamw made (worker/steps.py)
+        self._exit_code = 0
+        self._failure = threading.Event()
+        self.watch = Watch(self._failure, cfg.wait_timeout, client.progress.beat)
+        self._steps = StepSequence(world_size=cfg.world_size, replicate=cfg.replicate,
+                                   interleave=cfg.interleave_replication, wait_timeout=cfg.wait_timeout,
+                                   generation=lambda: self.generation, failure=self._failure, watch=self.watch,
+                                   beat=client.progress.beat)
+        self._faults = RankFaults(cfg.faults, node=node, local=local, ranks_per_node=cfg.ranks_per_node, log=log,
+                                  send=client.send)
         self._role: Train | Spare | None = None   # the current generation's role (ipc/messages.py)
         self._waiting: Left | None = None   # what this process said when it left, while it waits for its next role
         self._recovery: dict | None = None
         self._high_water = -1
         self._trained = False   # a step has run in this process (its state is no longer the initial one)
-        self.attached = False   # ctx.run has attached this process to its agent's slots (start-up is over for it)
-        self.refusal = None     # what ctx.protect / zero_adamw / run refused (a job-wide error, not a node's)
-        self.writer: SnapshotWriter | None = None   # the snapshot protocol's side of this process (``run``)
+        self._attached = False   # ctx.run has attached this process to its agent's slots (start-up is over for it)
+        self._refusal = None     # what ctx.protect / zero_adamw / run refused (a job-wide error, not a node's)
+        self._writer: SnapshotWriter | None = None   # the snapshot protocol's side of this process (``run``)
+        self._layout: StateLayout | None = None
+        self._slots: list[Slot] = []
         self._mesh = None   # ctx.device_mesh
         self._meshes: dict = {}      # ctx.init_device_mesh's, by shape
         self._mesh_groups: list = []   # every mesh's groups (dataplane/meshgroup.py)
-        self.wait_s = 0.0   # seconds waited for commits
-        client.on("failure", self._on_failure)
+        client.on(Failure.KIND, self._on_failure)
         client.on("preflight", lambda body: preflight.answer(client, self.device, body))   # worker/preflight.py
         client.on("link", lambda body: preflight.link_answer(client, body))
         # a test's --nic-down nodeI@STEP (faults.py): from now on, every gloo group this process builds
@@ -107,6 +114,11 @@ class Context(Recovering):
     @property
     def generation(self) -> int:
         return self._role.view.generation if self._role is not None else 0
+
+    @property
+    def step(self) -> int:
+        """The current step: the state holds this many updates; ``step_fn(step)`` trains the next one."""
+        return self._steps.step
 
     @property
     def device_mesh(self):
@@ -131,13 +143,13 @@ class Context(Recovering):
         shape = check_mesh_shape(mesh_shape, mesh_dim_names, self.world_size)
         if shape in self._meshes:
             return self._meshes[shape]
-        rank = self.rank if self.rank is not None else (self.first_rank or 0)   # (a spare: rank 0)
+        rank = self.rank if self.rank is not None else (self._first_rank or 0)   # (a spare: rank 0)
         layout = torch.arange(self.world_size).view(shape)
         if len(shape) == 1:
             groups = MeshGroup(rank, self.world_size, self.watch)
         else:
             groups = [MeshGroup(rank, n, self.watch, name=f"{MESH_GROUP_NAME}_{name}", layout=layout, dim=d,
-                                current=self.groups.subgroup)
+                                current=self._groups.subgroup)
                       for d, (n, name) in enumerate(zip(shape, mesh_dim_names))]
         self._mesh_groups += groups if isinstance(groups, list) else [groups]
         self._meshes[shape] = device_mesh(groups, self.device.type, mesh_dim_names=mesh_dim_names)
@@ -153,10 +165,9 @@ class Context(Recovering):
         """A ZeRO-1 AdamW over ``model`` whose shard is the state this context protects."""
         self._refuse_second("zero_adamw")
         with self._refusing():
-            self.opt = ShardedAdamW(model, self.world_size, **kwargs)
-        self.opt.before_update = self._before_update
-        self._built()
-        return self.opt
+            opt = ShardedAdamW(model, self.world_size, **kwargs)
+        self._hold(opt)
+        return opt
 
     def protect(self, model, optimizer, scheduler=None, dataloader=None, extra=None, *, python_rng: bool = False,
                 numpy_rng: bool = False) -> None:
@@ -172,23 +183,41 @@ class Context(Recovering):
         self._refuse_second("protect")
         cfg = self.config
         with self._refusing():
-            self.opt = Protected(self.world_size, model, optimizer, scheduler, dataloader, extra,
-                                 python_rng=python_rng, numpy_rng=numpy_rng,
-                                 ring=(cfg.ranks_per_node, cfg.nodes, cfg.replica_holders),
-                                 first_rank=self.first_rank)
-        self.opt.before_update = self._before_update
-        self.opt.claim_next = self._claim_next
-        self._built()
+            state = Protected(self.world_size, model, optimizer, scheduler, dataloader, extra,
+                              python_rng=python_rng, numpy_rng=numpy_rng,
+                              ring=(cfg.ranks_per_node, cfg.nodes, cfg.replica_holders),
+                              first_rank=self._first_rank)
+        self._hold(state)
+
+    # ---- what the entry point reads (worker/entry.py) ------------------------------------------------------------
+    @property
+    def exit_code(self) -> int:
+        """The process's exit code once the training function returned (75: saved and requeued)."""
+        return self._exit_code
 
     @property
-    def first_rank(self) -> int | None:
+    def attached(self) -> bool:
+        """``ctx.run`` attached this process to its agent's slots: its start-up is over."""
+        return self._attached
+
+    @property
+    def refusal(self):
+        """What ctx.protect / zero_adamw / run refused (an exception, True, or None): a job-wide error."""
+        return self._refusal
+
+    # ---- setting up ------------------------------------------------------------------------------------------------
+    @property
+    def _first_rank(self) -> int | None:
         """The training rank the job's first generation gives this process (None: a spare's)."""
         cfg = self.config
-        return self.node * cfg.ranks_per_node + self.local if self.node < cfg.nodes else None
+        return self._node * cfg.ranks_per_node + self._local if self._node < cfg.nodes else None
 
-    def _built(self) -> None:
-        """The user's function built its model and handed it over: the start-up's ``build`` moment (faults)."""
-        self.faults.at_phase("build", 1, self.first_rank)
+    def _hold(self, state: StepState) -> None:
+        """The user's function built its model and handed it over: the step sequence drives ``state`` from now on;
+        the start-up's ``build`` moment (faults)."""
+        self._state = state
+        self._steps.hold(state)
+        self._faults.at_phase("build", 1, self._first_rank)
 
     @contextlib.contextmanager
     def _refusing(self):
@@ -197,13 +226,13 @@ class Context(Recovering):
         try:
             yield
         except (TypeError, ValueError) as exc:
-            self.refusal = exc
+            self._refusal = exc
             raise
 
     def _refuse_second(self, what: str) -> None:
-        if self.opt is not None:
-            first = "ctx.protect" if type(self.opt).__name__ == "Protected" else "ctx.zero_adamw"
-            self.refusal = True
+        if self._state is not None:
+            first = "ctx.zero_adamw" if isinstance(self._state, ShardedAdamW) else "ctx.protect"
+            self._refusal = True
             raise ValueError(f"ctx.{what}: {first} was already called; a context protects one model and optimizer "
                              "(call ctx.protect once, or ctx.zero_adamw once)")
 
@@ -211,27 +240,28 @@ class Context(Recovering):
         """Run ``step_fn(step) -> dict`` (it must call ``opt.step(step, loss)``) from the current step to
         ``config.steps``, surviving peer failures. Returns when the run is complete everywhere (or this process has
         no further part in it: a spare never promoted, a saved checkpoint)."""
-        if self.opt is None:
-            self.refusal = True
+        if self._state is None:
+            self._refusal = True
             raise RuntimeError("Context.run needs the state to protect: call ctx.protect(model, optimizer, ...) or "
                                "ctx.zero_adamw(model) first")
         from .state.loader import check_no_stray_iterators
 
-        guard = getattr(self.opt, "loader_guard", None)
+        guard = self._state.loader_guard
         with self._refusing():   # a loader iterator no restore would move: refused before step 0 (state/loader.py)
             check_no_stray_iterators([guard] if guard is not None else [])
         rng = self._rng0 = torch.get_rng_state()   # the initial state's RNG (a fresh start restores it)
-        shapes = self._shard_shapes()
-        local_nbytes = getattr(self.opt, "local_nbytes", 0)   # ctx.protect's shares: kept, never sent
-        self.layout = StateLayout(shapes, rng.numel(), local_nbytes)
-        bufs = self.client.attach_slots(self.layout.nbytes, self.config.startup_timeout,
-                                        tensors=[[str(t.dtype).replace("torch.", ""), list(t.shape)] for t in shapes],
-                                        rng_nbytes=rng.numel(), local_nbytes=local_nbytes)
-        self.slots = [Slot(self.layout.nbytes, b.tensor) for b in bufs]
-        self.attached = True
+        shapes = self._state.layout_tensors()
+        local_nbytes = self._state.local_nbytes   # ctx.protect's shares: kept, never sent
+        self._layout = StateLayout(shapes, rng.numel(), local_nbytes)
+        bufs = self._client.attach_slots(self._layout.nbytes, self.config.startup_timeout,
+                                         tensors=[[str(t.dtype).replace("torch.", ""), list(t.shape)] for t in shapes],
+                                         rng_nbytes=rng.numel(), local_nbytes=local_nbytes)
+        self._slots = [Slot(self._layout.nbytes, b.tensor) for b in bufs]
+        self._attached = True
         self._bufs = bufs
-        self.writer = SnapshotWriter(self.client.progress, self.client.bell, self.slots, self.layout,
-                                     lost=self.client.lost, grant_timeout=self.config.collective_timeout)
+        self._writer = SnapshotWriter(self._client.progress, self._client.bell, self._slots, self._layout,
+                                      lost=self._client.lost, grant_timeout=self.config.collective_timeout)
+        self._steps.attach(self._writer)
         role = self._next_role(self.config.startup_timeout)
         if isinstance(role, Train):
             try:
@@ -250,10 +280,9 @@ class Context(Recovering):
             try:
                 while self.step < cfg.steps:
                     self._one_step(step_fn)
-                self.client.progress.disarm()
+                self._client.progress.disarm()
                 collectives.all_reduce(torch.zeros(1), self.watch)  # everyone has finished
-                if getattr(self.opt, "sharded", False):
-                    self.opt.gather_digests()   # FSDP2: the final digest covers every rank's shards
+                self._state.end_of_run()   # FSDP2: the final digest covers every rank's shards
                 break
             except PeerFailure as exc:
                 if not self._recover(str(exc)):
@@ -265,28 +294,28 @@ class Context(Recovering):
         self._role = role
         self._high_water = role.high_water
         self._join(first=True)
-        self.opt.bind(self.rank, self.watch)
+        self._state.bind(self.rank, self.watch)
         if role.resume:
             self._load_checkpoint(role.resume)
-        self._snapshot()
-        self.faults.at_phase("first", 1, self.rank)  # (faults) the first snapshot is written, not yet committed
-        if self._replicating(self.step):
-            self._wait_committed(self.step)  # a fault at the first step needs it
-        self.log.emit("started", rank=self.rank, generation=self.generation, world_size=self.world_size, step=self.step)
+        self._steps.snapshot()
+        self._faults.at_phase("first", 1, self.rank)  # (faults) the first snapshot is written, not yet committed
+        self._steps.wait_committed()  # a fault at the first step needs it
+        self._log.emit("started", rank=self.rank, generation=self.generation, world_size=self.world_size,
+                       step=self.step)
 
     def _one_step(self, step_fn) -> None:
         s = self.step
-        page = self.client.progress
+        page = self._client.progress
         page.set_step(s)
         page.beat()
         page.arm()
-        if self.failure.is_set():
+        if self._failure.is_set():
             raise PeerFailure("a peer failed")
         if self._recovery is not None:
-            self.faults.at_phase("resume", self._role.restore.round, self.rank)
+            self._faults.at_phase("resume", self._role.restore.round, self.rank)
         if s > self._high_water:  # faults fire on the first pass through their step, never on a recomputation
             view = self._role.view
-            self.faults.at_step(s, self.rank, set(view.active_nodes), list(view.spare_nodes))
+            self._faults.at_step(s, self.rank, set(view.active_nodes), list(view.spare_nodes))
         t = time.perf_counter()
         waited = self.watch.waited
         try:
@@ -294,103 +323,54 @@ class Context(Recovering):
         except PeerFailure:
             raise
         except Exception as exc:  # e.g. an error of a collective the user issued, when a peer has failed
-            if self.failure.is_set():
+            if self._failure.is_set():
                 raise PeerFailure(f"a peer failed during step {s}: {type(exc).__name__}: {exc}") from exc
             raise
         tokens = metrics.pop("tokens", None)  # this rank's tokens in the step, if the step function says
         dt = time.perf_counter() - t
         self._trained = True
-        self.step = s + 1
-        self._snapshot()
+        self._steps.step = s + 1
+        self._steps.snapshot()
         # the straggler check's figures (agent/stragglers.py): the step's wall time and, less its waits on peers
         # (collectives, the replica commit), this rank's own work
         wall = time.perf_counter() - t
         page.add_step(wall - (self.watch.waited - waited), wall)
         if self._recovery is not None:
             r, self._recovery = self._recovery, None
-            self.log.emit("resumed", generation=self.generation, rank=self.rank, step=self.step,
-                          t_fail=r["t_fail"], recomputed_steps=r["recomputed_steps"])
+            self._log.emit("resumed", generation=self.generation, rank=self.rank, step=self.step,
+                           t_fail=r["t_fail"], recomputed_steps=r["recomputed_steps"])
         if self.rank == 0 and (s % self.config.log_every == 0 or self.step == self.config.steps):
             rate = {"tokens_per_s": self.world_size * tokens / dt if dt > 0 else 0.0} if tokens else {}
-            self.log.emit("step", step=self.step, generation=self.generation, step_s=dt, **rate,
-                          **{k: v for k, v in metrics.items() if isinstance(v, (int, float))})
-
-    def _replicating(self, step: int) -> bool:
-        """Whether the state at the start of ``step`` is snapshotted and replicated: with replication on, every step,
-        except in the off blocks of a benchmark's ``interleave_replication``."""
-        k = self.config.interleave_replication
-        return self.config.replicate and (not k or (step // k) % 2 == 0)
-
-    def _before_update(self) -> None:
-        if self._replicating(self.step):
-            self._wait_committed(self.step)
-
-    def _claim_next(self) -> None:
-        """(``ctx.protect``'s optimizer step pre-hook, once this step's gradient all-reduce completed: every rank's
-        replica of the current step is committed, so the slot of the one before it may be reused) Claim the slot of
-        the next step's snapshot now: the grant comes while the optimizer updates, and the snapshot is then copied
-        at once on this thread (``_snapshot``)."""
-        nxt = self.step + 1
-        if self._replicating(nxt) and getattr(self.opt, "on_host", False):
-            self.writer.claim_early(nxt, self.generation)
-
-    def _snapshot(self) -> None:
-        """Snapshot the state at the start of ``self.step`` into the agent's shared slot (replica/writer.py). With
-        the slot already granted (``_claim_next``) the copy is done here, at once: the state the optimizer just
-        wrote is still in cache, and a copy running beside the next forward and backward slowed them down more than
-        it cost itself (on 2 shared cores: +10 ms of the training thread's CPU per step of the micro GPT against
-        +2 ms; docs/architecture.md's overhead paragraph describes the measurement). Otherwise the writer's copy
-        thread claims, copies and says so."""
-        if self._replicating(self.step):
-            self.writer.snapshot(self.step, self.opt.state_tensors(), torch.get_rng_state(), self.generation)
-
-    def _wait_committed(self, step: int) -> None:
-        """Until the agent says every holder acknowledged ``step`` of this generation. Raises PeerFailure on failure
-        or timeout."""
-        waited = self.writer.wait_committed(step, self.generation, self.failure, self.config.wait_timeout,
-                                            beat=self.client.progress.beat)
-        self.wait_s += waited
-        self.watch.waited += waited   # waiting for a holder is not this rank's own work
+            self._log.emit("step", step=self.step, generation=self.generation, step_s=dt, **rate,
+                           **{k: v for k, v in metrics.items() if isinstance(v, (int, float))})
 
     def _on_failure(self, body: dict) -> None:
-        """(reader thread) The agent starts a recovery round: a process already waiting for its role answers at
-        once; a training one leaves at its next wait (the failure flag)."""
+        """(reader thread) The agent starts a recovery round (``Failure``): a process already waiting for its role
+        answers at once; a training one leaves at its next wait (the failure flag). Raises ValueError on a malformed
+        notice (the channel logs it)."""
+        Failure.from_wire(body)
         waiting = self._waiting
         if waiting is not None:
-            self.client.send(Left.KIND, waiting.to_wire())
+            self._client.send(Left.KIND, waiting.to_wire())
         else:
-            self.failure.set()
-        self.client.wake()
-
-    def _shard_shapes(self) -> list[torch.Tensor]:
-        if hasattr(self.opt, "layout_tensors"):   # ctx.protect
-            return self.opt.layout_tensors()
-        return [torch.empty(self.opt.shard), self.opt.exp_avg, self.opt.exp_avg_sq]
-
-    def _restore_targets(self) -> list[torch.Tensor]:
-        """Where a payload is read into before ``opt.gather()`` applies it (ZeRO: the shard itself)."""
-        return self.opt.restore_targets() if hasattr(self.opt, "restore_targets") else self.opt.state_tensors()
+            self._failure.set()
+        self._client.wake()
 
     # ---- the end -----------------------------------------------------------------------------
-    def param_digest(self) -> str:
-        """sha256 over the final parameters (flat, in model.parameters() order, float32 bytes)."""
-        if hasattr(self.opt, "param_digest"):   # ctx.protect
-            return self.opt.param_digest()
-        return hashlib.sha256(self.opt.flat[: self.opt.numel].numpy().tobytes()).hexdigest()
-
     def _finish(self) -> None:
         if self.rank == 0:
-            self.client.send("finished", {"steps": self.step})  # first: hashing a large model takes a while
-            self.log.emit("finished", generation=self.generation, steps=self.step, param_digest=self.param_digest(),
-                          world_size=self.world_size, spares_left=self._role.view.spares_left,
-                          bytes_per_rank_per_step=self.layout.wire_nbytes if self.config.replicate else 0,
-                          local_bytes_per_rank_per_step=self.layout.local_nbytes if self.config.replicate else 0,
-                          replica_wait_s=self.wait_s, snapshots=self.writer.counts)
-            self.log.sync()
+            self._client.send("finished", {"steps": self.step})  # first: hashing a large model takes a while
+            replicate = self.config.replicate
+            self._log.emit("finished", generation=self.generation, steps=self.step,
+                           param_digest=self._state.param_digest(), world_size=self.world_size,
+                           spares_left=self._role.view.spares_left,
+                           bytes_per_rank_per_step=self._layout.wire_nbytes if replicate else 0,
+                           local_bytes_per_rank_per_step=self._layout.local_nbytes if replicate else 0,
+                           replica_wait_s=self._steps.wait_s, snapshots=self._writer.counts)
+            self._log.sync()
             return
         try:
             while not isinstance(self._next_role(self.config.collective_timeout), Finish):
                 pass
         except Exception:  # noqa: BLE001 - the run is over either way; the agent ends us if it must
             pass
-

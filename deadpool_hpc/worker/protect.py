@@ -6,7 +6,8 @@ tensors + the RNG bytes, ``replica/snapshot.StateLayout``) and back, and the dat
 recovery (``worker/context.py``), the process groups (``dataplane/groups.py``). This module holds the checks, the
 binding to a rank and the restore's order; each kind of state has its module in ``worker/state/``: ``layout.py``
 (the snapshot layout), ``shares.py`` (the state every data-parallel rank holds alike: DDP), ``shards.py`` (the state
-FSDP2 shards: FSDP, HSDP, TP x FSDP), ``document.py`` (what exists once per rank: the JSON document).
+FSDP2 shards: FSDP, HSDP, TP x FSDP), ``document.py`` (what exists once per rank: the JSON document). The order of a
+step around this state (commit waits, early claim, snapshot) is ``worker/steps.py``'s.
 
 State goes in and out through ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` /
 ``get_optimizer_state_dict`` and their ``set_`` twins: they know DDP's ``module.`` prefix and every torch.optim
@@ -67,19 +68,21 @@ from torch import nn
 
 from ..errors import ReplicaError
 from ..placement import held_by
-from .state.document import RankDocument, _decode, _distributed_sampler, _name, _stateful
+from .state.document import RankDocument, check_loader, decode, distributed_sampler, is_stateful, type_name
 from .state.layout import SnapshotLayout
 from .state.loader import LoaderGuard
-from .state.shards import ShardedState, _is_fsdp1, _is_fsdp2, _local, replicate_group
-from .state.shares import DataParallelShares, _ddp_class
+from .steps import NO_HOOKS, StepHooks
+from .state.shards import ShardedState, is_fsdp1, is_fsdp2, local_shard, replicate_group
+from .state.shares import DataParallelShares, ddp_class
 
 
-class Protected(SnapshotLayout, DataParallelShares, ShardedState, RankDocument):
+class Protected(SnapshotLayout, DataParallelShares, ShardedState):
     """The state ``ctx.protect`` keeps: see the module docstring; each kind of state in its own module of
-    worker/state/ (the snapshot layout, the data-parallel shares, the FSDP2 shards, the per-rank JSON document), mixed
-    in here. The context drives it like ``ShardedAdamW``:
-    ``bind(rank, watch)``, ``state_tensors()`` (snapshot), ``restore_targets()`` + ``gather()`` (restore),
-    ``before_update`` (set by the context: wait for the replica's commit), ``param_digest()``."""
+    worker/state/: the snapshot layout, the data-parallel shares and the FSDP2 shards mixed in here, the per-rank JSON
+    document's state held (``document``, a ``RankDocument``). A ``StepState`` (worker/steps.py), as ``ShardedAdamW`` is: ``bind(rank, watch)``, ``state_tensors()``
+    (snapshot), ``restore_targets()`` + ``gather()`` (restore), ``end_of_run()``, ``param_digest()``; during a step
+    it calls ``hooks`` (the context's ``StepSequence``): before the first collective, after the gradient all-reduce,
+    before the update."""
 
     def __init__(self, world_size: int, model, optimizer, scheduler=None, dataloader=None, extra=None, *,
                  python_rng: bool = False, numpy_rng: bool = False, ring: tuple[int, int, int] = (1, 1, 0),
@@ -92,18 +95,17 @@ class Protected(SnapshotLayout, DataParallelShares, ShardedState, RankDocument):
         self._plans: dict[int, tuple] = {}
         self._hdr = struct.Struct("<Q")   # the JSON region starts with the document's length
         self._check(model, optimizer, scheduler, dataloader, extra)
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.dataloader, self.extra = dataloader, extra
+        self.model, self.optimizer = model, optimizer
         # every iter(loader) from now on is re-armed by a restore (state/loader.py); refuses an iterator made before
         self.loader_guard = None if dataloader is None else LoaderGuard(
-            dataloader, _stateful(dataloader), _distributed_sampler(dataloader))
+            dataloader, is_stateful(dataloader), distributed_sampler(dataloader))
         if self.loader_guard is not None:
             self.loader_guard.follow_rank(first_rank, world_size)
-        self.ddp = isinstance(model, _ddp_class())
+        self.ddp = isinstance(model, ddp_class())
         self.inner = model.module if self.ddp else model
         # FSDP2 over ctx.device_mesh: every tensor of the state is this rank's shard, unique to it (replicated
         # whole, no shares); FSDP2's collectives run pollably on the generation's group (dataplane/fsdp.py)
-        self.sharded = _is_fsdp2(model)
+        self.sharded = is_fsdp2(model)
         # HSDP: the shards are the same on every rank of a replicate group (a *column* of the mesh), so they are kept
         # in the rank's own snapshot and never sent, like DDP's shares, whole: one kept region (state/shares.py)
         self.column = replicate_group(model) if self.sharded else None
@@ -112,13 +114,12 @@ class Protected(SnapshotLayout, DataParallelShares, ShardedState, RankDocument):
         self.m = 1 if self.column is not None else 1 + self.k   # kept regions in the payload's local prefix
         self._have = [True] * self.m   # which kept regions the next restore has (bind)
         self._digest: str | None = None
-        self.python_rng, self.numpy_rng = python_rng, numpy_rng
-        self.cuda = torch.cuda.is_available()
+        # everything but the model's and optimizer's tensors: the per-rank JSON document's state (state/document.py)
+        self.document = RankDocument(optimizer, self.inner, scheduler, self.loader_guard, extra,
+                                     python_rng=python_rng, numpy_rng=numpy_rng)
         self.rank: int | None = None
         self.watch = None
-        self.before_update = lambda: None
-        self.claim_next = lambda: None   # set by the context: reserve the next snapshot's slot (Context._claim_next)
-        self._reduced = False            # this step's gradient all-reduce completed
+        self.hooks: StepHooks = NO_HOOKS   # set by the context (worker/steps.py StepSequence)
         self._restoring = False
         self._queued = False
         self._cache_sig, self._cache = None, None
@@ -126,10 +127,10 @@ class Protected(SnapshotLayout, DataParallelShares, ShardedState, RankDocument):
         self._zeros = None    # the JSON region's padding (state_tensors)
         self._pad = None      # zero bytes after short FSDP2 shards (_zero_bytes)
         self.params = [p for p in self.inner.parameters() if p.requires_grad]
-        # the state lives in host memory: its snapshot is a memory copy, done inline (Context._snapshot); a device's
+        # the state lives in host memory: its snapshot is a memory copy, done inline (StepSequence.snapshot); a device's
         # is a device-to-host transfer, left to the background copier
         self.on_host = all(t.device.type == "cpu" for t in self.inner.parameters())
-        self._sig_tensors = [_local(t) for t in list(self.inner.parameters()) + list(self.inner.buffers())]
+        self._sig_tensors = [local_shard(t) for t in list(self.inner.parameters()) + list(self.inner.buffers())]
         if self.sharded:
             self._layout_from_real_dry_run()
             self._install_fsdp_comms()
@@ -144,15 +145,15 @@ class Protected(SnapshotLayout, DataParallelShares, ShardedState, RankDocument):
 
     # ---- checks (before anything is changed) ---------------------------------------------------------------------
     def _check(self, model, optimizer, scheduler, dataloader, extra) -> None:
-        DDP = _ddp_class()
+        DDP = ddp_class()
         if not isinstance(model, nn.Module):
-            raise TypeError(f"protect(model=...): got a {_name(model)}; accepted: a torch.nn.Module, wrapped in "
+            raise TypeError(f"protect(model=...): got a {type_name(model)}; accepted: a torch.nn.Module, wrapped in "
                             "torch.nn.parallel.DistributedDataParallel when world_size > 1")
-        if _is_fsdp1(model):
+        if is_fsdp1(model):
             raise ValueError(f"protect(model={type(model).__name__}): FSDP1 (FullyShardedDataParallel) is not "
                              "supported; accepted: FSDP2 (torch.distributed.fsdp.fully_shard(module, "
                              "mesh=ctx.device_mesh)) or DistributedDataParallel(model) (docs/your-loop.md)")
-        if _is_fsdp2(model):
+        if is_fsdp2(model):
             self._check_fsdp2(model)
         elif self.world_size > 1 and not isinstance(model, DDP):
             raise ValueError(f"protect(model={type(model).__name__}): world_size is {self.world_size} but the model "
@@ -172,24 +173,24 @@ class Protected(SnapshotLayout, DataParallelShares, ShardedState, RankDocument):
         if isinstance(optimizer, ShardedAdamW):
             raise TypeError("protect(optimizer=ShardedAdamW): ctx.zero_adamw's optimizer is protected already; "
                             "accepted: a torch.optim.Optimizer")
-        if not isinstance(optimizer, torch.optim.Optimizer) or not _stateful(optimizer):
-            raise TypeError(f"protect(optimizer=...): got a {_name(optimizer)}, which is not a torch.optim.Optimizer "
-                            "with state_dict()/load_state_dict(); accepted: a torch.optim.Optimizer (AdamW, SGD, ...)")
+        if not isinstance(optimizer, torch.optim.Optimizer) or not is_stateful(optimizer):
+            raise TypeError(f"protect(optimizer=...): got a {type_name(optimizer)}, which is not a "
+                            "torch.optim.Optimizer with state_dict()/load_state_dict(); accepted: a torch.optim.Optimizer (AdamW, SGD, ...)")
         owned = {id(p) for p in model.parameters()}
         stray = [i for g in optimizer.param_groups for i, p in enumerate(g["params"]) if id(p) not in owned]
         if stray:
             raise ValueError(f"protect(optimizer={type(optimizer).__name__}): {len(stray)} of its parameters are not "
                              "parameters of the model; accepted: an optimizer over model.parameters()")
         if scheduler is not None:
-            if not _stateful(scheduler):
-                raise TypeError(f"protect(scheduler=...): got a {_name(scheduler)} without state_dict()/"
+            if not is_stateful(scheduler):
+                raise TypeError(f"protect(scheduler=...): got a {type_name(scheduler)} without state_dict()/"
                                 "load_state_dict(); accepted: a torch.optim.lr_scheduler scheduler, or None")
             if getattr(scheduler, "optimizer", optimizer) is not optimizer:
                 raise ValueError("protect(scheduler=...): the scheduler drives another optimizer than the one given")
         if dataloader is not None:
-            self._check_loader(dataloader)
-        if extra is not None and not _stateful(extra):
-            raise TypeError(f"protect(extra=...): got a {_name(extra)} without state_dict()/load_state_dict(); "
+            check_loader(dataloader)
+        if extra is not None and not is_stateful(extra):
+            raise TypeError(f"protect(extra=...): got a {type_name(extra)} without state_dict()/load_state_dict(); "
                             "accepted: an object with both (torch.distributed.checkpoint.stateful.Stateful), or None")
 
 
@@ -244,8 +245,8 @@ class Protected(SnapshotLayout, DataParallelShares, ShardedState, RankDocument):
             tensors[i] = full[off:off + n].view(dtype).reshape(shape)
         for pos, i in enumerate(self._unique):
             tensors[i] = scratch[self.m + pos]
-        tree = _decode(doc["tree"], tensors)
-        small = _decode(doc["small"], None)
+        tree = decode(doc["tree"], tensors)
+        small = decode(doc["small"], None)
         self._restoring = True
         try:
             if self.sharded:
@@ -257,7 +258,8 @@ class Protected(SnapshotLayout, DataParallelShares, ShardedState, RankDocument):
                 self._load_full(tree)
         finally:
             self._restoring = False
-        self._load_small(small)
+        self.document.load(small)
+        self._queued = False
 
 
     # ---- the step ------------------------------------------------------------------------------------------------
@@ -287,14 +289,13 @@ class Protected(SnapshotLayout, DataParallelShares, ShardedState, RankDocument):
 
 
     def _pre_step(self, optimizer, args, kwargs) -> None:
-        if not self._restoring:
-            self.before_update()   # the replica of the current state must be committed first
-            # past this step's all-reduce every rank's replica of the step is committed (or there is one rank); one
-            # all-reduce allows one early claim (an update with no backward of its own, e.g. a second opt.step(),
-            # claims nothing)
-            if self._reduced or self.world_size == 1:
-                self._reduced = False
-                self.claim_next()
+        if not self._restoring:   # (a restore's dry step is no training step)
+            self.hooks.before_update()   # wait for the commit, claim the next snapshot's slot (worker/steps.py)
+
+    def end_of_run(self) -> None:
+        """(every rank, after the last step) FSDP2: make ``param_digest`` cover every rank's shards."""
+        if self.sharded:
+            self.gather_digests()
 
     def param_digest(self) -> str:
         """sha256 over the model's parameters (``parameters()`` order, raw bytes). FSDP2: over every rank's
@@ -303,7 +304,7 @@ class Protected(SnapshotLayout, DataParallelShares, ShardedState, RankDocument):
             return self._digest
         h = hashlib.sha256()
         for p in self.inner.parameters():
-            h.update(_local(p).detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(local_shard(p).detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
 
 

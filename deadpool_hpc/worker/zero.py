@@ -9,16 +9,19 @@ ZeroRedundancyOptimizer broadcasts with blocking collectives that nothing interr
 (notes/ft-probes.md 1c), hence this one: every collective goes through dataplane.collectives.
 
 The shard (parameter shard + its AdamW state) is the state unique to a rank; ``state_tensors()``
-hands it to the replica plane. Given identical inputs and world size, results are bitwise
-reproducible (elementwise CPU math, fixed collective order).
+hands it to the replica plane: ``ShardedAdamW`` is a ``StepState`` (worker/steps.py), as ``ctx.protect``'s
+state is. Given identical inputs and world size, results are bitwise reproducible (elementwise CPU math, fixed
+collective order).
 """
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
 
 from ..dataplane import collectives
+from .steps import NO_HOOKS, StepHooks
 
 
 class ShardedAdamW:
@@ -57,12 +60,21 @@ class ShardedAdamW:
         self.exp_avg_sq = torch.zeros(self.shard)
         self.rank: int | None = None
         self.watch = None
-        self.before_update = lambda: None
+        self.hooks: StepHooks = NO_HOOKS   # set by the context (worker/steps.py StepSequence)
 
-    def bind(self, rank: int, watch, pulled: bool = False) -> None:
+    # the StepState protocol (worker/steps.py): the whole shard is in the replica, nothing is kept locally; the update
+    # ends with an all-gather, and its snapshot is left to the writer's copy thread (no early claim); the parameters
+    # are whole on every rank (any process can rebuild any rank's initial shard); no data loader
+    local_nbytes = 0
+    on_host = False
+    sharded = False
+    loader_guard = None
+
+    def bind(self, rank: int, watch, pulled: bool = False, kept: list[bool] | None = None) -> None:
         """Take shard ``rank`` (call again when the process is promoted or its rank changes); ``watch``: the
         dataplane.collectives.Watch every collective of a step waits under. ``pulled`` (the state restored next came
-        from a replica) changes nothing here: the whole shard is in the replica."""
+        from a replica) and ``kept`` (a checkpoint's record of kept regions) change nothing here: the whole shard is in
+        the replica."""
         self.rank = rank
         self.watch = watch
         lo = rank * self.shard
@@ -72,6 +84,21 @@ class ShardedAdamW:
     def state_tensors(self) -> list[torch.Tensor]:
         """The rank's unique state: [parameter shard, exp_avg, exp_avg_sq], each ``shard`` float32."""
         return [self.flat[self._lo:self._hi], self.exp_avg, self.exp_avg_sq]
+
+    def layout_tensors(self) -> list[torch.Tensor]:
+        """Tensors of the payload's shapes: three of ``shard`` float32."""
+        return [torch.empty(self.shard), self.exp_avg, self.exp_avg_sq]
+
+    def restore_targets(self) -> list[torch.Tensor]:
+        """Where a payload is read into: the shard itself (``gather`` then all-gathers it)."""
+        return self.state_tensors()
+
+    def end_of_run(self) -> None:
+        """Nothing: every rank holds the whole parameters."""
+
+    def param_digest(self) -> str:
+        """sha256 over the final parameters (flat, in model.parameters() order, float32 bytes)."""
+        return hashlib.sha256(self.flat[: self.numel].numpy().tobytes()).hexdigest()
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -104,7 +131,7 @@ class ShardedAdamW:
             norm = stats[0].sqrt().item()
             if self.clip and norm > self.clip:
                 g.mul_(self.clip / (norm + 1e-6))
-            self.before_update()  # the replica of the current state must be committed first
+            self.hooks.before_update()  # the replica of the current state must be committed first
             t = step + 1
             b1, b2 = self.betas
             lr = self.lr_at(step)

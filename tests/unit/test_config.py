@@ -162,12 +162,12 @@ def test_the_64_process_cap_is_the_local_launchers_only():
 
 def test_interleaved_replication_alternates_blocks_of_steps():
     """benchmarks/overhead.py's within-run estimator: steps 0..K-1 replicate, K..2K-1 do not, and so on."""
-    from types import SimpleNamespace
-
-    from deadpool_hpc.worker.context import Context
+    from deadpool_hpc.worker.steps import StepSequence
 
     def on(cfg, steps):
-        return [Context._replicating(SimpleNamespace(config=cfg), s) for s in steps]
+        seq = StepSequence(world_size=1, replicate=cfg.replicate, interleave=cfg.interleave_replication,
+                           wait_timeout=1.0, generation=lambda: 0, failure=None, watch=None, beat=lambda: None)
+        return [seq.replicating(s) for s in steps]
 
     assert on(RunConfig(interleave_replication=3), range(8)) == [True] * 3 + [False] * 3 + [True] * 2
     assert on(RunConfig(), range(4)) == [True] * 4

@@ -2,7 +2,8 @@
 
 Owns: encoding the optimizer's param groups and non-tensor state, the scheduler's, data loader's and ``extra``'s state
 dicts (small tensors inline, base64), the CUDA generators and, when asked, Python's and numpy's RNG
-(``_small_state``); decoding and applying them at a restore (``_load_small``); the data loader check.
+(``RankDocument.state``); decoding and applying them at a restore (``RankDocument.load``); the data loader check
+(``check_loader``). Also the JSON encoding of the whole document (``encode``, ``decode``: no pickle).
 """
 from __future__ import annotations
 
@@ -14,15 +15,15 @@ import torch
 
 
 
-def _name(obj) -> str:
+def type_name(obj) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
-def _stateful(obj) -> bool:
+def is_stateful(obj) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
-def _encode(obj, path: str, sink):
+def encode(obj, path: str, sink):
     """JSON-able form of ``obj``. Tensors go to ``sink(path, tensor) -> index`` if given, else inline (base64)."""
     if isinstance(obj, torch.Tensor):
         if sink is not None:
@@ -34,25 +35,25 @@ def _encode(obj, path: str, sink):
         return obj
     if isinstance(obj, dict):
         if all(isinstance(k, str) and not k.startswith("$") for k in obj):
-            return {k: _encode(v, f"{path}/{k}", sink) for k, v in obj.items()}
-        return {"$d": [[_encode(k, path, None), _encode(v, f"{path}/{k}", sink)] for k, v in obj.items()]}
+            return {k: encode(v, f"{path}/{k}", sink) for k, v in obj.items()}
+        return {"$d": [[encode(k, path, None), encode(v, f"{path}/{k}", sink)] for k, v in obj.items()]}
     if isinstance(obj, tuple):
-        return {"$tuple": [_encode(v, f"{path}/{i}", sink) for i, v in enumerate(obj)]}
+        return {"$tuple": [encode(v, f"{path}/{i}", sink) for i, v in enumerate(obj)]}
     if isinstance(obj, list):
-        return [_encode(v, f"{path}/{i}", sink) for i, v in enumerate(obj)]
+        return [encode(v, f"{path}/{i}", sink) for i, v in enumerate(obj)]
     if hasattr(obj, "item") and getattr(obj, "shape", None) == ():   # a numpy scalar
         return obj.item()
-    raise TypeError(f"protect: the state at {path or '/'} holds a {_name(obj)}; accepted: tensors, numbers, "
+    raise TypeError(f"protect: the state at {path or '/'} holds a {type_name(obj)}; accepted: tensors, numbers, "
                     "strings, None, and dicts/lists/tuples of them")
 
 
-def _dumps(obj) -> str:
+def dumps(obj) -> str:
     return json.dumps(obj, separators=(",", ":"))
 
 
-def _decode(obj, tensors):
+def decode(obj, tensors):
     if isinstance(obj, list):
-        return [_decode(v, tensors) for v in obj]
+        return [decode(v, tensors) for v in obj]
     if isinstance(obj, dict):
         if "$t" in obj:
             return tensors[obj["$t"]]
@@ -62,14 +63,14 @@ def _decode(obj, tensors):
             t = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
             return t.view(getattr(torch, dtype)).reshape(shape).clone()
         if "$tuple" in obj:
-            return tuple(_decode(v, tensors) for v in obj["$tuple"])
+            return tuple(decode(v, tensors) for v in obj["$tuple"])
         if "$d" in obj:
-            return {_decode(k, tensors): _decode(v, tensors) for k, v in obj["$d"]}
-        return {k: _decode(v, tensors) for k, v in obj.items()}
+            return {decode(k, tensors): decode(v, tensors) for k, v in obj["$d"]}
+        return {k: decode(v, tensors) for k, v in obj.items()}
     return obj
 
 
-def _distributed_sampler(loader):
+def distributed_sampler(loader):
     from torch.utils.data.distributed import DistributedSampler
 
     for s in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
@@ -78,11 +79,11 @@ def _distributed_sampler(loader):
     return None
 
 
-def _without_params(group: dict) -> dict:
+def without_params(group: dict) -> dict:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-def _set_groups(optimizer, groups: list[dict]) -> None:
+def set_param_groups(optimizer, groups: list[dict]) -> None:
     if len(groups) != len(optimizer.param_groups):
         raise ValueError(f"protect: the snapshot has {len(groups)} param groups, the optimizer "
                          f"{len(optimizer.param_groups)}")
@@ -92,10 +93,37 @@ def _set_groups(optimizer, groups: list[dict]) -> None:
                 live[k] = v
 
 
-class RankDocument:
-    """The per-rank JSON document (mixed into worker/protect.Protected)."""
+def check_loader(loader) -> None:
+    """A data loader whose position can be saved and restored. Raises TypeError naming what was given and what is
+    accepted."""
+    if is_stateful(loader):
+        return   # torchdata's StatefulDataLoader, or any loader that saves and restores its position
+    sampler = distributed_sampler(loader)
+    if sampler is not None:
+        return
+    what = "a plain iterator" if hasattr(loader, "__next__") else f"a {type_name(loader)}"
+    raise TypeError(f"protect(dataloader=...): got {what}, whose position cannot be saved or restored; "
+                    "accepted: torchdata's StatefulDataLoader (anything with state_dict()/load_state_dict()), "
+                    "a torch DataLoader whose sampler is a DistributedSampler (its epoch and rank are kept; "
+                    "derive the position in the epoch from the step), or None (data drawn as a function of "
+                    "the step, e.g. deadpool_hpc.train.Batches.get(step, ctx.rank))")
 
-    def _small_state(self) -> dict:
+
+class RankDocument:
+    """What the per-rank JSON document holds besides the model and optimizer tensors: the ``scheduler``'s, the data
+    loader's (``loader_guard``, state/loader.py) and ``extra``'s state dicts, the CUDA generators (when CUDA is
+    available), Python's (``python_rng``) and numpy's (``numpy_rng``) global RNG. Each of the first three may be
+    None. ``state()`` reads them, ``load()`` applies them; the ``optimizer``'s and ``module``'s gradients are
+    dropped at a load."""
+
+    def __init__(self, optimizer, module, scheduler=None, loader_guard=None, extra=None, *, python_rng: bool = False,
+                 numpy_rng: bool = False):
+        self.optimizer, self.module = optimizer, module
+        self.scheduler, self.loader_guard, self.extra = scheduler, loader_guard, extra
+        self.python_rng, self.numpy_rng = python_rng, numpy_rng
+        self.cuda = torch.cuda.is_available()
+
+    def state(self) -> dict:
         """Everything but the model and optimizer tensors (goes into the JSON document)."""
         out: dict = {}
         if self.scheduler is not None:
@@ -117,10 +145,10 @@ class RankDocument:
         out["rng"] = rng
         return out
 
-    def _load_small(self, small: dict) -> None:
-        """Gradients dropped; scheduler, loader, extra and RNGs from the JSON document."""
+    def load(self, small: dict) -> None:
+        """Gradients dropped; scheduler, loader, extra and RNGs from ``small`` (what ``state()`` gave)."""
         self.optimizer.zero_grad(set_to_none=True)
-        for p in self.inner.parameters():
+        for p in self.module.parameters():
             p.grad = None
         if self.scheduler is not None:
             self.scheduler.load_state_dict(small["scheduler"])
@@ -138,18 +166,3 @@ class RankDocument:
 
             name, keys, pos, has_gauss, gauss = rng["numpy"]
             np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
-        self._queued = False
-
-    @staticmethod
-    def _check_loader(loader) -> None:
-        if _stateful(loader):
-            return   # torchdata's StatefulDataLoader, or any loader that saves and restores its position
-        sampler = _distributed_sampler(loader)
-        if sampler is not None:
-            return
-        what = "a plain iterator" if hasattr(loader, "__next__") else f"a {_name(loader)}"
-        raise TypeError(f"protect(dataloader=...): got {what}, whose position cannot be saved or restored; "
-                        "accepted: torchdata's StatefulDataLoader (anything with state_dict()/load_state_dict()), "
-                        "a torch DataLoader whose sampler is a DistributedSampler (its epoch and rank are kept; "
-                        "derive the position in the epoch from the step), or None (data drawn as a function of "
-                        "the step, e.g. deadpool_hpc.train.Batches.get(step, ctx.rank))")

@@ -13,8 +13,8 @@ import math
 
 import torch
 
-from .document import _dumps, _encode, _without_params
-from .shards import _local, _locals, _pad_pieces
+from .document import dumps, encode, without_params
+from .shards import local_shard, local_shards, pad_pieces
 
 BLOB_MIN = 64 << 10          # bytes reserved for the JSON document, at least
 
@@ -40,7 +40,7 @@ class SnapshotLayout:
             return 0
 
         tree = self._split({"model": model_sd, "optim": optim_sd}, add)
-        doc = self._document(tree, self._small_state())
+        doc = self._document(tree, self.document.state())
         self.blob_nbytes = max(BLOB_MIN, 4 * len(doc) + 4096 + self._hdr.size)
         self.blob_nbytes += -self.blob_nbytes % 8
         # 8-byte elements first, then 4, 2, 1: every view into the payload (and into the gathered state) is aligned
@@ -79,17 +79,17 @@ class SnapshotLayout:
             # the same tensors as last time: only the param groups' scalars (lr, ...) and the small state are read
             # and encoded again; the rest of the document (the tensors' places, ~100 entries) is the cached JSON
             found, model_json, state_json, names = self._cache
-            groups = [dict(_encode(_without_params(g), "", None), params=n)
+            groups = [dict(encode(without_params(g), "", None), params=n)
                       for g, n in zip(self.optimizer.param_groups, names)]
             doc = ('{"tree":{"model":%s,"optim":{"state":%s,"param_groups":%s},"optim_empty":false},"small":%s}' % (
-                model_json, state_json, _dumps(groups), _dumps(_encode(self._small_state(), "", None)))).encode()
+                model_json, state_json, dumps(groups), dumps(encode(self.document.state(), "", None)))).encode()
         else:
             found, tree = self._collect()
             self._cache_sig = sig if not tree["optim_empty"] else None
             if self._cache_sig is not None:
-                self._cache = (found, _dumps(tree["model"]), _dumps(tree["optim"]["state"]),
+                self._cache = (found, dumps(tree["model"]), dumps(tree["optim"]["state"]),
                                [g["params"] for g in tree["optim"]["param_groups"]])
-            doc = self._document(tree, self._small_state())
+            doc = self._document(tree, self.document.state())
         if len(doc) + self._hdr.size > self.blob_nbytes:
             raise ValueError(f"protect: the non-tensor state is {len(doc)} bytes of JSON, more than the "
                              f"{self.blob_nbytes - self._hdr.size} reserved at protect() (4x its size then)")
@@ -111,7 +111,7 @@ class SnapshotLayout:
             if t is None:
                 out.append(torch.zeros(shape, dtype=self.entries[i][1]))
             elif tuple(t.shape) != shape:   # an FSDP2 shard shorter than the largest rank's: padded with zeros
-                out.append(_pad_pieces(t, shape, self._zero_bytes))
+                out.append(pad_pieces(t, shape, self._zero_bytes))
             else:
                 out.append(t.detach())
         # the JSON region: the document's length and the document, then zeros (a view of one tensor kept for it)
@@ -135,7 +135,7 @@ class SnapshotLayout:
                 if not isinstance(v, torch.Tensor):
                     return None
                 sig.append(id(v))
-                sig.append(_local(v).data_ptr())
+                sig.append(local_shard(v).data_ptr())
         sig.append(len(self.optimizer.state))
         return tuple(sig)
 
@@ -146,11 +146,11 @@ class SnapshotLayout:
         model_sd = get_model_state_dict(self.model)
         empty = not self.optimizer.state
         if empty:   # before the first real step: DCP would run its own dry step on the real optimizer
-            optim_sd = {"param_groups": [_without_params(g) for g in self.optimizer.param_groups]}
+            optim_sd = {"param_groups": [without_params(g) for g in self.optimizer.param_groups]}
         else:
             optim_sd = get_optimizer_state_dict(self.model, self.optimizer)
         if self.sharded:   # FSDP2: the local shards of the DTensors
-            model_sd, optim_sd = _locals(model_sd), _locals(optim_sd)
+            model_sd, optim_sd = local_shards(model_sd), local_shards(optim_sd)
         found: dict[int, torch.Tensor] = {}
 
         def sink(path, t):
@@ -182,11 +182,11 @@ class SnapshotLayout:
                 seen[key] = sink(path, t)
             return seen[key]
 
-        return _encode(state, "", once)
+        return encode(state, "", once)
 
     @staticmethod
     def _document(tree, small: dict) -> bytes:
-        return _dumps({"tree": tree, "small": _encode(small, "", None)}).encode()
+        return dumps({"tree": tree, "small": encode(small, "", None)}).encode()
 
     def restore_targets(self) -> list[torch.Tensor]:
         """Fresh tensors a payload is read into (``gather`` then applies them)."""

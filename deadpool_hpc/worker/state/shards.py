@@ -15,10 +15,10 @@ import torch
 
 from ...dataplane import collectives
 from ...errors import ReplicaError
-from .document import _set_groups
+from .document import set_param_groups
 
 
-def _is_fsdp1(model) -> bool:
+def is_fsdp1(model) -> bool:
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # pragma: no cover - torch without FSDP
@@ -26,7 +26,7 @@ def _is_fsdp1(model) -> bool:
     return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
 
 
-def _is_fsdp2(model) -> bool:
+def is_fsdp2(model) -> bool:
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - torch without FSDP
@@ -34,24 +34,24 @@ def _is_fsdp2(model) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
-def _local(t):
+def local_shard(t):
     """A DTensor's local shard (FSDP2's parameters and their optimizer state), else ``t``."""
     to_local = getattr(t, "to_local", None)
     return to_local() if to_local is not None and isinstance(t, torch.Tensor) else t
 
 
-def _locals(obj, padded: dict | None = None):
+def local_shards(obj, padded: dict | None = None):
     """``obj`` (nested dicts/lists of a state dict) with every DTensor replaced by its local shard; ``padded``: filled
     with id(local shard) -> the shard's padded shape (``_padded_shape``)."""
     if isinstance(obj, torch.Tensor):
-        t = _local(obj)
+        t = local_shard(obj)
         if padded is not None and t is not obj:
             padded[id(t)] = _padded_shape(obj)
         return t
     if isinstance(obj, dict):
-        return {k: _locals(v, padded) for k, v in obj.items()}
+        return {k: local_shards(v, padded) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_locals(v, padded) for v in obj]
+        return [local_shards(v, padded) for v in obj]
     return obj
 
 
@@ -68,7 +68,7 @@ def _padded_shape(dt) -> tuple:
     return tuple(shape)
 
 
-def _pad_pieces(t: torch.Tensor, shape: tuple, zeros) -> list[torch.Tensor]:
+def pad_pieces(t: torch.Tensor, shape: tuple, zeros) -> list[torch.Tensor]:
     """``t`` (a shard shorter than ``shape`` along dim 0) as 1-D uint8 pieces filling ``shape``'s bytes: its own
     bytes, then ``zeros(n)`` (a view of n zero bytes)."""
     own = t.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -152,8 +152,8 @@ class ShardedState:
         if not had_state:
             self._dry_step(self.optimizer)
         padded: dict = {}
-        model_sd = _locals(get_model_state_dict(self.model), padded)
-        optim_sd = _locals(get_optimizer_state_dict(self.model, self.optimizer), padded)
+        model_sd = local_shards(get_model_state_dict(self.model), padded)
+        optim_sd = local_shards(get_optimizer_state_dict(self.model, self.optimizer), padded)
         if not had_state:
             self.optimizer.state.clear()
         if self.column is None:   # every tensor is this rank's alone: replicated whole
@@ -174,12 +174,12 @@ class ShardedState:
 
     def on_reduced(self) -> None:
         """(FSDP2) A gradient reduce-scatter of this step completed (dataplane/fsdp.py)."""
-        self._reduced = True
+        self.hooks.reduced()
 
     def _forward_starts_sharded(self, module, args) -> None:
-        self._reduced = False
+        self.hooks.forward_starts()
         if self.rank is not None and not self._restoring:
-            self.before_update()
+            self.hooks.before_collective()
 
     def _load_shards(self, tree: dict) -> None:
         """(FSDP2) Copy the saved shards into the live ones, in place: DCP's set_*_state_dict would treat the local
@@ -191,7 +191,7 @@ class ShardedState:
             for name, saved in tree["model"].items():
                 if name not in live:
                     raise ReplicaError(f"protect: the snapshot has a model tensor {name} the model does not have")
-                _fit_copy(_local(live[name]), saved)
+                _fit_copy(local_shard(live[name]), saved)
             if tree["optim_empty"]:
                 self.optimizer.state.clear()
             else:
@@ -202,10 +202,10 @@ class ShardedState:
                     st = self.optimizer.state[by_name[fqn]]
                     for k, v in saved.items():
                         if isinstance(v, torch.Tensor) and isinstance(st.get(k), torch.Tensor):
-                            _fit_copy(_local(st[k]), v)
+                            _fit_copy(local_shard(st[k]), v)
                         else:
                             st[k] = v
-        _set_groups(self.optimizer, osd["param_groups"])
+        set_param_groups(self.optimizer, osd["param_groups"])
 
     def gather_digests(self) -> None:
         """(FSDP2, every rank, at the end of the run) Make ``param_digest`` cover the whole model: all-gather every

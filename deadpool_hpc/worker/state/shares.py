@@ -16,10 +16,10 @@ from ...dataplane import collectives
 from ...errors import ReplicaError
 from ...placement import held_by, holders_of
 from ...replica.snapshot import checksum
-from .document import _set_groups
+from .document import set_param_groups
 
 
-def _ddp_class():
+def ddp_class():
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel
@@ -170,7 +170,7 @@ class DataParallelShares:
         osd = tree["optim"]
         if tree["optim_empty"]:
             self.optimizer.state.clear()
-            _set_groups(self.optimizer, osd["param_groups"])
+            set_param_groups(self.optimizer, osd["param_groups"])
         else:
             if not self.optimizer.state:
                 # a spare's optimizer has no state yet: fill it first, or DCP makes it with a dry step of the
@@ -183,7 +183,7 @@ class DataParallelShares:
 
     def _forward_starts(self, module, args) -> None:
         self._queued = False   # a backward that failed half-way never ran its callback
-        self._reduced = False
+        self.hooks.forward_starts()
 
     def _grad_ready(self, param) -> None:
         if not self._queued and self.world_size > 1 and self.rank is not None:
@@ -195,7 +195,7 @@ class DataParallelShares:
         for this rank's replica of the step to be committed: the all-reduce completes nowhere before every rank's is,
         so no survivor can be more than one snapshot ahead of a lost rank's newest replica (module docstring)."""
         self._queued = False
-        self.before_update()
+        self.hooks.before_collective()
         by_dtype: dict[torch.dtype, list] = {}
         for p in self.params:
             by_dtype.setdefault(p.dtype, []).append(p)
@@ -214,4 +214,4 @@ class DataParallelShares:
                     else:
                         p.grad.copy_(g)
                     off += n
-        self._reduced = True
+        self.hooks.reduced()
