@@ -134,8 +134,13 @@ def main(argv=None) -> None:
     ctx = None
     try:
         backend, device = bind_device(cfg, local, log)
-        ctx = Context(cfg, client, GenerationGroups(backend, cfg.wait_timeout, cfg.rendezvous_timeout, device=device),
-                      log, node, local, backend=backend)
+        groups = GenerationGroups(backend, cfg.wait_timeout, cfg.rendezvous_timeout, device=device)
+        ctx = Context(cfg, client, groups, log, node, local, backend=backend)
+        # how collectives are waited on: polled on gloo (None), the collective watchdog on NCCL (dataplane/watchdog.py)
+        from ..dataplane.watchdog import waiter_for
+
+        ctx.watch.waiter = waiter_for(backend, ctx.failure, ctx.watch.timeout, groups.abort_all,
+                                      lambda: groups.generation)
         load_train_fn(cfg.train_fn)(ctx)
         code = ctx.exit_code
     except BaseException as exc:  # report, ask the agent to end the job (or, at start-up, fail this node), leave
