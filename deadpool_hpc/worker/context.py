@@ -31,6 +31,7 @@ from ..dataplane.groups import device_for
 from ..errors import PeerFailure
 from ..faults import RankFaults
 from ..ipc.messages import Finish, Left, Spare, Train
+from ..replica.devicecopy import DeviceCopier
 from ..replica.snapshot import Slot, StateLayout
 from ..replica.writer import SnapshotWriter
 from . import preflight
@@ -231,7 +232,8 @@ class Context(Recovering):
         self.attached = True
         self._bufs = bufs
         self.writer = SnapshotWriter(self.client.progress, self.client.bell, self.slots, self.layout,
-                                     lost=self.client.lost, grant_timeout=self.config.collective_timeout)
+                                     lost=self.client.lost, grant_timeout=self.config.collective_timeout,
+                                     copier=DeviceCopier(self.device, pin=bufs))   # replica/devicecopy.py
         role = self._next_role(self.config.startup_timeout)
         if isinstance(role, Train):
             try:
