@@ -161,3 +161,50 @@ def test_gloo_keeps_the_polled_wait():
     with pytest.raises(PeerFailure, match="did not complete within 0 s"):
         collectives.wait(Work(), watch)
     assert watch.waited >= 0.05
+
+
+def test_abort_all_aborts_the_generations_nccl_groups_inside_one_group_call_once(monkeypatch):
+    """GenerationGroups.abort_all with fake NCCL backends (no GPU here): start, every abort, end; once a generation;
+    gloo has nothing to abort."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from deadpool_hpc.dataplane.groups import GenerationGroups
+
+    calls = []
+
+    class Backend:
+        def __init__(self, name):
+            self.name = name
+
+        def _group_start(self):
+            calls.append("start")
+
+        def _group_end(self):
+            calls.append("end")
+
+        def abort(self):
+            calls.append(self.name)
+            if self.name == "sub2":
+                raise RuntimeError("already aborted")
+
+    class PG:
+        def __init__(self, name):
+            self.b = Backend(name)
+
+        def _get_backend(self, device):
+            assert device.type == "cuda"
+            return self.b
+
+    default = PG("default")
+    monkeypatch.setattr(c10d, "_get_default_group", lambda: default)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    g = GenerationGroups("nccl")
+    g.generation = 4
+    g._sub = {(0, 1): PG("sub1"), (2, 3): PG("sub2"), (0, 1, 2, 3): default}
+    assert g.abort_all() is True
+    assert calls == ["start", "default", "sub1", "sub2", "end"]
+    assert g.abort_all() is False and len(calls) == 5   # once per generation
+    g.generation = 5
+    assert g.abort_all() is True and calls[-1] == "end" and len(calls) == 10
+    assert GenerationGroups("gloo").abort_all() is False

@@ -30,7 +30,7 @@ BAD_NCCL = (((2, 25, 1), (2, 25, 1), "ncclCommAbort can hang with a peer lost in
 NCCL_ENV = {
     # no handling by torch's own watchdog: it would abort the failed communicator alone (aborting them one at a time
     # deadlocks), and 1 and 3 end the process; the product's watchdog aborts the generation's communicators together
-    # (dataplane/watchdog.py, ``_abort_process_group``, which asks for 0) and the process lives on
+    # (dataplane/watchdog.py; torch's ``_abort_process_group`` asks for 0 too) and the process lives on
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
     "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",    # a CUDA error of a collective raises in the caller, not in a watchdog
     "TORCH_NCCL_BLOCKING_WAIT": "0",          # waits are the product's (dataplane/watchdog.py), never blocking ones

@@ -9,8 +9,8 @@ nothing), and dropping the last reference to a group with a pending op blocks un
 So a failed generation's group is *abandoned*: a reference is kept in a graveyard and torch's
 registry is cleared, then the next generation is initialised (ft-probes.md 1c'). On NCCL the group
 is aborted instead, which does interrupt: every communicator of the generation together (the default group and
-its sub-groups inside one ``ncclGroupStart``/``ncclGroupEnd``, torch's ``_abort_process_group``: aborting them one
-at a time deadlocks), by ``abort_all`` (the collective watchdog's, dataplane/watchdog.py) or at ``abandon``. An NCCL
+its sub-groups inside one ``ncclGroupStart``/``ncclGroupEnd``, as torch's ``_abort_process_group`` does: aborting
+them one at a time deadlocks), by ``abort_all`` (the collective watchdog's, dataplane/watchdog.py) or at ``abandon``. An NCCL
 generation is joined eagerly (``device_id``: its communicator exists once ``join`` returns), and its unique id
 travels through the store under the generation's fresh prefix. These use torch internals
 (``c10d._world``); the version is pinned and the end-to-end tests cover them.
@@ -136,14 +136,26 @@ class GenerationGroups:
             if g is None or self._aborted == g or not dist.is_initialized():
                 return False
             self._aborted = g
+            default = c10d._get_default_group()
+            groups = [default] + [pg for pg in self._sub.values() if pg is not default]
+            backends = []
+            for pg in groups:   # this generation's NCCL groups only: the registry also holds the mesh groups
+                try:
+                    backends.append(pg._get_backend(torch.device("cuda")))
+                except RuntimeError:
+                    pass
+            if not backends:
+                return True
+            # inside one ncclGroupStart/End, as torch's _abort_process_group does for the whole registry
+            backends[0]._group_start()
             try:
-                c10d._abort_process_group()   # every registered group, inside ncclGroupStart/End
-            except (RuntimeError, ValueError):
-                for pg in list(c10d._world.pg_map):
+                for b in backends:
                     try:
-                        pg.abort()
+                        b.abort()
                     except RuntimeError:
                         pass
+            finally:
+                backends[0]._group_end()
             return True
 
     def _release_graveyard(self) -> None:
