@@ -189,6 +189,9 @@ class RunConfig:
     # one run (steps 0..K-1 on, K..2K-1 off, ...), so that both halves see the same machine at the same time. A fault
     # in an off block would recompute up to K steps, so faults are refused with it
     interleave_replication: int = 0
+    # the training processes' torch.distributed backend: "nccl", "gloo", or "auto" (nccl where CUDA is available and
+    # the node has a GPU, else gloo; resolved in each training process, dataplane/backend.py)
+    backend: str = "auto"
     replica_transport: str = "tcp"  # replica/transports.py: an entry point of deadpool_hpc.transports (tcp, unix, ...)
     requeue: bool = False          # no spare left: save a checkpoint and start again from it
     max_requeues: int = 3

@@ -1,5 +1,9 @@
 """Pollable collectives: every collective is issued with ``async_op=True`` and waited on here.
 
+Two implementations of the wait, chosen by the backend (dataplane/watchdog.py ``waiter_for``): on gloo (below) the
+training thread polls; on NCCL ``Watch.waiter`` (a CollectiveWatchdog) takes the work, orders the caller's stream
+after it and returns at once, and its thread aborts the generation's communicators on a failure or a timeout.
+
 A blocked gloo collective cannot be interrupted, so the training thread never blocks in one:
 ``wait`` polls the work and the control plane's failure flag together and raises PeerFailure as
 soon as either reports a problem (notes/ft-probes.md 1c'), or when the collective has not completed
@@ -25,12 +29,14 @@ class Watch:
     seconds before a wait gives up (the collective timeout); beat(): the progress page's beat. ``waited``: seconds
     the training thread spent blocked in ``wait`` so far (a running total; the step loop subtracts it from a step's
     wall time to get the rank's own work, which the straggler check compares: a rank that waits for a slow peer
-    is not slow)."""
+    is not slow). ``waiter``: None (gloo: the polled ``wait``), or the NCCL path's CollectiveWatchdog
+    (dataplane/watchdog.py), to which ``wait`` hands each work."""
 
     failure: threading.Event
     timeout: float = 60.0
     beat: object = field(default=lambda: None)
     waited: float = 0.0
+    waiter: object = None
 
 
 def wait(work, watch: Watch, poll: float = 0.005) -> None:
@@ -39,7 +45,11 @@ def wait(work, watch: Watch, poll: float = 0.005) -> None:
 
     The work's future (``Work.get_future``) wakes this wait the moment the collective completes; the failure flag,
     the deadline and the progress beat are looked at every ``poll`` seconds in between (a failure is noticed
-    within ``poll``). A work without a future is polled with ``is_completed`` at the same interval."""
+    within ``poll``). A work without a future is polled with ``is_completed`` at the same interval. With a
+    ``watch.waiter`` (NCCL) the work is handed to it instead (no host synchronisation; dataplane/watchdog.py)."""
+    if watch.waiter is not None:
+        watch.waiter.wait(work, watch)
+        return
     t0 = time.monotonic()
     end = t0 + watch.timeout
     failure = watch.failure

@@ -8,7 +8,11 @@ On gloo nothing interrupts a blocked collective (abort, shutdown, destroy all re
 nothing), and dropping the last reference to a group with a pending op blocks until its timeout.
 So a failed generation's group is *abandoned*: a reference is kept in a graveyard and torch's
 registry is cleared, then the next generation is initialised (ft-probes.md 1c'). On NCCL the group
-is aborted (``ProcessGroup.abort``) instead, which does interrupt. These use torch internals
+is aborted instead, which does interrupt: every communicator of the generation together (the default group and
+its sub-groups inside one ``ncclGroupStart``/``ncclGroupEnd``, as torch's ``_abort_process_group`` does: aborting
+them one at a time deadlocks), by ``abort_all`` (the collective watchdog's, dataplane/watchdog.py) or at ``abandon``. An NCCL
+generation is joined eagerly (``device_id``: its communicator exists once ``join`` returns), and its unique id
+travels through the store under the generation's fresh prefix. These use torch internals
 (``c10d._world``); the version is pinned and the end-to-end tests cover them.
 
 Every wait here has a deadline: joining a generation (gloo's full-mesh rendezvous) is bounded by
@@ -38,13 +42,17 @@ class GenerationGroups:
     lingers until it expires; detection never waits for it).
     """
 
-    def __init__(self, backend: str = "gloo", timeout: float = 60.0, rendezvous_timeout: float = 10.0):
+    def __init__(self, backend: str = "gloo", timeout: float = 60.0, rendezvous_timeout: float = 10.0,
+                 device: torch.device | None = None):
         # gloo connects every pair inside init_process_group (eager). TORCH_GLOO_LAZY_INIT=1 (connect at the first
         # collective) would make a member lost while the group forms fail a polled collective instead of stalling
         # init (measured: 47-51 s with a 10 s timeout), but on the Slurm cluster the first collective after a hot swap
         # then never completed in 3 of 5 runs (a pair that never connected; pytorch/gloo#520: the lazy listener side
         # has no timeout), and a stall that ends beats a hang. A user who sets the variable gets lazy pairs.
         self.backend = backend
+        self.device = device   # nccl: this process's GPU (eager init binds the communicator to it)
+        self._aborted: int | None = None   # the generation whose communicators abort_all aborted
+        self._abort_lock = threading.Lock()
         self.timeout = dt.timedelta(seconds=timeout)
         self.rendezvous_timeout = dt.timedelta(seconds=rendezvous_timeout)
         self.generation: int | None = None
@@ -65,9 +73,10 @@ class GenerationGroups:
             self.abandon()
         limit = self.rendezvous_timeout.total_seconds() if timeout is None else timeout
         t0 = time.monotonic()
+        eager = {"device_id": self.device} if self.backend == "nccl" and self.device is not None else {}
         try:
             dist.init_process_group(self.backend, store=dist.PrefixStore(f"gen{generation}", store),
-                                    rank=rank, world_size=world_size, timeout=dt.timedelta(seconds=limit))
+                                    rank=rank, world_size=world_size, timeout=dt.timedelta(seconds=limit), **eager)
         except (RuntimeError, ValueError) as exc:  # PeerFailure (a RuntimeError), DistStoreError, gloo errors
             self._clear_registry()
             raise PeerFailure(f"joining generation {generation}'s process group failed after "
@@ -113,11 +122,41 @@ class GenerationGroups:
         self._graveyard.extend(g for g in self._sub.values() if g is not pg)
         self._sub = {}
         if self.backend == "nccl":
-            try:
-                pg.abort()
-            except RuntimeError:
-                pass
+            self.abort_all()
         self._clear_registry()
+
+    def abort_all(self) -> bool:
+        """(NCCL; any thread) Abort every communicator of the current generation together, so that kernels waiting on
+        a dead peer return with an error. Once per generation; True if it aborted now. gloo: nothing to abort
+        (its groups are abandoned), False. UNTESTED on a GPU: written, not run on a device."""
+        if self.backend != "nccl":
+            return False
+        with self._abort_lock:
+            g = self.generation
+            if g is None or self._aborted == g or not dist.is_initialized():
+                return False
+            self._aborted = g
+            default = c10d._get_default_group()
+            groups = [default] + [pg for pg in self._sub.values() if pg is not default]
+            backends = []
+            for pg in groups:   # this generation's NCCL groups only: the registry also holds the mesh groups
+                try:
+                    backends.append(pg._get_backend(torch.device("cuda")))
+                except RuntimeError:
+                    pass
+            if not backends:
+                return True
+            # inside one ncclGroupStart/End, as torch's _abort_process_group does for the whole registry
+            backends[0]._group_start()
+            try:
+                for b in backends:
+                    try:
+                        b.abort()
+                    except RuntimeError:
+                        pass
+            finally:
+                backends[0]._group_end()
+            return True
 
     def _release_graveyard(self) -> None:
         dead, self._graveyard = self._graveyard, []
@@ -154,7 +193,8 @@ def release_free_memory() -> None:
 
 
 def device_for(backend: str) -> torch.device:
-    """The device a rank's tensors live on for ``backend`` (CPU for gloo; the local GPU for nccl)."""
-    if backend == "nccl":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count()))
-    return torch.device("cpu")
+    """The device a rank's tensors live on for ``backend`` (CPU for gloo; ``cuda:LOCAL_RANK`` modulo the node's GPU
+    count for nccl: dataplane/backend.py ``device_of``)."""
+    from .backend import device_of
+
+    return device_of(backend, int(os.environ.get("LOCAL_RANK", "0")))

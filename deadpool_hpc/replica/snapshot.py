@@ -246,7 +246,7 @@ class StateLayout:
         return out
 
     def write(self, slot: Slot, tensors: list[torch.Tensor], rng: torch.Tensor, step: int,
-              should_stop=None, crc: bool = True) -> bool:
+              should_stop=None, crc: bool = True, non_blocking: bool = False) -> bool:
         """Copy ``tensors`` and ``rng`` (uint8) into ``slot``, checksum it, stamp it with ``step``. An entry of
         ``tensors`` may be a list of 1-D uint8 tensors instead: pieces copied one after the other into that
         tensor's place (their sizes must add up to it), e.g. byte ranges of several live tensors.
@@ -256,6 +256,9 @@ class StateLayout:
         left invalid and False is returned. Returns True once the slot is stamped. ``crc=False``: copy only
         (the slot is stamped with CRC 0) for a writer whose reader checksums the slot itself (a training
         process writing its node agent's shared slot: the agent's ``stamp_written`` is the checksum trusted).
+        ``non_blocking`` (with ``crc=False``): device-to-host copies are queued on the current stream and may still
+        be running when this returns (replica/devicecopy.py records an event after them); the slot is stamped all
+        the same, so its reader must wait for that event.
         """
         import torch
 
@@ -265,7 +268,7 @@ class StateLayout:
         with torch.no_grad():
             dsts = self.views(slot) + [slot.tensor[self.state_nbytes:]]
             if crc is False:
-                if not self._copy_batched(dsts, list(tensors) + [rng], should_stop):
+                if not self._copy_batched(dsts, list(tensors) + [rng], should_stop, non_blocking):
                     return False
                 slot.stamp(step, 0)
                 return True
@@ -284,7 +287,7 @@ class StateLayout:
         slot.stamp(step, value)
         return True
 
-    def _copy_batched(self, dsts: list[torch.Tensor], srcs: list, should_stop) -> bool:
+    def _copy_batched(self, dsts: list[torch.Tensor], srcs: list, should_stop, non_blocking: bool = False) -> bool:
         """``write`` without a checksum: the pieces go in ``torch._foreach_copy_`` batches of about COPY_CHUNK
         bytes (one call into torch per batch, which releases the GIL, instead of a Python loop per piece; the
         micro GPT's snapshot is ~150 pieces), asking ``should_stop()`` before each batch."""
@@ -295,7 +298,7 @@ class StateLayout:
         pending = off = 0
         for d, s in _split_large(_flat_pairs(dsts, srcs)):
             if pending >= COPY_CHUNK:
-                torch._foreach_copy_(batch_d, batch_s)
+                torch._foreach_copy_(batch_d, batch_s, non_blocking=non_blocking)
                 batch_d, batch_s, pending = [], [], 0
             if not batch_d and should_stop is not None and should_stop():
                 return False
@@ -305,7 +308,7 @@ class StateLayout:
             pending += n
             off += n
         if batch_d:
-            torch._foreach_copy_(batch_d, batch_s)
+            torch._foreach_copy_(batch_d, batch_s, non_blocking=non_blocking)
         if off != self.nbytes:
             raise ReplicaError(f"payload layout wrote {off} bytes, expected {self.nbytes}")
         return should_stop is None or not should_stop()

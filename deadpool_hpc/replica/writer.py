@@ -37,6 +37,10 @@ updates and the copy runs at once on the caller's thread, while what the optimiz
 waits for the grant, copies chunk by chunk (abandoned between two chunks by ``quiesce``) and says written; it
 overlaps the next forward and backward.
 
+Both copy through the rank's ``DeviceCopier`` (replica/devicecopy.py): on a side stream of the state's device,
+ordered after an event recorded when the snapshot is taken; "written" is said once the copy's event completed (on
+the CPU: at once, on the copying thread, as the copy is complete when issued).
+
 Owns: the snapshot words this side writes (claim, written), reading grant and committed, the copy thread.
 Does not own: the slots' memory (the agent's, mapped here), what is in a payload (replica/snapshot.py
 ``StateLayout``), when to snapshot (worker/context.py), the agent's answers (agent/desk.py).
@@ -71,10 +75,17 @@ class SnapshotWriter:
     page: the rank's ProgressPage; bell: the agent's Doorbell (None or closed: the agent is gone, and the waits say
     so); slots: the rank's own slots as ``Slot`` objects over the agent's shared buffers (written here, never
     stamped here: ``step``/``crc`` of these objects mean nothing to the agent); layout: the StateLayout;
-    lost: a threading.Event set once the agent is gone; grant_timeout: seconds the copy thread waits for a grant.
+    lost: a threading.Event set once the agent is gone; grant_timeout: seconds the copy thread waits for a grant;
+    copier: the DeviceCopier of the state's device (replica/devicecopy.py; default: the CPU's).
     """
 
-    def __init__(self, page, bell, slots: list, layout, *, lost: threading.Event, grant_timeout: float):
+    def __init__(self, page, bell, slots: list, layout, *, lost: threading.Event, grant_timeout: float,
+                 copier=None):
+        if copier is None:
+            from .devicecopy import DeviceCopier
+
+            copier = DeviceCopier("cpu")
+        self.copier = copier
         self.page, self.bell, self.slots, self.layout = page, bell, slots, layout
         self.lost = lost
         self.grant_timeout = grant_timeout
@@ -132,23 +143,28 @@ class SnapshotWriter:
             return "background"
         self.counts["inline"] += 1
         # no checksum here: the agent takes the one it ships and the holders verify (stamp_written)
-        if self.layout.write(self.slots[index], tensors, rng, step, crc=False):
-            self._written(step, index, generation)
+        done = self.copier.copy(self.layout, self.slots[index], tensors, rng, step)
+        if done is not None:   # "written" once the copy's event completed (the CPU: now)
+            self.copier.when_done(done, lambda: self._written(step, index, generation))
         return "inline"
 
     def submit(self, step: int, tensors, rng, generation: int, claimed: bool = False) -> None:
         """Copy ``step``'s ``tensors`` + ``rng`` of ``generation`` on the copy thread (``claimed``: its claim was
-        sent already). The caller must not modify ``tensors`` until ``committed(step)``."""
+        sent already). The caller must not modify ``tensors`` until ``committed(step)``. The copy is ordered after
+        what the caller's stream has been given so far (the optimizer step)."""
+        after = self.copier.mark()
         with self._cv:
             self.counts["background"] += 1
-            self._jobs.append((step, tensors, rng, self._epoch, generation, claimed))
+            self._jobs.append((step, tensors, rng, self._epoch, generation, claimed, after))
             self._cv.notify_all()
 
     def wait_committed(self, step: int, generation: int, failure: threading.Event, timeout: float,
                        beat=None) -> float:
         """Return once ``committed(step, generation)``; the seconds waited (0.0 when it already was: the usual case,
         the replica was committed while the step computed). Raises PeerFailure when ``failure`` is set, the agent is
-        lost, or after ``timeout`` seconds. ``beat()``, if given, is called while it waits."""
+        lost, or after ``timeout`` seconds. ``beat()``, if given, is called while it waits. The caller's stream
+        waits for the last snapshot copy on the device (``DeviceCopier.before_update``)."""
+        self.copier.before_update()
         if self.committed(step, generation):
             return 0.0
         t0 = time.perf_counter()
@@ -164,7 +180,7 @@ class SnapshotWriter:
         recovery can cut at the step this process completed. True if none is left."""
         end = time.monotonic() + timeout
         with self._cv:
-            while self._current == step or any(j[0] == step for j in self._jobs):
+            while self._current == step or any(j[0] == step for j in self._jobs) or not self.copier.idle():
                 if time.monotonic() > end:
                     return False
                 self._cv.wait(0.002)
@@ -177,6 +193,7 @@ class SnapshotWriter:
             self._early = None
             self._epoch += 1
             self._jobs.clear()
+            self.copier.drop_pending()
             while self._current is not None:
                 self._cv.wait(0.005)
 
@@ -187,6 +204,7 @@ class SnapshotWriter:
             self._closed = True
             self._cv.notify_all()
         self._thread.join(1.0)
+        self.copier.close()
 
     # ---- the copy thread ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -196,7 +214,7 @@ class SnapshotWriter:
                     self._cv.wait(0.1)
                 if self._closed:
                     return
-                step, tensors, rng, epoch, gen, claimed = self._jobs.popleft()
+                step, tensors, rng, epoch, gen, claimed, after = self._jobs.popleft()
                 if epoch != self._epoch:
                     continue
                 self._current = step
@@ -210,9 +228,11 @@ class SnapshotWriter:
                                 lambda: stop() or self.lost.is_set(), time.monotonic() + self.grant_timeout, 0.0002):
                     continue   # quiesced while waiting, the agent gone, or no grant within the timeout
                 index = found[-1]
-                if not stop() and self.layout.write(self.slots[index], tensors, rng, step, should_stop=stop, crc=False):
-                    if not stop():
-                        self._written(step, index, gen)
+                done = None if stop() else self.copier.copy(self.layout, self.slots[index], tensors, rng, step,
+                                                            should_stop=stop, after=after)
+                # this thread waits for the copy's event (a quiesce ends the wait), then says written
+                if done is not None and self.copier.complete(done, stop) and not stop():
+                    self._written(step, index, gen)
             except Exception:  # noqa: BLE001 - the agent failed the claim or is gone: the wait for commit says so
                 pass
             finally:

@@ -32,6 +32,7 @@ from ..dataplane.groups import device_for
 from ..errors import PeerFailure
 from ..faults import RankFaults
 from ..ipc.messages import Failure, Finish, Left, Spare, Train
+from ..replica.devicecopy import DeviceCopier
 from ..replica.snapshot import Slot, StateLayout
 from ..replica.writer import SnapshotWriter
 from . import preflight
@@ -260,7 +261,8 @@ class Context(Recovering):
         self._attached = True
         self._bufs = bufs
         self._writer = SnapshotWriter(self._client.progress, self._client.bell, self._slots, self._layout,
-                                      lost=self._client.lost, grant_timeout=self.config.collective_timeout)
+                                      lost=self._client.lost, grant_timeout=self.config.collective_timeout,
+                                      copier=DeviceCopier(self.device, pin=bufs))   # replica/devicecopy.py
         self._steps.attach(self._writer)
         role = self._next_role(self.config.startup_timeout)
         if isinstance(role, Train):

@@ -42,6 +42,49 @@ def _allow_agent_to_trace() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PTRACER, int(agent), 0, 0, 0)
 
 
+def bind_device(cfg, local: int, log=None):
+    """Resolve the run's backend for this process (``cfg.backend``: auto, nccl or gloo; dataplane/backend.py) and
+    bind its device: under NCCL ``cuda:LOCAL_RANK`` (modulo the node's GPUs) becomes the current device, the
+    product's NCCL environment is set, a known-bad NCCL is refused, and the CUDA context and the caching allocator
+    are warmed now (a spare does it while idle, so a promotion does not pay for them). Returns (backend, device).
+    Raises BackendError (nccl without a GPU, an unknown setting) or RuntimeError (a refused NCCL version), naming
+    the value and what is accepted. The NCCL branch is written, not run on a device (no GPU in this suite)."""
+    import torch
+
+    from ..dataplane import backend as be
+
+    os.environ["LOCAL_RANK"] = str(local)   # dataplane/groups.device_for and training functions read it
+    name = be.resolve_backend(getattr(cfg, "backend", "auto"))
+    device = be.device_of(name, local)
+    info = {"backend": name, "device": str(device)}
+    if name == "nccl":
+        version = be.nccl_version()
+        info["nccl"] = ".".join(map(str, version)) if version else None
+        problem = be.nccl_version_problem(version) if version else None
+        if problem:
+            raise RuntimeError(problem)
+        be.nccl_environment()
+        torch.cuda.set_device(device)
+        warm_cuda(device)
+        if log is not None:   # the NCCL version in the event log, and on stderr (the agent's tail of it)
+            log.emit("device", **info)
+        print(f"deadpool: backend nccl on {device}, NCCL {info['nccl']}", file=sys.stderr, flush=True)
+    return name, device
+
+
+def warm_cuda(device, nbytes: int = 64 << 20) -> None:
+    """Create the CUDA context on ``device`` and leave ``nbytes`` in the caching allocator (allocated, then freed:
+    torch keeps the block), so the first step after a promotion pays for neither. CUDA only; written, not run on a
+    device."""
+    import torch
+
+    torch.cuda.init()
+    block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    block.zero_()
+    torch.cuda.synchronize(device)
+    del block
+
+
 def main(argv=None) -> None:
     cap_malloc_arenas()
     # Slurm's stop signals (USR2, TERM) and a terminal's INT are the agent's to act on (it saves and leaves with
@@ -90,8 +133,14 @@ def main(argv=None) -> None:
     code = 0
     ctx = None
     try:
-        ctx = Context(cfg, client, GenerationGroups("gloo", cfg.wait_timeout, cfg.rendezvous_timeout), log,
-                      node, local)
+        backend, device = bind_device(cfg, local, log)
+        groups = GenerationGroups(backend, cfg.wait_timeout, cfg.rendezvous_timeout, device=device)
+        ctx = Context(cfg, client, groups, log, node, local, backend=backend)
+        # how collectives are waited on: polled on gloo (None), the collective watchdog on NCCL (dataplane/watchdog.py)
+        from ..dataplane.watchdog import waiter_for
+
+        ctx.watch.waiter = waiter_for(backend, ctx.watch.failure, ctx.watch.timeout, groups.abort_all,
+                                      lambda: groups.generation)
         load_train_fn(cfg.train_fn)(ctx)
         code = ctx.exit_code
     except BaseException as exc:  # report, ask the agent to end the job (or, at start-up, fail this node), leave

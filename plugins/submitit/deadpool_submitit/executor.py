@@ -76,6 +76,7 @@ RUN_PARAMETERS: tp.Dict[str, tp.Tuple[tp.Callable[[tp.Any], bool], str]] = {
                                                   "int, float or bool values)"),
     "replicate": (lambda v: isinstance(v, bool), "True or False (False: no replica plane, benchmarks only)"),
     "replicas": (lambda v: _is_int(v) and v >= 0, "an integer >= 0, less than `nodes` (replicas per snapshot)"),
+    "backend": (lambda v: v in ("auto", "nccl", "gloo"), "auto, nccl or gloo (the training processes' backend)"),
     "replica_transport": (lambda v: isinstance(v, str) and v != "", "a replica transport's name (str): tcp, unix "
                                                                     "or a plugin's (docs/plugins.md)"),
     "requeue": (lambda v: isinstance(v, bool), "True or False (no spare left: checkpoint and requeue the job)"),
