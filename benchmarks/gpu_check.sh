@@ -2,7 +2,7 @@
 # The device check: runs the product itself (`deadpool run`, the CLI a user runs) on whatever GPUs this machine has
 # and prints one table. Run from anywhere on a machine with CUDA:
 #     bash benchmarks/gpu_check.sh            # PYTHON=... to use another interpreter (default: .venv/bin/python)
-# Without CUDA it says so and exits 0, having run nothing (tests/test_gpu_check.py checks that here).
+# Without CUDA it says so and exits 0, having run nothing (tests/e2e/test_gpu_check.py checks that here).
 #
 # Cases (docs/gpu.md):
 #   a  one GPU, --backend nccl, 2 nodes + 1 spare (three processes on the GPU, each its own communicator): the

@@ -16,7 +16,7 @@
   PeerFailure once the failure flag is set, which the watchdog sets when it aborts).
 
 The watchdog's logic is pure (works are anything with ``is_completed()`` and, optionally, ``exception()``) and is
-tested with works that never complete (tests/test_watchdog.py). Its use on NCCL is written, not run on a device.
+tested with works that never complete (tests/unit/dataplane/test_watchdog.py). Its use on NCCL is written, not run on a device.
 """
 from __future__ import annotations
 
