@@ -4,7 +4,8 @@ import sys
 
 import pytest
 
-from deadpool_hpc.config import Fault, RunConfig, parse_fault, parse_train_arg
+from deadpool_hpc.config import RunConfig, parse_train_arg
+from deadpool_hpc.faultinject.spec import Fault, parse_fault
 from deadpool_hpc.errors import ConfigError
 from deadpool_hpc.train.demo import DemoConfig
 
@@ -175,7 +176,7 @@ def test_interleaved_replication_alternates_blocks_of_steps():
 
 
 def test_slow_node_specs_parse():
-    from deadpool_hpc.config import SLOW_FACTOR
+    from deadpool_hpc.faultinject.spec import SLOW_FACTOR
 
     assert parse_fault("slow", "node2@build:12") == Fault("slow", "node", 2, None, "build", 1, 12.0)
     f = parse_fault("slow", "node1@startup")
@@ -191,7 +192,7 @@ def test_slow_node_specs_parse():
 
 
 def test_nic_down_specs_parse():
-    from deadpool_hpc.config import NIC_DOWN_IFNAME
+    from deadpool_hpc.faultinject.spec import NIC_DOWN_IFNAME
 
     f = parse_fault("nic_down", "node2")
     assert f == parse_fault("nic_down", "node2@startup") == Fault("nic_down", "node", 2, None, "startup")

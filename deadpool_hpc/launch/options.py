@@ -12,7 +12,8 @@ import math
 import os
 
 from ..agent.health import check_plugins
-from ..config import RunConfig, parse_fault, parse_train_arg
+from ..config import RunConfig, parse_train_arg
+from ..faultinject.spec import parse_fault
 from ..errors import ConfigError
 from ..replica.transports import check_transport
 

@@ -29,7 +29,7 @@ from ..dataplane import collectives
 from ..dataplane.collectives import Watch
 from ..dataplane.groups import device_for
 from ..errors import PeerFailure
-from ..faults import RankFaults
+from ..faultinject.inject import RankFaults
 from ..ipc.messages import Finish, Left, Spare, Train
 from ..replica.snapshot import Slot, StateLayout
 from ..replica.writer import SnapshotWriter
