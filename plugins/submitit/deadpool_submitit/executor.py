@@ -28,7 +28,6 @@ and ``checkpoint_wait_s``.
 """
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import math
 import re
@@ -72,6 +71,8 @@ def _is_seconds(v) -> bool:
 RUN_PARAMETERS: tp.Dict[str, tp.Tuple[tp.Callable[[tp.Any], bool], str]] = {
     "spares": (lambda v: _is_int(v) and v >= 0, "an integer >= 0 (spare nodes, on top of `nodes`)"),
     "ranks_per_node": (lambda v: _is_int(v) and v >= 1, "an integer >= 1 (training processes per node)"),
+    "backend": (lambda v: v in ("auto", "nccl", "gloo"), "'auto', 'nccl' or 'gloo' (the training processes' "
+                                                          "torch.distributed backend; auto: nccl where CUDA is)"),
     "steps": (lambda v: _is_int(v) and v >= 1, "an integer >= 1 (training steps)"),
     "train_args": (lambda v: isinstance(v, dict), "a dict of the training function's settings (str keys; str, "
                                                   "int, float or bool values)"),
@@ -281,7 +282,7 @@ class DeadpoolExecutor(SlurmExecutor):
     def run_parameters(self) -> tp.Dict[str, tp.Any]:
         """The run settings set so far (``nodes`` = active nodes), RunConfig's defaults for the others."""
         cfg = self._layout()
-        out = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("faults", "train_fn")}
+        out = {f.name: getattr(cfg, f.name) for f in cfg.flat_fields() if f.name not in ("faults", "train_fn")}
         out.update((k, self._run[k]) for k in _JOB_PARAMETERS if k in self._run)
         return out
 
@@ -302,7 +303,7 @@ class DeadpoolExecutor(SlurmExecutor):
             if kwargs:
                 raise ValueError(f"deadpool executor: submit(HotSwapJob, **{kwargs!r}): a HotSwapJob takes no "
                                  f"arguments; its config's train_args are the training function's settings")
-            have = dict(dataclasses.asdict(fn.cfg), wait_survivors_s=fn.wait_survivors_s,
+            have = dict(fn.cfg.flat(), wait_survivors_s=fn.wait_survivors_s,
                         checkpoint_wait_s=fn.checkpoint_wait_s)
             clash = {k: (v, have[k]) for k, v in self._run.items() if have[k] != v}
             if clash:
