@@ -288,15 +288,24 @@ def test_each_section_names_its_bad_value_and_what_is_accepted(section, kwargs, 
 
 
 def test_flat_names_read_and_set_the_sections():
+    """The flat names (the CLI's and submitit's vocabulary) read and set the sections; the lines marked for
+    /work/codemod-config.py keep them, as they are what is tested."""
     cfg = RunConfig(nodes=4, straggler_factor=2.0, spare_return=False, faults=[parse_fault("kill", "node1@5")])
-    assert cfg.layout.nodes == cfg.nodes == 4 and cfg.stragglers.factor == cfg.straggler_factor == 2.0
-    assert cfg.comeback.enabled is cfg.spare_return is False and cfg.internal.faults == cfg.faults
-    assert cfg.layout.world_size == cfg.world_size == 4 and cfg.timeouts.wait_timeout == cfg.wait_timeout == 64.0
-    assert RunConfig.train_fn == "deadpool_hpc.train.demo:train" and RunConfig.heartbeat_deadline == 1.0
-    cfg.run_dir = "/x"   # a flat assignment replaces the (frozen) section
-    assert cfg.output.run_dir == "/x" and cfg.replace(run_dir="/y").output.run_dir == "/y" and cfg.run_dir == "/x"
+    assert cfg.layout.nodes == cfg.nodes == 4  # codemod: keep
+    assert cfg.stragglers.factor == cfg.straggler_factor == 2.0  # codemod: keep
+    assert cfg.comeback.enabled is cfg.spare_return is False  # codemod: keep
+    assert cfg.internal.faults == cfg.faults  # codemod: keep
+    assert cfg.layout.world_size == cfg.world_size == 4  # codemod: keep
+    assert cfg.timeouts.wait_timeout == cfg.wait_timeout == 64.0  # codemod: keep
+    assert RunConfig.train_fn == "deadpool_hpc.train.demo:train"  # codemod: keep
+    assert RunConfig.heartbeat_deadline == 1.0  # codemod: keep
+    cfg.run_dir = "/x"  # codemod: keep (a flat assignment replaces the frozen section)
+    assert cfg.output.run_dir == "/x" and cfg.run_dir == "/x"  # codemod: keep
+    assert cfg.replace(run_dir="/y").output.run_dir == "/y" and cfg.output.run_dir == "/x"
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.output.run_dir = "/z"
+    with pytest.raises(AttributeError, match="world_size is computed from the layout section"):
+        cfg.world_size = 3  # codemod: keep
     with pytest.raises(ConfigError, match="unknown setting 'nodez'; accepted: nodes, spares"):
         RunConfig(nodez=3)
     assert cfg.flat()["straggler_factor"] == 2.0 and set(cfg.flat()) == {ff.name for ff in flat_fields()}
