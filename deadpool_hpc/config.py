@@ -339,7 +339,7 @@ class Stragglers(Section):
 
 
 @dataclass(frozen=True)
-class SpareReturn(Section):
+class Comeback(Section):
     """Spares that come back (agent/comeback.py), and crash loops (control/crashloop.py)."""
 
     enabled: bool = opt(True, flat="spare_return", flag="--no-spare-return", check=_bool,
@@ -459,7 +459,7 @@ class Internal(Section):
 
 
 SECTIONS: dict[str, type] = {"layout": Layout, "train": Train, "replication": Replication, "timeouts": Timeouts,
-                             "preflight": Preflight, "stragglers": Stragglers, "comeback": SpareReturn,
+                             "preflight": Preflight, "stragglers": Stragglers, "comeback": Comeback,
                              "persistence": Persistence, "output": Output, "internal": Internal}
 
 
@@ -497,7 +497,7 @@ class RunConfig:
     timeouts: Timeouts = field(default_factory=Timeouts)
     preflight: Preflight = field(default_factory=Preflight)
     stragglers: Stragglers = field(default_factory=Stragglers)
-    comeback: SpareReturn = field(default_factory=SpareReturn)
+    comeback: Comeback = field(default_factory=Comeback)
     persistence: Persistence = field(default_factory=Persistence)
     output: Output = field(default_factory=Output)
     internal: Internal = field(default_factory=Internal)
@@ -528,11 +528,11 @@ class RunConfig:
 
     def flat(self) -> dict:
         """{flat name: value} of every setting."""
-        out = {ff.name: getattr(getattr(self, ff.section), ff.field.name) for ff in FLAT.values()}
-        return out
+        return {ff.name: getattr(getattr(self, ff.section), ff.field.name) for ff in FLAT.values()}
 
     @staticmethod
     def flat_fields() -> list[FlatField]:
+        """Every setting by flat name (``flat_fields``): ``.name``, ``.section``, ``.field``."""
         return flat_fields()
 
     @property
@@ -560,9 +560,11 @@ class RunConfig:
         from .faultinject.spec import Fault
 
         d = json.loads(text)
-        if not isinstance(d, dict) or set(d) - set(SECTIONS):
+        if isinstance(d, dict) and set(d) - set(SECTIONS):
             raise ConfigError(f"unknown config sections {sorted(set(d) - set(SECTIONS))}; accepted: "
                               f"{sorted(SECTIONS)}")
+        if not isinstance(d, dict) or not all(isinstance(b, dict) for b in d.values()):
+            raise ConfigError(f"config {text[:80]!r}: accepted: {{section: {{setting: value}}}} (RunConfig.to_json)")
         sections = {}
         for sec, body in d.items():
             known = {f.name for f in dataclasses.fields(SECTIONS[sec])}
