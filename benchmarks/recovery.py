@@ -13,7 +13,8 @@ import argparse
 import statistics
 import tempfile
 
-from deadpool_hpc.config import RunConfig, parse_fault
+from deadpool_hpc.config import RunConfig
+from deadpool_hpc.faultinject.spec import parse_fault
 from deadpool_hpc.launch import LocalExecutor
 
 PHASES = ("detect", "agree", "rebuild", "restore", "recompute")

@@ -31,7 +31,8 @@ import argparse
 import statistics
 import tempfile
 
-from deadpool_hpc.config import RunConfig, parse_fault
+from deadpool_hpc.config import RunConfig
+from deadpool_hpc.faultinject.spec import parse_fault
 from deadpool_hpc.events import read_events
 from deadpool_hpc.launch import LocalExecutor
 from deadpool_hpc.report.timeline import step_rate

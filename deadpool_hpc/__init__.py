@@ -1,10 +1,9 @@
 """deadpool-hpc: keep large training jobs alive by hot-swapping a failed node for a spare.
 
-The public API, in one place (see docs/worker-contract.md for the training-function contract):
+The public API, in one place (see docs/worker-contract.md for the training-function contract). Fault injection
+(``deadpool_hpc.faultinject``) is for tests and demos, not part of it.
 """
-from .config import Fault as Fault
 from .config import RunConfig as RunConfig
-from .config import parse_fault as parse_fault
 from .errors import ConfigError as ConfigError
 from .errors import PeerFailure as PeerFailure
 from .errors import ReplicaError as ReplicaError

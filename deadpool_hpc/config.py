@@ -1,138 +1,29 @@
-"""Run configuration and fault specs: parsing and validation, before any process starts.
+"""Run configuration: one frozen dataclass per section, composed into ``RunConfig``; parsing and validation, before
+any process starts.
 
-Owns the shapes every other module reads (``RunConfig``, ``Fault``); owns no behaviour. A bad value
-raises ``ConfigError`` naming the value and what would be accepted; the CLI turns that into exit 2.
+Each setting is written once, as a field of its section (``layout``, ``train``, ``replication``, ``timeouts``,
+``preflight``, ``stragglers``, ``comeback`` (spares that return), ``persistence``, ``output``, and ``internal`` for what tests and
+benchmarks set): its default, its help text, the check of its value and what is accepted (the field's metadata,
+``opt``). The ``deadpool run`` / ``deadpool submit`` options (launch/options.py), the submitit executor's
+parameters (``run_parameters``) and the README's options list are derived from these fields. Every setting also
+has a *flat name* (``heartbeat_deadline``, ``straggler_factor``): the CLI option without its dashes and the submitit
+parameter; ``RunConfig(**flat)`` builds a config from flat names, ``cfg.flat()`` gives them back.
+
+Owns the shapes every other module reads; owns no behaviour. A bad value raises ``ConfigError`` naming the value
+and what would be accepted; the CLI turns that into exit 2. The test fault grammar lives in ``faultinject``.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
-import re
+import typing
 from dataclasses import dataclass, field
 
 from .errors import ConfigError
 
-# The moments of a job's start, before its first committed snapshot (``--kill node1@startup``), and a recovery's
-# phases, in order, as a fault spec names them (``--kill node2@rebuild``); see Fault.
-START_PHASES = ("startup", "build", "first")
-RECOVERY_PHASES = ("detect", "agree", "decided", "rebuild", "restore", "resume")
-PHASES = START_PHASES + RECOVERY_PHASES
-_FAULT_RE = re.compile(r"^(node|rank)(\d+)@(?:(\d+)|(" + "|".join(PHASES) + r")(?:#(\d+))?)$")
-_SLOW_RE = re.compile(r"^node(\d+)@(startup|build|\d+)(?::([0-9.]+))?$")
-_NIC_RE = re.compile(r"^node(\d+)(?:@(startup|\d+))?$")
-FAULT_KINDS = ("kill", "hang", "slow", "nic_down")
-NIC_DOWN_IFNAME = "dp-nic-down"   # --nic-down: the interface gloo is told to use, which no machine has
-SLOW_FACTOR = 8.0   # --slow nodeI@startup without :FACTOR
 STRAGGLER_ACTIONS = ("swap", "report", "off")   # --straggler-action
-
-
-@dataclass(frozen=True)
-class Fault:
-    """One injected failure: ``kind`` ("kill" = SIGKILL, "hang" = SIGSTOP, "slow" = ``factor`` times slower) of
-    ``target``. A slow node's training processes run 1/factor of the time: its agent stops and continues them
-    (SIGSTOP/SIGCONT), a node whose device or CPU share is throttled: from ``startup`` or ``build``, what the
-    start-up's pre-flight speed check is for (agent/preflight.py), or from ``step`` on, what the straggler check is
-    for (agent/stragglers.py). "nic_down": node ``index``'s data-plane interface is
-    down from its start (its training processes' gloo is given an interface that does not exist,
-    ``GLOO_SOCKET_IFNAME`` = NIC_DOWN_IFNAME; its agent's control plane is untouched), what the start-up's link check
-    is for (phase ``startup``); or, for an idle spare, from ``step`` on (its next re-check's link check finds it).
-
-    ``target_kind`` is "node" (every process of emulated node ``index``, active or spare) or "rank"
-    (the process that holds training rank ``index`` at that moment). It fires either at ``step`` (when
-    training first reaches that step) or, when ``phase`` is set, at a moment of the job's start-up (once:
-    ``nth`` is 1):
-
-    - startup: its node agent's control plane is up and its training processes were just spawned (they are
-               importing torch and the user's module);
-    - build:   inside the user's function, once it has built its model and handed it to ``ctx.protect`` /
-               ``ctx.zero_adamw`` (before ``ctx.run``); spares too;
-    - first:   the first snapshot (step 0) is written and not yet committed at its holders: every rank's state
-               is still only its initial one (a training node only);
-
-    or when the target reaches that phase of the ``nth`` recovery it takes part in (1 = the first):
-
-    - detect:  it has left the failed generation and is about to report to the coordinator;
-    - agree:   it has sent its report (or, as coordinator, asked for the reports) and waits for the decision;
-    - decided: it holds the decision and has not applied it yet;
-    - rebuild: it passed the rebuild barrier and is joining the new process group;
-    - restore: it serves a replica to a promoted rank, half-way through (a process that serves none: at the
-               start of its own restore);
-    - resume:  the first step after the recovery starts.
-    """
-
-    kind: str
-    target_kind: str
-    index: int
-    step: int | None = None
-    phase: str | None = None
-    nth: int = 1
-    factor: float | None = None
-
-    @property
-    def target(self) -> str:
-        return f"{self.target_kind}{self.index}"
-
-    @property
-    def at_start(self) -> bool:
-        """A fault at a moment of the job's start-up (START_PHASES), not of a recovery nor at a step."""
-        return self.phase in START_PHASES
-
-    @property
-    def when(self) -> str:
-        if self.phase is None:
-            return str(self.step)
-        return self.phase + (f"#{self.nth}" if self.nth != 1 else "")
-
-    def __str__(self) -> str:
-        if self.kind == "nic_down":
-            return f"--nic-down {self.target}" + ("" if self.step is None else f"@{self.step}")
-        return f"--{self.kind} {self.target}@{self.when}" + (f":{self.factor:g}" if self.factor is not None else "")
-
-
-def parse_fault(kind: str, spec: str) -> Fault:
-    """Parse ``node1@60`` / ``rank2@60`` (a step) or ``node2@rebuild`` / ``node2@agree#2`` (a phase of the
-    first / second recovery) for ``kind`` in {"kill", "hang"}; ``node1@startup|build|STEP[:FACTOR]`` for "slow"
-    (FACTOR > 1, default SLOW_FACTOR); ``node1`` for "nic_down". Raises ConfigError."""
-    if kind not in FAULT_KINDS:
-        raise ConfigError(f"fault kind {kind!r} is unknown; accepted: {', '.join(map(repr, FAULT_KINDS))}")
-    if kind == "nic_down":
-        m = _NIC_RE.match(spec.strip())
-        if not m:
-            raise ConfigError(f"--nic-down {spec!r} is not a node; accepted: nodeN (e.g. node1): node N's data-plane "
-                              f"interface is down from its start, or nodeN@STEP for a spare: from step STEP on")
-        if m.group(2) and m.group(2) != "startup":
-            return Fault("nic_down", "node", int(m.group(1)), int(m.group(2)))
-        return Fault("nic_down", "node", int(m.group(1)), None, "startup")
-    if kind == "slow":
-        m = _SLOW_RE.match(spec.strip())
-        if not m:
-            raise ConfigError(f"--slow {spec!r} is not a slow-node spec; accepted: nodeN@startup[:FACTOR], "
-                              f"nodeN@build[:FACTOR] or nodeN@STEP[:FACTOR] (e.g. node1@startup:8, node1@40:2): node "
-                              f"N's training processes run FACTOR times slower from their start, from when their "
-                              f"model is built, or from step STEP on")
-        try:
-            factor = float(m.group(3)) if m.group(3) else SLOW_FACTOR
-        except ValueError:
-            factor = float("nan")
-        if not (math.isfinite(factor) and factor > 1):
-            raise ConfigError(f"--slow {spec!r}: factor {m.group(3)!r}: accepted: a number > 1 (how many times slower)")
-        if m.group(2).isdigit():
-            return Fault("slow", "node", int(m.group(1)), int(m.group(2)), None, 1, factor)
-        return Fault("slow", "node", int(m.group(1)), None, m.group(2), 1, factor)
-    m = _FAULT_RE.match(spec.strip())
-    if not m:
-        raise ConfigError(f"--{kind} {spec!r} is not a fault spec; accepted: nodeN@STEP or rankN@STEP (e.g. node1@60), "
-                          f"or nodeN@PHASE[#K] with PHASE one of {', '.join(PHASES)} (e.g. node2@rebuild)")
-    if m.group(3) is not None:
-        return Fault(kind, m.group(1), int(m.group(2)), int(m.group(3)))
-    nth = int(m.group(5) or 1)
-    if nth < 1:
-        raise ConfigError(f"--{kind} {spec!r}: the recovery number after # counts from 1")
-    if m.group(4) in START_PHASES and nth != 1:
-        raise ConfigError(f"--{kind} {spec!r}: the job starts once, so a start-up phase takes no recovery number; "
-                          f"accepted: {m.group(1)}{m.group(2)}@{m.group(4)}")
-    return Fault(kind, m.group(1), int(m.group(2)), None, m.group(4), nth)
+BACKENDS = ("auto", "nccl", "gloo")             # --backend
 
 
 def parse_train_arg(spec: str) -> tuple[str, object]:
@@ -165,100 +56,116 @@ def textfile_dir_problem(path) -> str | None:
     return None
 
 
-@dataclass
-class RunConfig:
-    """Everything one run needs. Times are in seconds, sizes in tokens unless named otherwise.
+def cuda_available() -> bool:
+    """Whether this machine can run NCCL: torch sees CUDA and at least one GPU (imports torch)."""
+    import torch
 
-    Layout: ``nodes`` active emulated nodes x ``ranks_per_node`` ranks train (world size =
-    nodes * ranks_per_node); ``spares`` extra nodes wait, pre-initialised, to take a lost node's place.
-    """
+    return bool(torch.cuda.is_available() and torch.cuda.device_count() > 0)
 
-    nodes: int = 3
-    spares: int = 1
-    ranks_per_node: int = 1
-    steps: int = 200
-    faults: list = field(default_factory=list)
-    # the training function's own settings (``--train-arg KEY=VALUE``), read by it as ``ctx.config.train_args``:
-    # str keys, str/int/float/bool values (JSON-safe: config.json carries them to every process). The demo's
-    # model and data sizes live here (train/demo.py, DemoConfig).
-    train_args: dict = field(default_factory=dict)
-    # fault tolerance
-    replicate: bool = True
-    replicas: int = 1              # K: each rank's snapshot is held by the next K nodes (any K node losses survive)
-    # benchmark only (benchmarks/overhead.py): K > 0 alternates blocks of K steps with replication on and off within
-    # one run (steps 0..K-1 on, K..2K-1 off, ...), so that both halves see the same machine at the same time. A fault
-    # in an off block would recompute up to K steps, so faults are refused with it
-    interleave_replication: int = 0
-    # the training processes' torch.distributed backend: "nccl", "gloo", or "auto" (nccl where CUDA is available and
-    # the node has a GPU, else gloo; resolved in each training process, dataplane/backend.py)
-    backend: str = "auto"
-    replica_transport: str = "tcp"  # replica/transports.py: an entry point of deadpool_hpc.transports (tcp, unix, ...)
-    requeue: bool = False          # no spare left: save a checkpoint and start again from it
-    max_requeues: int = 3
-    heartbeat_period: float = 0.2    # seconds; 5 per deadline (an idle agent's CPU cost is its heartbeat rate)
-    heartbeat_deadline: float = 1.0  # seconds of silence after which a watched peer is probed (control/suspicion.py)
-    # seconds: the longest a frozen node may go unnoticed. A silent peer is suspected only after a confirmation (a
-    # direct ping and indirect ones through other agents, unanswered); its deadline and the confirmation's window
-    # follow the jitter and load each watcher observes, up to this ceiling. At least 2 x heartbeat_deadline
-    heartbeat_ceiling: float = 4.0
-    collective_timeout: float = 60.0
-    hang_timeout: float = 60.0       # a rank whose training thread makes no progress this long is fenced (0: off)
-    # seconds between two background writes of every rank's newest committed snapshot to RUN_DIR/checkpoint by the
-    # node agents (agent/persister.py): what a job killed outright resumes from after a requeue. 0: never
-    persist_every: float = 300.0
-    # a site's command each node agent runs at start-up (``sh -c``; exit 0: healthy): a node whose check fails, or
-    # is still running at the start-up deadline, is replaced by a spare before training (agent/preflight.py)
-    health_check: str = ""
-    # the start-up's pre-flight speed check (agent/preflight.py): a node whose timed matmul takes more than this many
-    # times the job's median is replaced by a spare before training (0: no speed check, and no link check: the
-    # all-reduce with each neighbour node, in the same step)
-    preflight_factor: float = 3.0
-    # an idle spare's agent checks its node again this often (the site's --health-check and the timed matmul against
-    # the start-up's median), so that a spare that went bad is dropped before a recovery needs it (0: never)
-    spare_check_every: float = 60.0
-    # the straggler check (agent/stragglers.py): a training node whose ranks' own work per step stays over
-    # straggler_factor x the other training nodes' median for straggler_window seconds is a straggler; "swap" takes
-    # it out by a planned swap when a spare is free (else, and with "report", the event only); "off": not measured
-    straggler_factor: float = 1.5
-    straggler_window: float = 60.0
-    straggler_action: str = "swap"
-    # spares that come back (agent/comeback.py): a node whose training processes failed (an exit, a hang)
-    # while its agent lives on ends them, checks itself (the detectors, --health-check within health_check_timeout
-    # seconds) and returns to the spare pool for the next generation; one that fails its check, or fails again within
-    # ``quarantine`` seconds of its return, stays out. False: a failed node leaves the job for good
-    spare_return: bool = True
-    quarantine: float = 300.0
-    # crash loops (control/crashloop.py): the same training rank ending the same way (signal or exit code) at the
-    # same step on more than this many other nodes stops the run: a checkpoint at the cut step, no more promotions,
-    # exit CRASH_LOOP_EXIT with the rank, step and signal named. 0: off (every such failure is swapped)
-    crash_loop_limit: int = 2
-    health_check_timeout: float = 60.0
-    rendezvous_timeout: float = 10.0 # joining a generation's process group (store connect + gloo full mesh)
-    # MPI start-up, a training process's import and model build, and the first collectives: a training process not up
-    # by then is a failure of its node (cause "startup_timeout"); an agent lost inside MPI_Init ends the run
-    startup_timeout: float = 300.0
-    # the local launcher forks the training processes from one process that imported torch once (worker/forkserver.py)
-    # instead of starting a fresh interpreter for each; Slurm launches ignore it
-    fork_server: bool = True
-    # Prometheus metrics (deadpool_hpc/metrics.py), off by default: the job's view on an HTTP endpoint of the
-    # coordinator at ``metrics_port``, each node agent's own at ``metrics_port + 1 + node index`` (0: no endpoint);
-    # ``metrics_textfile``: a directory where the same views are written in node_exporter's textfile form ("": none)
-    metrics_port: int = 0
-    metrics_textfile: str = ""
-    # output
-    run_dir: str = "deadpool-run"
-    summary_path: str | None = None
-    log_every: int = 1
-    train_fn: str = "deadpool_hpc.train.demo:train"
+
+# ---- checks of one value: each returns True when the value is accepted ------------------------------------------
+def _int(lo: int):
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+def _num(lo: float, strict: bool = False, zero: bool = False):
+    """A finite number >= lo (> lo when strict); ``zero``: 0 is accepted too (off)."""
+    def check(v) -> bool:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            return False
+        return (zero and v == 0) or (v > lo if strict else v >= lo)
+    return check
+
+
+def _bool(v) -> bool:
+    return isinstance(v, bool)
+
+
+def _str(v) -> bool:
+    return isinstance(v, str) and "\0" not in v
+
+
+def _train_args(v) -> bool:
+    return isinstance(v, dict)
+
+
+def opt(default=dataclasses.MISSING, *, help: str, accepted: str, check=None, flag: str | None = None,
+        flat: str | None = None, metavar: str | None = None, cli_type=None, factory=None, public: bool = True):
+    """A setting: a dataclass field whose metadata says how it is offered and checked.
+
+    ``help``: its help text (CLI, README); ``accepted``: what a valid value is (error messages, submitit);
+    ``check(value) -> bool``: the value's own check (rules between settings are the section's ``_check``);
+    ``flag``: its CLI option (default ``--`` + the flat name with dashes; "" for none; a bool's ``--no-...`` flag
+    turns it off); ``flat``: its flat name when not the field's; ``metavar`` and ``cli_type``: argparse's; ``public``:
+    False for a setting that is not a user's (no submitit parameter)."""
+    md = dict(help=help, accepted=accepted, check=check, flag=flag, flat=flat, metavar=metavar, cli_type=cli_type,
+              public=public)
+    if factory is not None:
+        return field(default_factory=factory, metadata=md)
+    return field(default=default, metadata=md)
+
+
+class Section:
+    """What every section shares: the check of each field (its ``opt`` metadata), then the section's own rules
+    between settings (``_check``, given the whole RunConfig)."""
+
+    def validate(self, run: "RunConfig") -> None:
+        """Raise ConfigError naming the first bad value of this section and what is accepted."""
+        for f in dataclasses.fields(self):
+            check = f.metadata.get("check")
+            v = getattr(self, f.name)
+            if check is not None and not check(v):
+                raise ConfigError(f"{label(f)} {v!r}: accepted: {f.metadata['accepted']}")
+        self._check(run)
+
+    def _check(self, run: "RunConfig") -> None:
+        pass
+
+
+def flat_name(f: dataclasses.Field) -> str:
+    return f.metadata.get("flat") or f.name
+
+
+def cli_flag(f: dataclasses.Field) -> str:
+    """The field's CLI option ("" for none)."""
+    flag = f.metadata.get("flag")
+    return "--" + flat_name(f).replace("_", "-") if flag is None else flag
+
+
+def label(f: dataclasses.Field) -> str:
+    """How an error message names the field: its CLI option, else its flat name."""
+    flag = cli_flag(f)
+    return flag if flag and not flag.startswith("--no-") else flat_name(f)
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(frozen=True)
+class Layout(Section):
+    """Which processes train, and how they talk.
+
+    ``nodes`` active nodes x ``ranks_per_node`` ranks train (world size = nodes * ranks_per_node); ``spares`` more
+    nodes wait, pre-initialised, to take a lost node's place."""
+
+    nodes: int = opt(3, metavar="N", help="active (training) nodes", accepted="1 or more (active nodes)", check=_int(1))
+    spares: int = opt(1, metavar="S", help="spare nodes allocated with the job", accepted="0 or more", check=_int(0))
+    ranks_per_node: int = opt(1, metavar="P", help="training processes per node", accepted="1 or more", check=_int(1))
+    backend: str = opt("auto", metavar="auto|nccl|gloo",
+                       help="the training processes' torch.distributed backend: auto (nccl where torch sees CUDA "
+                            "and the node has a GPU, else gloo), nccl or gloo (default auto)",
+                       accepted="auto, nccl or gloo (nccl only where CUDA is available)",
+                       check=lambda v: v in BACKENDS)
+    fork_server: bool = opt(True, flag="--no-fork-server", check=_bool, accepted="True or False",
+                            help="local launcher: start each training process as a fresh interpreter (each imports "
+                                 "torch) instead of forking it from one that imported torch once for the run",
+                            public=False)
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.ranks_per_node
-
-    @property
-    def replica_holders(self) -> int:
-        """K as placed: how many nodes hold each rank's snapshot (0 without replication or with one node)."""
-        return min(self.replicas, self.nodes - 1) if self.replicate else 0
 
     @property
     def total_nodes(self) -> int:
@@ -267,6 +174,100 @@ class RunConfig:
     @property
     def total_processes(self) -> int:
         return self.total_nodes * self.ranks_per_node
+
+    def resolved_backend(self) -> str:
+        """"nccl" or "gloo": ``backend``, with "auto" resolved on this machine (nccl where CUDA is available and
+        there is a GPU, else gloo). Call it where the training processes run: a launcher may see no GPU."""
+        if self.backend != "auto":
+            return self.backend
+        try:
+            return "nccl" if cuda_available() else "gloo"
+        except ImportError:
+            return "gloo"
+
+    def _check(self, run: "RunConfig") -> None:
+        _need(self.spares == 0 or self.nodes >= 2,
+              f"--nodes {self.nodes} with --spares {self.spares}: a rank's replica lives on another active node, "
+              f"so hot-swap needs at least 2 active nodes")
+        if self.backend == "nccl":
+            try:
+                ok = cuda_available()
+            except ImportError:
+                ok = False
+            _need(ok, "--backend 'nccl': CUDA is not available here (torch.cuda.is_available() is False or no GPU "
+                      "is visible); accepted: auto (gloo here) or gloo")
+
+
+@dataclass(frozen=True)
+class Train(Section):
+    """The training function and its own settings."""
+
+    steps: int = opt(200, metavar="K", help="training steps", accepted="1 or more", check=_int(1))
+    train_fn: str = opt("deadpool_hpc.train.demo:train", metavar="MODULE:FUNCTION", help="module:function to train (default: the demo)",
+                        accepted="'package.module:function'", check=lambda v: isinstance(v, str) and ":" in v,
+                        public=False)
+    # read by the training function as ``ctx.config.train.train_args``: str keys, str/int/float/bool values
+    # (JSON-safe: config.json carries them to every process). The demo's model and data sizes live here
+    train_args: dict = opt(factory=dict, flag="", check=_train_args, accepted="a dict",
+                           help="the training function's own settings (--train-arg KEY=VALUE, repeatable: VALUE "
+                                "becomes an int, float, true/false or string; ctx.config.train.train_args)")
+
+    def _check(self, run: "RunConfig") -> None:
+        for k, v in self.train_args.items():
+            _need(isinstance(k, str) and k.isidentifier(),
+                  f"--train-arg {k!r}: accepted: a key that is a Python identifier (e.g. n_layer)")
+            _need(isinstance(v, (str, int, float, bool)) and (not isinstance(v, float) or math.isfinite(v)),
+                  f"--train-arg {k}={v!r}: accepted: a string, integer, finite float or boolean")
+
+
+@dataclass(frozen=True)
+class Replication(Section):
+    """The replica plane: each rank's snapshot is held by the next ``replicas`` nodes."""
+
+    replicate: bool = opt(True, flag="--no-replicate", check=_bool, accepted="True or False",
+                          help="turn the replica plane off (benchmarks only)")
+    replicas: int = opt(1, metavar="K", check=_int(0), accepted="0 or more, less than --nodes",
+                        help="K: each rank's snapshot lives on the next K nodes, so any K node losses at once survive")
+    replica_transport: str = opt("tcp", metavar="NAME", check=lambda v: isinstance(v, str) and v != "",
+                                 accepted="a replica transport's name: tcp, unix or a plugin's (docs/plugins.md)",
+                                 help="how replicas travel between node agents: tcp (default), unix (one machine "
+                                      "only), or a transport plugin's name (docs/plugins.md)")
+
+    def _check(self, run: "RunConfig") -> None:
+        n = run.layout.nodes
+        _need(not self.replicate or n == 1 or self.replicas < n,
+              f"--replicas {self.replicas} with --nodes {n}: each replica lives on another active node; "
+              f"accepted: --replicas 0..{n - 1}")
+
+
+@dataclass(frozen=True)
+class Timeouts(Section):
+    """Heartbeats and every deadline, in seconds."""
+
+    heartbeat_period: float = opt(0.2, metavar="SECONDS", check=_num(0, strict=True), accepted="seconds > 0",
+                                  help="seconds between two heartbeats (5 per deadline: an idle agent's CPU cost)")
+    heartbeat_deadline: float = opt(1.0, metavar="SECONDS", check=_num(0, strict=True),
+                                    accepted="seconds > 0, more than twice --heartbeat-period",
+                                    help="seconds of silence after which a watched peer is probed")
+    heartbeat_ceiling: float = opt(4.0, metavar="SECONDS", check=_num(0, strict=True),
+                                   accepted="seconds >= 2 x the heartbeat deadline",
+                                   help="the longest a frozen node may go unnoticed: a silent node is probed after the "
+                                        "deadline and suspected once other nodes confirm it (deadlines follow the "
+                                        "observed load, up to this; default 4, at least 2 x --heartbeat-deadline)")
+    collective_timeout: float = opt(60.0, metavar="SECONDS", check=_num(0, strict=True), accepted="seconds > 0",
+                                    help="seconds a rank waits for its peers in one collective before the process "
+                                         "group is rebuilt (at least --hang-timeout + 2 heartbeat deadlines is used)")
+    hang_timeout: float = opt(60.0, metavar="SECONDS|off", check=_num(0),
+                              accepted="seconds > 0 (0 or --hang-timeout off: no hang detection)",
+                              help="seconds without progress of a rank's training thread before it is fenced, or off "
+                                   "(no hang detection); must exceed your longest step")
+    rendezvous_timeout: float = opt(10.0, metavar="SECONDS", check=_num(0, strict=True), accepted="seconds > 0",
+                                    help="seconds to join a generation's process group (store connect + gloo full "
+                                         "mesh) before the recovery round is retried")
+    startup_timeout: float = opt(300.0, metavar="SECONDS", check=_num(0, strict=True), accepted="seconds > 0",
+                                 help="seconds for MPI start-up, a training process's import and model build, and the "
+                                      "first collectives; a training process not up by then is its node's failure "
+                                      "(a spare takes it)")
 
     @property
     def wait_timeout(self) -> float:
@@ -287,127 +288,324 @@ class RunConfig:
         """Seconds a process waits for the decision of one recovery round before it gives up (clear exit)."""
         return 2 * self.ready_timeout + self.rendezvous_timeout
 
-    def validate(self) -> "RunConfig":
-        """Check the layout and every fault against it. Returns self; raises ConfigError."""
-        def need(cond: bool, msg: str) -> None:
-            if not cond:
-                raise ConfigError(msg)
+    def _check(self, run: "RunConfig") -> None:
+        _need(self.heartbeat_deadline > 2 * self.heartbeat_period,
+              f"heartbeat deadline {self.heartbeat_deadline!r} s: must exceed twice the period "
+              f"({self.heartbeat_period} s)")
+        _need(self.heartbeat_ceiling >= 2 * self.heartbeat_deadline,
+              f"--heartbeat-ceiling {self.heartbeat_ceiling!r}: accepted: seconds >= 2 x the heartbeat deadline "
+              f"({2 * self.heartbeat_deadline:g} s: the deadline, then as long again for the confirmation)")
+        _need(not self.hang_timeout or self.hang_timeout >= self.heartbeat_deadline,
+              f"--hang-timeout {self.hang_timeout!r}: accepted: off, or at least the heartbeat deadline "
+              f"({self.heartbeat_deadline} s) and more than your longest step")
 
-        need(isinstance(self.nodes, int) and self.nodes >= 1, f"--nodes {self.nodes!r}: need at least 1 active node")
-        need(isinstance(self.spares, int) and self.spares >= 0, f"--spares {self.spares!r}: accepted: 0 or more")
-        need(isinstance(self.ranks_per_node, int) and self.ranks_per_node >= 1,
-             f"--ranks-per-node {self.ranks_per_node!r}: accepted: 1 or more")
-        need(isinstance(self.steps, int) and self.steps >= 1, f"--steps {self.steps!r}: accepted: 1 or more")
-        need(isinstance(self.train_args, dict), f"train_args {self.train_args!r}: accepted: a dict")
-        for k, v in self.train_args.items():
-            need(isinstance(k, str) and k.isidentifier(),
-                 f"--train-arg {k!r}: accepted: a key that is a Python identifier (e.g. n_layer)")
-            need(isinstance(v, (str, int, float, bool)) and (not isinstance(v, float) or math.isfinite(v)),
-                 f"--train-arg {k}={v!r}: accepted: a string, integer, finite float or boolean")
-        need(isinstance(self.max_requeues, int) and self.max_requeues >= 0,
-             f"max_requeues {self.max_requeues!r}: accepted: 0 or more")
-        need(self.heartbeat_period > 0, f"heartbeat period {self.heartbeat_period!r} s: must be > 0")
-        need(self.heartbeat_deadline > 2 * self.heartbeat_period,
-             f"heartbeat deadline {self.heartbeat_deadline!r} s: must exceed twice the period ({self.heartbeat_period} s)")
-        need(isinstance(self.heartbeat_ceiling, (int, float)) and math.isfinite(self.heartbeat_ceiling)
-             and self.heartbeat_ceiling >= 2 * self.heartbeat_deadline,
-             f"--heartbeat-ceiling {self.heartbeat_ceiling!r}: accepted: seconds >= 2 x the heartbeat deadline "
-             f"({2 * self.heartbeat_deadline:g} s: the deadline, then as long again for the confirmation)")
-        need(isinstance(self.metrics_port, int) and not isinstance(self.metrics_port, bool)
-             and (self.metrics_port == 0 or 1 <= self.metrics_port <= 65535 - self.total_nodes),
-             f"--metrics-port {self.metrics_port!r}: accepted: a TCP port 1..{65535 - self.total_nodes} (the job's "
-             f"endpoint; node I's is that + 1 + I, for {self.total_nodes} nodes)")
+
+@dataclass(frozen=True)
+class Preflight(Section):
+    """The start-up's checks of each node (agent/preflight.py), and an idle spare's re-checks."""
+
+    health_check: str = opt("", metavar="CMD", check=_str,
+                            accepted="a shell command (a string), or empty for none",
+                            help="a command each node runs at start-up (sh -c; exit 0: healthy); a node whose check "
+                                 "fails or outlasts --startup-timeout is replaced by a spare before training")
+    factor: float = opt(3.0, flat="preflight_factor", metavar="FACTOR", check=_num(1, strict=True, zero=True),
+                        accepted="a number > 1 (times the job's median), or 0: off",
+                        help="at start-up every node all-reduces with its neighbour nodes and times a small matmul on "
+                             "its device; a node whose links all fail, or slower than FACTOR x the job's median, is "
+                             "replaced by a spare before training (default 3; 0: both checks off)")
+    spare_check_every: float = opt(60.0, metavar="SECONDS", check=_num(0),
+                                   accepted="seconds >= 0 (0: never)",
+                                   help="an idle spare checks itself again this often (--health-check, the timed "
+                                        "matmul, an all-reduce with a training node); one that fails leaves the pool "
+                                        "before a recovery needs it (default 60; 0: never)")
+
+
+@dataclass(frozen=True)
+class Stragglers(Section):
+    """The straggler check (agent/stragglers.py)."""
+
+    factor: float = opt(1.5, flat="straggler_factor", metavar="FACTOR", check=_num(1, strict=True),
+                        accepted="a number > 1 (times the other nodes' median own work per step, e.g. 1.5)",
+                        help="a training node whose ranks' own work per step (their step time less their waits on "
+                             "peers) stays over FACTOR x the other nodes' median for --straggler-window seconds is a "
+                             "straggler (default 1.5)")
+    window: float = opt(60.0, flat="straggler_window", metavar="SECONDS", check=_num(0, strict=True),
+                        accepted="seconds > 0 (how long a node must stay slow)",
+                        help="how long a node must stay slow to be a straggler (default 60)")
+    action: str = opt("swap", flat="straggler_action", metavar="swap|report|off",
+                      check=lambda v: v in STRAGGLER_ACTIONS, accepted=", ".join(STRAGGLER_ACTIONS),
+                      help="swap: a straggler is taken out by a planned swap when a spare is free (0 steps "
+                           "recomputed), else reported; report: the event only; off: not measured (default swap)")
+
+
+@dataclass(frozen=True)
+class Comeback(Section):
+    """Spares that come back (agent/comeback.py), and crash loops (control/crashloop.py)."""
+
+    enabled: bool = opt(True, flat="spare_return", flag="--no-spare-return", check=_bool,
+                        accepted="True or False",
+                        help="a node whose training processes failed leaves the job for good (default: its agent, "
+                             "alive, ends them, checks the node and returns it to the spare pool for the next "
+                             "generation)")
+    quarantine: float = opt(300.0, metavar="SECONDS", check=_num(0),
+                            accepted="seconds >= 0 (a node that fails again this soon after its return stays out; "
+                                     "0: never quarantined for that)",
+                            help="a node that fails again within SECONDS of its return to the spare pool stays out "
+                                 "(default 300; 0: never for that reason)")
+    health_check_timeout: float = opt(60.0, metavar="SECONDS", check=_num(0, strict=True),
+                                      accepted="seconds > 0 (a returning node's --health-check still running then is "
+                                               "killed and counts as unhealthy)",
+                                      help="a returning node's --health-check still running after SECONDS is killed "
+                                           "and the node stays out (default 60)")
+    crash_loop_limit: int = opt(2, metavar="N", check=_int(0),
+                                accepted="an integer >= 0 (repeats of the same rank's crash at the same step on other "
+                                         "nodes before the run stops; 0: off)",
+                                help="the same training rank ending the same way (signal or exit code) at the same "
+                                     "step on N more nodes after the first (a crash that follows the work, e.g. a bad "
+                                     "batch, not the node) stops the run: a checkpoint at the last common step, no "
+                                     "more spares promoted into it, exit status 4 naming the rank, step and signal "
+                                     "(default 2; 0: off)")
+
+
+@dataclass(frozen=True)
+class Persistence(Section):
+    """Checkpoints on the shared filesystem, and requeues."""
+
+    persist_every: float = opt(300.0, metavar="SECONDS", check=_num(0), accepted="seconds >= 0 (0: never)",
+                               help="the node agents write the newest committed snapshot of every rank to "
+                                    "RUN_DIR/checkpoint this often, in the background, so that a job killed outright "
+                                    "resumes from at most that far back after a requeue (default 300; 0: never)")
+    requeue: bool = opt(False, check=_bool, accepted="True or False",
+                        help="when no spare is left: save a checkpoint, then restart the job from it (as Slurm "
+                             "requeues)")
+    max_requeues: int = opt(3, flag="", check=_int(0), accepted="0 or more", help="requeues at most")
+
+
+@dataclass(frozen=True)
+class Output(Section):
+    """Where a run's results go: its directory, summary, logs and metrics."""
+
+    run_dir: str = opt("deadpool-run", metavar="DIR", check=lambda v: isinstance(v, str) and v != "",
+                       accepted="a directory path", help="event log, config and logs of the run")
+    summary_path: str | None = opt(None, flag="--summary", metavar="PATH",
+                                   check=lambda v: v is None or (isinstance(v, str) and v != ""),
+                                   accepted="None or a file path", help="write the run summary JSON here")
+    log_every: int = opt(1, metavar="STEPS", check=_int(1), accepted="1 or more",
+                         help="steps between two step events")
+    metrics_port: int = opt(0, metavar="PORT", check=_int(0), accepted="a TCP port 1..65535, or 0: off",
+                            help="serve Prometheus metrics over HTTP: the job's view on PORT (the coordinator: the "
+                                 "lowest live node agent), node I's on PORT + 1 + I (default: off)")
+    metrics_textfile: str = opt("", metavar="DIR", check=lambda v: isinstance(v, str),
+                                accepted="a directory this user may write (node_exporter's "
+                                         "--collector.textfile.directory)",
+                                help="write the same metrics in node_exporter's textfile form to DIR, every 5 s and "
+                                     "at the end: deadpool_<job>_job.prom and deadpool_<job>_node<I>.prom (<job>: "
+                                     "Slurm's job id, else the run directory's name); DIR must exist on every node "
+                                     "(default: off)")
+
+    def _check(self, run: "RunConfig") -> None:
+        top = 65535 - run.layout.total_nodes
+        _need(self.metrics_port == 0 or 1 <= self.metrics_port <= top,
+              f"--metrics-port {self.metrics_port!r}: accepted: a TCP port 1..{top} (the job's endpoint; node I's "
+              f"is that + 1 + I, for {run.layout.total_nodes} nodes)")
         if self.metrics_textfile:
             why = textfile_dir_problem(self.metrics_textfile)
-            need(why is None, f"--metrics-textfile {self.metrics_textfile!r}: {why}; accepted: a directory this user "
-                              f"may write (node_exporter's --collector.textfile.directory)")
-        need(self.log_every >= 1, f"--log-every {self.log_every!r}: accepted: 1 or more")
-        need(isinstance(self.replicas, int) and self.replicas >= 0,
-             f"--replicas {self.replicas!r}: accepted: 0 or more")
-        need(not self.replicate or self.nodes == 1 or self.replicas < self.nodes,
-             f"--replicas {self.replicas} with --nodes {self.nodes}: each replica lives on another active node; "
-             f"accepted: --replicas 0..{self.nodes - 1}")
-        need(isinstance(self.interleave_replication, int) and self.interleave_replication >= 0,
-             f"interleave_replication {self.interleave_replication!r}: accepted: 0 (off) or a block of K >= 1 steps")
-        need(not self.interleave_replication or (self.replicate and not self.faults),
-             "interleave_replication (a benchmark's on/off blocks) needs replication on and no faults: a fault in an "
-             "off block would recompute up to a block of steps")
-        for name in ("hang_timeout", "rendezvous_timeout", "collective_timeout", "startup_timeout"):
-            v = getattr(self, name)
-            need(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 and (v > 0 or name == "hang_timeout"),
-                 f"--{name.replace('_', '-')} {v!r}: accepted: seconds > 0" + (" (0 or --hang-timeout off: no hang detection)" if name == "hang_timeout" else ""))
-        need(isinstance(self.health_check, str) and "\0" not in self.health_check,
-             f"--health-check {self.health_check!r}: accepted: a shell command (a string), or empty for none")
-        need(isinstance(self.preflight_factor, (int, float)) and math.isfinite(self.preflight_factor)
-             and (self.preflight_factor == 0 or self.preflight_factor > 1),
-             f"--preflight-factor {self.preflight_factor!r}: accepted: a number > 1 (times the job's median), or 0: off")
-        need(isinstance(self.spare_check_every, (int, float)) and math.isfinite(self.spare_check_every)
-             and self.spare_check_every >= 0,
-             f"--spare-check-every {self.spare_check_every!r}: accepted: seconds >= 0 (0: never)")
-        need(isinstance(self.straggler_factor, (int, float)) and math.isfinite(self.straggler_factor)
-             and self.straggler_factor > 1,
-             f"--straggler-factor {self.straggler_factor!r}: accepted: a number > 1 (times the other nodes' median "
-             f"own work per step, e.g. 1.5)")
-        need(isinstance(self.straggler_window, (int, float)) and math.isfinite(self.straggler_window)
-             and self.straggler_window > 0,
-             f"--straggler-window {self.straggler_window!r}: accepted: seconds > 0 (how long a node must stay slow)")
-        need(isinstance(self.spare_return, bool), f"spare_return {self.spare_return!r}: accepted: True or False")
-        need(isinstance(self.quarantine, (int, float)) and math.isfinite(self.quarantine) and self.quarantine >= 0,
-             f"--quarantine {self.quarantine!r}: accepted: seconds >= 0 (a node that fails again this soon after its "
-             f"return stays out; 0: never quarantined for that)")
-        need(isinstance(self.crash_loop_limit, int) and not isinstance(self.crash_loop_limit, bool)
-             and self.crash_loop_limit >= 0,
-             f"--crash-loop-limit {self.crash_loop_limit!r}: accepted: an integer >= 0 (repeats of the same rank's "
-             f"crash at the same step on other nodes before the run stops; 0: off)")
-        need(isinstance(self.health_check_timeout, (int, float)) and math.isfinite(self.health_check_timeout)
-             and self.health_check_timeout > 0,
-             f"--health-check-timeout {self.health_check_timeout!r}: accepted: seconds > 0 (a returning node's "
-             f"--health-check still running then is killed and counts as unhealthy)")
-        need(self.straggler_action in STRAGGLER_ACTIONS,
-             f"--straggler-action {self.straggler_action!r}: accepted: {', '.join(STRAGGLER_ACTIONS)}")
-        need(isinstance(self.persist_every, (int, float)) and math.isfinite(self.persist_every)
-             and self.persist_every >= 0, f"--persist-every {self.persist_every!r}: accepted: seconds >= 0 (0: never)")
-        need(not self.hang_timeout or self.hang_timeout >= self.heartbeat_deadline,
-             f"--hang-timeout {self.hang_timeout!r}: accepted: off, or at least the heartbeat deadline "
-             f"({self.heartbeat_deadline} s) and more than your longest step")
+            _need(why is None, f"--metrics-textfile {self.metrics_textfile!r}: {why}; accepted: a directory this "
+                               f"user may write (node_exporter's --collector.textfile.directory)")
+
+
+@dataclass(frozen=True)
+class Internal(Section):
+    """For tests and benchmarks, not a user's setting: injected faults (faultinject/; ``--kill`` and the other test
+    flags) and a benchmark's replication blocks."""
+
+    faults: list = opt(factory=list, flag="", check=lambda v: isinstance(v, (list, tuple)),
+                        accepted="a list of faultinject.Fault", public=False,
+                        help="injected faults (--kill, --hang, --slow, --nic-down)")
+    # benchmarks/overhead.py: K > 0 alternates blocks of K steps with replication on and off within one run (steps
+    # 0..K-1 on, K..2K-1 off, ...), so that both halves see the same machine at the same time. A fault in an off
+    # block would recompute up to K steps, so faults are refused with it
+    interleave_replication: int = opt(0, flag="", check=_int(0), public=False,
+                                      accepted="0 (off) or a block of K >= 1 steps",
+                                      help="a benchmark's on/off replication blocks of K steps (0: off)")
+
+    def _check(self, run: "RunConfig") -> None:
+        from .faultinject import plan
+
+        _need(not self.interleave_replication or (run.replication.replicate and not self.faults),
+              "interleave_replication (a benchmark's on/off blocks) needs replication on and no faults: a fault in "
+              "an off block would recompute up to a block of steps")
+        lay = run.layout
         for f in self.faults:
             if f.target_kind == "node":
-                need(f.index < self.total_nodes,
-                     f"{f}: unknown fault target node{f.index}; this layout has node0..node{self.total_nodes - 1}")
+                _need(f.index < lay.total_nodes,
+                      f"{f}: unknown fault target node{f.index}; this layout has node0..node{lay.total_nodes - 1}")
             else:
-                need(f.index < self.world_size,
-                     f"{f}: unknown fault target rank{f.index}; this layout has rank0..rank{self.world_size - 1}")
+                _need(f.index < lay.world_size,
+                      f"{f}: unknown fault target rank{f.index}; this layout has rank0..rank{lay.world_size - 1}")
             if f.kind == "nic_down":
-                need(bool(self.preflight_factor), f"{f} with --preflight-factor 0: the pre-flight's link check is what "
-                     f"finds a node whose data plane is down; accepted: --preflight-factor > 1 (the default, 3)")
+                _need(bool(run.preflight.factor), f"{f} with --preflight-factor 0: the pre-flight's link check is "
+                      f"what finds a node whose data plane is down; accepted: --preflight-factor > 1 (the default, 3)")
                 # a training node's interface going down while it trains would be found by its next rebuild, which
                 # the fault plan cannot place: a step is for an idle spare, whose re-check finds it
-                need(f.step is None or (f.index >= self.nodes and self.spare_check_every > 0),
-                     f"{f}: from a step on, only an idle spare's interface goes down (its re-check every "
-                     f"--spare-check-every seconds finds it); accepted: node{self.nodes}..node{self.total_nodes - 1} "
-                     f"with --spare-check-every > 0, or node{f.index} (down from its start)")
+                _need(f.step is None or (f.index >= lay.nodes and run.preflight.spare_check_every > 0),
+                      f"{f}: from a step on, only an idle spare's interface goes down (its re-check every "
+                      f"--spare-check-every seconds finds it); accepted: node{lay.nodes}..node{lay.total_nodes - 1} "
+                      f"with --spare-check-every > 0, or node{f.index} (down from its start)")
             if f.phase is None:
-                need(isinstance(f.step, int) and 0 <= f.step < self.steps,
-                     f"{f}: step {f.step} is past --steps {self.steps}; accepted: 0..{self.steps - 1}")
-        need(self.spares == 0 or self.nodes >= 2,
-             f"--nodes {self.nodes} with --spares {self.spares}: a rank's replica lives on another active node, "
-             f"so hot-swap needs at least 2 active nodes")
-        from . import faultplan
+                _need(isinstance(f.step, int) and 0 <= f.step < run.train.steps,
+                      f"{f}: step {f.step} is past --steps {run.train.steps}; accepted: 0..{run.train.steps - 1}")
+        plan.check(run)
 
-        faultplan.check(self)
+
+SECTIONS: dict[str, type] = {"layout": Layout, "train": Train, "replication": Replication, "timeouts": Timeouts,
+                             "preflight": Preflight, "stragglers": Stragglers, "comeback": Comeback,
+                             "persistence": Persistence, "output": Output, "internal": Internal}
+
+
+class FlatField(typing.NamedTuple):
+    """A setting by its flat name: its ``section`` and the dataclass ``field`` there (metadata: see ``opt``)."""
+
+    name: str
+    section: str
+    field: dataclasses.Field
+
+
+def flat_fields() -> list[FlatField]:
+    """Every setting, in section order, by flat name."""
+    return [FlatField(flat_name(f), sec, f) for sec, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+FLAT: dict[str, FlatField] = {ff.name: ff for ff in flat_fields()}
+# values computed from a section, readable by their flat name too
+DERIVED = {"world_size": "layout", "total_nodes": "layout", "total_processes": "layout",
+           "wait_timeout": "timeouts", "ready_timeout": "timeouts", "recovery_timeout": "timeouts"}
+
+
+@dataclass(init=False)
+class RunConfig:
+    """Everything one run needs, by section. Times are in seconds, sizes in tokens unless named otherwise.
+
+    Sections are frozen; ``update(**flat)`` replaces the sections that hold the named settings (in place),
+    ``replace(**flat)`` returns a changed copy. A flat name read on a RunConfig (``cfg.steps``) is the section's
+    value, and on the class its default (``_FlatName``: the CLI's and submitit's vocabulary, for training functions
+    written against it); the package itself reads the sections. Raises ConfigError for an unknown setting."""
+
+    layout: Layout = field(default_factory=Layout)
+    train: Train = field(default_factory=Train)
+    replication: Replication = field(default_factory=Replication)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    preflight: Preflight = field(default_factory=Preflight)
+    stragglers: Stragglers = field(default_factory=Stragglers)
+    comeback: Comeback = field(default_factory=Comeback)
+    persistence: Persistence = field(default_factory=Persistence)
+    output: Output = field(default_factory=Output)
+    internal: Internal = field(default_factory=Internal)
+
+    def __init__(self, **settings) -> None:
+        """Sections by name (``layout=Layout(nodes=4)``) and/or settings by flat name (``nodes=3``,
+        ``straggler_factor=2.0``); every other setting its default. Raises ConfigError naming an unknown name."""
+        for sec, cls in SECTIONS.items():
+            object.__setattr__(self, sec, settings.pop(sec, None) or cls())
+        self.update(**settings)
+
+    def update(self, **settings) -> "RunConfig":
+        """Set settings by flat name, in place (each section replaced). Returns self; ConfigError for an unknown
+        name."""
+        by_section: dict[str, dict] = {}
+        for k, v in settings.items():
+            ff = FLAT.get(k)
+            if ff is None:
+                raise ConfigError(f"unknown setting {k!r}; accepted: {', '.join(FLAT)}")
+            by_section.setdefault(ff.section, {})[ff.field.name] = v
+        for sec, changes in by_section.items():
+            object.__setattr__(self, sec, dataclasses.replace(getattr(self, sec), **changes))
+        return self
+
+    def replace(self, **settings) -> "RunConfig":
+        """A copy with settings changed by flat name."""
+        return dataclasses.replace(self).update(**settings)
+
+    def flat(self) -> dict:
+        """{flat name: value} of every setting."""
+        return {ff.name: getattr(getattr(self, ff.section), ff.field.name) for ff in FLAT.values()}
+
+    @staticmethod
+    def flat_fields() -> list[FlatField]:
+        """Every setting by flat name (``flat_fields``): ``.name``, ``.section``, ``.field``."""
+        return flat_fields()
+
+    @property
+    def replica_holders(self) -> int:
+        """K as placed: how many nodes hold each rank's snapshot (0 without replication or with one node)."""
+        r = self.replication
+        return min(r.replicas, self.layout.nodes - 1) if r.replicate else 0
+
+    def validate(self) -> "RunConfig":
+        """Check every section, in order, and every fault against the layout. Returns self; raises ConfigError
+        naming the first bad value and what is accepted."""
+        for sec in SECTIONS:
+            getattr(self, sec).validate(self)
         return self
 
     def to_json(self) -> str:
+        """The nested form: {section: {field: value}}, faults as objects (what config.json carries)."""
         d = dataclasses.asdict(self)
-        d["faults"] = [dataclasses.asdict(f) for f in self.faults]
+        d["internal"]["faults"] = [dataclasses.asdict(f) for f in self.internal.faults]
         return json.dumps(d, indent=1, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "RunConfig":
+        """The RunConfig of ``to_json``'s text; ConfigError names an unknown section or setting."""
+        from .faultinject.spec import Fault
+
         d = json.loads(text)
-        d["faults"] = [Fault(**f) for f in d.get("faults", [])]
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ConfigError(f"unknown config keys {sorted(unknown)}; accepted: {sorted(known)}")
-        return cls(**d)
+        if isinstance(d, dict) and set(d) - set(SECTIONS):
+            raise ConfigError(f"unknown config sections {sorted(set(d) - set(SECTIONS))}; accepted: "
+                              f"{sorted(SECTIONS)}")
+        if not isinstance(d, dict) or not all(isinstance(b, dict) for b in d.values()):
+            raise ConfigError(f"config {text[:80]!r}: accepted: {{section: {{setting: value}}}} (RunConfig.to_json)")
+        sections = {}
+        for sec, body in d.items():
+            known = {f.name for f in dataclasses.fields(SECTIONS[sec])}
+            unknown = set(body) - known
+            if unknown:
+                raise ConfigError(f"unknown config keys {sorted(unknown)} in {sec}; accepted: {sorted(known)}")
+            if sec == "internal" and "faults" in body:
+                body = dict(body, faults=[Fault(**f) for f in body["faults"]])
+            sections[sec] = SECTIONS[sec](**body)
+        return cls(**sections)
+
+
+class _FlatName:
+    """``RunConfig.<flat name>``: on a config, the section's value (assigning it replaces the section, ``update``);
+    on the class, the default (``RunConfig.train_fn``). A derived value (``world_size``) is read-only."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, cls=None):
+        if self.name in DERIVED:
+            return getattr(getattr(obj if obj is not None else RunConfig(), DERIVED[self.name]), self.name)
+        ff = FLAT[self.name]
+        if obj is None:
+            f = ff.field
+            return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        return getattr(getattr(obj, ff.section), ff.field.name)
+
+    def __set__(self, obj, value) -> None:
+        if self.name in DERIVED:
+            raise AttributeError(f"{self.name} is computed from the {DERIVED[self.name]} section")
+        obj.update(**{self.name: value})
+
+
+for _name in [*FLAT, *DERIVED]:
+    setattr(RunConfig, _name, _FlatName(_name))
+del _name
+
+
+def run_parameters() -> dict[str, tuple]:
+    """The submitit executor's run parameters, derived from the sections: {flat name: (check(value) -> bool, what
+    is accepted)} for every public setting except ``nodes`` (submitit's own generic parameter)."""
+    return {ff.name: (ff.field.metadata["check"], ff.field.metadata["accepted"]) for ff in FLAT.values()
+            if ff.field.metadata["public"] and ff.name != "nodes"}

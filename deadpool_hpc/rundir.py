@@ -97,12 +97,12 @@ def check_run_dir(path: str, option: str = "--run-dir") -> str:
     return full
 
 
-_CONFIG_KEYS = {"nodes", "spares", "ranks_per_node", "steps", "run_dir", "train_fn"}  # in every RunConfig written
+_CONFIG_KEYS = {"layout", "train", "output"}  # sections in every RunConfig written
 
 
 def is_run_dir(path: str) -> bool:
     """True if a deadpool run used ``path``: it has run.lock, an event log, or a config.json written from a
-    RunConfig (every field known, and the layout fields there: ``{"lr": 1}`` is somebody else's)."""
+    RunConfig (every section and field known, and the layout section there: ``{"lr": 1}`` is somebody else's)."""
     if os.path.exists(os.path.join(path, LOCK)) or os.path.exists(os.path.join(path, "events.jsonl")):
         return True
     try:

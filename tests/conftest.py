@@ -87,7 +87,7 @@ def importable_test_code(request, monkeypatch):
 
 def baseline_settings(**settings) -> dict:
     """The settings of a failure-free run that decide its parameters (a default named or not: the same run)."""
-    bad = set(settings) - set(RunConfig.__dataclass_fields__)
+    bad = set(settings) - {ff.name for ff in RunConfig.flat_fields()}
     if bad:
         raise TypeError(f"not RunConfig fields: {sorted(bad)}")
     kw = {k: v for k, v in settings.items() if k not in NOT_IN_KEY}

@@ -6,7 +6,8 @@ import shutil
 import threading
 import warnings
 
-from deadpool_hpc.config import RunConfig, parse_fault
+from deadpool_hpc.config import RunConfig
+from deadpool_hpc.faultinject.spec import parse_fault
 from deadpool_hpc.process.fence import is_alive
 from deadpool_hpc.events import read_events
 from deadpool_hpc.launch import LocalExecutor

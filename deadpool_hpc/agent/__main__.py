@@ -70,7 +70,7 @@ def main(argv=None) -> None:
     from ..hostaddr import store_host
     from ..errors import Fenced
     from ..events import EventLog
-    from ..faults import NodeFaults, nic_down_env
+    from ..faultinject.inject import NodeFaults, nic_down_env
     from .channel import ChannelServer
     from ..replica.transports import check_transport
     from .health import HealthWatch, NodeInfo, load_detectors

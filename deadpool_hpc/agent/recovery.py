@@ -54,7 +54,7 @@ class RecoveryHost(Protocol):
     cp: object               # ControlPlane: generation, failure, recover(), barrier(), train_rank(local),
     #                          member_nodes, wait_sends()
     log: object              # EventLog
-    faults: object           # NodeFaults (faults.py): wants_phase(), at_phase(): faults planned at a phase
+    faults: object           # NodeFaults (faultinject/inject.py): wants_phase(), at_phase(): faults planned at a phase
     P: int                   # ranks per node
     node: int                # this node's index
     resume: dict | None      # LATEST of the checkpoint this attempt resumed from (step, high_water), or None

@@ -104,7 +104,7 @@ class Peers(threading.Thread):
         self.preempted = threading.Event()  # the job must save and leave (Slurm's SIGUSR2), see request_preempt
         self.preempt_signal = False         # set by a signal handler (a plain store: safe there); read by this thread
         self.on_preempt = None              # on_preempt(source_rank): called from this thread, once
-        self.on_inject = None               # on_inject(body): a fault to fire on this process (faults.py)
+        self.on_inject = None               # on_inject(body): a fault to fire on this process (faultinject/inject.py)
         self.on_work_failure = None         # on_work_failure(body): a suspect notice's "work" (control/crashloop.py)
         self.fenced: str | None = None      # why the others declared this process failed (it must stop)
         self.returning: dict[int, float] = {}  # suspected agents that declared their own failure and live on to return

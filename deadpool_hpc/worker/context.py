@@ -30,7 +30,7 @@ from ..dataplane import collectives
 from ..dataplane.collectives import Watch
 from ..dataplane.groups import device_for
 from ..errors import PeerFailure
-from ..faults import RankFaults
+from ..faultinject.inject import RankFaults
 from ..ipc.messages import Failure, Finish, Left, Spare, Train
 from ..replica.devicecopy import DeviceCopier
 from ..replica.snapshot import Slot, StateLayout
@@ -103,7 +103,7 @@ class Context(Recovering):
         client.on(Failure.KIND, self._on_failure)
         client.on("preflight", lambda body: preflight.answer(client, self.device, body))   # worker/preflight.py
         client.on("link", lambda body: preflight.link_answer(client, body))
-        # a test's --nic-down nodeI@STEP (faults.py): from now on, every gloo group this process builds
+        # a test's --nic-down nodeI@STEP (faultinject/inject.py): from now on, every gloo group this process builds
         client.on("nic_down", lambda body: os.environ.__setitem__("GLOO_SOCKET_IFNAME", str(body.get("ifname"))))
         _local_default_group()
 

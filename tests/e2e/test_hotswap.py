@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from deadpool_hpc.config import Fault, RunConfig
+from deadpool_hpc.config import RunConfig
+from deadpool_hpc.faultinject.spec import Fault
 from deadpool_hpc.process.fence import _start_ticks, is_alive
 from deadpool_hpc.events import read_events
 

@@ -58,7 +58,7 @@ def at_step(run_dir, n: int):
     es = events(run_dir)
     if not es:
         return None
-    cfg = json.load(open(os.path.join(str(run_dir), "config.json")))
+    cfg = json.load(open(os.path.join(str(run_dir), "config.json")))["layout"]
     total = (cfg["nodes"] + cfg["spares"]) * cfg["ranks_per_node"]
     if max((e["step"] for e in es if e["event"] == "step"), default=-1) >= n and \
             sum(e["event"] == "hello" and e.get("role") == "trainer" for e in es) == total:

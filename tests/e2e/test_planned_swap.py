@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from deadpool_hpc.config import RunConfig, parse_fault
+from deadpool_hpc.config import RunConfig
+from deadpool_hpc.faultinject.spec import parse_fault
 from deadpool_hpc.events import read_events
 
 from runs import launch_reaped  # tests/runs.py

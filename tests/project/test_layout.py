@@ -245,3 +245,27 @@ def test_the_control_planes_parts_sit_below_it():
         assert PLANE not in graph[part], f"{part} imports {PLANE}: the parts are handed the plane, never import it"
     assert not graph[f"{PKG}.control.bootstrap"] & {f"{PKG}.control.{m}" for m in ("peers", "round", "barrier")}
     assert not graph[f"{PKG}.control.barrier"] & {f"{PKG}.control.peers", f"{PKG}.control.round"}
+
+
+# fault injection (deadpool_hpc/faultinject/: the test fault grammar, the pre-start survival check, the signals) is a
+# room of its own, below the configuration and the processes that fire faults, and out of the package's public names
+FAULTINJECT = f"{PKG}.faultinject"
+FAULTINJECT_DEPS = {f"{PKG}.errors", f"{PKG}.placement"}
+FAULTINJECT_USERS = {f"{PKG}.config", f"{PKG}.launch", f"{PKG}.agent", f"{PKG}.worker"}
+
+
+def test_fault_injection_is_a_room_below_the_config_and_out_of_the_public_names():
+    mods = _modules()
+    graph = import_graph(mods)
+    assert {f"{FAULTINJECT}.spec", f"{FAULTINJECT}.plan", f"{FAULTINJECT}.inject"} <= set(mods), sorted(mods)
+    assert f"{PKG}.faults" not in mods and f"{PKG}.faultplan" not in mods
+    below = {room(d) for m, deps in graph.items() if room(m) == FAULTINJECT for d in deps} - {FAULTINJECT}
+    assert below <= FAULTINJECT_DEPS, f"{FAULTINJECT} imports {sorted(below - FAULTINJECT_DEPS)}"
+    users = {room(m) for m, deps in graph.items() if room(m) != FAULTINJECT and any(room(d) == FAULTINJECT
+                                                                                   for d in deps)}
+    assert users <= FAULTINJECT_USERS, f"{FAULTINJECT} is imported by {sorted(users - FAULTINJECT_USERS)}"
+    assert not any(room(d) == FAULTINJECT for d in graph[PKG]), "the package's public names import fault injection"
+    with open(mods[PKG]) as fh:
+        public = fh.read()
+    for name in ("Fault", "parse_fault"):
+        assert f"import {name} " not in public and f"as {name}\n" not in public, name

@@ -6,7 +6,6 @@ Nothing here reaches Slurm: every refusal comes before sbatch. submitit's SlurmE
 PATH to be constructed; where none is installed, a stub that is never run is put at the end of PATH."""
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 
@@ -73,7 +72,7 @@ def test_every_run_setting_is_a_parameter():
 
     # interleave_replication: a benchmark's on/off blocks (benchmarks/overhead.py), not a setting of a user's job;
     # fork_server: the local launcher's (worker/forkserver.py), never used under srun
-    fields = {f.name for f in dataclasses.fields(RunConfig)} - {"nodes", "faults", "train_fn", "interleave_replication",
+    fields = {f.name for f in RunConfig.flat_fields()} - {"nodes", "faults", "train_fn", "interleave_replication",
                                                                 "fork_server"}
     assert fields <= set(RUN_PARAMETERS), fields - set(RUN_PARAMETERS)
 

@@ -1,10 +1,14 @@
+import dataclasses
+import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from deadpool_hpc.config import Fault, RunConfig, parse_fault, parse_train_arg
+from deadpool_hpc.config import RunConfig, parse_train_arg
+from deadpool_hpc.faultinject.spec import Fault, parse_fault
 from deadpool_hpc.errors import ConfigError
 from deadpool_hpc.train.demo import DemoConfig
 
@@ -99,6 +103,7 @@ def test_demo_config_defaults_and_errors():
     (["--crash-loop-limit", "two"], "--crash-loop-limit: 'two': accepted: an integer >= 0"),
     (["--crash-loop-limit", "1.5"], "--crash-loop-limit: '1.5': accepted: an integer >= 0"),
     (["--resume"], "--resume: "),
+    (["--backend", "mpi"], "argument --backend: invalid choice: 'mpi' (choose from 'auto', 'nccl', 'gloo')"),
 ])
 def test_cli_rejects_bad_input_with_exit_2_before_starting(tmp_path, capsys, args, needle):
     """In process (the CLI's own ``main``; test_cli_hang_timeout_0_exits_2_from_the_command checks the exit status
@@ -175,7 +180,7 @@ def test_interleaved_replication_alternates_blocks_of_steps():
 
 
 def test_slow_node_specs_parse():
-    from deadpool_hpc.config import SLOW_FACTOR
+    from deadpool_hpc.faultinject.spec import SLOW_FACTOR
 
     assert parse_fault("slow", "node2@build:12") == Fault("slow", "node", 2, None, "build", 1, 12.0)
     f = parse_fault("slow", "node1@startup")
@@ -191,7 +196,7 @@ def test_slow_node_specs_parse():
 
 
 def test_nic_down_specs_parse():
-    from deadpool_hpc.config import NIC_DOWN_IFNAME
+    from deadpool_hpc.faultinject.spec import NIC_DOWN_IFNAME
 
     f = parse_fault("nic_down", "node2")
     assert f == parse_fault("nic_down", "node2@startup") == Fault("nic_down", "node", 2, None, "startup")
@@ -242,3 +247,154 @@ def test_preflight_judges_against_the_other_nodes_median():
     assert judge(0.14, [0.05], 3.0) == (False, 0.05)   # 2.8 x: under the factor
     assert judge(9.0, [], 3.0) == (False, None)
     assert judge(9.0, [0.05], 0) == (False, 0.05)
+
+
+# ---- the sections: each one's checks, the options and parameters derived from them, the nested JSON ---------------
+from deadpool_hpc import config as config_mod  # noqa: E402
+from deadpool_hpc.config import SECTIONS, flat_fields, run_parameters  # noqa: E402
+
+
+@pytest.mark.parametrize("section, kwargs, needle", [
+    ("layout", dict(ranks_per_node=0), "--ranks-per-node 0: accepted: 1 or more"),
+    ("layout", dict(backend="mpi"), "--backend 'mpi': accepted: auto, nccl or gloo"),
+    ("layout", dict(nodes=1, spares=1), "hot-swap needs at least 2 active nodes"),
+    ("train", dict(steps=True), "--steps True: accepted: 1 or more"),
+    ("train", dict(train_args={"a b": 1}), "--train-arg 'a b': accepted"),
+    ("replication", dict(replicas=3), "--replicas 3 with --nodes 3: each replica lives on another active node"),
+    ("replication", dict(replica_transport=""), "--replica-transport '': accepted: a replica transport's name"),
+    ("timeouts", dict(heartbeat_period=0), "--heartbeat-period 0: accepted: seconds > 0"),
+    ("timeouts", dict(heartbeat_deadline=0.3), "heartbeat deadline 0.3 s: must exceed twice the period"),
+    ("timeouts", dict(heartbeat_ceiling=1.5), "--heartbeat-ceiling 1.5: accepted: seconds >= 2 x the heartbeat"),
+    ("timeouts", dict(hang_timeout=0.5), "--hang-timeout 0.5: accepted: off, or at least the heartbeat deadline"),
+    ("timeouts", dict(startup_timeout=float("inf")), "--startup-timeout inf: accepted: seconds > 0"),
+    ("preflight", dict(health_check="a\0b"), "--health-check 'a\\x00b': accepted: a shell command"),
+    ("stragglers", dict(straggler_action="kill"), "--straggler-action 'kill': accepted: swap, report, off"),
+    ("comeback", dict(spare_return="yes"), "spare_return 'yes': accepted: True or False"),
+    ("comeback", dict(quarantine=-1), "--quarantine -1: accepted: seconds >= 0"),
+    ("comeback", dict(health_check_timeout=0), "--health-check-timeout 0: accepted: seconds > 0"),
+    ("persistence", dict(persist_every=float("nan")), "--persist-every nan: accepted: seconds >= 0"),
+    ("persistence", dict(max_requeues=-1), "max_requeues -1: accepted: 0 or more"),
+    ("output", dict(log_every=0), "--log-every 0: accepted: 1 or more"),
+    ("output", dict(metrics_port=65535), "--metrics-port 65535: accepted: a TCP port 1..65531"),
+    ("output", dict(metrics_textfile="/nonexistent/dir"), "--metrics-textfile '/nonexistent/dir': no such directory"),
+    ("internal", dict(interleave_replication=-1), "interleave_replication -1: accepted: 0 (off) or a block"),
+])
+def test_each_section_names_its_bad_value_and_what_is_accepted(section, kwargs, needle):
+    cfg = RunConfig(**{**dict(nodes=3, spares=1, steps=100), **kwargs})
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        getattr(cfg, section).validate(cfg)
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        cfg.validate()
+
+
+def test_flat_names_read_and_set_the_sections():
+    """The flat names (the CLI's and submitit's vocabulary) read and set the sections; the lines marked for
+    /work/codemod-config.py keep them, as they are what is tested."""
+    cfg = RunConfig(nodes=4, straggler_factor=2.0, spare_return=False, faults=[parse_fault("kill", "node1@5")])
+    assert cfg.layout.nodes == cfg.nodes == 4  # codemod: keep
+    assert cfg.stragglers.factor == cfg.straggler_factor == 2.0  # codemod: keep
+    assert cfg.comeback.enabled is cfg.spare_return is False  # codemod: keep
+    assert cfg.internal.faults == cfg.faults  # codemod: keep
+    assert cfg.layout.world_size == cfg.world_size == 4  # codemod: keep
+    assert cfg.timeouts.wait_timeout == cfg.wait_timeout == 64.0  # codemod: keep
+    assert RunConfig.train_fn == "deadpool_hpc.train.demo:train"  # codemod: keep
+    assert RunConfig.heartbeat_deadline == 1.0  # codemod: keep
+    cfg.run_dir = "/x"  # codemod: keep (a flat assignment replaces the frozen section)
+    assert cfg.output.run_dir == "/x" and cfg.run_dir == "/x"  # codemod: keep
+    assert cfg.replace(run_dir="/y").output.run_dir == "/y" and cfg.output.run_dir == "/x"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.output.run_dir = "/z"
+    with pytest.raises(AttributeError, match="world_size is computed from the layout section"):
+        cfg.world_size = 3  # codemod: keep
+    with pytest.raises(ConfigError, match="unknown setting 'nodez'; accepted: nodes, spares"):
+        RunConfig(nodez=3)
+    assert cfg.flat()["straggler_factor"] == 2.0 and set(cfg.flat()) == {ff.name for ff in flat_fields()}
+
+
+def test_json_roundtrip_is_nested_and_keeps_every_section():
+    cfg = RunConfig(nodes=4, spares=2, ranks_per_node=2, backend="gloo", fork_server=False, steps=9,
+                    train_args={"lr": 0.5}, replicas=2, replica_transport="unix", heartbeat_ceiling=5.0,
+                    health_check="true", preflight_factor=0, spare_check_every=0, straggler_action="report",
+                    spare_return=False, crash_loop_limit=0, persist_every=1.0, requeue=True, max_requeues=1,
+                    run_dir="/r", summary_path="/s.json", log_every=3, metrics_port=9400,
+                    faults=[parse_fault("kill", "rank1@3"), parse_fault("slow", "node2@startup:4")]).validate()
+    text = cfg.to_json()
+    d = json.loads(text)
+    assert set(d) == set(SECTIONS) and d["stragglers"]["action"] == "report" and d["comeback"]["enabled"] is False
+    assert d["internal"]["faults"][1] == {"kind": "slow", "target_kind": "node", "index": 2, "step": None,
+                                          "phase": "startup", "nth": 1, "factor": 4.0}
+    back = RunConfig.from_json(text)
+    assert back == cfg and back.to_json() == text
+    with pytest.raises(ConfigError, match=r"unknown config sections \['nodes'\]; accepted: \['comeback'"):
+        RunConfig.from_json('{"nodes": 3}')
+    with pytest.raises(ConfigError, match=r"unknown config keys \['n'\] in layout; accepted: \['backend'"):
+        RunConfig.from_json('{"layout": {"n": 3}}')
+
+
+def test_every_setting_with_a_flag_is_an_option_with_the_fields_default():
+    import argparse
+
+    from deadpool_hpc.launch.options import _from_args, add_run_options
+
+    p = argparse.ArgumentParser()
+    add_run_options(p)
+    flags = {s for a in p._actions for s in a.option_strings}
+    d = RunConfig()
+    for ff in flat_fields():
+        flag = config_mod.cli_flag(ff.field)
+        if flag:
+            assert flag in flags, flag
+    assert _from_args(p.parse_args([])) == {k: v for k, v in d.flat().items()
+                                            if k not in ("train_args", "max_requeues", "faults",
+                                                         "interleave_replication")}
+    a = p.parse_args(["--no-spare-return", "--requeue", "--no-replicate", "--straggler-factor", "2", "--summary",
+                      "s.json", "--backend", "gloo"])
+    got = _from_args(a)
+    assert got["spare_return"] is False and got["requeue"] is True and got["replicate"] is False
+    assert got["straggler_factor"] == 2.0 and got["summary_path"] == "s.json" and got["backend"] == "gloo"
+
+
+def test_submitit_parameters_are_the_public_settings():
+    params = run_parameters()
+    public = {ff.name for ff in flat_fields() if ff.field.metadata["public"]} - {"nodes"}
+    assert set(params) == public and "backend" in params and "faults" not in params
+    d = RunConfig().flat()
+    for name, (check, accepted) in params.items():
+        assert check(d[name]) and accepted, name   # every default passes its own check
+    assert not params["spares"][0](-1) and not params["straggler_action"][0]("kill")
+
+
+def test_the_readme_lists_every_option_as_generated():
+    from deadpool_hpc.launch.options import options_markdown
+
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    block = readme.split("<!-- options: generated -->\n", 1)[1].split("<!-- /options -->", 1)[0]
+    assert block == options_markdown(), "README's options differ: paste options_markdown()'s output"
+
+
+def test_backend_auto_resolves_on_this_machine_and_nccl_needs_cuda(monkeypatch):
+    monkeypatch.setattr(config_mod, "cuda_available", lambda: False)
+    assert RunConfig().layout.resolved_backend() == "gloo"
+    assert RunConfig(backend="gloo").validate().layout.resolved_backend() == "gloo"
+    with pytest.raises(ConfigError, match=re.escape("--backend 'nccl': CUDA is not available here")) as info:
+        RunConfig(backend="nccl").validate()
+    assert "accepted: auto (gloo here) or gloo" in str(info.value)
+    monkeypatch.setattr(config_mod, "cuda_available", lambda: True)
+    assert RunConfig().layout.resolved_backend() == "nccl"
+    assert RunConfig(backend="nccl").validate().layout.resolved_backend() == "nccl"
+    assert RunConfig(backend="gloo").layout.resolved_backend() == "gloo"
+
+
+def test_cli_backend_nccl_without_cuda_exits_2_before_starting(tmp_path, capsys, monkeypatch):
+    from deadpool_hpc.launch.cli import main
+
+    monkeypatch.setattr(config_mod, "cuda_available", lambda: False)
+    run_dir = tmp_path / "run"
+    try:
+        code = main(["run", "--run-dir", str(run_dir), "--nodes", "2", "--spares", "0", "--steps", "3", "--backend",
+                     "nccl"])
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and "--backend 'nccl': CUDA is not available here" in err, err
+    assert not run_dir.exists()

@@ -1,8 +1,9 @@
 """Fault specs checked against the layout before any process starts (faultplan.py): a pure simulation."""
 import pytest
 
-from deadpool_hpc import faultplan
-from deadpool_hpc.config import Fault, RunConfig, parse_fault
+from deadpool_hpc.faultinject import plan as faultplan
+from deadpool_hpc.config import RunConfig
+from deadpool_hpc.faultinject.spec import Fault, parse_fault
 from deadpool_hpc.errors import ConfigError
 
 

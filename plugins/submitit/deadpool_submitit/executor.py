@@ -32,7 +32,6 @@ and ``checkpoint_wait_s``.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 import shutil
@@ -251,7 +250,7 @@ class DeadpoolExecutor(SlurmExecutor):
     def run_parameters(self) -> tp.Dict[str, tp.Any]:
         """The run settings set so far (``nodes`` = active nodes), RunConfig's defaults for the others."""
         cfg = self._layout()
-        out = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("faults", "train_fn")}
+        out = {f.name: getattr(cfg, f.name) for f in cfg.flat_fields() if f.name not in ("faults", "train_fn")}
         out.update((k, self._run[k]) for k in _JOB_PARAMETERS if k in self._run)
         return out
 
@@ -272,7 +271,7 @@ class DeadpoolExecutor(SlurmExecutor):
             if kwargs:
                 raise ValueError(f"deadpool executor: submit(HotSwapJob, **{kwargs!r}): a HotSwapJob takes no "
                                  f"arguments; its config's train_args are the training function's settings")
-            have = dict(dataclasses.asdict(fn.cfg), wait_survivors_s=fn.wait_survivors_s,
+            have = dict(fn.cfg.flat(), wait_survivors_s=fn.wait_survivors_s,
                         checkpoint_wait_s=fn.checkpoint_wait_s)
             clash = {k: (v, have[k]) for k, v in self._run.items() if have[k] != v}
             if clash:

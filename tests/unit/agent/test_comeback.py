@@ -4,10 +4,11 @@ import threading
 
 import pytest
 
-from deadpool_hpc.config import Fault, RunConfig
+from deadpool_hpc.config import RunConfig
+from deadpool_hpc.faultinject.spec import Fault
 from deadpool_hpc.control.membership import Membership, Readmit, may_readmit, on_readmit, spares_of
 from deadpool_hpc.errors import ConfigError
-from deadpool_hpc.faultplan import check, rounds
+from deadpool_hpc.faultinject.plan import check, rounds
 
 
 def test_spares_of_a_round_include_a_readmitted_node_the_view_missed():

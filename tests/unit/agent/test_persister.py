@@ -4,6 +4,7 @@ tests/slurm/test_slurm_persist.py (real agents, real disks)."""
 import types
 
 from deadpool_hpc.agent.persister import Persister
+from deadpool_hpc.config import RunConfig
 from deadpool_hpc.control.messages import Persisted
 
 
@@ -24,7 +25,7 @@ def _host(node=0, nodes=3, generation=0):
                                train_rank=lambda local: node)
     cp.on = cp.handlers.__setitem__
     rep = types.SimpleNamespace(committed_step=0)
-    host = types.SimpleNamespace(cfg=types.SimpleNamespace(persist_every=1.0, run_dir="/nonexistent", world_size=nodes),
+    host = types.SimpleNamespace(cfg=RunConfig(persist_every=1.0, run_dir="/nonexistent", nodes=nodes, spares=0),
                                  cp=cp, log=types.SimpleNamespace(emit=lambda *a, **k: None), state="training", P=1,
                                  node=node, checkpoint_dir="/nonexistent/checkpoint", reps={0: rep}, layouts={},
                                  channel=types.SimpleNamespace(wake=lambda: None),

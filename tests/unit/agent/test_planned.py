@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 from deadpool_hpc.agent.health import Unhealthy
 from deadpool_hpc.agent.planned import PlannedSwaps
+from deadpool_hpc.config import RunConfig
 
 
 class Peers:
@@ -44,7 +45,7 @@ class Host:
     """The node agent as a planned swap sees it: nothing else of NodeAgent is reachable."""
 
     def __init__(self, P=2):
-        self.cfg = SimpleNamespace(replicate=True, steps=100, ranks_per_node=P, collective_timeout=30.0)
+        self.cfg = RunConfig(replicate=True, steps=100, ranks_per_node=P, collective_timeout=30.0)
         self.log = SimpleNamespace(events=[], emit=lambda name, **kw: self.log.events.append(name))
         self.state = "training"
         self.written = {lo: 4 for lo in range(P)}

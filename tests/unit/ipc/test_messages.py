@@ -163,7 +163,7 @@ def _plane_of_send(rel: str, receiver: str) -> str | None:
         return schema.CONTROL
     if last in ("channel", "srv"):
         return schema.TO_WORKER
-    if last == "client" or rel in ("worker/client.py", "faults.py") and receiver == "self":
+    if last == "client" or rel in ("worker/client.py", "faultinject/inject.py") and receiver == "self":
         return schema.TO_AGENT
     return None
 

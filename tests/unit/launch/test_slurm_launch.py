@@ -24,7 +24,7 @@ def test_write_config_and_render_make_relative_paths_absolute(tmp_path, monkeypa
     (tmp_path / "tf").mkdir()
     cfg = RunConfig(nodes=2, spares=1, steps=5, run_dir="runs/a", summary_path="s.json", metrics_textfile="tf")
     path = slurm.write_config(cfg)
-    written = json.load(open(path))
+    written = json.load(open(path))["output"]
     assert written["run_dir"] == str(tmp_path / "runs" / "a") and written["summary_path"] == str(tmp_path / "s.json")
     assert written["metrics_textfile"] == str(tmp_path / "tf")   # the job runs in RUN_DIR (--chdir)
     text = slurm.render(cfg)

@@ -48,7 +48,7 @@ def test_a_beacon_that_stands_still_is_a_lost_node_and_the_relaunch_costs_a_spar
     assert rec["lost_hosts"] == ["h1"] and "stood still" in rec["why"]
     total, spares, excluded = st.relaunch(d, "0.0")
     assert (total, spares, excluded) == (2, 0, ["h1"])
-    assert json.load(open(os.path.join(d, "config.json")))["spares"] == 0
+    assert json.load(open(os.path.join(d, "config.json")))["layout"]["spares"] == 0
     kinds = [e["event"] for e in read_events(os.path.join(d, "events.jsonl"))]
     assert kinds == ["startup_node_lost", "relaunched"]
     # a second loss with no spare left: the reason, and nothing relaunched

@@ -1,7 +1,7 @@
 """Will this layout survive these injected faults? A pure simulation, run before any process starts.
 
 Owns the rules a fault spec is checked against (``check``); owns no process and no signal (injection is
-faults.py). The simulation replays the faults in order, as the recovery would handle them:
+inject.py). The simulation replays the faults in order, as the recovery would handle them:
 
 - a *round* is one recovery agreement (agreement.decide). Faults at one step are lost together and
   start a round; a phase fault (``--kill node2@rebuild``) joins round ``nth``: before its decision for
@@ -28,8 +28,8 @@ for tests and docs.
 """
 from __future__ import annotations
 
-from .errors import ConfigError
-from .placement import holder_nodes, promotion
+from ..errors import ConfigError
+from ..placement import holder_nodes, promotion
 
 PRE_DECISION = ("detect", "agree", "decided")
 POST_DECISION = ("rebuild", "restore")

@@ -3,7 +3,7 @@
 ``--kill node1@60`` SIGKILLs every process of node 1 (its agent and its training processes: what a node crash
 looks like) when training first reaches step 60; ``--kill rank2@60`` SIGKILLs the training process holding
 rank 2 (its agent sees the exit at once); ``--hang ...`` sends SIGSTOP instead (frozen, sockets open).
-``--kill node2@rebuild`` fires when node 2 reaches that phase of its ``nth`` recovery round (config.Fault lists
+``--kill node2@rebuild`` fires when node 2 reaches that phase of its ``nth`` recovery round (spec.Fault lists
 the phases). A fault fires once: step faults only on the first pass through their step (the caller fires them
 above the job's high-water step), phase faults the first time their phase comes.
 
@@ -186,7 +186,7 @@ def nic_down_env(faults, node: int, env: dict, log) -> None:
 
 def _nic_down_injected(log, target: str, node: int, step, pids: list) -> str:
     """Log (and fsync) a ``--nic-down`` fault; returns the interface gloo is to be given."""
-    from .config import NIC_DOWN_IFNAME
+    from .spec import NIC_DOWN_IFNAME
 
     log.emit("fault_injected", kind="nic_down", target=target, step=step, phase="startup" if step is None else None,
              node=node, pids=pids, signal=None, ifname=NIC_DOWN_IFNAME)
