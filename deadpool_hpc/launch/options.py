@@ -135,7 +135,7 @@ def _from_args(a) -> dict:
 
 
 def options_markdown() -> str:
-    """The README's options list, by section: each option, its default and its help (tests/test_config.py keeps the
+    """The README's options list, by section: each option, its default and its help (tests/unit/test_config.py keeps the
     README equal to it)."""
     lines = []
     for sec in SECTIONS:
