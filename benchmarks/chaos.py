@@ -91,7 +91,7 @@ class Job:
 
     def __init__(self, cfg: RunConfig):
         self.cfg, self.events = cfg, []
-        self.tail = EventTail(os.path.join(cfg.run_dir, "events.jsonl"))
+        self.tail = EventTail(os.path.join(cfg.output.run_dir, "events.jsonl"))
         self.hit, self.t_injected = set(), 0.0   # nodes this driver took out in this attempt; when it last did
 
     def poll(self) -> None:
@@ -110,7 +110,7 @@ class Job:
     def layout(self) -> tuple[list[int], list[int]]:
         """(the physical node of each training slot, the idle spares in promotion order), from the decisions and the
         nodes back in the pool since (``node_returned``, in the order they came back)."""
-        active, spares = list(range(self.cfg.nodes)), list(range(self.cfg.nodes, self.cfg.total_nodes))
+        active, spares = list(range(self.cfg.layout.nodes)), list(range(self.cfg.layout.nodes, self.cfg.layout.total_nodes))
         cur = self.attempt()
         decided = {e["generation"]: e for e in cur if e["event"] == "decision"}  # the last one counts
         back = sorted((e for e in cur if e["event"] == "node_returned"), key=lambda e: e["t"])
@@ -292,7 +292,7 @@ def main() -> int:  # noqa: C901
                          "--min-gap less a return's seconds, so only a node that fails by itself is kept out)")
     ap.add_argument("--no-spare-return", action="store_true", help="a failed node never comes back (the old way)")
     ap.add_argument("--max-node-kills", type=int, help="at most this many kill-node faults (default: no bound)")
-    ap.add_argument("--train-fn", default=RunConfig.train_fn)
+    ap.add_argument("--train-fn", default=RunConfig().train.train_fn)
     ap.add_argument("--train-arg", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out",
                                                   time.strftime("chaos-%Y%m%d-%H%M%S")), help="new or empty directory")

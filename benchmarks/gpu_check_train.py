@@ -19,14 +19,14 @@ def train(ctx) -> None:
     if not torch.cuda.is_available():
         raise RuntimeError("benchmarks.gpu_check_train needs CUDA (its state is CUDA tensors); accepted: a machine "
                            "with a GPU, or examples.ddp_gpt:train on the CPU")
-    s = Settings.from_args(ctx.config.train_args)
+    s = Settings.from_args(ctx.config.train.train_args)
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     torch.cuda.set_device(dev)
     torch.manual_seed(s.seed)
     model = DDP(GPT(GPTConfig(n_layer=s.n_layer, n_head=s.n_head, d_model=s.d_model, context=s.context)).to(dev),
                 device_ids=[dev.index])
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=ctx.config.steps)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=ctx.config.train.steps)
     data = Batches(load_tokens(), s.batch_size, s.context, s.seed)
     ctx.protect(model, opt, sched)
 

@@ -64,12 +64,12 @@ def run(cfg: RunConfig, warmup: int) -> tuple[dict, dict[str, float]]:
     box = {}
     t = threading.Thread(target=lambda: box.update(s=LocalExecutor(timeout=600).run(cfg)))
     t.start()
-    tail, step, marks = EventTail(f"{cfg.run_dir}/events.jsonl"), 0, []
-    for at in (warmup, cfg.steps - 10):
+    tail, step, marks = EventTail(f"{cfg.output.run_dir}/events.jsonl"), 0, []
+    for at in (warmup, cfg.train.steps - 10):
         while t.is_alive() and step < at:
             time.sleep(0.02)
             step = max([step] + [e["step"] for e in tail.poll() if e["event"] == "step"])
-        marks.append((step, _cpu_s(cfg.run_dir)))
+        marks.append((step, _cpu_s(cfg.output.run_dir)))
     t.join()
     (s0, a), (s1, b) = marks
     per = {"agent": 0.0, "training": 0.0}
@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--block", type=int, default=4, help="steps per on / off block of the within-run estimator")
-    ap.add_argument("--train-fn", default=RunConfig.train_fn,
+    ap.add_argument("--train-fn", default=RunConfig().train.train_fn,
                     help="module:function (default: the demo, ctx.protect; deadpool_hpc.train.demo:train_zero: ZeRO-1)")
     ap.add_argument("--train-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="a setting of the training function, as for deadpool run (e.g. batch_size=32)")
@@ -116,7 +116,7 @@ def main() -> None:
                 assert s["completed"], s
                 if mode in cpu:
                     cpu[mode].append(per)
-                t[mode] = step_times(cfg.run_dir, a.warmup)
+                t[mode] = step_times(cfg.output.run_dir, a.warmup)
                 if mode == "on":
                     nbytes = s["bytes_replicated_per_rank_per_step"]
             within.append(block_ratio(t["interleaved"], a.block))

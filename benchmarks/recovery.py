@@ -29,9 +29,9 @@ def main() -> None:
     ap.add_argument("--kill", action="append", default=[], help="fault spec, repeatable (default node1@40)")
     ap.add_argument("--hang", action="append", default=[], help="SIGSTOP fault spec, repeatable")
     ap.add_argument("--replicas", type=int, default=1)
-    ap.add_argument("--train-fn", default=RunConfig.train_fn,
+    ap.add_argument("--train-fn", default=RunConfig().train.train_fn,
                     help="module:function (default: the demo, ctx.protect; deadpool_hpc.train.demo:train_zero: ZeRO-1)")
-    ap.add_argument("--hang-timeout", type=float, default=RunConfig.hang_timeout,
+    ap.add_argument("--hang-timeout", type=float, default=RunConfig().timeouts.hang_timeout,
                     help="seconds without progress before a frozen training process is fenced (for --hang)")
     a = ap.parse_args()
     specs = [("kill", k) for k in a.kill] + [("hang", h) for h in a.hang] or [("kill", "node1@40")]

@@ -37,7 +37,7 @@ from deadpool_hpc.events import read_events
 from deadpool_hpc.launch import LocalExecutor
 from deadpool_hpc.report.timeline import step_rate
 
-FACTOR = RunConfig.straggler_factor
+FACTOR = RunConfig().stragglers.factor
 
 
 def run(run_dir: str, steps: int, window: float, faults=()) -> tuple[dict, list[dict]]:
@@ -155,7 +155,7 @@ def plot(path: str, spec: str, ev, ev0, fault, det, dec, after) -> None:
 
 
 def false_positives(a, tmp: str) -> None:
-    plan = [("window 10", 10.0)] * a.false_positives + [("defaults", RunConfig.straggler_window)] * 2
+    plan = [("window 10", 10.0)] * a.false_positives + [("defaults", RunConfig().stragglers.window)] * 2
     rows = []
     for i, (name, window) in enumerate(plan):
         s, ev = run(f"{tmp}/fp{i}", 300, window)

@@ -116,7 +116,7 @@ class JobView:
         from .rundir import RunDir
 
         self.cfg = cfg
-        self.tail = EventTail(RunDir(cfg.run_dir).events)
+        self.tail = EventTail(RunDir(cfg.output.run_dir).events)
         self.events: list[dict] = []
         self.first_step: dict | None = None
         self.steps: list[dict] = []
@@ -144,7 +144,7 @@ class JobView:
         out: dict = {}
         last = steps[-1] if steps else {}
         out["deadpool_step"] = [((), s["steps_completed"] or 0)]
-        out["deadpool_steps_target"] = [((), self.cfg.steps)]
+        out["deadpool_steps_target"] = [((), self.cfg.train.steps)]
         if last.get("step_s") is not None:
             out["deadpool_step_seconds"] = [((), last["step_s"])]
         recent = [e for e in self.steps if e["t"] >= now - RATE_WINDOW_S]

@@ -41,7 +41,7 @@ def build_summary(events: list[dict], config=None) -> dict:  # noqa: C901
     # it, and the next coordinator decided that generation again); the last one counts
     decisions = sorted({e["generation"]: e for e in sorted(by["decision"], key=lambda e: e["t_decided"])}.values(),
                        key=lambda e: e["generation"])
-    P = config.ranks_per_node if config else 1
+    P = config.layout.ranks_per_node if config else 1
     for d in decisions:
         g = d["generation"]
         if "reason" not in d and not d.get("error"):
@@ -75,7 +75,7 @@ def build_summary(events: list[dict], config=None) -> dict:  # noqa: C901
     rates = sorted(e["tokens_per_s"] for e in steps if e.get("tokens_per_s"))
     times = sorted(e["step_s"] for e in steps if e.get("step_s"))
     return {
-        "completed": bool(fin) and (config is None or fin.get("steps") == config.steps),
+        "completed": bool(fin) and (config is None or fin.get("steps") == config.train.steps),
         # medians over rank 0's logged steps (recomputed ones included): the scaling study's numbers
         "median_step_s": times[len(times) // 2] if times else None,
         "median_tokens_per_s": rates[len(rates) // 2] if rates else None,
@@ -85,7 +85,7 @@ def build_summary(events: list[dict], config=None) -> dict:  # noqa: C901
         "start_up_s": (first_step - min(hellos)) if hellos and first_step is not None else None,
         "first_loss": steps[0].get("loss") if steps else None,
         "final_loss": steps[-1].get("loss") if steps else None,
-        "world_size": fin.get("world_size", config.world_size if config else None),
+        "world_size": fin.get("world_size", config.layout.world_size if config else None),
         # the final generation's spares as its training processes were told, and the nodes readmitted to it since
         # (agent/comeback.py: a readmission changes no generation and tells no training process)
         "spares_left": None if fin.get("spares_left") is None else fin["spares_left"] + sum(

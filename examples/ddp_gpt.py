@@ -85,7 +85,7 @@ def main() -> None:
 
 
 def train(ctx) -> None:
-    model, opt, sched, data = build(Settings.from_args(ctx.config.train_args), ctx.config.steps)
+    model, opt, sched, data = build(Settings.from_args(ctx.config.train.train_args), ctx.config.train.steps)
     ctx.protect(model, opt, sched)                      # snapshot, replicate, restore; pollable gradient average
 
     def step_fn(step):

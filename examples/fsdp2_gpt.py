@@ -140,10 +140,10 @@ def main() -> None:
 
 
 def train(ctx) -> None:
-    s = Settings.from_args(ctx.config.train_args)
+    s = Settings.from_args(ctx.config.train.train_args)
     layout = hsdp(s, ctx.world_size)
     mesh = ctx.init_device_mesh(*layout) if layout else ctx.device_mesh
-    model, opt, sched, data = build(s, ctx.config.steps, mesh=mesh, device=ctx.device)
+    model, opt, sched, data = build(s, ctx.config.train.steps, mesh=mesh, device=ctx.device)
     ctx.protect(model, opt, sched)            # snapshot, replicate, restore; the mesh's collectives pollable
 
     def step_fn(step):

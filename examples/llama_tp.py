@@ -208,9 +208,9 @@ def main() -> None:
 
 
 def train(ctx) -> None:
-    s = Settings.from_args(ctx.config.train_args)
+    s = Settings.from_args(ctx.config.train.train_args)
     mesh = ctx.init_device_mesh((ctx.world_size // s.tp, s.tp), ("dp", "tp"))
-    model, opt, sched, data = build(s, ctx.config.steps, mesh, device=ctx.device)
+    model, opt, sched, data = build(s, ctx.config.train.steps, mesh, device=ctx.device)
     ctx.protect(model, opt, sched)
 
     def step_fn(step):

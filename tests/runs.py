@@ -39,7 +39,7 @@ def launch_reaped(cfg: RunConfig, timeout: float) -> dict:
     left alive, and no MPICH segment may be left in /dev/shm by it (control/mpi.py:unlink_mpi_shm)."""
     before = _mpi_segments()
     summary = LocalExecutor(timeout=timeout).run(cfg)
-    for e in read_events(os.path.join(cfg.run_dir, "events.jsonl")):
+    for e in read_events(os.path.join(cfg.output.run_dir, "events.jsonl")):
         if e["event"] == "hello":
             assert not is_alive(e), f"pid {e['pid']} ({e.get('role')}) outlived the run"
     left = _mpi_segments() - before - _mapped_anywhere()
@@ -76,9 +76,9 @@ def run_faults(tmp_path, name, *specs, timeout=240, again=True, **kw) -> dict:
     cfg = RunConfig(**{**dict(nodes=3, spares=2, steps=SMALL_RUN_STEPS, run_dir=str(tmp_path / name),
                               faults=faults(*specs), rendezvous_timeout=4.0), **kw}).validate()
     s = launch_reaped(cfg, timeout)
-    if again and hydra_collapsed(s, cfg.run_dir):
+    if again and hydra_collapsed(s, cfg.output.run_dir):
         _collapse_warning(name)
-        shutil.rmtree(cfg.run_dir)
+        shutil.rmtree(cfg.output.run_dir)
         s = launch_reaped(cfg, timeout)
     return s
 

@@ -18,7 +18,7 @@ def frozen_rank2(ctx) -> None:
     (default 25), once per run (a marker file in the run directory): its process and heartbeat thread stay
     alive, only its progress stops (issue 11, item 2)."""
     freeze_at = int(os.environ.get("DEADPOOL_TEST_FREEZE_STEP", "25"))
-    marker = os.path.join(ctx.config.run_dir, "froze")
+    marker = os.path.join(ctx.config.output.run_dir, "froze")
 
     run = ctx.run
 
@@ -47,7 +47,7 @@ def why_it_failed(ctx) -> None:
     ``waiting_for_a_peer_that_never_answers``."""
     exit_at = int(os.environ.get("DEADPOOL_TEST_EXIT_STEP", "6"))
     hang_at = int(os.environ.get("DEADPOOL_TEST_HANG_STEP", "18"))
-    exited, hung = (os.path.join(ctx.config.run_dir, name) for name in ("exited-once", "hung-once"))
+    exited, hung = (os.path.join(ctx.config.output.run_dir, name) for name in ("exited-once", "hung-once"))
     run = ctx.run
 
     def run_failing(step_fn):

@@ -86,9 +86,9 @@ class _HFSquares(torch.utils.data.Dataset):
 
 
 def train(ctx) -> None:
-    a = ctx.config.train_args
+    a = ctx.config.train.train_args
     kind, workers, shape = a.get("loader", "sdl"), int(a.get("workers", 2)), a.get("shape", "once")
-    n = int(a.get("samples", ctx.world_size * BATCH * ctx.config.steps))
+    n = int(a.get("samples", ctx.world_size * BATCH * ctx.config.train.steps))
     pace = float(a.get("pace", 0))
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)))

@@ -61,7 +61,7 @@ def main(argv=None) -> None:
     # Start-up deadline: MPI_Init and the first collectives cannot time out, and a process lost meanwhile blocks
     # them for ever; mpi4py holds the GIL in MPI_Init, so no Python thread could act. faulthandler's watchdog is
     # a C thread: it prints every thread's stack to stderr and exits 1.
-    faulthandler.dump_traceback_later(cfg.startup_timeout, exit=True)
+    faulthandler.dump_traceback_later(cfg.timeouts.startup_timeout, exit=True)
     secret_hex = os.environ.get("DEADPOOL_JOB_SECRET", "")
     if len(secret_hex) < 32:
         sys.exit("DEADPOOL_JOB_SECRET is missing or shorter than 16 bytes (hex); the launcher sets it")
@@ -87,16 +87,16 @@ def main(argv=None) -> None:
     # node<index> even inside a Slurm allocation (they would all inherit the same SLURMD_NODENAME)
     slurm_node = os.environ.get("SLURMD_NODENAME") if line is None else None
     slurm_job = os.environ.get("SLURM_JOB_ID") if line is None else None
-    transport = check_transport(cfg.replica_transport)  # replica/transports.py: tcp, unix or a plugin's
-    listeners = [transport.listen(host) for _ in range(cfg.ranks_per_node)]  # one replica server per local rank
+    transport = check_transport(cfg.replication.replica_transport)  # replica/transports.py: tcp, unix or a plugin's
+    listeners = [transport.listen(host) for _ in range(cfg.layout.ranks_per_node)]  # one replica server per local rank
     watch = RingWatch(-1, secret, host)
     channel = ChannelServer(secret, log=log)
-    cp = ControlPlane(secret=secret, ranks_per_node=cfg.ranks_per_node, active_nodes=cfg.nodes,
-                      period=cfg.heartbeat_period, deadline=cfg.heartbeat_deadline, log=log,
-                      ceiling=cfg.heartbeat_ceiling,
-                      ready_timeout=cfg.ready_timeout, recovery_timeout=cfg.recovery_timeout,
-                      replicas=cfg.replicas if cfg.replicate else 0,
-                      host=host, crash_loop_limit=cfg.crash_loop_limit,
+    cp = ControlPlane(secret=secret, ranks_per_node=cfg.layout.ranks_per_node, active_nodes=cfg.layout.nodes,
+                      period=cfg.timeouts.heartbeat_period, deadline=cfg.timeouts.heartbeat_deadline, log=log,
+                      ceiling=cfg.timeouts.heartbeat_ceiling,
+                      ready_timeout=cfg.timeouts.ready_timeout, recovery_timeout=cfg.timeouts.recovery_timeout,
+                      replicas=cfg.replication.replicas if cfg.replication.replicate else 0,
+                      host=host, crash_loop_limit=cfg.comeback.crash_loop_limit,
                       extra_identity={"replica": [transport.address(s) for s in listeners], "watch": watch.address,
                                       "slurm_node": slurm_node})
     watch.me = cp.me
@@ -110,25 +110,25 @@ def main(argv=None) -> None:
         cp.peers.request_preempt()
     env = dict(os.environ, DEADPOOL_AGENT_SOCK=channel.name, DEADPOOL_NODE=str(cp.me))
     env.pop(lifeline.ENV, None)  # the agent watches the launcher; its training processes die with the agent
-    nic_down_env(cfg.faults, cp.me, env, log)   # a test's --nic-down: this node's data plane is down
-    sup = Supervisor(run_dir, cfg.ranks_per_node, env, cfg.hang_timeout, channel.progress)
+    nic_down_env(cfg.internal.faults, cp.me, env, log)   # a test's --nic-down: this node's data plane is down
+    sup = Supervisor(run_dir, cfg.layout.ranks_per_node, env, cfg.timeouts.hang_timeout, channel.progress)
     code = 1
     check = agent = None
     try:
         # the last collective of the start-up (a barrier), then heartbeats: from here on a node lost is seen by the
         # others and recovered. The barrier comes before the import of torch below: a node lost during that import
         # would otherwise leave every other agent in the barrier until the start-up deadline
-        cp.peers.deadline = max(cfg.heartbeat_deadline, STARTUP_HEARTBEAT_DEADLINE_S)   # (node.py says why)
+        cp.peers.deadline = max(cfg.timeouts.heartbeat_deadline, STARTUP_HEARTBEAT_DEADLINE_S)   # (node.py says why)
         cp.start()
         faulthandler.cancel_dump_traceback_later()  # every wait from here on has its own deadline
         sup.start()
-        check = HealthCheck(cfg.health_check, env, os.path.join(run_dir, f"health-check-node{cp.me}.log")) \
-            if cfg.health_check else None   # the site's check runs while the training processes start
-        faults = NodeFaults(cfg.faults, node=cp.me, log=log, pids=lambda: {lo: p.pid for lo, p in sup.procs.items()},
-                            rank_local=lambda r: next((lo for lo in range(cfg.ranks_per_node)
+        check = HealthCheck(cfg.preflight.health_check, env, os.path.join(run_dir, f"health-check-node{cp.me}.log")) \
+            if cfg.preflight.health_check else None   # the site's check runs while the training processes start
+        faults = NodeFaults(cfg.internal.faults, node=cp.me, log=log, pids=lambda: {lo: p.pid for lo, p in sup.procs.items()},
+                            rank_local=lambda r: next((lo for lo in range(cfg.layout.ranks_per_node)
                                                        if cp.train_rank(lo) == r), None),
                             tell_local=lambda kind, body: [channel.send(lo, kind, body)
-                                                           for lo in range(cfg.ranks_per_node)])
+                                                           for lo in range(cfg.layout.ranks_per_node)])
         faults.at_phase("startup", 1)  # a fault test's node lost here: its training processes were just spawned
         # torch and torch.distributed.checkpoint, for the one thing the agent needs them for: writing a checkpoint
         # (every --persist-every seconds; on SIGTERM/SIGUSR2 or with no spare left). Under srun, a save on SIGTERM

@@ -90,7 +90,7 @@ class Comeback:
     def allowed(self, cause: str) -> bool:
         """Whether a failure of ``cause`` may end in a return: on, past the start-up, an exit or a hang."""
         a = self.agent
-        return bool(a.cfg.spare_return) and cause in RETURNABLE and a.state in (NodeState.TRAINING, NodeState.SPARE)
+        return bool(a.cfg.comeback.enabled) and cause in RETURNABLE and a.state in (NodeState.TRAINING, NodeState.SPARE)
 
     # ---- the node that failed -----------------------------------------------------------------------------
     def come_back(self, exc: PendingExit) -> None:
@@ -106,25 +106,25 @@ class Comeback:
         a.log.emit("node_returning", cause=exc.cause, reason=exc.reason[:300], generation=a.cp.generation)
         since = None if self.returned_at is None else t0 - self.returned_at
         work = a.last_work_failure
-        if cfg.crash_loop_limit and work is not None and follows_work(work, a.cp.work_failures):
+        if cfg.comeback.crash_loop_limit and work is not None and follows_work(work, a.cp.work_failures):
             # the same rank ended the same way at the same step on another node: the work's failure, not this
             # node's; the crash-loop rule stops a loop of it (control/crashloop.py), so no quarantine for it (with
             # the rule off, --crash-loop-limit 0, the quarantine is the only brake left and applies as before)
             a.log.emit("failure_follows_work", rank=work.rank, step=work.step, end=work.end,
                        nodes=sorted({f.node for f in a.cp.work_failures if f.rank == work.rank}))
-        elif since is not None and cfg.quarantine and since < cfg.quarantine:
-            self._quarantine(f"failed again {since:.1f} s after its return (--quarantine {cfg.quarantine:g})")
+        elif since is not None and cfg.comeback.quarantine and since < cfg.comeback.quarantine:
+            self._quarantine(f"failed again {since:.1f} s after its return (--quarantine {cfg.comeback.quarantine:g})")
         if a.health is not None:
             bad = [(name, v) for name, v in a.health.pending() if getattr(v, "reason", None) is not None]
             if bad:
                 self._quarantine(f"health detector {bad[0][0]!r}: {bad[0][1].reason}")
             slow = a.health.slowness()
-            if slow is not None and slow[0] >= cfg.straggler_factor:
+            if slow is not None and slow[0] >= cfg.stragglers.factor:
                 self._quarantine(f"{slow[0]:.2f} x slower than it should be ({slow[1]})")
         health_s = self._health_check()
         if a.state != NodeState.RETURNING:
             return
-        end = time.monotonic() + cfg.recovery_timeout
+        end = time.monotonic() + cfg.timeouts.recovery_timeout
         next_ask = 0.0
         while a.cp.readmitted is None:
             if self._pump():
@@ -136,7 +136,7 @@ class Comeback:
                     if n != a.node:
                         a.peers.send_to_suspect(n, "rejoin", {"returns": self.returns + 1})
             if now > end:
-                self._quarantine(f"not readmitted within {cfg.recovery_timeout:.0f} s (--recovery-timeout)")
+                self._quarantine(f"not readmitted within {cfg.timeouts.recovery_timeout:.0f} s (--recovery-timeout)")
         msg, a.cp.readmitted = a.cp.readmitted, None
         rejoin(a.cp, msg)
         a.watch.poll()            # connections its neighbours dropped while it was out: not failures
@@ -169,27 +169,27 @@ class Comeback:
     def _health_check(self) -> float | None:
         """Run the site's --health-check (if any) within --health-check-timeout; seconds it took."""
         a, cfg = self.agent, self.agent.cfg
-        if not cfg.health_check:
+        if not cfg.preflight.health_check:
             return None
         from .preflight import HealthCheck
 
-        check = HealthCheck(cfg.health_check, a.sup.env, os.path.join(a.sup.run_dir, f"health-check-node{a.node}.log"))
-        end = time.monotonic() + cfg.health_check_timeout
+        check = HealthCheck(cfg.preflight.health_check, a.sup.env, os.path.join(a.sup.run_dir, f"health-check-node{a.node}.log"))
+        end = time.monotonic() + cfg.comeback.health_check_timeout
         try:
             while (res := check.poll()) is None:
                 if self._pump():
                     return None
                 if time.monotonic() > end:
-                    self._quarantine(f"the health check {cfg.health_check!r} was still running after "
-                                     f"{cfg.health_check_timeout:g} s (--health-check-timeout)")
+                    self._quarantine(f"the health check {cfg.preflight.health_check!r} was still running after "
+                                     f"{cfg.comeback.health_check_timeout:g} s (--health-check-timeout)")
         finally:
             if check.result is None:
                 check.kill()
         rc, secs, tail = res
-        a.log.emit("health_check", rc=rc, seconds=round(secs, 3), command=cfg.health_check, output=tail[-400:],
+        a.log.emit("health_check", rc=rc, seconds=round(secs, 3), command=cfg.preflight.health_check, output=tail[-400:],
                    returning=True)
         if rc != 0:
-            self._quarantine(f"the health check {cfg.health_check!r} exited with {rc}" + (f": {tail[-200:]}" if tail
+            self._quarantine(f"the health check {cfg.preflight.health_check!r} exited with {rc}" + (f": {tail[-200:]}" if tail
                                                                                           else ""))
         return secs
 

@@ -26,7 +26,7 @@ class NodeMetrics:
     def __init__(self, agent):
         self.a = agent
         cfg = agent.cfg
-        self.job = metrics.job_name(cfg.run_dir)
+        self.job = metrics.job_name(cfg.output.run_dir)
         me = agent.cp.me
         self._node: dict = {"state": str(agent.state), "generation": agent.cp.generation, "bytes_total": 0,
                             "bytes_per_s": 0.0}
@@ -34,10 +34,10 @@ class NodeMetrics:
         self._last = (time.monotonic(), 0)
         self._next = 0.0
         self._failed = self._job_port_failed = self._closing = False
-        where = cfg.metrics_textfile
+        where = cfg.output.metrics_textfile
         self.node = metrics.Exporter(lambda: metrics.node_samples(self._node),
                                      {"deadpool_job": self.job, "node": str(me)},
-                                     port=cfg.metrics_port + 1 + me if cfg.metrics_port else None,
+                                     port=cfg.output.metrics_port + 1 + me if cfg.output.metrics_port else None,
                                      textfile=os.path.join(where, f"deadpool_{self.job}_node{me}.prom") if where
                                      else None)
         self.view = metrics.JobView(cfg)
@@ -88,9 +88,9 @@ class NodeMetrics:
         if self._coordinator():
             if self.jobx is None:
                 self.jobx = metrics.Exporter(lambda: self.view.refresh(self._live), {"deadpool_job": self.job},
-                                             port=a.cfg.metrics_port or None,
-                                             textfile=os.path.join(a.cfg.metrics_textfile, f"deadpool_{self.job}_job.prom")
-                                             if a.cfg.metrics_textfile else None)
+                                             port=a.cfg.output.metrics_port or None,
+                                             textfile=os.path.join(a.cfg.output.metrics_textfile, f"deadpool_{self.job}_job.prom")
+                                             if a.cfg.output.metrics_textfile else None)
             try:
                 self.jobx.start_http()
             except OSError as exc:   # the old coordinator's socket is not closed yet: again at the next tick

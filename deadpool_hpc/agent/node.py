@@ -82,7 +82,7 @@ class NodeAgent:
         self.transport = transport         # replica/transports.py (None: TCP)
         self.log = log
         self.faults = injector
-        self.P = cfg.ranks_per_node
+        self.P = cfg.layout.ranks_per_node
         self.node = cp.me
         self.reps: dict = {}               # local -> Replicator (once the training process sent its layout)
         self.layouts: dict = {}            # local -> StateLayout (of its current process, once it sent it)
@@ -98,20 +98,20 @@ class NodeAgent:
         self.exit_code = 0
         self.last_work_failure: WorkFailure | None = None   # how this node's last failure ended (agent/comeback.py)
         self.pending_exit: PendingExit | None = None   # this node failed: ``run`` acts on it at the top of its loop
-        self.checkpoint_dir = RunDir(cfg.run_dir).checkpoint
-        self.resume = latest_checkpoint(cfg.run_dir)  # a requeued attempt (the launchers clear a new run's)
+        self.checkpoint_dir = RunDir(cfg.output.run_dir).checkpoint
+        self.resume = latest_checkpoint(cfg.output.run_dir)  # a requeued attempt (the launchers clear a new run's)
         self.recovery = Recovery(self)     # agent/recovery.py: the rounds after a failure
         self.rendezvous = Rendezvous(cp)   # agent/rendezvous.py: each generation's store, kept equal across agents
         self.peers.on_inject = self._on_inject
         # agent/desk.py: claim, written, committed, off this loop
         self.desk = SnapshotDesk(self.reps, channel.progress, self._on_written, log, Doorbell.create())
         self.persister = Persister(self)   # agent/persister.py: every --persist-every s, the snapshots to disk
-        self.speed = SpeedCheck(cp, channel, self.P, log, cfg.preflight_factor)   # agent/preflight.py
+        self.speed = SpeedCheck(cp, channel, self.P, log, cfg.preflight.factor)   # agent/preflight.py
         self.stragglers = Stragglers(cp, self)   # agent/stragglers.py: each node's own work per step, judged job-wide
         self.comeback = Comeback(self)     # agent/comeback.py: after its training processes failed, back as a spare
         self.spare_checks = SpareChecks(self)   # agent/sparecheck.py: an idle spare checks itself again
         # agent/metrics.py: --metrics-port / --metrics-textfile (None: off)
-        self.metrics = NodeMetrics(self) if cfg.metrics_port or cfg.metrics_textfile else None
+        self.metrics = NodeMetrics(self) if cfg.output.metrics_port or cfg.output.metrics_textfile else None
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -151,7 +151,7 @@ class NodeAgent:
                 break
             if self.peers.fenced:
                 raise Fenced(self.peers.fenced)
-            if self.peers.preempted.is_set() and self.state == NodeState.TRAINING and not self.cfg.replicate:
+            if self.peers.preempted.is_set() and self.state == NodeState.TRAINING and not self.cfg.replication.replicate:
                 if not self._preempt_ignored:
                     self._preempt_ignored = True
                     self.log.emit("preempt_ignored", reason="--no-replicate: no snapshot to save")
@@ -218,7 +218,7 @@ class NodeAgent:
             st = self.sup.stack(local)
             self.log.emit("hang_detected", generation=self.cp.generation, local=local, stuck_s=round(stuck, 3),
                           step=self.channel.progress(local).step, where=f"step {self.channel.progress(local).step}",
-                          timeout_s=self.cfg.hang_timeout, rank=self.cp.train_rank(local),
+                          timeout_s=self.cfg.timeouts.hang_timeout, rank=self.cp.train_rank(local),
                           pid=self.sup.procs[local].pid, stack=st.text, stack_source=st.source,
                           stack_s=round(st.seconds, 3), hung_in=st.hung_in, stack_errors=st.errors)
             self.node_failed(f"training process {local} made no progress for {stuck:.1f} s"
@@ -243,7 +243,7 @@ class NodeAgent:
         if self.pending_exit is not None:
             return
         self.persister.tick()
-        if self.state == NodeState.SPARE and self.cfg.spare_check_every:
+        if self.state == NodeState.SPARE and self.cfg.preflight.spare_check_every:
             self.spare_checks.tick()   # (a failed re-check fails the node)
             if self.pending_exit is not None:
                 return
@@ -254,7 +254,7 @@ class NodeAgent:
     def _start(self) -> None:
         """The start-up: the training processes' models built, the health check, the pre-flight; then each its
         role. Returns early when this node fails meanwhile (``pending_exit``)."""
-        deadline = time.monotonic() + self.cfg.startup_timeout
+        deadline = time.monotonic() + self.cfg.timeouts.startup_timeout
         # every training process built its model and sent its layout, and the site's health check (if any) passed
         while not self.checked() or len(self.layouts) < self.P:
             if self.pending_exit is not None:   # (the health check failed)
@@ -265,16 +265,16 @@ class NodeAgent:
             if time.monotonic() > deadline:   # a failure of this node like any other: a spare takes its place
                 if not self.checked():
                     self.health_check.kill()
-                    self.node_failed(f"the health check {self.cfg.health_check!r} was still running after "
-                                      f"{self.cfg.startup_timeout:.0f} s (--startup-timeout)", cause="health_check")
+                    self.node_failed(f"the health check {self.cfg.preflight.health_check!r} was still running after "
+                                      f"{self.cfg.timeouts.startup_timeout:.0f} s (--startup-timeout)", cause="health_check")
                     return
                 late = [lo for lo in range(self.P) if lo not in self.layouts]
                 self.node_failed(f"training process(es) {late} did not reach ctx.run within "
-                                  f"{self.cfg.startup_timeout:.0f} s (--startup-timeout)", cause="startup_timeout")
+                                  f"{self.cfg.timeouts.startup_timeout:.0f} s (--startup-timeout)", cause="startup_timeout")
                 return
         if self.pending_exit is not None:   # (the health check failed as the last layout came)
             return
-        if self.cfg.preflight_factor:   # links with the neighbour nodes, the timed matmul (agent/preflight.py)
+        if self.cfg.preflight.factor:   # links with the neighbour nodes, the timed matmul (agent/preflight.py)
             try:
                 verdict = self.speed.at_startup(self._tick_or_stop, deadline)
             except _Stopped:
@@ -284,14 +284,14 @@ class NodeAgent:
                 self.node_failed(f"pre-flight: {why}", cause=cause)
                 return
         self.spare_checks.arm()
-        self.peers.deadline = self.cfg.heartbeat_deadline   # (STARTUP_HEARTBEAT_DEADLINE_S until now)
+        self.peers.deadline = self.cfg.timeouts.heartbeat_deadline   # (STARTUP_HEARTBEAT_DEADLINE_S until now)
         self.retarget_watch()
         self.rendezvous.open(self.cp.generation)
         for local in range(self.P):
             self.configure(local)
             r = self.cp.train_rank(local)
             role = Spare(self.view()) if r is None else \
-                Train(self.view(), r, self.cfg.world_size, self.recovery.high_water, self.resume)
+                Train(self.view(), r, self.cfg.layout.world_size, self.recovery.high_water, self.resume)
             self.send_role(local, role)
         if self.cp.train_rank(0) is not None:
             self.transition(NodeState.TRAINING, "started: its processes hold training ranks")
@@ -325,7 +325,7 @@ class NodeAgent:
         for local in range(self.P):
             self.channel.forget(local)
         self.sup.restart()
-        deadline = time.monotonic() + self.cfg.startup_timeout
+        deadline = time.monotonic() + self.cfg.timeouts.startup_timeout
         while len(self.layouts) < self.P:
             self.tick(0.01)
             if self.pending_exit is not None:
@@ -333,7 +333,7 @@ class NodeAgent:
             if time.monotonic() > deadline:
                 late = [lo for lo in range(self.P) if lo not in self.layouts]
                 self.node_failed(f"training process(es) {late} of the returned node did not reach ctx.run within "
-                                 f"{self.cfg.startup_timeout:.0f} s (--startup-timeout)", cause="startup_timeout")
+                                 f"{self.cfg.timeouts.startup_timeout:.0f} s (--startup-timeout)", cause="startup_timeout")
                 return
         if self.state != NodeState.RETURNING:
             return   # the members left for a requeue meanwhile (agent/comeback.py ``_on_over``): so does this node
@@ -357,9 +357,9 @@ class NodeAgent:
         rc, secs, tail = res
         self.health_check = None
         # seconds: from its start until this agent saw it end (its loop starts after the agent imported torch)
-        self.log.emit("health_check", rc=rc, seconds=round(secs, 3), command=self.cfg.health_check, output=tail[-400:])
+        self.log.emit("health_check", rc=rc, seconds=round(secs, 3), command=self.cfg.preflight.health_check, output=tail[-400:])
         if rc != 0:
-            self.node_failed(f"the health check {self.cfg.health_check!r} exited with {rc} after {secs:.1f} s"
+            self.node_failed(f"the health check {self.cfg.preflight.health_check!r} exited with {rc} after {secs:.1f} s"
                               + (f": {tail[-200:]}" if tail else ""), cause="health_check")
         return True
 
@@ -417,7 +417,7 @@ class NodeAgent:
         self.layouts[local] = self.layouts_seen[local] = layout
         self.reps[local] = Replicator(self.cp.secret, layout, self.log, sock=self.listeners[local],
                                       transport=self.transport,
-                                      timeout=self.cfg.collective_timeout, own=slot_pair(bufs))
+                                      timeout=self.cfg.timeouts.collective_timeout, own=slot_pair(bufs))
         self.reps[local].serve_hook = self._serve_hook
         self.reps[local].receive_hook = self._receive_hook
         self.desk.attach(local, self.reps[local])   # its update waits for the committed word (agent/desk.py)
@@ -433,8 +433,8 @@ class NodeAgent:
             rep.configure(self.cp.generation, r, [], [])
             return
         addr = lambda t: self.replica_address(self.cp.assignment[t])  # noqa: E731
-        rep.configure(self.cp.generation, r, [addr(h) for h in holders_of(r, P, cfg.nodes, k)],
-                      held_by(r, P, cfg.nodes, k))
+        rep.configure(self.cp.generation, r, [addr(h) for h in holders_of(r, P, cfg.layout.nodes, k)],
+                      held_by(r, P, cfg.layout.nodes, k))
         self.committed_seen[local] = -1
 
     def replica_address(self, proc: int) -> list:
@@ -552,7 +552,7 @@ class NodeAgent:
         self.watch.enabled = False
         for local in self.sup.alive():
             self.send_role(local, Finish())
-        end = time.monotonic() + self.cfg.collective_timeout
+        end = time.monotonic() + self.cfg.timeouts.collective_timeout
         while self.sup.alive() and time.monotonic() < end:
             self._tick_quiet(0.02)
         self.sup.kill_all(1.0)

@@ -73,7 +73,7 @@ class Persister:
 
     def __init__(self, agent: PersistHost):
         self.agent = agent
-        self.every = float(agent.cfg.persist_every or 0.0)
+        self.every = float(agent.cfg.persistence.persist_every or 0.0)
         self.root = agent.checkpoint_dir
         self.next_t = time.monotonic() + self.every
         self.want: tuple[int, int] | None = None      # (generation, step) this node is asked to write
@@ -226,10 +226,10 @@ class Persister:
         """Write LATEST for ``step`` (only if newer than the one there) and remove older rounds. A failure leaves
         LATEST as it was (persist.commit writes it by rename) and is logged."""
         try:
-            latest = latest_checkpoint(self.agent.cfg.run_dir)
+            latest = latest_checkpoint(self.agent.cfg.output.run_dir)
             if latest is not None and latest["step"] >= step:
                 return
-            persist.commit(self.root, step, self.agent.cfg.world_size, g, self.agent.recovery.high_water)
+            persist.commit(self.root, step, self.agent.cfg.layout.world_size, g, self.agent.recovery.high_water)
         except BaseException as exc:  # noqa: BLE001 - an uncommitted round; the next one tries again
             self.agent.log.emit("persist_failed", step=step, generation=g, phase="commit", path=self.root,
                                 reason=persist.failure_reason(exc, self.root))
@@ -241,7 +241,7 @@ class Persister:
         """Remove every ``step{T}`` directory with T < ``before`` that LATEST does not name: older committed rounds
         and what rounds that failed left on the disk. Called with a ``before`` no node still writes below (a
         commit's step: each node wrote the older rounds first; ``_over()``). Never raises."""
-        keep = (latest_checkpoint(self.agent.cfg.run_dir) or {}).get("step")
+        keep = (latest_checkpoint(self.agent.cfg.output.run_dir) or {}).get("step")
         try:
             names = os.listdir(self.root)
         except OSError:

@@ -110,11 +110,11 @@ class PlannedSwaps:
                "msg": f"planned swap ({detector}): {verdict.reason}", "phase": "asking", "frozen": set()}
         self.current = cur
         if a.state == NodeState.TRAINING:
-            if not (a.cfg.replicate and a.reps):
+            if not (a.cfg.replication.replicate and a.reps):
                 return self._refuse(cur, "replication is off (--no-replicate): no replica to hand the node's "
                                          "state over")
-            if max(a.written.values(), default=-1) + 1 >= a.cfg.steps:
-                return self._refuse(cur, f"the run ends at step {a.cfg.steps} before the next step boundary")
+            if max(a.written.values(), default=-1) + 1 >= a.cfg.train.steps:
+                return self._refuse(cur, f"the run ends at step {a.cfg.train.steps} before the next step boundary")
         self._send_ask()
 
     def _send_ask(self) -> None:
@@ -155,10 +155,10 @@ class PlannedSwaps:
             cur["frozen"].add(local)
 
     def _advance(self) -> None:
-        a, cur, P = self.host, self.current, self.host.cfg.ranks_per_node
+        a, cur, P = self.host, self.current, self.host.cfg.layout.ranks_per_node
         committed = all(lo in a.reps and a.reps[lo].committed_step >= cur["target"] for lo in range(P))
         ready = len(cur["frozen"]) == P and committed
-        late = time.monotonic() - cur["armed"] > a.cfg.collective_timeout
+        late = time.monotonic() - cur["armed"] > a.cfg.timeouts.collective_timeout
         if ready and not late:
             # the survivors' snapshots of B: the replicas this node holds for its ring neighbour's ranks reaching B
             # say they wrote theirs (they cannot pass B+1 meanwhile); bounded
@@ -171,7 +171,7 @@ class PlannedSwaps:
                        detector=cur["detector"])
             a.health.consumed(cur["detector"])
             a.node_failed(cur["msg"] + ("" if committed else f" (boundary {cur['target']} not committed within "
-                                                              f"{a.cfg.collective_timeout:.0f} s)"), cause="planned")
+                                                              f"{a.cfg.timeouts.collective_timeout:.0f} s)"), cause="planned")
 
     def suspend(self) -> None:
         """A failure elsewhere interrupts the swap: let the stopped processes go (the recovery round needs them to
@@ -189,7 +189,7 @@ class PlannedSwaps:
         node = int(body.get("node", src))
         holder = self.lease[0] if self.lease else None
         expired = holder is None or holder == node or cp.peers.is_suspected(holder) \
-            or time.monotonic() - self.lease[1] > 2 * self.host.cfg.collective_timeout
+            or time.monotonic() - self.lease[1] > 2 * self.host.cfg.timeouts.collective_timeout
         spares = [n for n in cp.spare_nodes if not cp.peers.is_suspected(n)]
         if not expired:
             answer = {"ok": False, "busy": holder}

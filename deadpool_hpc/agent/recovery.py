@@ -210,14 +210,14 @@ class Recovery:
             a.channel.send(local, Failure.KIND, Failure(g0).to_wire())
         # every live training process leaves the generation and says how far it got (bounded: a stuck one is
         # found by its progress page, the wait by the ready timeout)
-        end = time.monotonic() + cfg.ready_timeout
+        end = time.monotonic() + cfg.timeouts.ready_timeout
         while any(lo not in self.left for lo in a.sup.alive()):
             a.tick(0.005)
             if a.exiting:
                 return None
             if time.monotonic() > end:
                 a.node_failed(f"training process(es) {[lo for lo in a.sup.alive() if lo not in self.left]} "
-                              f"did not leave the failed generation within {cfg.ready_timeout:.0f} s")
+                              f"did not leave the failed generation within {cfg.timeouts.ready_timeout:.0f} s")
                 return None
         for rep in a.reps.values():
             rep.quiesce()
@@ -240,7 +240,7 @@ class Recovery:
         if decision.reason == "rebuild":  # collectives timed out with nobody at fault
             if decision.cut_step == self.rebuilt_at:
                 raise RecoveryTimeout(
-                    f"collectives at step {decision.cut_step} timed out twice ({cfg.wait_timeout:.0f} s) with "
+                    f"collectives at step {decision.cut_step} timed out twice ({cfg.timeouts.wait_timeout:.0f} s) with "
                     f"no process at fault: a rank's step takes longer than that (raise --collective-timeout and "
                     f"--hang-timeout above your longest step), or the network is wedged")
             self.rebuilt_at = decision.cut_step
@@ -264,11 +264,11 @@ class Recovery:
             if r in decision.fresh:
                 slots[local] = None   # a fresh start: the training process takes its own initial state
             elif r in decision.sources:
-                slots[local] = a.reps[local].wait_restore(a.cp.failure, cfg.wait_timeout)   # (expected above)
+                slots[local] = a.reps[local].wait_restore(a.cp.failure, cfg.timeouts.wait_timeout)   # (expected above)
             else:
                 slots[local] = a.reps[local].own.get(decision.cut_step)
-        trainers = sorted({decision.assignment[r] // P for r in range(cfg.world_size)})
-        if not a.cp.barrier(f"rebuild{g}.{decision.coordinator}", trainers, cfg.rendezvous_timeout, tick=a.tick,
+        trainers = sorted({decision.assignment[r] // P for r in range(cfg.layout.world_size)})
+        if not a.cp.barrier(f"rebuild{g}.{decision.coordinator}", trainers, cfg.timeouts.rendezvous_timeout, tick=a.tick,
                             stop=lambda: a.exiting):
             return None
         self.phase("rebuild")
@@ -284,7 +284,7 @@ class Recovery:
                 pulled=slot is not None and slot.pulled, promoted=r in decision.promoted, serving=serving,
                 recomputed_steps=decision.recomputed_steps, failed_nodes=tuple(decision.failed_nodes),
                 round=self.rounds, t_fail=t_fail, t_agreed=time.time())
-            a.send_role(local, Train(a.view(), r, cfg.world_size, self.high_water, a.resume, plan))
+            a.send_role(local, Train(a.view(), r, cfg.layout.world_size, self.high_water, a.resume, plan))
         return RecoveryEnd(NodeState.TRAINING, f"recovery round {self.rounds}: training ranks of generation {g}")
 
     def _send_restores(self, decision: Decision) -> None:
@@ -303,7 +303,7 @@ class Recovery:
         a = self.agent
         try:
             rep.send_restore(to, r, decision.cut_step, decision.generation, _RoundOver(a.cp, decision.generation),
-                             a.cfg.wait_timeout)
+                             a.cfg.timeouts.wait_timeout)
         except (PeerFailure, ReplicaError) as exc:
             a.log.emit("restore_not_sent", rank=r, step=decision.cut_step, generation=decision.generation,
                        to=list(to), error=str(exc)[:300])
@@ -331,11 +331,11 @@ class Recovery:
 
         if not self._on_disk(decision, "write", lambda: self._write_shards(decision, written), written):
             return None
-        if not a.cp.barrier(f"saved{g}.{decision.coordinator}", a.cp.member_nodes, cfg.collective_timeout,
+        if not a.cp.barrier(f"saved{g}.{decision.coordinator}", a.cp.member_nodes, cfg.timeouts.collective_timeout,
                             tick=a.tick, stop=lambda: a.exiting):
             return None
         if not self._on_disk(decision, "commit",
-                             lambda: persist.commit(a.checkpoint_dir, cut, cfg.world_size, g, self.high_water),
+                             lambda: persist.commit(a.checkpoint_dir, cut, cfg.layout.world_size, g, self.high_water),
                              []):   # every shard is written: another member's LATEST may name them, none is removed
             return None
         if a.node == decision.coordinator:
@@ -355,7 +355,7 @@ class Recovery:
         text = f"{loop.describe()}; {kept}"
         a.log.emit("crash_loop", generation=decision.generation, rank=loop.rank, end=loop.end, step=loop.step,
                    steps=list(loop.steps), nodes=list(loop.nodes), repeats=loop.repeats,
-                   limit=a.cfg.crash_loop_limit, checkpoint_step=saved, error=text)
+                   limit=a.cfg.comeback.crash_loop_limit, checkpoint_step=saved, error=text)
         a.log.emit("error", error=text)
 
     def _on_disk(self, decision: Decision, phase: str, fn, written: list[int]) -> bool:
@@ -377,7 +377,7 @@ class Recovery:
 
         th = threading.Thread(target=run, name=f"checkpoint-{phase}", daemon=True)
         th.start()
-        end = time.monotonic() + cfg.collective_timeout
+        end = time.monotonic() + cfg.timeouts.collective_timeout
         while not out.get("done") and time.monotonic() < end:
             a.tick(0.02)
             if a.exiting:
@@ -385,10 +385,10 @@ class Recovery:
         if out.get("done") and "error" not in out:
             return True
         reason = persist.failure_reason(out["error"], a.checkpoint_dir) if "error" in out else \
-            f"the {phase} did not complete within {cfg.collective_timeout:.0f} s (the file system does not answer)"
+            f"the {phase} did not complete within {cfg.timeouts.collective_timeout:.0f} s (the file system does not answer)"
         for rank in written:
             persist.discard_shard(a.checkpoint_dir, decision.cut_step, rank)
-        latest = latest_checkpoint(cfg.run_dir)
+        latest = latest_checkpoint(cfg.output.run_dir)
         a.log.emit("checkpoint_failed", step=decision.cut_step, generation=decision.generation, phase=phase,
                    reason=reason, why=decision.reason, path=a.checkpoint_dir,
                    latest=None if latest is None else latest.get("step"))
@@ -424,7 +424,7 @@ class Recovery:
         its own snapshot of step ``cut`` and that share's index among the snapshot's views (``assemble_shard``'s
         keeper). Raises ReplicaError when it has no snapshot of ``cut``."""
         cfg = self.agent.cfg
-        return rep.own.get(cut), 1 + held_by(r, self.agent.P, cfg.nodes, cfg.replica_holders).index(lost)
+        return rep.own.get(cut), 1 + held_by(r, self.agent.P, cfg.layout.nodes, cfg.replica_holders).index(lost)
 
     def _leave_for_requeue(self, decision: Decision) -> RecoveryEnd:
         """The training processes leave and so does this agent: with 75 (requeue me), or CRASH_LOOP_EXIT after a

@@ -64,7 +64,7 @@ class SpareChecks:
     def arm(self) -> None:
         """The node starts (or starts again) as a spare: the first re-check is --spare-check-every seconds away, and
         nothing of an earlier life counts."""
-        self.next_t = time.monotonic() + self.agent.cfg.spare_check_every
+        self.next_t = time.monotonic() + self.agent.cfg.preflight.spare_check_every
         self.asked, self.failed_with, self.asks_from = None, {}, {}
 
     def tick(self) -> None:
@@ -78,11 +78,11 @@ class SpareChecks:
         if a.speed.asked_at is None and a.health_check is None and a.speed.link.asked_at is None:
             if time.monotonic() < self.next_t:
                 return
-            self.next_t = time.monotonic() + a.cfg.spare_check_every
-            if a.cfg.preflight_factor:
+            self.next_t = time.monotonic() + a.cfg.preflight.spare_check_every
+            if a.cfg.preflight.factor:
                 a.speed.ask_local()   # then, once it passed, the link (not at once: the matmul is timed alone)
-            if a.cfg.health_check:
-                a.health_check = HealthCheck(a.cfg.health_check, a.sup.env, os.path.join(
+            if a.cfg.preflight.health_check:
+                a.health_check = HealthCheck(a.cfg.preflight.health_check, a.sup.env, os.path.join(
                     a.sup.run_dir, f"health-check-node{a.node}.log"))
             return
         if a.speed.asked_at is not None:

@@ -191,10 +191,10 @@ class Stragglers:
     def __init__(self, cp, agent: StragglerHost):
         self.cp, self.a = cp, agent
         cfg = agent.cfg
-        self.on = cfg.straggler_action != "off"
-        self.interval = interval_for(cfg.straggler_window)
-        self.meter = WorkMeter(agent.channel.progress, cfg.ranks_per_node)
-        self.judge = StragglerJudge(cfg.straggler_factor, cfg.straggler_window, self.interval) if self.on else None
+        self.on = cfg.stragglers.action != "off"
+        self.interval = interval_for(cfg.stragglers.window)
+        self.meter = WorkMeter(agent.channel.progress, cfg.layout.ranks_per_node)
+        self.judge = StragglerJudge(cfg.stragglers.factor, cfg.stragglers.window, self.interval) if self.on else None
         self.swapped_ranks: dict[int, int] = {}   # rank -> node swapped out for slowness while it held the rank
         self._next = float("inf")
         self._generation = None
@@ -249,12 +249,12 @@ class Stragglers:
         a, cp = self.a, self.cp
         why = None
         before = sorted({self.swapped_ranks[r] for r in v.ranks if r in self.swapped_ranks})
-        if a.cfg.straggler_action != "swap":
+        if a.cfg.stragglers.action != "swap":
             why = "--straggler-action report"
         elif before:
             why = (f"its ranks {list(v.ranks)} were slow on node(s) {before} too, which were swapped out for it: the "
                    f"slowness follows the ranks' work, not the node")
-        elif not a.cfg.replicate:
+        elif not a.cfg.replication.replicate:
             why = "replication is off (--no-replicate): no replica to hand the node's state over"
         elif not [n for n in cp.spare_nodes if not cp.peers.is_suspected(n)]:
             why = "no spare node left"

@@ -50,8 +50,8 @@ def rounds(cfg) -> list[dict]:
 class _Sim:
     def __init__(self, cfg):
         self.cfg = cfg
-        self.N, self.S, self.P = cfg.nodes, cfg.spares, cfg.ranks_per_node
-        self.K = cfg.replicas if cfg.replicate else 0
+        self.N, self.S, self.P = cfg.layout.nodes, cfg.layout.spares, cfg.layout.ranks_per_node
+        self.K = cfg.replication.replicas if cfg.replication.replicate else 0
         self.log: list[dict] = []
         self._reset()
 
@@ -66,7 +66,7 @@ class _Sim:
     def run(self) -> None:
         # a node slowed from a step on is not lost there: the straggler check may swap it out a window later (a
         # planned swap, when a spare is free then) or only report it, so it takes no part in the replay
-        faults = [f for f in self.cfg.faults if not (f.kind == "slow" and f.step is not None)]
+        faults = [f for f in self.cfg.internal.faults if not (f.kind == "slow" and f.step is not None)]
         start = [f for f in faults if f.at_start]
         phase = [f for f in faults if f.phase is not None and not f.at_start]
         round_no = 0
@@ -143,8 +143,8 @@ class _Sim:
                 raise ConfigError(f"{f}: node{node} is not training at {when} (it is a spare), so it never reaches "
                                   f"the {f.phase} phase; accepted: a node that trains then")
             self.dead[node] = f"{f} at {when}"
-            if f.target_kind == "rank" and f.phase is None and self.cfg.spare_return and \
-                    not (node in self.returned and self.cfg.quarantine):
+            if f.target_kind == "rank" and f.phase is None and self.cfg.comeback.enabled and \
+                    not (node in self.returned and self.cfg.comeback.quarantine):
                 self.back.append(node)
             if node in self.spares:
                 self.spares.remove(node)
@@ -172,13 +172,13 @@ class _Sim:
         if not lost:
             return {}
         if len(lost) > len(self.spares):
-            if not self.cfg.requeue:
-                total = len(self.cfg.faults)
-                raise ConfigError(f"{total} fault(s) requested ({', '.join(map(str, self.cfg.faults))}): at "
+            if not self.cfg.persistence.requeue:
+                total = len(self.cfg.internal.faults)
+                raise ConfigError(f"{total} fault(s) requested ({', '.join(map(str, self.cfg.internal.faults))}): at "
                                   f"{', '.join(map(str, faults))} no spare node is left (only {self.S} spare node(s)); accepted: "
                                   f"more --spares, fewer faults, or --requeue (which saves a checkpoint and restarts "
                                   f"when no spare is left)")
-            if any(f.phase is not None for f in self.cfg.faults):
+            if any(f.phase is not None for f in self.cfg.internal.faults):
                 raise ConfigError("phase faults (nodeN@PHASE) cannot be combined with a requeue (the requeued attempt "
                                   "starts its recovery count again); accepted: enough --spares for every loss")
             self.log.append({"round": round_no, "lost_slots": sorted(lost), "promoted": {}, "requeued": True})

@@ -51,26 +51,26 @@ def cmd_run(a) -> int:
     from .executors import LocalExecutor
     from .local import Interrupted, check_resume
 
-    saved = check_resume(a.run_dir, cfg.world_size) if a.resume else None
+    saved = check_resume(a.run_dir, cfg.layout.world_size) if a.resume else None
     console = Console()
     say = _sayer(console)
-    say(f"[bold]deadpool run[/]: {cfg.nodes} nodes x {cfg.ranks_per_node} ranks + {cfg.spares} spare node(s), "
-        f"{cfg.steps} steps, faults: {', '.join(map(str, cfg.faults)) or 'none'}; run dir {cfg.run_dir}"
+    say(f"[bold]deadpool run[/]: {cfg.layout.nodes} nodes x {cfg.layout.ranks_per_node} ranks + {cfg.layout.spares} spare node(s), "
+        f"{cfg.train.steps} steps, faults: {', '.join(map(str, cfg.internal.faults)) or 'none'}; run dir {cfg.output.run_dir}"
         + (f"; resuming from its checkpoint at step {saved['step']}" if saved else ""))
     try:
         with LiveView(cfg, console) as view:
             summary = LocalExecutor(on_poll=view.update).run(cfg, resume=a.resume)
     except Interrupted as exc:
-        say(f"\ninterrupted ({exc}) before the run started: no process ran; {cfg.run_dir} is as it was")
+        say(f"\ninterrupted ({exc}) before the run started: no process ran; {cfg.output.run_dir} is as it was")
         return 128 + exc.signum
     except KeyboardInterrupt:  # Ctrl-C before the launcher took SIGINT over: nothing had started
-        say(f"\ninterrupted before the run started: no process ran; {cfg.run_dir} is as it was")
+        say(f"\ninterrupted before the run started: no process ran; {cfg.output.run_dir} is as it was")
         return 130
     try:
         print_summary(summary, console)
     except OSError:  # the terminal is gone (SIGHUP): the summary files are written already
         pass
-    where = f"{summary['run_dir']}/summary.json" + (f" and {cfg.summary_path}" if cfg.summary_path else "")
+    where = f"{summary['run_dir']}/summary.json" + (f" and {cfg.output.summary_path}" if cfg.output.summary_path else "")
     unwritten = not summary.get("summary_written", True)
     if unwritten:   # a full or read-only run directory: the summary in full on stdout, and exit 3 says so
         where = "the JSON above (stdout)"
@@ -128,7 +128,7 @@ def cmd_submit(a) -> int:
         print(ex.render(cfg))
         return 0
     job_id = ex.submit(cfg).job_id
-    print(f"submitted: {cfg.nodes} active + {cfg.spares} spare node(s), run dir {cfg.run_dir}; "
+    print(f"submitted: {cfg.layout.nodes} active + {cfg.layout.spares} spare node(s), run dir {cfg.output.run_dir}; "
           f"follow it with: deadpool status {job_id}")
     print(job_id)
     return 0

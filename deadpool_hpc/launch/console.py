@@ -21,7 +21,7 @@ class LiveView:
         self.cfg = cfg
         self.console = console or Console()
         self.last_step: dict = {}
-        self.roles = {n: ("active" if n < cfg.nodes else "spare") for n in range(cfg.total_nodes)}
+        self.roles = {n: ("active" if n < cfg.layout.nodes else "spare") for n in range(cfg.layout.total_nodes)}
         self.lines: list[Text] = []
         self.t_fault: float | None = None
         self._detected = False
@@ -101,7 +101,7 @@ class LiveView:
                     if self.roles.get(n) != "checking":   # (a node on its way back keeps its role)
                         self.roles[n] = "out: slow" if n in self.stragglers else "dead"
                     self.step_times.pop(n, None)
-                for node in {m // self.cfg.ranks_per_node for m in e["promoted"].values()}:
+                for node in {m // self.cfg.layout.ranks_per_node for m in e["promoted"].values()}:
                     self.roles[node] = "active"
                 base = self.t_fault or e["t_decided"]
                 lost = f"lost node(s) {e['failed_nodes']}" if e["failed_nodes"] else "no node lost"
@@ -131,7 +131,7 @@ class LiveView:
                            f"another node: the work's failure, not the node's (no quarantine)", "yellow")
             elif kind == "requeued":
                 self.requeues += 1
-                self.roles = {n: ("active" if n < self.cfg.nodes else "spare") for n in self.roles}
+                self.roles = {n: ("active" if n < self.cfg.layout.nodes else "spare") for n in self.roles}
                 self._note(f"requeued (attempt {e['attempt']}): restarting from the checkpoint", "bold yellow")
             elif kind == "resumed_from_checkpoint" and e.get("rank") == 0:
                 base = self.t_fault or e["t"]
@@ -153,18 +153,18 @@ class LiveView:
         (launch/local.py requeues only with --requeue, at most ``max_requeues`` times)."""
         why = "preempted (SIGUSR2/SIGTERM)" if e.get("reason") == "preempted" else "no spare left"
         saved = f"{why}: checkpoint saved at step {e['step']}"
-        if self.cfg.requeue and self.requeues < self.cfg.max_requeues:
+        if self.cfg.persistence.requeue and self.requeues < self.cfg.persistence.max_requeues:
             return f"{saved}; requeueing: the run restarts from it"
-        if self.cfg.requeue:
+        if self.cfg.persistence.requeue:
             return (f"{saved}; the run stops here: it was requeued {self.requeues} times already, the most "
-                    f"--requeue allows ({self.cfg.max_requeues})")
+                    f"--requeue allows ({self.cfg.persistence.max_requeues})")
         return f"{saved}; the run stops here (without --requeue nothing restarts it)"
 
     def _render(self):
         s = self.last_step
         head = Text.assemble(
             ("deadpool ", "bold"),
-            f"step {s.get('step', 0)}/{self.cfg.steps}  ",
+            f"step {s.get('step', 0)}/{self.cfg.train.steps}  ",
             f"loss {s['loss']:.3f}  " if "loss" in s else "",
             f"{s.get('tokens_per_s', 0):,.0f} tok/s  ",
             f"generation {s.get('generation', 0)}",

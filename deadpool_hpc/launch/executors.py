@@ -50,7 +50,7 @@ from .options import check_train_fn
 __all__ = ["DeadpoolJob", "LocalExecutor", "LocalJob", "SlurmExecutor", "SlurmJob", "SubmititExecutor",
            "SubmititJob", "attach", "train_fn_spec", "JobLost"]
 
-DEMO = RunConfig.train_fn   # "deadpool_hpc.train.demo:train"
+DEMO = RunConfig().train.train_fn   # "deadpool_hpc.train.demo:train"
 _ACCEPTED_FN = ("accepted: a module-level function fn(ctx) of a module the nodes can import (as for "
                 "`deadpool run --train-fn`), its 'package.module:function' name, a RunConfig, or None (the "
                 "built-in demo)")
@@ -112,7 +112,7 @@ def _config(settings: dict, what, train_args: dict) -> RunConfig:
                               f"{sorted(settings) + sorted(train_args)}; accepted: set them in one place (the "
                               f"RunConfig, or the executor and submit's keyword arguments)")
         return what.validate()
-    known = {f.name for f in dataclasses.fields(RunConfig)}
+    known = {f.name for f in RunConfig.flat_fields()}
     unknown = sorted(set(settings) - known)
     if unknown:
         raise ConfigError(f"deadpool executor: unknown run setting(s) {unknown}; accepted: "
@@ -198,11 +198,11 @@ class LocalExecutor:
         from .local import check_resume
 
         cfg = _config(self.settings, what, train_args)
-        check_run_dir(cfg.run_dir)
-        if cfg.summary_path:
-            check_output_file(cfg.summary_path, run_dir=cfg.run_dir)
+        check_run_dir(cfg.output.run_dir)
+        if cfg.output.summary_path:
+            check_output_file(cfg.output.summary_path, run_dir=cfg.output.run_dir)
         if resume:
-            check_resume(cfg.run_dir, cfg.world_size)
+            check_resume(cfg.output.run_dir, cfg.layout.world_size)
         return LocalJob(cfg, self.on_poll, self.poll_s, resume, self.timeout).start()
 
     def run(self, what=None, resume: bool = False, **train_args) -> dict:
@@ -221,7 +221,7 @@ class LocalJob(DeadpoolJob):
                  timeout: float | None = None):
         from .local import StopRequest
 
-        self.cfg, self.run_dir, self.job_id = cfg, os.path.abspath(cfg.run_dir), None
+        self.cfg, self.run_dir, self.job_id = cfg, os.path.abspath(cfg.output.run_dir), None
         self._stop = StopRequest()
         self._args = (on_poll, poll_s, resume, timeout)
         self._summary: dict | None = None
@@ -346,7 +346,7 @@ class SlurmExecutor:
         from .slurm import submit
 
         cfg = _config(self.settings, what, train_args)
-        return SlurmJob(submit(cfg, **self.sbatch), cfg.run_dir)
+        return SlurmJob(submit(cfg, **self.sbatch), cfg.output.run_dir)
 
     def render(self, what=None, **train_args) -> str:
         """The batch script ``submit`` would submit (nothing is written or submitted)."""
@@ -413,7 +413,7 @@ class SubmititExecutor:
     to train before submitit's signal (``signal_delay_s`` before the time limit, default 90: timelimit.py), when it is
     constructed."""
 
-    RUN_SETTINGS = {f.name for f in dataclasses.fields(RunConfig)} | {"wait_survivors_s", "checkpoint_wait_s"}
+    RUN_SETTINGS = {f.name for f in RunConfig.flat_fields()} | {"wait_survivors_s", "checkpoint_wait_s"}
 
     def __init__(self, folder: str, *, timeout_min: int = 60, slurm: dict | None = None, **settings):
         from . import timelimit
@@ -431,7 +431,7 @@ class SubmititExecutor:
 
         slurm = dict(self.slurm)
         add = dict(JOB_FLAGS, **(slurm.pop("additional_parameters", None) or {}))
-        return dict(nodes=cfg.total_nodes, ntasks_per_node=1, cpus_per_task=cfg.ranks_per_node,
+        return dict(nodes=cfg.layout.total_nodes, ntasks_per_node=1, cpus_per_task=cfg.layout.ranks_per_node,
                     time=self.timeout_min, additional_parameters=add,
                     srun_args=srun_args() + list(slurm.pop("srun_args", None) or []), **slurm)
 
@@ -446,7 +446,7 @@ class SubmititExecutor:
         ex = submitit.SlurmExecutor(folder=self.folder)
         ex.update_parameters(**self.parameters(cfg))
         job = ex.submit(HotSwapJob(cfg, **self.waits))
-        return SubmititJob(job, cfg.run_dir)
+        return SubmititJob(job, cfg.output.run_dir)
 
 
 class SubmititJob(DeadpoolJob):

@@ -73,13 +73,13 @@ def emulated_node_env(cfg: RunConfig) -> dict[str, str]:
     (its shared-memory send cells all sat in the frozen peer's queue), so the live ranks suspected each
     other after a hang or a kill. With one clique per emulated node the longest silence was 0.13-0.17 s.
     Real nodes never share memory, so this also makes the emulation faithful."""
-    return {"MPIR_CVAR_NUM_CLIQUES": str(cfg.total_nodes), "MPIR_CVAR_CLIQUES_BY_BLOCK": "1"}
+    return {"MPIR_CVAR_NUM_CLIQUES": str(cfg.layout.total_nodes), "MPIR_CVAR_CLIQUES_BY_BLOCK": "1"}
 
 
 def command(cfg: RunConfig, run_dir: str) -> list[str]:
-    hosts = ",".join(f"127.0.0.{i + 1}" for i in range(cfg.total_nodes))
+    hosts = ",".join(f"127.0.0.{i + 1}" for i in range(cfg.layout.total_nodes))
     return [mpiexec_path(), "-disable-auto-cleanup", "-launcher", "fork", "-hosts", hosts,
-            "-ppn", "1", "-n", str(cfg.total_nodes),
+            "-ppn", "1", "-n", str(cfg.layout.total_nodes),
             sys.executable, "-m", "deadpool_hpc.agent", run_dir]
 
 
@@ -126,18 +126,18 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
     This is the blocking engine under ``LocalExecutor`` (launch/executors.py), the public way to start a local run.
     """
     cfg.validate()
-    if cfg.total_processes > LOCAL_MAX_PROCESSES:
-        raise ConfigError(f"{cfg.total_processes} training processes requested ({cfg.total_nodes} nodes x "
-                          f"{cfg.ranks_per_node} ranks per node); the local launcher (deadpool run) runs at most "
+    if cfg.layout.total_processes > LOCAL_MAX_PROCESSES:
+        raise ConfigError(f"{cfg.layout.total_processes} training processes requested ({cfg.layout.total_nodes} nodes x "
+                          f"{cfg.layout.ranks_per_node} ranks per node); the local launcher (deadpool run) runs at most "
                           f"{LOCAL_MAX_PROCESSES} on one machine: use fewer --nodes / --spares / --ranks-per-node, or "
                           f"Slurm (deadpool submit, SlurmExecutor or SubmititExecutor), which has no "
                           f"such cap")
-    check_extensions(cfg.replica_transport)   # a missing or broken plugin named before anything starts
-    run_dir = check_run_dir(cfg.run_dir)
+    check_extensions(cfg.replication.replica_transport)   # a missing or broken plugin named before anything starts
+    run_dir = check_run_dir(cfg.output.run_dir)
     if resume:
-        check_resume(run_dir, cfg.world_size)
-    if cfg.summary_path:
-        check_output_file(cfg.summary_path, run_dir=cfg.run_dir)
+        check_resume(run_dir, cfg.layout.world_size)
+    if cfg.output.summary_path:
+        check_output_file(cfg.output.summary_path, run_dir=cfg.output.run_dir)
     from ..train.corpus import load_tokens
 
     run_id = secrets.token_hex(8)
@@ -145,7 +145,7 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
     # spill: the lines a process could not write to events.jsonl (a full, read-only or hung run directory) come here
     with (stop or StopRequest()) as stop, rd.locked(run_id), closing(EventSpill(f"deadpool-events-{run_id}")) as spill:
         # (the lock comes before anything in the directory is touched)
-        if cfg.train_fn.startswith("deadpool_hpc.train."):
+        if cfg.train.train_fn.startswith("deadpool_hpc.train."):
             try:
                 with stop.raising():  # the first build of the corpus cache takes a while: stop at once there
                     load_tokens()  # build the corpus cache once, and fail here (clearly) if the corpus is missing
@@ -162,7 +162,7 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
         start = time.monotonic()
         tail = _Tail(rd.events, spill, run_id)
         rc, left, output = None, [], []   # output: each attempt's launcher.log figures (outpump.py)
-        for attempt in range(cfg.max_requeues + 1 if cfg.requeue else 1):
+        for attempt in range(cfg.persistence.max_requeues + 1 if cfg.persistence.requeue else 1):
             if stop.signum:
                 break
             if attempt:
@@ -209,7 +209,7 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
         discard_uncommitted(rd.path)   # what cut-short or failed persist rounds left (room for the summary)
         summary["summary_written"] = True
         try:
-            rd.write_summary(summary, also=cfg.summary_path)
+            rd.write_summary(summary, also=cfg.output.summary_path)
         except OSError as exc:   # a full or read-only run directory: the caller prints it (deadpool run: exit 3)
             summary["summary_written"] = False
             summary["summary_error"] = f"{exc.filename or rd.summary}: {errno.errorcode.get(exc.errno, 'EIO')}: " \
@@ -327,7 +327,7 @@ def _run_once(cfg, rd, env, tail, on_poll, poll_s, timeout, start, stop, run_id,
         out = pump.fd
         t_spawn = time.monotonic()
         server = None
-        if cfg.fork_server:   # torch imported once for every training process of this attempt (worker/forkserver.py)
+        if cfg.layout.fork_server:   # torch imported once for every training process of this attempt (worker/forkserver.py)
             server, name = forkserver.start(env, stdout=out, preexec_fn=_die_with_parent())
             env = dict(env, **{forkserver.ENV: name})
         try:
@@ -345,9 +345,9 @@ def _run_once(cfg, rd, env, tail, on_poll, poll_s, timeout, start, stop, run_id,
                 batch = tail.poll()
                 new += batch
                 started = started or any(e["event"] in ("started", "spare_ready") for e in batch)
-                if not started and time.monotonic() - t_spawn > cfg.startup_timeout + 10:
+                if not started and time.monotonic() - t_spawn > cfg.timeouts.startup_timeout + 10:
                     log.emit(
-                        "error", error=f"StartupTimeout: the job did not start within {cfg.startup_timeout:.0f} s "
+                        "error", error=f"StartupTimeout: the job did not start within {cfg.timeouts.startup_timeout:.0f} s "
                                        f"(--startup-timeout): a process died or froze during MPI start-up; the stacks "
                                        f"where each one waited are in {rd.launcher_log}")
                     break
@@ -368,7 +368,7 @@ def _run_once(cfg, rd, env, tail, on_poll, poll_s, timeout, start, stop, run_id,
                         on_poll = None
                 if done or stop.signum:
                     break
-                if t_error is not None and time.monotonic() - t_error > 5 + 2 * cfg.heartbeat_deadline:
+                if t_error is not None and time.monotonic() - t_error > 5 + 2 * cfg.timeouts.heartbeat_deadline:
                     break  # a process of the job reported an error and the others told to stop; some did not
                 if timeout is not None and time.monotonic() - start > timeout:
                     raise TimeoutError(f"run exceeded {timeout} s")

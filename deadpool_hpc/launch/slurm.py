@@ -75,12 +75,12 @@ def write_config(cfg: RunConfig, run_dir: str | None = None) -> str:
     """Validate ``cfg`` and write it to RUN_DIR/config.json (run_dir defaults to cfg.run_dir). Returns the path.
     A relative run_dir, ``summary_path`` or ``metrics_textfile`` is made absolute against this process's current directory (the
     submitter's, on every launch path)."""
-    run_dir = os.path.abspath(run_dir or cfg.run_dir)
-    cfg.run_dir = run_dir
-    if cfg.summary_path:
-        cfg.summary_path = os.path.abspath(cfg.summary_path)
-    if cfg.metrics_textfile:
-        cfg.metrics_textfile = os.path.abspath(cfg.metrics_textfile)
+    run_dir = os.path.abspath(run_dir or cfg.output.run_dir)
+    cfg.update(run_dir=run_dir)
+    if cfg.output.summary_path:
+        cfg.update(summary_path=os.path.abspath(cfg.output.summary_path))
+    if cfg.output.metrics_textfile:
+        cfg.update(metrics_textfile=os.path.abspath(cfg.output.metrics_textfile))
     cfg.validate()
     os.makedirs(run_dir, exist_ok=True)
     return rundir.write_config(run_dir, cfg)
@@ -139,8 +139,8 @@ def render(cfg: RunConfig, template: str | None = None, python: str | None = Non
     ``signal_lead`` (seconds), its ``#SBATCH --signal=USR2@120`` line says that lead instead."""
     template = template or template_path()
     text = open(template).read()
-    run_dir = os.path.abspath(cfg.run_dir)
-    text, n = re.subn(r"(?m)^#SBATCH --nodes=\d+$", f"#SBATCH --nodes={cfg.total_nodes}", text)
+    run_dir = os.path.abspath(cfg.output.run_dir)
+    text, n = re.subn(r"(?m)^#SBATCH --nodes=\d+$", f"#SBATCH --nodes={cfg.layout.total_nodes}", text)
     if n != 1:
         raise ValueError("the template has no '#SBATCH --nodes=N' line")
     if signal_lead is not None:
@@ -155,7 +155,7 @@ def render(cfg: RunConfig, template: str | None = None, python: str | None = Non
               f"CONFIG={shlex.quote(os.path.join(run_dir, 'config.json'))}",
               f"RUN_DIR={shlex.quote(run_dir)}",
               f"PYTHON=${{PYTHON:-{shlex.quote(python or sys.executable)}}}",
-              f"SUMMARY=${{SUMMARY:-{shlex.quote(os.path.abspath(cfg.summary_path)) if cfg.summary_path else ''}}}",
+              f"SUMMARY=${{SUMMARY:-{shlex.quote(os.path.abspath(cfg.output.summary_path)) if cfg.output.summary_path else ''}}}",
               f"DEADPOOL_HOME=${{DEADPOOL_HOME:-{shlex.quote(template_home(template))}}}",
               ""]
     lines = text.split("\n")
@@ -191,10 +191,10 @@ def check_partition(cfg: RunConfig, partition: str | None = None) -> dict | None
     if part is None:
         return None
     name = part["PartitionName"]
-    need = cfg.total_nodes
+    need = cfg.layout.total_nodes
     total = int(part.get("TotalNodes", "0") or 0)
     max_nodes = part.get("MaxNodes", "UNLIMITED")
-    what = f"the job needs {need} nodes ({cfg.nodes} active + {cfg.spares} spare)"
+    what = f"the job needs {need} nodes ({cfg.layout.nodes} active + {cfg.layout.spares} spare)"
     if total and need > total:
         raise ConfigError(f"{what} but partition {name!r} has {total}: it could never start (Slurm would leave it "
                           f"pending for ever, PartitionNodeLimit); accepted: --nodes + --spares <= {total}, or "
@@ -203,9 +203,9 @@ def check_partition(cfg: RunConfig, partition: str | None = None) -> dict | None
         raise ConfigError(f"{what} but partition {name!r} allows at most {max_nodes} per job (MaxNodes): it could "
                           f"never start; accepted: --nodes + --spares <= {max_nodes}, or another --partition")
     cpus = [int(c) for c in _run(["sinfo", "-h", "-N", "-p", name, "-o", "%c"]).split() if c.isdigit()]
-    fit = sum(1 for c in cpus if c >= cfg.ranks_per_node)
+    fit = sum(1 for c in cpus if c >= cfg.layout.ranks_per_node)
     if cpus and fit < need:
-        raise ConfigError(f"--ranks-per-node {cfg.ranks_per_node} needs {cfg.ranks_per_node} CPUs on each of {need} "
+        raise ConfigError(f"--ranks-per-node {cfg.layout.ranks_per_node} needs {cfg.layout.ranks_per_node} CPUs on each of {need} "
                           f"nodes, but partition {name!r} has {fit} node(s) with that many (CPUs per node: "
                           f"{', '.join(map(str, sorted(set(cpus))))}): it could never start; accepted: "
                           f"--ranks-per-node <= {sorted(cpus, reverse=True)[min(need, len(cpus)) - 1]}")
@@ -269,9 +269,9 @@ def submit(cfg: RunConfig, partition: str | None = None, time: str | None = None
     time limit is not one Slurm accepts or leaves no time to train before the signal lead (check_time_and_lead:
     refused, never shortened), if RUN_DIR belongs to a job that is still pending or running (it reads
     RUN_DIR/config.json when it starts), and if sbatch refuses the job (partition, account, ...)."""
-    run_dir = os.path.abspath(cfg.run_dir)
-    if cfg.summary_path:
-        cfg.summary_path = os.path.abspath(cfg.summary_path)
+    run_dir = os.path.abspath(cfg.output.run_dir)
+    if cfg.output.summary_path:
+        cfg.update(summary_path=os.path.abspath(cfg.output.summary_path))
     part = check_partition(cfg, _partition_of(extra) or partition)
     check_time_and_lead(time, signal_lead, extra, part, template)
     try:

@@ -63,7 +63,7 @@ def summary_out(run_dir: str) -> str | None:
     if out:
         return out
     try:
-        return load_config(run_dir).summary_path or None
+        return load_config(run_dir).output.summary_path or None
     except (OSError, ValueError):
         return None
 

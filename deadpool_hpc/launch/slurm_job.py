@@ -522,7 +522,7 @@ def settle(run_dir: str, since: float | None = None, srun_rc: int | None = None)
         # max_requeues caps requeues after lost nodes; a signal (preemption, time limit) is routine for a long
         # job and is not counted
         lost = sum(1 for e in events if e["event"] == "requeued" and e.get("reason") != "preempted")
-        if lost >= load_config(run_dir).max_requeues:
+        if lost >= load_config(run_dir).persistence.max_requeues:
             why_not = f"{lost} requeues after lost nodes already (max_requeues)"
     if why_not is None and job_id:
         emit_requeued(log, slurm_job_id=job_id, reason=reason, idle=idle or None,

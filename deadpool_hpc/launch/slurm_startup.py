@@ -251,17 +251,17 @@ def relaunch(run_dir: str, launch: str) -> tuple[int, int, list[str]]:
                 excluded += [h for h in json.load(fh)["lost_hosts"] if h not in excluded]
     cfg = load_config(run_dir)
     n = len(lost["lost_hosts"])
-    if n > cfg.spares:
+    if n > cfg.layout.spares:
         EventLog(RunDir(run_dir).events).emit(
             "error", error=f"StartupNodeLost: {', '.join(lost['lost_hosts'])} lost during the start-up with "
-                           f"{cfg.spares} spare(s) left: the job cannot start ({lost['why']})")
+                           f"{cfg.layout.spares} spare(s) left: the job cannot start ({lost['why']})")
         raise ConfigError(f"{', '.join(lost['lost_hosts'])} lost during the start-up ({lost['why']}), before the node "
-                          f"agents' MPI world existed, and only {cfg.spares} spare node(s) are left: the job cannot "
+                          f"agents' MPI world existed, and only {cfg.layout.spares} spare node(s) are left: the job cannot "
                           f"start on the nodes that are left; nothing was trained, so nothing is saved (submit again)")
-    cfg.spares -= n
+    cfg.update(spares=cfg.layout.spares - n)
     cfg.validate()
     rundir.write_config(run_dir, cfg)
     EventLog(RunDir(run_dir).events).emit(
-        "relaunched", launch=launch, lost_hosts=lost["lost_hosts"], excluded=excluded, spares_left=cfg.spares,
+        "relaunched", launch=launch, lost_hosts=lost["lost_hosts"], excluded=excluded, spares_left=cfg.layout.spares,
         why=lost["why"])
-    return cfg.nodes + cfg.spares, cfg.spares, excluded
+    return cfg.layout.nodes + cfg.layout.spares, cfg.layout.spares, excluded

@@ -121,14 +121,14 @@ class HotSwapJob:
 
     def __init__(self, cfg: RunConfig, wait_survivors_s: float = 60.0, checkpoint_wait_s: float = 60.0):
         self.cfg = cfg
-        self.run_dir = os.path.abspath(cfg.run_dir)
+        self.run_dir = os.path.abspath(cfg.output.run_dir)
         self.wait_survivors_s = wait_survivors_s
         self.checkpoint_wait_s = checkpoint_wait_s
         self._worker = None  # this task's worker process (not pickled: see __getstate__)
         self._saved_before = 0
         self._skipped_before = 0
         self._lock = None
-        check_extensions(cfg.replica_transport)   # a missing or broken plugin named before anything starts
+        check_extensions(cfg.replication.replica_transport)   # a missing or broken plugin named before anything starts
         # a job still running there must keep its files (RunDirBusy: a ConfigError); held while the directory is
         # prepared, as every launcher does (the task 0 of the job takes it again when it starts)
         with RunDir(self.run_dir).locked("submitit: preparing") as rd:
@@ -166,7 +166,7 @@ class HotSwapJob:
         lid = slurm_startup.launch_id()
         watcher = None
         if rank == 0:
-            slurm_startup.write_launch(self.run_dir, lid, slurm_startup.step_nodes(self.cfg.total_nodes))
+            slurm_startup.write_launch(self.run_dir, lid, slurm_startup.step_nodes(self.cfg.layout.total_nodes))
             watcher = _StartupWatcher(self.run_dir).start()
         slurm_startup.Beacon(self.run_dir, rank).start()
         # SIGUSR2 stays with submitit (its handler calls checkpoint() on task 0); the worker gets it from Slurm too
@@ -197,9 +197,9 @@ class HotSwapJob:
         if how["action"] == "stopped" and not how.get("killed") and slurm_job.job_state(job_id)[0] != "RUNNING":
             # Slurm is ending the job (scancel): no result, so result() raises UncompletedJobError with its state
             _log.warning("job %s stopped at step %s of %s: %s; %s", job_id,
-                         s["steps_completed"], self.cfg.steps, how["reason"], where)
+                         s["steps_completed"], self.cfg.train.steps, how["reason"], where)
             raise SystemExit(1)
-        raise RunIncomplete(f"the run did not complete: step {s['steps_completed']} of {self.cfg.steps}"
+        raise RunIncomplete(f"the run did not complete: step {s['steps_completed']} of {self.cfg.train.steps}"
                             f"{'; stopped: ' + s['stopped']['reason'] if s['stopped'] else ''}"
                             f"{'; errors: ' + '; '.join(map(str, s['errors'])) if s['errors'] else ''}; {where}")
 
@@ -234,7 +234,7 @@ class HotSwapJob:
         new = f"{attempt}.{launch}"
         slurm_startup.write_launch(self.run_dir, new, slurm_startup.step_nodes(total, ",".join(excluded)))
         cmd = ["srun", *srun_args(), "--overlap", f"--nodes={total}", f"--ntasks={total}", "--ntasks-per-node=1",
-               f"--cpus-per-task={self.cfg.ranks_per_node}", "--distribution=block", f"--exclude={','.join(excluded)}",
+               f"--cpus-per-task={self.cfg.layout.ranks_per_node}", "--distribution=block", f"--exclude={','.join(excluded)}",
                f"--output={os.path.join(self.run_dir, 'task-%t.log')}",
                sys.executable, "-m", "deadpool_hpc.launch.batch", "task", self.run_dir, "--no-finisher"]
         _log.warning("%s lost before the agents' MPI world existed: the agents again on %d nodes", excluded, total)

@@ -59,16 +59,16 @@ def request(target: str, node: str, reason: str = "deadpool swap") -> dict:
     if run.get("finished"):
         raise ConfigError(f"the run in {run_dir} has finished: nothing to swap")
     cfg = load_config(run_dir)
-    if not cfg.replicate:
+    if not cfg.replication.replicate:
         raise ConfigError(f"the run in {run_dir} keeps no replicas (--no-replicate): a node's state cannot be handed "
                           f"to a spare; accepted: a run with replication on")
     events = list(read_events(RunDir(run_dir).events))
-    failed, spares = _view(events, cfg.total_nodes, cfg.nodes)
+    failed, spares = _view(events, cfg.layout.total_nodes, cfg.layout.nodes)
     if job is not None:  # Slurm's node names, from each agent's newest hello
         names = {e["mpi_rank"]: e.get("slurm_node") for e in events
                  if e["event"] == "hello" and e.get("role") == "agent"}
     else:
-        names = {i: f"node{i}" for i in range(cfg.total_nodes)}
+        names = {i: f"node{i}" for i in range(cfg.layout.total_nodes)}
     index = next((i for i, n in names.items() if n == node), None)
     if index is None:
         known = ", ".join(str(n) for _, n in sorted(names.items())) or "none known yet (no node agent has started)"

@@ -87,7 +87,7 @@ def draw(tl: Timeline, path: str, title: str | None = None) -> dict:
         for axis in (ax, lanes):
             axis.axvline(x(m.t), color=STYLE["fault"][2], lw=0.8, alpha=0.7)
     s = tl.summary
-    steps = f"{s['steps_completed']}" + (f" of {tl.config.steps}" if tl.config else "")
+    steps = f"{s['steps_completed']}" + (f" of {tl.config.train.steps}" if tl.config else "")
     ax.set_title(title or f"{tl.name or 'run'}: {steps} steps, {len(s['failures'])} failure(s), {s['swaps']} swap(s), "
                  f"{len(s['stragglers'])} straggler verdict(s)" + ("" if s["completed"] else " (not completed)"),
                  fontsize=10)

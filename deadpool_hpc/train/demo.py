@@ -72,7 +72,7 @@ def train(ctx) -> None:
     from .corpus import Batches, load_tokens
     from .model import GPT, GPTConfig
 
-    cfg = DemoConfig.from_args(ctx.config.train_args)
+    cfg = DemoConfig.from_args(ctx.config.train.train_args)
     torch.manual_seed(cfg.seed)                                      # every process builds the same model
     model = DDP(GPT(GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, d_model=cfg.d_model, context=cfg.context)))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -105,7 +105,7 @@ def train_zero(ctx) -> None:
     from .corpus import Batches, load_tokens
     from .model import GPT, GPTConfig
 
-    cfg = DemoConfig.from_args(ctx.config.train_args)
+    cfg = DemoConfig.from_args(ctx.config.train.train_args)
     torch.manual_seed(cfg.seed)
     model = GPT(GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, d_model=cfg.d_model, context=cfg.context))
     opt = ctx.zero_adamw(model, lr=cfg.lr, warmup_steps=cfg.warmup_steps)

@@ -72,7 +72,7 @@ class Context(Recovering):
     def __init__(self, cfg, client, groups, log, node: int, local: int, backend: str = "gloo"):
         self.config = cfg
         self.device = device_for(backend)
-        self.world_size = cfg.world_size
+        self.world_size = cfg.layout.world_size
         self._client = client
         self._groups = groups
         self._log = log
@@ -80,12 +80,12 @@ class Context(Recovering):
         self._state: StepState | None = None   # what ctx.protect / ctx.zero_adamw made (worker/steps.py)
         self._exit_code = 0
         self._failure = threading.Event()
-        self.watch = Watch(self._failure, cfg.wait_timeout, client.progress.beat)
-        self._steps = StepSequence(world_size=cfg.world_size, replicate=cfg.replicate,
-                                   interleave=cfg.interleave_replication, wait_timeout=cfg.wait_timeout,
+        self.watch = Watch(self._failure, cfg.timeouts.wait_timeout, client.progress.beat)
+        self._steps = StepSequence(world_size=cfg.layout.world_size, replicate=cfg.replication.replicate,
+                                   interleave=cfg.internal.interleave_replication, wait_timeout=cfg.timeouts.wait_timeout,
                                    generation=lambda: self.generation, failure=self._failure, watch=self.watch,
                                    beat=client.progress.beat)
-        self._faults = RankFaults(cfg.faults, node=node, local=local, ranks_per_node=cfg.ranks_per_node, log=log,
+        self._faults = RankFaults(cfg.internal.faults, node=node, local=local, ranks_per_node=cfg.layout.ranks_per_node, log=log,
                                   send=client.send)
         self._role: Train | Spare | None = None   # the current generation's role (ipc/messages.py)
         self._waiting: Left | None = None   # what this process said when it left, while it waits for its next role
@@ -186,7 +186,7 @@ class Context(Recovering):
         with self._refusing():
             state = Protected(self.world_size, model, optimizer, scheduler, dataloader, extra,
                               python_rng=python_rng, numpy_rng=numpy_rng,
-                              ring=(cfg.ranks_per_node, cfg.nodes, cfg.replica_holders),
+                              ring=(cfg.layout.ranks_per_node, cfg.layout.nodes, cfg.replica_holders),
                               first_rank=self._first_rank)
         self._hold(state)
 
@@ -211,7 +211,7 @@ class Context(Recovering):
     def _first_rank(self) -> int | None:
         """The training rank the job's first generation gives this process (None: a spare's)."""
         cfg = self.config
-        return self._node * cfg.ranks_per_node + self._local if self._node < cfg.nodes else None
+        return self._node * cfg.layout.ranks_per_node + self._local if self._node < cfg.layout.nodes else None
 
     def _hold(self, state: StepState) -> None:
         """The user's function built its model and handed it over: the step sequence drives ``state`` from now on;
@@ -254,17 +254,17 @@ class Context(Recovering):
         shapes = self._state.layout_tensors()
         local_nbytes = self._state.local_nbytes   # ctx.protect's shares: kept, never sent
         self._layout = StateLayout(shapes, rng.numel(), local_nbytes)
-        bufs = self._client.attach_slots(self._layout.nbytes, self.config.startup_timeout,
+        bufs = self._client.attach_slots(self._layout.nbytes, self.config.timeouts.startup_timeout,
                                          tensors=[[str(t.dtype).replace("torch.", ""), list(t.shape)] for t in shapes],
                                          rng_nbytes=rng.numel(), local_nbytes=local_nbytes)
         self._slots = [Slot(self._layout.nbytes, b.tensor) for b in bufs]
         self._attached = True
         self._bufs = bufs
         self._writer = SnapshotWriter(self._client.progress, self._client.bell, self._slots, self._layout,
-                                      lost=self._client.lost, grant_timeout=self.config.collective_timeout,
+                                      lost=self._client.lost, grant_timeout=self.config.timeouts.collective_timeout,
                                       copier=DeviceCopier(self.device, pin=bufs))   # replica/devicecopy.py
         self._steps.attach(self._writer)
-        role = self._next_role(self.config.startup_timeout)
+        role = self._next_role(self.config.timeouts.startup_timeout)
         if isinstance(role, Train):
             try:
                 self._start(role)
@@ -280,7 +280,7 @@ class Context(Recovering):
         cfg = self.config
         while True:
             try:
-                while self.step < cfg.steps:
+                while self.step < cfg.train.steps:
                     self._one_step(step_fn)
                 self._client.progress.disarm()
                 collectives.all_reduce(torch.zeros(1), self.watch)  # everyone has finished
@@ -341,7 +341,7 @@ class Context(Recovering):
             r, self._recovery = self._recovery, None
             self._log.emit("resumed", generation=self.generation, rank=self.rank, step=self.step,
                            t_fail=r["t_fail"], recomputed_steps=r["recomputed_steps"])
-        if self.rank == 0 and (s % self.config.log_every == 0 or self.step == self.config.steps):
+        if self.rank == 0 and (s % self.config.output.log_every == 0 or self.step == self.config.train.steps):
             rate = {"tokens_per_s": self.world_size * tokens / dt if dt > 0 else 0.0} if tokens else {}
             self._log.emit("step", step=self.step, generation=self.generation, step_s=dt, **rate,
                            **{k: v for k, v in metrics.items() if isinstance(v, (int, float))})
@@ -362,7 +362,7 @@ class Context(Recovering):
     def _finish(self) -> None:
         if self.rank == 0:
             self._client.send("finished", {"steps": self.step})  # first: hashing a large model takes a while
-            replicate = self.config.replicate
+            replicate = self.config.replication.replicate
             self._log.emit("finished", generation=self.generation, steps=self.step,
                            param_digest=self._state.param_digest(), world_size=self.world_size,
                            spares_left=self._role.view.spares_left,
@@ -372,7 +372,7 @@ class Context(Recovering):
             self._log.sync()
             return
         try:
-            while not isinstance(self._next_role(self.config.collective_timeout), Finish):
+            while not isinstance(self._next_role(self.config.timeouts.collective_timeout), Finish):
                 pass
         except Exception:  # noqa: BLE001 - the run is over either way; the agent ends us if it must
             pass

@@ -54,7 +54,7 @@ def bind_device(cfg, local: int, log=None):
     from ..dataplane import backend as be
 
     os.environ["LOCAL_RANK"] = str(local)   # dataplane/groups.device_for and training functions read it
-    name = be.resolve_backend(getattr(cfg, "backend", "auto"))
+    name = be.resolve_backend(cfg.layout.backend)
     device = be.device_of(name, local)
     info = {"backend": name, "device": str(device)}
     if name == "nccl":
@@ -122,7 +122,7 @@ def main(argv=None) -> None:
 
     children.install()   # its children (loader workers) hold none of the agent's fds and die with it
     client = AgentClient.connect(None, bytes.fromhex(os.environ["DEADPOOL_JOB_SECRET"]), local,
-                                 timeout=min(60.0, cfg.startup_timeout), on_lost=lambda *_: os._exit(1))
+                                 timeout=min(60.0, cfg.timeouts.startup_timeout), on_lost=lambda *_: os._exit(1))
     log.emit("hello", role="trainer", **identity())
     import torch
 
@@ -134,14 +134,14 @@ def main(argv=None) -> None:
     ctx = None
     try:
         backend, device = bind_device(cfg, local, log)
-        groups = GenerationGroups(backend, cfg.wait_timeout, cfg.rendezvous_timeout, device=device)
+        groups = GenerationGroups(backend, cfg.timeouts.wait_timeout, cfg.timeouts.rendezvous_timeout, device=device)
         ctx = Context(cfg, client, groups, log, node, local, backend=backend)
         # how collectives are waited on: polled on gloo (None), the collective watchdog on NCCL (dataplane/watchdog.py)
         from ..dataplane.watchdog import waiter_for
 
         ctx.watch.waiter = waiter_for(backend, ctx.watch.failure, ctx.watch.timeout, groups.abort_all,
                                       lambda: groups.generation)
-        load_train_fn(cfg.train_fn)(ctx)
+        load_train_fn(cfg.train.train_fn)(ctx)
         code = ctx.exit_code
     except BaseException as exc:  # report, ask the agent to end the job (or, at start-up, fail this node), leave
         error = f"{type(exc).__name__}: {exc}"

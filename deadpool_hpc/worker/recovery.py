@@ -54,7 +54,7 @@ class Recovering:
         if announce:
             self._client.send(Left.KIND, left.to_wire())
         try:
-            return self._next_role(self.config.recovery_timeout + self.config.ready_timeout)
+            return self._next_role(self.config.timeouts.recovery_timeout + self.config.timeouts.ready_timeout)
         finally:
             self._waiting = None
 
@@ -187,7 +187,7 @@ class Recovering:
         g = self.generation
         # the run's first join waits for members still starting (the start-up deadline, after which the agent of a
         # node whose process never started ends the run with StartupTimeout); a recovery's join has the short one
-        limit = self.config.startup_timeout if first else self.config.rendezvous_timeout
+        limit = self.config.timeouts.startup_timeout if first else self.config.timeouts.rendezvous_timeout
         store = AgentStore(self._client, g, timeout=limit)
         self._groups.join(g, store, self.rank, self.world_size, timeout=limit)
         for group in self._mesh_groups:
@@ -197,7 +197,7 @@ class Recovering:
             self._groups.build_subgroups(lines)
 
     def _load_checkpoint(self, meta: dict) -> None:
-        root = self.config.run_dir + "/checkpoint"
+        root = self.config.output.run_dir + "/checkpoint"
         kept = persist.shard_record(root, meta, self.rank).get("kept")
         if kept is not None:   # ctx.protect: which saved shares are this rank's (a lost rank's came from a replica)
             self._state.bind(self.rank, self.watch, kept=kept)

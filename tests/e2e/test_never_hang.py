@@ -209,7 +209,7 @@ def test_an_idle_spare_waits_as_long_as_the_run_lasts_and_is_still_promoted(tmp_
     and the spare that idled all along is promoted and the run ends bitwise equal to a failure-free one."""
     monkeypatch.setenv("DEADPOOL_TEST_STEP_S", "0.25")
     kw = dict(nodes=2, steps=80, hang_timeout=1.5, rendezvous_timeout=2.0, train_fn="trainfns:paced")
-    idle_bound = RunConfig(**kw).recovery_timeout + RunConfig(**kw).ready_timeout
+    idle_bound = RunConfig(**kw).timeouts.recovery_timeout + RunConfig(**kw).timeouts.ready_timeout
     base = failure_free(**kw)   # the demo's arithmetic: trainfns.paced only sleeps before each step
     s = run(tmp_path, "paced-kill", "kill node1@70", spares=1, **kw)
     assert s["completed"] and s["swaps"] == 1 and s["param_digest"] == base["param_digest"], s

@@ -43,11 +43,11 @@ def run_with_swap(tmp_path, name, node, at_step, refused=(), also=(), **kw):
 
     def operator():
         end = time.time() + 240
-        while _steps(cfg.run_dir) < at_step and time.time() < end:
+        while _steps(cfg.output.run_dir) < at_step and time.time() < end:
             time.sleep(0.05)
-        out["refused"] = {n: swap(cfg.run_dir, n) for n in refused}
-        out["swap"] = swap(cfg.run_dir, node, "--reason", "ECC errors (test)")
-        out["also"] = [swap(cfg.run_dir, n, "--reason", "ECC errors (test)") for n in also]
+        out["refused"] = {n: swap(cfg.output.run_dir, n) for n in refused}
+        out["swap"] = swap(cfg.output.run_dir, node, "--reason", "ECC errors (test)")
+        out["also"] = [swap(cfg.output.run_dir, n, "--reason", "ECC errors (test)") for n in also]
 
     t = threading.Thread(target=operator, daemon=True)
     t.start()
@@ -142,7 +142,7 @@ def test_stragglers_are_swapped_out_one_per_window_and_slowness_that_follows_the
     assert all(f["t_fault_source"] == "planned swap requested (straggler)" and "straggler: own work" in f["reason"]
                for f in s["failures"]), s["failures"]
     assert {f["kind"] for f in s["failures"]} == {"slow", "planned swap"}, s["failures"]   # node1's: the injected fault
-    ev = list(read_events(os.path.join(cfg.run_dir, "events.jsonl")))
+    ev = list(read_events(os.path.join(cfg.output.run_dir, "events.jsonl")))
     took_rank2 = [d["promoted"]["2"] for d in ev if d["event"] == "decision" and "2" in d.get("promoted", {})]
     reported = [x for x in found if x["action"] == "report"]
     assert len(took_rank2) == 1 and reported and {x["node"] for x in reported} == {took_rank2[0]}, (found, took_rank2)
@@ -173,9 +173,9 @@ def test_deadpool_swap_refuses_a_run_without_replicas(tmp_path):
 
     def operator():
         end = time.time() + 120
-        while _steps(cfg.run_dir) < 3 and time.time() < end:
+        while _steps(cfg.output.run_dir) < 3 and time.time() < end:
             time.sleep(0.05)
-        got["r"] = swap(cfg.run_dir, "node0")
+        got["r"] = swap(cfg.output.run_dir, "node0")
 
     t = threading.Thread(target=operator, daemon=True)
     t.start()

@@ -99,11 +99,11 @@ def test_ddp_example_planned_swap_recomputes_nothing(tmp_path, failure_free):
     out = {}
 
     def operator():
-        path, end = os.path.join(cfg.run_dir, "events.jsonl"), time.time() + 200
+        path, end = os.path.join(cfg.output.run_dir, "events.jsonl"), time.time() + 200
         while time.time() < end and not (os.path.exists(path) and any(
                 e["event"] == "step" and e["step"] >= 5 for e in read_events(path))):
             time.sleep(0.05)
-        out["swap"] = subprocess.run([sys.executable, "-m", "deadpool_hpc.launch.cli", "swap", cfg.run_dir, "node1",
+        out["swap"] = subprocess.run([sys.executable, "-m", "deadpool_hpc.launch.cli", "swap", cfg.output.run_dir, "node1",
                                       "--reason", "ECC errors (test)"], capture_output=True, text=True, timeout=60)
 
     t = threading.Thread(target=operator, daemon=True)

@@ -152,7 +152,7 @@ def test_function_names(ex):
     from deadpool_hpc.train.demo import train
     from deadpool_submitit import train_fn_spec
 
-    assert train_fn_spec(train) == train_fn_spec(None) == RunConfig.train_fn == "deadpool_hpc.train.demo:train"
+    assert train_fn_spec(train) == train_fn_spec(None) == RunConfig().train.train_fn == "deadpool_hpc.train.demo:train"
 
 
 def test_a_hot_swap_job_that_contradicts_the_executor_is_refused(ex, tmp_path):

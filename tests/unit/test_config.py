@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 
+import paths
 import pytest
 
 from deadpool_hpc.config import RunConfig, parse_train_arg
@@ -146,8 +147,8 @@ def test_cli_hang_timeout_off_turns_hang_detection_off(tmp_path, value, seconds)
     add_run_options(p)
     a = p.parse_args(["--run-dir", str(tmp_path / "run"), "--hang-timeout", value])
     assert a.hang_timeout == seconds
-    if seconds == 0.0 or seconds >= RunConfig().heartbeat_deadline:
-        assert config_from_args(a).hang_timeout == seconds  # 0.0: RunConfig's "off"
+    if seconds == 0.0 or seconds >= RunConfig().timeouts.heartbeat_deadline:
+        assert config_from_args(a).timeouts.hang_timeout == seconds  # 0.0: RunConfig's "off"
 
 
 @pytest.mark.e2e
@@ -162,7 +163,7 @@ def test_cli_hang_timeout_0_exits_2_from_the_command(tmp_path):
 def test_the_64_process_cap_is_the_local_launchers_only():
     """A Slurm job of 512 nodes x 8 is a valid layout; only the local launcher refuses more than 64 processes."""
     cfg = RunConfig(nodes=512, spares=8, ranks_per_node=8, steps=10).validate()
-    assert cfg.total_processes == 520 * 8
+    assert cfg.layout.total_processes == 520 * 8
 
 
 def test_interleaved_replication_alternates_blocks_of_steps():
@@ -170,7 +171,7 @@ def test_interleaved_replication_alternates_blocks_of_steps():
     from deadpool_hpc.worker.steps import StepSequence
 
     def on(cfg, steps):
-        seq = StepSequence(world_size=1, replicate=cfg.replicate, interleave=cfg.interleave_replication,
+        seq = StepSequence(world_size=1, replicate=cfg.replication.replicate, interleave=cfg.internal.interleave_replication,
                            wait_timeout=1.0, generation=lambda: 0, failure=None, watch=None, beat=lambda: None)
         return [seq.replicating(s) for s in steps]
 
@@ -185,7 +186,7 @@ def test_slow_node_specs_parse():
     assert parse_fault("slow", "node2@build:12") == Fault("slow", "node", 2, None, "build", 1, 12.0)
     f = parse_fault("slow", "node1@startup")
     assert (f.phase, f.factor, f.at_start, str(f)) == ("startup", SLOW_FACTOR, True, f"--slow node1@startup:{SLOW_FACTOR:g}")
-    assert RunConfig.from_json(RunConfig(faults=[f]).to_json()).faults == [f]
+    assert RunConfig.from_json(RunConfig(faults=[f]).to_json()).internal.faults == [f]
     g = parse_fault("slow", "node1@40:2")   # from a step on: the straggler check's fault
     assert (g.step, g.phase, g.factor, g.at_start, str(g)) == (40, None, 2.0, False, "--slow node1@40:2")
     # not a loss in the fault plan (the straggler check may only report it): a second fault still finds the spare
@@ -201,7 +202,7 @@ def test_nic_down_specs_parse():
     f = parse_fault("nic_down", "node2")
     assert f == parse_fault("nic_down", "node2@startup") == Fault("nic_down", "node", 2, None, "startup")
     assert (f.at_start, str(f)) == (True, "--nic-down node2")
-    assert RunConfig.from_json(RunConfig(spares=1, faults=[f]).to_json()).faults == [f]
+    assert RunConfig.from_json(RunConfig(spares=1, faults=[f]).to_json()).internal.faults == [f]
     assert NIC_DOWN_IFNAME not in os.listdir("/sys/class/net")   # an interface no machine has
     later = parse_fault("nic_down", "node4@10")
     assert later == Fault("nic_down", "node", 4, 10) and str(later) == "--nic-down node4@10"
@@ -367,7 +368,7 @@ def test_submitit_parameters_are_the_public_settings():
 def test_the_readme_lists_every_option_as_generated():
     from deadpool_hpc.launch.options import options_markdown
 
-    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    readme = open(os.path.join(paths.ROOT, "README.md")).read()
     block = readme.split("<!-- options: generated -->\n", 1)[1].split("<!-- /options -->", 1)[0]
     assert block == options_markdown(), "README's options differ: paste options_markdown()'s output"
 

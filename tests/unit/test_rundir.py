@@ -58,7 +58,7 @@ def test_rundir_prepare_needs_the_lock(tmp_path):
 def test_write_config_is_atomic_and_round_trips(tmp_path, monkeypatch):
     cfg = RunConfig(nodes=2, spares=1, steps=7, run_dir=str(tmp_path))
     path = write_config(str(tmp_path), cfg)
-    assert path == str(tmp_path / "config.json") and RunConfig.from_json(open(path).read()).steps == 7
+    assert path == str(tmp_path / "config.json") and RunConfig.from_json(open(path).read()).train.steps == 7
     synced = []
     real = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd)))
@@ -70,7 +70,7 @@ def test_write_config_is_atomic_and_round_trips(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk gone"):
         write_config(str(tmp_path), RunConfig(nodes=3, spares=1, steps=9, run_dir=str(tmp_path)))
     assert synced, "the temp file is fsynced before the rename"
-    assert RunConfig.from_json(open(path).read()).steps == 7, "a failed write leaves the old config whole"
+    assert RunConfig.from_json(open(path).read()).train.steps == 7, "a failed write leaves the old config whole"
     assert _left(tmp_path) == ["config.json"], "no temp file is left behind"
 
 
@@ -111,7 +111,7 @@ def test_submitit_job_prepares_the_run_dir_as_every_launcher(tmp_path):
     _previous_run(tmp_path)
     job = HotSwapJob(RunConfig(nodes=2, spares=1, steps=5, run_dir=str(tmp_path)))
     assert _left(tmp_path) == sorted(KEPT)
-    assert RunConfig.from_json((tmp_path / "config.json").read_text()).steps == 5
+    assert RunConfig.from_json((tmp_path / "config.json").read_text()).train.steps == 5
     assert job.job_secret("1") != job.job_secret("2")
     with RunDir(str(tmp_path)).locked("another run"):
         with pytest.raises(RunDirBusy):

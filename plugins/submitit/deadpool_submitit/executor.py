@@ -50,7 +50,7 @@ from deadpool_hpc.launch.submitit_job import JOB_FLAGS, HotSwapJob, hot_swap_job
 
 __all__ = ["DeadpoolExecutor", "RUN_PARAMETERS", "train_fn_spec"]
 
-DEMO = RunConfig.train_fn  # "deadpool_hpc.train.demo:train"
+DEMO = RunConfig().train.train_fn  # "deadpool_hpc.train.demo:train"
 
 _ACCEPTED_FN = ("accepted: a module-level function fn(ctx) of a module the nodes can import (as for "
                 "`deadpool run --train-fn`), its 'package.module:function' name, a HotSwapJob, or None (the "
@@ -195,8 +195,8 @@ class DeadpoolExecutor(SlurmExecutor):
         return RunConfig(**{k: v for k, v in self._run.items() if k not in _JOB_PARAMETERS})
 
     def _sizing(self, cfg: RunConfig) -> tp.Dict[str, tp.Any]:
-        return {"nodes": cfg.total_nodes, "ntasks_per_node": 1,  # one node agent per node
-                "cpus_per_task": self._cpus or cfg.ranks_per_node,
+        return {"nodes": cfg.layout.total_nodes, "ntasks_per_node": 1,  # one node agent per node
+                "cpus_per_task": self._cpus or cfg.layout.ranks_per_node,
                 "additional_parameters": dict(JOB_FLAGS, **self._additional),
                 "srun_args": srun_args() + self._srun_extra}
 
@@ -293,8 +293,8 @@ class DeadpoolExecutor(SlurmExecutor):
         return HotSwapJob(cfg, **{k: self._run[k] for k in _JOB_PARAMETERS if k in self._run})
 
     def _check_fit(self, cfg: RunConfig) -> None:
-        if self._cpus is not None and self._cpus < cfg.ranks_per_node:
-            raise _refused("cpus_per_task", self._cpus, f"at least ranks_per_node ({cfg.ranks_per_node}): each "
+        if self._cpus is not None and self._cpus < cfg.layout.ranks_per_node:
+            raise _refused("cpus_per_task", self._cpus, f"at least ranks_per_node ({cfg.layout.ranks_per_node}): each "
                                                         f"training process needs a CPU")
         try:
             deadpool_slurm.check_partition(cfg, self.parameters.get("partition"))

@@ -11,6 +11,7 @@ import pytest
 
 from deadpool_hpc.agent.recovery import MAX_FAILED_ROUNDS, Recovery, RecoveryEnd
 from deadpool_hpc.agent.state import NodeState
+from deadpool_hpc.config import RunConfig
 from deadpool_hpc.control.decision import Decision
 from deadpool_hpc.control.messages import Report
 from deadpool_hpc.errors import PeerFailure, RecoveryTimeout, RunFinished
@@ -78,9 +79,9 @@ class Host:
     """The node agent as a round sees it (``RecoveryHost``). ``seal()``: from then on no attribute may be set."""
 
     def __init__(self, cp, node=0, P=1, reps=None, alive=(0,), fail_in_tick=False):
-        self.cfg = SimpleNamespace(ready_timeout=5.0, wait_timeout=5.0, rendezvous_timeout=5.0, collective_timeout=5.0,
-                                   world_size=3, nodes=3, replica_holders=1, run_dir="/nonexistent",
-                                   crash_loop_limit=0)
+        # world size 3; waits of 5 s (a collective's), 9 s (the ready wait: plus the heartbeat ceiling)
+        self.cfg = RunConfig(collective_timeout=5.0, hang_timeout=0, rendezvous_timeout=5.0, nodes=3, replicas=1,
+                             run_dir="/nonexistent", crash_loop_limit=0)
         self.cp, self.node, self.P, self.resume = cp, node, P, None
         self.log = SimpleNamespace(events=[], emit=lambda name, **kw: self.log.events.append(name))
         self.faults = SimpleNamespace(wants_phase=lambda name, rounds: False,

@@ -34,7 +34,7 @@ def test_the_same_rank_step_and_signal_on_limit_plus_one_nodes_is_a_loop():
 def test_off_and_default():
     fs = [wf(node=n, generation=g) for g, n in enumerate((1, 3, 4, 0, 2))]
     assert find_loop(fs, limit=0) is None               # 0: off, however often it repeats
-    assert DEFAULT_LIMIT == RunConfig().crash_loop_limit == 2
+    assert DEFAULT_LIMIT == RunConfig().comeback.crash_loop_limit == 2
 
 
 @pytest.mark.parametrize("second, why", [

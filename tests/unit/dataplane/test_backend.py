@@ -71,15 +71,16 @@ def test_the_linked_nccl_is_readable_and_allowed_on_this_gpu_machine():
 def test_a_training_process_without_cuda_binds_the_cpu_and_refuses_nccl(monkeypatch):
     from types import SimpleNamespace
 
+    from deadpool_hpc.config import RunConfig
     from deadpool_hpc.worker.entry import bind_device
 
     monkeypatch.setenv("LOCAL_RANK", "9")
     emitted = []
     log = SimpleNamespace(emit=lambda kind, **kw: emitted.append(kind))
-    assert bind_device(SimpleNamespace(backend="auto"), 2, log) == ("gloo", torch.device("cpu"))
-    assert bind_device(SimpleNamespace(backend="gloo"), 0, log) == ("gloo", torch.device("cpu"))
+    assert bind_device(RunConfig(backend="auto"), 2, log) == ("gloo", torch.device("cpu"))
+    assert bind_device(RunConfig(backend="gloo"), 0, log) == ("gloo", torch.device("cpu"))
     import os
 
     assert os.environ["LOCAL_RANK"] == "0" and emitted == []   # gloo: nothing new in the event log
     with pytest.raises(be.BackendError, match="'nccl' needs CUDA"):
-        bind_device(SimpleNamespace(backend="nccl"), 0, log)
+        bind_device(RunConfig(backend="nccl"), 0, log)
