@@ -78,10 +78,10 @@ def test_every_run_setting_is_a_parameter():
 
 
 @pytest.mark.parametrize("params, message", [
-    ({"deadpool_spares": -1}, "spares=-1 is refused; accepted: an integer >= 0"),
-    ({"deadpool_steps": "80"}, "steps='80' is refused; accepted: an integer >= 1"),
-    ({"deadpool_ranks_per_node": 0}, "ranks_per_node=0 is refused; accepted: an integer >= 1"),
-    ({"deadpool_hang_timeout": -1.0}, "hang_timeout=-1.0 is refused; accepted: seconds >= 0"),
+    ({"deadpool_spares": -1}, "spares=-1 is refused; accepted: 0 or more"),
+    ({"deadpool_steps": "80"}, "steps='80' is refused; accepted: 1 or more"),
+    ({"deadpool_ranks_per_node": 0}, "ranks_per_node=0 is refused; accepted: 1 or more"),
+    ({"deadpool_hang_timeout": -1.0}, "hang_timeout=-1.0 is refused; accepted: seconds > 0 (0"),
     ({"deadpool_requeue": "yes"}, "requeue='yes' is refused; accepted: True or False"),
     ({"nodes": 0}, "nodes=0 is refused; accepted: an integer >= 1 (ACTIVE nodes"),
     ({"tasks_per_node": 2}, "tasks_per_node=2 is refused; accepted: 1 (one node agent per node"),

@@ -24,7 +24,7 @@ Parameters. Through ``AutoExecutor`` the executor's own parameters take the ``de
 for cluster-specific parameters); on a ``DeadpoolExecutor`` made directly they have no prefix. Besides submitit's
 generic ones (``nodes`` = ACTIVE nodes, ``timeout_min``, ``cpus_per_task``, ``gpus_per_node``, ``mem_gb``,
 ``name``) and every SlurmExecutor parameter (``deadpool_partition``, ``deadpool_account``, ``deadpool_qos``, ...),
-it takes the run's settings (``RUN_PARAMETERS``, RunConfig's fields of the same names):
+it takes the run's settings (``RUN_PARAMETERS``: RunConfig's settings by their flat names, derived from its sections):
 ``spares``, ``ranks_per_node``, ``steps``, ``train_args``, ``replicas``, ``replica_transport``, ``requeue``,
 ``max_requeues``, ``run_dir``, ``summary_path``, timeouts in seconds, ... and HotSwapJob's ``wait_survivors_s``
 and ``checkpoint_wait_s``.
@@ -40,7 +40,7 @@ import typing as tp
 from submitit.core import utils
 from submitit.slurm.slurm import SlurmExecutor
 
-from deadpool_hpc.config import RunConfig
+from deadpool_hpc.config import RunConfig, run_parameters
 from deadpool_hpc.errors import ConfigError
 from deadpool_hpc.launch import slurm as deadpool_slurm
 from deadpool_hpc.launch import timelimit
@@ -65,59 +65,10 @@ def _is_seconds(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-# name -> (check, what is accepted). RunConfig's fields except nodes (submitit's generic parameter), faults (fault
-# injection is for tests) and train_fn (what submit() is given); then HotSwapJob's two waits.
+# name -> (check, what is accepted): the run's settings, derived from RunConfig's sections (config.run_parameters:
+# every public setting but nodes, submitit's generic parameter); then HotSwapJob's two waits.
 RUN_PARAMETERS: tp.Dict[str, tp.Tuple[tp.Callable[[tp.Any], bool], str]] = {
-    "spares": (lambda v: _is_int(v) and v >= 0, "an integer >= 0 (spare nodes, on top of `nodes`)"),
-    "ranks_per_node": (lambda v: _is_int(v) and v >= 1, "an integer >= 1 (training processes per node)"),
-    "steps": (lambda v: _is_int(v) and v >= 1, "an integer >= 1 (training steps)"),
-    "train_args": (lambda v: isinstance(v, dict), "a dict of the training function's settings (str keys; str, "
-                                                  "int, float or bool values)"),
-    "replicate": (lambda v: isinstance(v, bool), "True or False (False: no replica plane, benchmarks only)"),
-    "replicas": (lambda v: _is_int(v) and v >= 0, "an integer >= 0, less than `nodes` (replicas per snapshot)"),
-    "backend": (lambda v: v in ("auto", "nccl", "gloo"), "auto, nccl or gloo (the training processes' backend)"),
-    "replica_transport": (lambda v: isinstance(v, str) and v != "", "a replica transport's name (str): tcp, unix "
-                                                                    "or a plugin's (docs/plugins.md)"),
-    "requeue": (lambda v: isinstance(v, bool), "True or False (no spare left: checkpoint and requeue the job)"),
-    "max_requeues": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
-    "heartbeat_period": (lambda v: _is_seconds(v) and v > 0, "seconds > 0"),
-    "heartbeat_deadline": (lambda v: _is_seconds(v) and v > 0, "seconds > 0, more than twice heartbeat_period"),
-    "heartbeat_ceiling": (lambda v: _is_seconds(v) and v > 0, "seconds > 0, at least twice heartbeat_deadline (the "
-                                                              "longest a frozen node goes unnoticed)"),
-    "collective_timeout": (lambda v: _is_seconds(v) and v > 0, "seconds > 0"),
-    "hang_timeout": (lambda v: _is_seconds(v) and v >= 0, "seconds >= 0 (0: no hang detection)"),
-    "rendezvous_timeout": (lambda v: _is_seconds(v) and v > 0, "seconds > 0"),
-    "startup_timeout": (lambda v: _is_seconds(v) and v > 0, "seconds > 0"),
-    "health_check": (lambda v: isinstance(v, str), "a shell command (str) each node runs at start-up; exit 0: "
-                                                   "healthy; empty: none"),
-    "preflight_factor": (lambda v: _is_seconds(v) and (v == 0 or v > 1),
-                         "a number > 1 (a node whose start-up matmul exceeds this x the others' median is replaced) "
-                         "or 0 (no speed check)"),
-    "spare_check_every": (lambda v: _is_seconds(v) and v >= 0, "seconds >= 0 (an idle spare re-checks itself this "
-                                                               "often; 0: never)"),
-    "straggler_factor": (lambda v: _is_seconds(v) and v > 1, "a number > 1 (a training node whose own work per step "
-                                                             "stays over this x the others' median is a straggler)"),
-    "straggler_window": (lambda v: _is_seconds(v) and v > 0, "seconds > 0 (how long a straggler stays slow)"),
-    "straggler_action": (lambda v: v in ("swap", "report", "off"), "'swap', 'report' or 'off' (what is done with a "
-                                                                   "straggler)"),
-    "spare_return": (lambda v: isinstance(v, bool), "True or False (a node whose training processes failed returns to "
-                                                    "the spare pool once it passed its checks)"),
-    "quarantine": (lambda v: _is_seconds(v) and v >= 0, "seconds >= 0 (a node failing again this soon after its "
-                                                        "return stays out)"),
-    "crash_loop_limit": (lambda v: _is_int(v) and v >= 0, "an integer >= 0 (repeats of the same rank's crash at the "
-                                                          "same step on other nodes before the run stops; 0: off)"),
-    "health_check_timeout": (lambda v: _is_seconds(v) and v > 0, "seconds > 0 (a returning node's health check "
-                                                                 "still running then counts as unhealthy)"),
-    "persist_every": (lambda v: _is_seconds(v) and v >= 0, "seconds >= 0 (0: the agents never persist snapshots in "
-                                                           "the background)"),
-    "metrics_port": (lambda v: _is_int(v) and 0 <= v <= 65535, "an integer 1..65535 (Prometheus: the job's endpoint "
-                                                               "on the coordinator; node I's on that + 1 + I), or 0 "
-                                                               "(off)"),
-    "metrics_textfile": (lambda v: isinstance(v, str), "a directory (str) every node may write, for node_exporter's "
-                                                       "textfile collector; empty: off"),
-    "run_dir": (lambda v: isinstance(v, str) and v != "", "a directory path (str) on a filesystem the nodes share"),
-    "summary_path": (lambda v: v is None or (isinstance(v, str) and v != ""), "None or a file path (str)"),
-    "log_every": (lambda v: _is_int(v) and v >= 1, "an integer >= 1 (steps between step events)"),
+    **run_parameters(),
     "wait_survivors_s": (lambda v: _is_seconds(v) and v > 0, "seconds > 0 (task 0's wait for the other tasks)"),
     "checkpoint_wait_s": (lambda v: _is_seconds(v) and v > 0, "seconds > 0 (checkpoint()'s wait for the "
                                                               "checkpoint on SIGUSR2)"),
