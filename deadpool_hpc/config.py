@@ -175,16 +175,6 @@ class Layout(Section):
     def total_processes(self) -> int:
         return self.total_nodes * self.ranks_per_node
 
-    def resolved_backend(self) -> str:
-        """"nccl" or "gloo": ``backend``, with "auto" resolved on this machine (nccl where CUDA is available and
-        there is a GPU, else gloo). Call it where the training processes run: a launcher may see no GPU."""
-        if self.backend != "auto":
-            return self.backend
-        try:
-            return "nccl" if cuda_available() else "gloo"
-        except ImportError:
-            return "gloo"
-
     def _check(self, run: "RunConfig") -> None:
         _need(self.spares == 0 or self.nodes >= 2,
               f"--nodes {self.nodes} with --spares {self.spares}: a rank's replica lives on another active node, "
