@@ -87,14 +87,17 @@ def _thread_cpu(tid: int) -> float:
 
 
 def _report(cp) -> dict:
+    """{virtual process: Report} (control/messages.py) for this probe's one process: it holds step 0 of its own rank
+    and of the ranks it is a replica holder of."""
+    from deadpool_hpc.control.messages import Report
     from deadpool_hpc.placement import held_by
 
     m = cp.me  # one virtual process per node (P = 1)
     if m not in cp.assignment:
-        return {str(m): {"own_rank": None, "own": [], "held": {}, "done_step": -1}}
+        return {m: Report(own_rank=None, own=(), held={}, done_step=-1)}
     r = cp.assignment.index(m)
-    held = {str(h): [0] for h in held_by(r, 1, len(cp.assignment), cp.replicas)} if cp.replicas else {}
-    return {str(m): {"own_rank": r, "own": [0], "held": held, "done_step": 0}}
+    held = {h: (0,) for h in held_by(r, 1, len(cp.assignment), cp.replicas)} if cp.replicas else {}
+    return {m: Report(own_rank=r, own=(0,), held=held, done_step=0)}
 
 
 def main(argv=None) -> None:
