@@ -34,6 +34,7 @@ import time
 
 from ..cause import signal_name
 from ..control.crashloop import WorkFailure, end_of
+from ..control.messages import Over
 from ..errors import STARTUP_FAILED_EXIT, Fenced
 from ..ipc.messages import Finish, Left, RoundFailed, Spare, Train, View
 from ..ipc.shm import Doorbell
@@ -130,7 +131,7 @@ class NodeAgent:
                 break
             self._serve()
         if self.state == NodeState.SAVED:   # the members leave for a requeue: so does a node on its way back
-            self.cp.tell_returning("over", {"code": self.exit_code})
+            self.cp.tell_returning(Over.KIND, Over(self.exit_code).to_wire())
         return self.exit_code
 
     def _serve(self) -> None:
