@@ -103,6 +103,8 @@ def test_the_swap_link_and_return_messages_keep_the_wire_form_of_the_dicts_they_
     assert _same_frame(SpareLinkAsk("r3/", 1, 4).to_wire(), {"tag": "r3/", "a": 1, "b": 4})
     assert _same_frame(Rejoin(2).to_wire(), {"returns": 2})
     assert _same_frame(Over(75).to_wire(), {"code": 75}) and Over.from_wire({}) == Over(75)
+    from deadpool_hpc.ipc.messages import Slots   # agent/node.py's answer to a layout
+    assert _same_frame(Slots(64, 2, bell=True).to_wire(), {"nbytes": 64, "count": 2, "bell": True})
     for msg in (SwapAsk(2, 5), SwapAnswer(False, busy=1), SwapAnswer(False, why="x"), SpareLinkAsk("r3/", 1, 4),
                 Rejoin(2), Over(0)):
         assert type(msg).from_wire(json.loads(json.dumps(msg.to_wire()))) == msg
@@ -267,8 +269,15 @@ def test_the_scan_finds_a_new_untyped_kind(tmp_path, monkeypatch):
 
 
 def test_the_link_check_reads_its_answers_typed_and_drops_a_malformed_one():
+    from types import SimpleNamespace
+
+    from deadpool_hpc.agent.node import NodeAgent
     from deadpool_hpc.agent.preflight import LinkCheck, link_request
     from deadpool_hpc.ipc.messages import LinkAnswer, LinkAsk, LinkResult
+
+    events = []
+    agent = SimpleNamespace(log=SimpleNamespace(emit=lambda name, **f: events.append((name, f))))
+    read = lambda local, body: NodeAgent._answer(agent, local, LinkAnswer, body)   # noqa: E731 - node.py's dispatch
 
     sent = []
     chk = LinkCheck(_fake_channel(sent), 2)
@@ -277,10 +286,12 @@ def test_the_link_check_reads_its_answers_typed_and_drops_a_malformed_one():
     assert [(p.peer, p.rank, p.key) for p in ask.pairs] == [(0, 1, "0-1/0"), (2, 0, "1-2/0")]
     assert sent[0][2] == link_request(1, 1, [(0, 0, 1), (2, 1, 2)], "", 0)
     ok = LinkResult(seen=True, ok=True, seconds=0.01)
-    chk.on_local(0, json.loads(json.dumps(LinkAnswer(ask.id, {0: ok, 2: ok}).to_wire())))
-    chk.on_local(1, {"id": ask.id, "pairs": {"0": {"seen": "yes"}}})   # malformed: dropped
-    chk.on_local(1, json.loads(json.dumps(LinkAnswer(ask.id, {0: ok, 2: LinkResult(seen=True, error="x",
-                                                                                    partner=True)}).to_wire())))
+    chk.on_local(0, read(0, json.loads(json.dumps(LinkAnswer(ask.id, {0: ok, 2: ok}).to_wire()))))
+    assert read(1, {"id": ask.id, "pairs": {"0": {"seen": "yes"}}}) is None   # malformed: dropped, and said
+    assert events == [("bad_message", {"kind": "link", "local": 1, "error": "link message: key 'pairs[0].seen' is "
+                                       "'yes'; expected a boolean"})]
+    chk.on_local(1, read(1, json.loads(json.dumps(LinkAnswer(ask.id, {0: ok, 2: LinkResult(seen=True, error="x",
+                                                                                         partner=True)}).to_wire()))))
     got = chk.collect()
     assert got[0] == {"seen": True, "ok": True, "seconds": 0.01, "error": None, "partner_fault": False}
     assert got[2] == {"seen": True, "ok": False, "seconds": None, "error": "x", "partner_fault": True}
