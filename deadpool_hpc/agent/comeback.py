@@ -34,6 +34,7 @@ from typing import Protocol
 
 from ..control.crashloop import follows_work
 from ..control.membership import may_readmit, readmit, rejoin
+from ..control.messages import Over, Rejoin
 from ..errors import Fenced
 from .state import NodeState, PendingExit
 
@@ -84,8 +85,8 @@ class Comeback:
         self.agent = agent
         self.returned_at: float | None = None   # monotonic time of this node's last return
         self.returns = 0
-        agent.cp.on("rejoin", self.on_rejoin)
-        agent.cp.on("over", self._on_over)
+        agent.cp.on(Rejoin.KIND, self.on_rejoin)
+        agent.cp.on(Over.KIND, self._on_over)
 
     def allowed(self, cause: str) -> bool:
         """Whether a failure of ``cause`` may end in a return: on, past the start-up, an exit or a hang."""
@@ -134,7 +135,7 @@ class Comeback:
                 next_ask = now + REJOIN_EVERY_S
                 for n in range(a.cp.size):
                     if n != a.node:
-                        a.peers.send_to_suspect(n, "rejoin", {"returns": self.returns + 1})
+                        a.peers.send_to_suspect(n, Rejoin.KIND, Rejoin(self.returns + 1).to_wire())
             if now > end:
                 self._quarantine(f"not readmitted within {cfg.timeouts.recovery_timeout:.0f} s (--recovery-timeout)")
         msg, a.cp.readmitted = a.cp.readmitted, None
@@ -199,15 +200,15 @@ class Comeback:
         a.transition(NodeState.DONE, "quarantined: the node stays out")
         raise Fenced(f"this node stays out: {reason}")
 
-    def _on_over(self, src: int, body: dict) -> None:
+    def _on_over(self, src: int, msg: Over) -> None:
         """(a returning agent) The members left for a requeue: so does this one, with their exit code."""
         a = self.agent
         if a.state == NodeState.RETURNING:
-            a.exit_code = int(body.get("code", 75))
+            a.exit_code = msg.code
             a.transition(NodeState.SAVED, f"the members left for a requeue (exit {a.exit_code})")
 
     # ---- the agent that readmits it -----------------------------------------------------------------------
-    def on_rejoin(self, src: int, body: dict) -> None:
+    def on_rejoin(self, src: int, msg: Rejoin) -> None:
         """(``cp.pump``) A returning node asks to come back: the lowest live agent readmits it between recoveries
         (control/membership.py); otherwise it asks again."""
         a = self.agent

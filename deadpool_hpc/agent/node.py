@@ -34,8 +34,9 @@ import time
 
 from ..cause import signal_name
 from ..control.crashloop import WorkFailure, end_of
+from ..control.messages import Over
 from ..errors import STARTUP_FAILED_EXIT, Fenced
-from ..ipc.messages import Finish, Left, RoundFailed, Spare, Train, View
+from ..ipc.messages import Finish, Layout, Left, LinkAnswer, MatmulFigure, RoundFailed, Slots, Spare, Train, View
 from ..ipc.shm import Doorbell
 from ..placement import held_by, holders_of
 from ..rundir import RunDir, latest_checkpoint
@@ -130,7 +131,7 @@ class NodeAgent:
                 break
             self._serve()
         if self.state == NodeState.SAVED:   # the members leave for a requeue: so does a node on its way back
-            self.cp.tell_returning("over", {"code": self.exit_code})
+            self.cp.tell_returning(Over.KIND, Over(self.exit_code).to_wire())
         return self.exit_code
 
     def _serve(self) -> None:
@@ -368,12 +369,14 @@ class NodeAgent:
             return
         if kind.startswith("store_"):
             self.rendezvous.handle(local, kind, body, self.channel.send)
-        elif kind == "layout":
-            self._layout(local, body)
-        elif kind == "preflight":
-            self.speed.on_local(local, body)
-        elif kind == "link":
-            self.speed.link.on_local(local, body)
+        elif kind == Layout.KIND:
+            self._layout(local, Layout.from_wire(body))
+        elif kind == MatmulFigure.KIND:
+            if (figure := self._answer(local, MatmulFigure, body)) is not None:
+                self.speed.on_local(local, figure)
+        elif kind == LinkAnswer.KIND:
+            if (answer := self._answer(local, LinkAnswer, body)) is not None:
+                self.speed.link.on_local(local, answer)
         elif kind == Left.KIND:
             self.recovery.on_left(local, Left.from_wire(body))
         elif kind == RoundFailed.KIND:
@@ -392,27 +395,36 @@ class NodeAgent:
         elif kind == "closed" and self.state not in (NodeState.DONE, NodeState.SAVED):
             pass  # the supervisor reports the exit itself (with its status)
 
-    def _layout(self, local: int, body: dict) -> None:
+    def _answer(self, local: int, cls, body: dict):
+        """A training process's pre-flight answer read into ``cls``; None for a malformed one, dropped and said (its
+        process counts as not answering)."""
+        try:
+            return cls.from_wire(body)
+        except ValueError as exc:
+            self.log.emit("bad_message", kind=cls.KIND, local=local, error=str(exc)[:300])
+            return None
+
+    def _layout(self, local: int, msg: Layout) -> None:
         from ..ipc.shm import SharedBuffer
         from ..replica.snapshot import StateLayout, slot_pair
         from ..replica.transport import Replicator
 
-        nbytes = int(body["nbytes"])
+        nbytes = msg.nbytes
         # (dtype name, shape) pairs: the layout needs no torch (the agent imports it only after spawning its ranks)
-        layout = StateLayout(body["tensors"], int(body["rng_nbytes"]), int(body.get("local_nbytes", 0)))
+        layout = StateLayout(msg.tensors, msg.rng_nbytes, msg.local_nbytes)
         if layout.nbytes != nbytes:
             raise ValueError(f"training process {local} sent a layout of {layout.nbytes} bytes but asked for {nbytes}")
         if local in self.reps:   # a fresh process of a node back in the spare pool: its slots and server are kept
             old = self.layouts_seen[local]
             shape = lambda x: (x.dtype_names, [list(d) for d in x.shapes], x.rng_nbytes, x.local_nbytes)  # noqa: E731
-            if shape(old) != shape(layout) or len(self.bufs[local]) != int(body.get("count", 2)):
+            if shape(old) != shape(layout) or len(self.bufs[local]) != msg.count:
                 raise ValueError(f"training process {local} of the returned node sent another layout than before")
             self.layouts[local] = old
             self.desk.attach(local, self.reps[local])   # its committed word goes to the new process's page
-            self.channel.send(local, "slots", {"nbytes": nbytes, "count": len(self.bufs[local]), "bell": True},
+            self.channel.send(local, Slots.KIND, Slots(nbytes, len(self.bufs[local]), bell=True).to_wire(),
                               fds=[b.fd for b in self.bufs[local]] + [self.desk.bell.fd])
             return
-        bufs = [SharedBuffer.create(nbytes, name=f"deadpool-slot{local}") for _ in range(int(body.get("count", 2)))]
+        bufs = [SharedBuffer.create(nbytes, name=f"deadpool-slot{local}") for _ in range(msg.count)]
         self.bufs[local] = bufs
         self.layouts[local] = self.layouts_seen[local] = layout
         self.reps[local] = Replicator(self.cp.secret, layout, self.log, sock=self.listeners[local],
@@ -421,7 +433,7 @@ class NodeAgent:
         self.reps[local].serve_hook = self._serve_hook
         self.reps[local].receive_hook = self._receive_hook
         self.desk.attach(local, self.reps[local])   # its update waits for the committed word (agent/desk.py)
-        self.channel.send(local, "slots", {"nbytes": nbytes, "count": len(bufs), "bell": True},
+        self.channel.send(local, Slots.KIND, Slots(nbytes, len(bufs), bell=True).to_wire(),
                           fds=[b.fd for b in bufs] + [self.desk.bell.fd])
 
     def configure(self, local: int) -> None:

@@ -27,6 +27,7 @@ import signal
 import time
 from typing import Protocol
 
+from ..control.messages import SwapAnswer, SwapAsk
 from .health import Unhealthy
 from .state import NodeState
 
@@ -68,8 +69,8 @@ class PlannedSwaps:
         self.current: dict | None = None
         self.lease: tuple | None = None  # (node, monotonic time) while this agent coordinates and gave the lease
         self._said: set = set()          # (detector, why) already logged as refused
-        cp.on("swap_ask", self.on_ask)
-        cp.on("swap_answer", self.on_answer)
+        cp.on(SwapAsk.KIND, self.on_ask)
+        cp.on(SwapAnswer.KIND, self.on_answer)
 
     # ---- the node that leaves -------------------------------------------------------------------------------
     def want(self, detector: str, verdict, t_seen: float) -> None:
@@ -120,20 +121,20 @@ class PlannedSwaps:
     def _send_ask(self) -> None:
         cur, cp = self.current, self.cp
         cur["asked"] = time.monotonic()
-        cp.peers.send(min(cp.peers.alive()), "swap_ask", {"node": cp.me, "generation": cp.generation})
+        cp.peers.send(min(cp.peers.alive()), SwapAsk.KIND, SwapAsk(cp.me, cp.generation).to_wire())
 
-    def on_answer(self, src: int, body: dict) -> None:
+    def on_answer(self, src: int, msg: SwapAnswer) -> None:
         cur = self.current
         if cur is None or cur["phase"] != "asking":
             return
-        if body.get("ok"):
+        if msg.ok:
             self._arm(cur)
-        elif body.get("busy") is not None:  # another node is leaving: ask again later
+        elif msg.busy is not None:  # another node is leaving: ask again later
             self.current = None
             self.wanted.insert(0, (cur["detector"], Unhealthy(cur["reason"]), cur["t_seen"],
                                    time.monotonic() + RETRY_S))
         else:
-            self._refuse(cur, str(body.get("why")))
+            self._refuse(cur, str(msg.why))
 
     def _arm(self, cur: dict) -> None:
         a = self.host
@@ -184,18 +185,18 @@ class PlannedSwaps:
         self.wanted.insert(0, (cur["detector"], Unhealthy(cur["reason"]), cur["t_seen"], 0.0))
 
     # ---- the coordinator: one lease at a time ---------------------------------------------------------------
-    def on_ask(self, src: int, body: dict) -> None:
+    def on_ask(self, src: int, msg: SwapAsk) -> None:
         cp = self.cp
-        node = int(body.get("node", src))
+        node = msg.node
         holder = self.lease[0] if self.lease else None
         expired = holder is None or holder == node or cp.peers.is_suspected(holder) \
             or time.monotonic() - self.lease[1] > 2 * self.host.cfg.timeouts.collective_timeout
         spares = [n for n in cp.spare_nodes if not cp.peers.is_suspected(n)]
         if not expired:
-            answer = {"ok": False, "busy": holder}
+            answer = SwapAnswer(False, busy=holder)
         elif not spares:
-            answer = {"ok": False, "why": "no spare node left"}
+            answer = SwapAnswer(False, why="no spare node left")
         else:
             self.lease = (node, time.monotonic())
-            answer = {"ok": True}
-        cp.peers.send(src, "swap_answer", answer)
+            answer = SwapAnswer(True)
+        cp.peers.send(src, SwapAnswer.KIND, answer.to_wire())

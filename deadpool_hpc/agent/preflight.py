@@ -55,7 +55,6 @@ NCCL's paths on a GPU node (the link check is gloo over TCP).
 """
 from __future__ import annotations
 
-import logging
 import os
 import re
 import signal
@@ -66,7 +65,6 @@ import time
 from ..control.messages import PeerPreflight, PreflightBuilt, PreflightFigure
 from ..ipc.messages import LinkAnswer, LinkAsk, LinkPair, LinkResult, MatmulAsk, MatmulFigure
 
-logger = logging.getLogger(__name__)
 
 SYNC_S = 10.0               # seconds an agent waits for the other nodes' "built", and then for their figures
 PREFLIGHT_TIMEOUT_S = 60.0  # seconds a node's training processes have to answer a matmul check (at least)
@@ -126,14 +124,9 @@ class LinkCheck:
         self._pairs: list[tuple[int, int, int]] = []
         self.asked_at: float | None = None   # while a check is under way
 
-    def on_local(self, local: int, body: dict) -> None:
-        """A training process's answer (worker/preflight.py ``link_answer``; ipc/messages.py LinkAnswer). A
-        malformed one is dropped, and said (its process counts as not answering)."""
-        try:
-            answer = LinkAnswer.from_wire(body)
-        except ValueError as exc:
-            logger.warning("training process %d's link answer dropped: %s", local, exc)
-            return
+    def on_local(self, local: int, answer: LinkAnswer) -> None:
+        """Training process ``local``'s answer (worker/preflight.py ``link_answer``), read by the agent's channel
+        dispatch (agent/node.py, which drops a malformed one): kept when it answers the ask under way."""
         if answer.id == self._id:
             self._answers[local] = answer.pairs
 
@@ -213,14 +206,9 @@ class SpeedCheck:
             self.figures[src] = msg.seconds
             self.links[src] = dict(msg.links)
 
-    def on_local(self, local: int, body: dict) -> None:
-        """A training process's answer (worker/preflight.py; ipc/messages.py MatmulFigure). A malformed one is
-        dropped, and said (its process counts as not answering)."""
-        try:
-            figure = MatmulFigure.from_wire(body)
-        except ValueError as exc:
-            self.log.emit("bad_message", kind=MatmulFigure.KIND, local=local, error=str(exc)[:300])
-            return
+    def on_local(self, local: int, figure: MatmulFigure) -> None:
+        """Training process ``local``'s figure (worker/preflight.py ``answer``), read by the agent's channel dispatch
+        (agent/node.py, which drops a malformed one): kept when it answers the ask under way."""
         if figure.id == self._id:
             self._answers[local] = figure
 

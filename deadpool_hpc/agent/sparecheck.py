@@ -13,6 +13,7 @@ import os
 import time
 from typing import Protocol
 
+from ..control.messages import SpareLinkAsk
 from .preflight import HealthCheck, link_request
 from .state import NodeState
 
@@ -59,7 +60,7 @@ class SpareChecks:
         # since the last that passed; a training node's: each spare's last re-check's keys
         self.rechecks, self.asked, self.failed_with = 0, None, {}
         self.asks_from: dict[int, str] = {}
-        agent.cp.on("link_ask", self.on_link_ask)
+        agent.cp.on(SpareLinkAsk.KIND, self.on_link_ask)
 
     def arm(self) -> None:
         """The node starts (or starts again) as a spare: the first re-check is --spare-check-every seconds away, and
@@ -113,7 +114,7 @@ class SpareChecks:
         # what the answer is judged against: a round or a new generation since makes it stale (the partner may be
         # the node that failed)
         self.asked = (q, f"link/{lo}-{hi}/{tag}", a.cp.generation, a.recovery.rounds)
-        a.peers.send(q, "link_ask", {"tag": tag, "a": lo, "b": hi})
+        a.peers.send(q, SpareLinkAsk.KIND, SpareLinkAsk(tag, lo, hi).to_wire())
         a.speed.link.ask(a.node, [(q, lo, hi)], tag)
 
     def _link_verdict(self, res: dict) -> None:
@@ -141,17 +142,14 @@ class SpareChecks:
                           f"failed in turn ({failed[:300]}); they train, so their own links work",
                           cause="preflight_link")
 
-    def on_link_ask(self, src: int, body: dict) -> None:
+    def on_link_ask(self, src: int, msg: SpareLinkAsk) -> None:
         """(the agent's loop, ``cp.pump``) An idle spare asks this training node's processes for an all-reduce with
         it. Not while a failure or a planned swap is handled: the spare's wait then ends unseen, nothing judged."""
         a = self.agent
         if a.peers.fenced or a.state != NodeState.TRAINING or a.cp.failure.is_set() or a.recovery.in_round \
                 or a.swaps.current is not None:
             return
-        try:
-            lo, hi, tag = int(body["a"]), int(body["b"]), str(body["tag"])
-        except (KeyError, TypeError, ValueError):
-            return
+        lo, hi, tag = msg.a, msg.b, msg.tag
         if {lo, hi} != {src, a.node}:
             return
         done = self.asks_from.get(src)

@@ -159,3 +159,49 @@ class PreflightBuilt(PeerPreflight, variant="built"):
 class PreflightFigure(PeerPreflight, variant="figure"):
     seconds: float
     links: dict[int, bool] = field(default_factory=dict)
+
+
+# ---- a planned swap (agent/planned.py), a spare's link re-check (agent/sparecheck.py), a return (agent/comeback.py)
+@dataclass(frozen=True)
+class SwapAsk(Message, plane=CONTROL, kind="swap_ask"):
+    """(a node that wants to leave -> the lowest live agent) May ``node``, at ``generation``, hand its work to a
+    spare now?"""
+
+    node: int
+    generation: int
+
+
+@dataclass(frozen=True)
+class SwapAnswer(Message, plane=CONTROL, kind="swap_answer"):
+    """(the lowest live agent -> the asker) ``ok``: the lease is the asker's. Else ``busy``: node ``busy`` holds it
+    (ask again later), or ``why`` not at all. ``busy`` and ``why`` are left out of the body when None."""
+
+    SPARSE = True
+    ok: bool
+    busy: int | None = None
+    why: str | None = None
+
+
+@dataclass(frozen=True)
+class SpareLinkAsk(Message, plane=CONTROL, kind="link_ask"):
+    """(an idle spare -> a training node) Let your training processes run the all-reduce of link re-check ``tag``
+    over nodes ``a`` < ``b`` (the spare and the training node)."""
+
+    tag: str
+    a: int
+    b: int
+
+
+@dataclass(frozen=True)
+class Rejoin(Message, plane=CONTROL, kind="rejoin"):
+    """(a returning node's agent -> every agent) Readmit this node to the spare pool; it would be its ``returns``-th
+    return."""
+
+    returns: int
+
+
+@dataclass(frozen=True)
+class Over(Message, plane=CONTROL, kind="over"):
+    """(the members -> every returning agent) The members left for a requeue with exit ``code``: leave too."""
+
+    code: int = 75

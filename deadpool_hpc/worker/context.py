@@ -31,7 +31,7 @@ from ..dataplane.collectives import Watch
 from ..dataplane.groups import device_for
 from ..errors import PeerFailure
 from ..faultinject.inject import RankFaults
-from ..ipc.messages import Failure, Finish, Left, Spare, Train
+from ..ipc.messages import Failure, Finish, Left, LinkAsk, MatmulAsk, Spare, Train
 from ..replica.devicecopy import DeviceCopier
 from ..replica.snapshot import Slot, StateLayout
 from ..replica.writer import SnapshotWriter
@@ -101,8 +101,9 @@ class Context(Recovering):
         self._meshes: dict = {}      # ctx.init_device_mesh's, by shape
         self._mesh_groups: list = []   # every mesh's groups (dataplane/meshgroup.py)
         client.on(Failure.KIND, self._on_failure)
-        client.on("preflight", lambda body: preflight.answer(client, self.device, body))   # worker/preflight.py
-        client.on("link", lambda body: preflight.link_answer(client, body))
+        # worker/preflight.py; a malformed ask raises ValueError here, and the client logs it (its ``on``)
+        client.on(MatmulAsk.KIND, lambda body: preflight.answer(client, self.device, MatmulAsk.from_wire(body)))
+        client.on(LinkAsk.KIND, lambda body: preflight.link_answer(client, LinkAsk.from_wire(body)))
         # a test's --nic-down nodeI@STEP (faultinject/inject.py): from now on, every gloo group this process builds
         client.on("nic_down", lambda body: os.environ.__setitem__("GLOO_SOCKET_IFNAME", str(body.get("ifname"))))
         _local_default_group()

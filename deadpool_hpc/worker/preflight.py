@@ -55,10 +55,9 @@ def matmul_seconds(device) -> float:
     return statistics.median(times)
 
 
-def answer(client, device, body: dict) -> None:
-    """(channel reader thread) Time the matmul on a thread of its own and send the figure back to the agent.
-    ``body``: a ``preflight`` message (ipc/messages.py MatmulAsk; ValueError if malformed)."""
-    ask = MatmulAsk.from_wire(body)
+def answer(client, device, ask: MatmulAsk) -> None:
+    """(channel reader thread) Time the matmul on a thread of its own and send the figure back to the agent,
+    answering ``ask`` (the agent's ``preflight`` message)."""
 
     def run() -> None:
         try:
@@ -147,12 +146,11 @@ def link_pair(store, key: str, rank: int, wait_s: float, timeout_s: float) -> di
         return failed(_short(exc))
 
 
-def link_answer(client, body: dict) -> None:
-    """(channel reader thread) Run every pair of the ``link`` message ``body`` (ipc/messages.py LinkAsk;
-    ValueError if malformed), each on a thread of its own, and send the results (by peer node) back to the agent."""
+def link_answer(client, ask: LinkAsk) -> None:
+    """(channel reader thread) Run every pair of the agent's ``link`` message ``ask``, each on a thread of its own,
+    and send the results (by peer node) back to the agent."""
     from .client import AgentStore
 
-    ask = LinkAsk.from_wire(body)
     pairs, wait_s, timeout_s = ask.pairs, ask.wait_s, ask.timeout_s
 
     def run() -> None:

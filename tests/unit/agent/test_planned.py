@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from deadpool_hpc.agent.health import Unhealthy
 from deadpool_hpc.agent.planned import PlannedSwaps
 from deadpool_hpc.config import RunConfig
+from deadpool_hpc.control.messages import SwapAnswer, SwapAsk
 
 
 class Peers:
@@ -67,11 +68,11 @@ class Host:
 def test_the_lease_goes_to_one_node_at_a_time():
     cp = ControlPlane(me=0)
     coordinator = PlannedSwaps(cp, Host())
-    coordinator.on_ask(1, {"node": 1})
-    coordinator.on_ask(2, {"node": 2})
+    coordinator.on_ask(1, SwapAsk(1, 0))
+    coordinator.on_ask(2, SwapAsk(2, 0))
     assert [(d, b) for d, _, b in cp.peers.sent] == [(1, {"ok": True}), (2, {"ok": False, "busy": 1})]
     cp.peers.suspected.add(1)   # the holder left: the lease is free again
-    coordinator.on_ask(2, {"node": 2})
+    coordinator.on_ask(2, SwapAsk(2, 0))
     assert cp.peers.sent[-1][2] == {"ok": True}
 
 
@@ -81,7 +82,7 @@ def test_an_armed_swap_stops_each_process_at_the_boundary_and_leaves_once_commit
     swaps.want("test", Unhealthy("drained"), 0.0)
     swaps.tick()
     assert cp.peers.sent[-1][:2] == (0, "swap_ask")
-    swaps.on_answer(0, {"ok": True})
+    swaps.on_answer(0, SwapAnswer(True))
     assert swaps.current["target"] == 5 and host.signals == []
     for lo in range(2):
         host.written[lo] = 5
@@ -101,7 +102,7 @@ def test_a_spare_leaves_at_once_and_arms_nothing():
     swaps = PlannedSwaps(cp, host)
     swaps.want("test", Unhealthy("drained"), 0.0)
     swaps.tick()
-    swaps.on_answer(0, {"ok": True})
+    swaps.on_answer(0, SwapAnswer(True))
     assert host.left_with == "planned" and host.log.events == ["swap_requested"] and host.signals == []
 
 
@@ -110,7 +111,7 @@ def test_a_failure_lets_the_stopped_processes_go_and_asks_again():
     swaps = PlannedSwaps(cp, host)
     swaps.want("test", Unhealthy("drained"), 0.0)
     swaps.tick()
-    swaps.on_answer(0, {"ok": True})
+    swaps.on_answer(0, SwapAnswer(True))
     host.written[0] = 5
     swaps.on_written(0)
     swaps.suspend()

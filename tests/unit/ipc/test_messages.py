@@ -93,6 +93,27 @@ def test_the_control_planes_messages_keep_the_wire_form_of_the_dicts_they_replac
     assert _same_frame(Abort("boom", 2).to_wire(), {"error": "boom", "mpi_rank": 2})
 
 
+def test_the_swap_link_and_return_messages_keep_the_wire_form_of_the_dicts_they_replace():
+    from deadpool_hpc.control.messages import Over, Rejoin, SpareLinkAsk, SwapAnswer, SwapAsk
+
+    assert _same_frame(SwapAsk(2, 5).to_wire(), {"node": 2, "generation": 5})
+    assert _same_frame(SwapAnswer(True).to_wire(), {"ok": True})
+    assert _same_frame(SwapAnswer(False, busy=1).to_wire(), {"ok": False, "busy": 1})
+    assert _same_frame(SwapAnswer(False, why="no spare node left").to_wire(), {"ok": False, "why": "no spare node left"})
+    assert _same_frame(SpareLinkAsk("r3/", 1, 4).to_wire(), {"tag": "r3/", "a": 1, "b": 4})
+    assert _same_frame(Rejoin(2).to_wire(), {"returns": 2})
+    assert _same_frame(Over(75).to_wire(), {"code": 75}) and Over.from_wire({}) == Over(75)
+    from deadpool_hpc.ipc.messages import Slots   # agent/node.py's answer to a layout
+    assert _same_frame(Slots(64, 2, bell=True).to_wire(), {"nbytes": 64, "count": 2, "bell": True})
+    for msg in (SwapAsk(2, 5), SwapAnswer(False, busy=1), SwapAnswer(False, why="x"), SpareLinkAsk("r3/", 1, 4),
+                Rejoin(2), Over(0)):
+        assert type(msg).from_wire(json.loads(json.dumps(msg.to_wire()))) == msg
+    with pytest.raises(ValueError, match="link_ask message: key 'a' is '1'; expected an int"):
+        SpareLinkAsk.from_wire({"tag": "r1/", "a": "1", "b": 2})
+    with pytest.raises(ValueError, match="swap_ask message lacks key 'generation'"):
+        SwapAsk.from_wire({"node": 1})
+
+
 @pytest.mark.parametrize("change, match", [
     (lambda w: w.update(round=["later", 3]), r"key 'round' is \['later', 3\]; expected \[coordinator, round\]"),
     (lambda w: w["report"]["0"].update(own=[1, "2"]), r"key 'report\[0\].own' is \[1, '2'\]; expected a list of ints"),
@@ -141,8 +162,7 @@ UNTYPED = {
     (schema.TO_AGENT, "fault"), (schema.TO_AGENT, "inject_spare"), (schema.TO_AGENT, "finished"),
     (schema.TO_AGENT, "abort"), (schema.TO_WORKER, "nic_down"),
     (schema.CONTROL, "suspect"), (schema.CONTROL, "teardown"), (schema.CONTROL, "preempt"),
-    (schema.CONTROL, "fenced"), (schema.CONTROL, "inject"), (schema.CONTROL, "rejoin"), (schema.CONTROL, "over"),
-    (schema.CONTROL, "swap_ask"), (schema.CONTROL, "swap_answer"), (schema.CONTROL, "link_ask"),
+    (schema.CONTROL, "fenced"), (schema.CONTROL, "inject"),
 }
 
 
@@ -249,8 +269,15 @@ def test_the_scan_finds_a_new_untyped_kind(tmp_path, monkeypatch):
 
 
 def test_the_link_check_reads_its_answers_typed_and_drops_a_malformed_one():
+    from types import SimpleNamespace
+
+    from deadpool_hpc.agent.node import NodeAgent
     from deadpool_hpc.agent.preflight import LinkCheck, link_request
     from deadpool_hpc.ipc.messages import LinkAnswer, LinkAsk, LinkResult
+
+    events = []
+    agent = SimpleNamespace(log=SimpleNamespace(emit=lambda name, **f: events.append((name, f))))
+    read = lambda local, body: NodeAgent._answer(agent, local, LinkAnswer, body)   # noqa: E731 - node.py's dispatch
 
     sent = []
     chk = LinkCheck(_fake_channel(sent), 2)
@@ -259,10 +286,12 @@ def test_the_link_check_reads_its_answers_typed_and_drops_a_malformed_one():
     assert [(p.peer, p.rank, p.key) for p in ask.pairs] == [(0, 1, "0-1/0"), (2, 0, "1-2/0")]
     assert sent[0][2] == link_request(1, 1, [(0, 0, 1), (2, 1, 2)], "", 0)
     ok = LinkResult(seen=True, ok=True, seconds=0.01)
-    chk.on_local(0, json.loads(json.dumps(LinkAnswer(ask.id, {0: ok, 2: ok}).to_wire())))
-    chk.on_local(1, {"id": ask.id, "pairs": {"0": {"seen": "yes"}}})   # malformed: dropped
-    chk.on_local(1, json.loads(json.dumps(LinkAnswer(ask.id, {0: ok, 2: LinkResult(seen=True, error="x",
-                                                                                    partner=True)}).to_wire())))
+    chk.on_local(0, read(0, json.loads(json.dumps(LinkAnswer(ask.id, {0: ok, 2: ok}).to_wire()))))
+    assert read(1, {"id": ask.id, "pairs": {"0": {"seen": "yes"}}}) is None   # malformed: dropped, and said
+    assert events == [("bad_message", {"kind": "link", "local": 1, "error": "link message: key 'pairs[0].seen' is "
+                                       "'yes'; expected a boolean"})]
+    chk.on_local(1, read(1, json.loads(json.dumps(LinkAnswer(ask.id, {0: ok, 2: LinkResult(seen=True, error="x",
+                                                                                         partner=True)}).to_wire()))))
     got = chk.collect()
     assert got[0] == {"seen": True, "ok": True, "seconds": 0.01, "error": None, "partner_fault": False}
     assert got[2] == {"seen": True, "ok": False, "seconds": None, "error": "x", "partner_fault": True}
