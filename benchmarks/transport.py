@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from deadpool_hpc.replica.snapshot import StateLayout, checksum
-from deadpool_hpc.replica.transport import Replicator
+from deadpool_hpc.replica.replicator import Replicator
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from snapnode import SnapNode  # noqa: E402 - tests/snapnode.py: one local rank's snapshot path in one process

@@ -113,8 +113,8 @@ SOURCED = {
     # NCCL communicator init (the new generation's process group). MegaScale (NSDI '24): < 5 s at 2,048 GPUs after
     # its init fixes; NCCL >= 2.23 ncclCommInitRankScalable bootstraps from several roots. Larger: bracketed only.
     "nccl_init_s": {512: 5.0, 4096: 30.0, 16384: 100.0},
-    # replica restore: each GPU's unique state pulled by its replacement from one holder, all GPUs in parallel. A
-    # 65B model with 16 B/param of state (bf16 weights + fp32 master + Adam) sharded over the job's GPUs, pulled at
+    # replica restore: each GPU's unique state pushed to its replacement by one holder, all GPUs in parallel. A
+    # 65B model with 16 B/param of state (bf16 weights + fp32 master + Adam) sharded over the job's GPUs, pushed at
     # 2 GB/s (one Python TCP stream with CRC-32C; a 400 Gb/s rail carries 50 GB/s at line rate)
     "state_bytes": 65e9 * 16,
     "restore_bytes_per_s": 2e9,

@@ -1,5 +1,5 @@
-"""One local rank's snapshot path in one process, for the transport tests and benchmarks/transport.py: a Replicator
-(the agent's, replica/transport.py), the rank's progress page and the agent's doorbell (ipc/shm.py), the agent's
+"""One local rank's snapshot path in one process, for the Replicator's tests and benchmarks/transport.py: a Replicator
+(the agent's, replica/replicator.py), the rank's progress page and the agent's doorbell (ipc/shm.py), the agent's
 snapshot desk (agent/desk.py) over a stand-in for the few NodeAgent attributes it reads, and the training process's
 SnapshotWriter (replica/writer.py) over the Replicator's own slots. The same protocol, words and threads as a run
 (replica/writer.py describes it), without the processes: a snapshot is ``submit`` + ``wait_committed``.

@@ -5,7 +5,7 @@ and waits, before its next update, until every holder acknowledged it (worker/co
 through the snapshot words of its progress page (ipc/shm.py ``ProgressPage``: claim, grant, written,
 committed), not through channel messages: the training process stores a word and rings the agent's ``Doorbell``;
 this thread wakes, reads the claim and written words of every local rank, and calls the rank's Replicator
-(``claim``, ``written``: replica/transport.py), which pushes the snapshot to the holders and, once they all
+(``claim``, ``written``: replica/replicator.py), which pushes the snapshot to the holders and, once they all
 acknowledged it, stores the committed word itself (``Replicator.on_commit``, wired by ``attach``). The agent's main loop is not on this
 path: on 2 shared cores each pass of that loop costs ~0.23 ms of CPU, and per-step channel messages would wake it 3
 times a step (docs/architecture.md, the overhead paragraph, has the measurement).

@@ -2,7 +2,7 @@
 
 Owns, for its node (DESIGN.md "Process tree"): the loop that serves the node, and the parts it wires together: the
 control plane among agents (heartbeats, agreement, fencing: control/), the node's own snapshot slots (shared with
-its training processes, ipc/shm.py) and the replicas it holds for other nodes (replica/transport.py: one Replicator
+its training processes, ipc/shm.py) and the replicas it holds for other nodes (replica/replicator.py: one Replicator
 per local rank; their per-step protocol is agent/desk.py's), each generation's rendezvous (the replicated
 key/value store its training processes use instead of a TCPStore, agent/rendezvous.py), the supervision of its P
 training processes (agent/supervisor.py: an exit is seen at once, a hang by its progress page), the start-up and
@@ -407,7 +407,7 @@ class NodeAgent:
     def _layout(self, local: int, msg: Layout) -> None:
         from ..ipc.shm import SharedBuffer
         from ..replica.snapshot import StateLayout, slot_pair
-        from ..replica.transport import Replicator
+        from ..replica.replicator import Replicator
 
         nbytes = msg.nbytes
         # (dtype name, shape) pairs: the layout needs no torch (the agent imports it only after spawning its ranks)
@@ -430,7 +430,7 @@ class NodeAgent:
         self.reps[local] = Replicator(self.cp.secret, layout, self.log, sock=self.listeners[local],
                                       transport=self.transport,
                                       timeout=self.cfg.timeouts.collective_timeout, own=slot_pair(bufs))
-        self.reps[local].serve_hook = self._serve_hook
+        self.reps[local].restore_send_hook = self._restore_send_hook
         self.reps[local].receive_hook = self._receive_hook
         self.desk.attach(local, self.reps[local])   # its update waits for the committed word (agent/desk.py)
         self.channel.send(local, Slots.KIND, Slots(nbytes, len(bufs), bell=True).to_wire(),
@@ -544,7 +544,7 @@ class NodeAgent:
         """(control thread) Training rank 0 asks this (spare) node to fire a fault on itself."""
         self.faults.on_message(body)
 
-    def _serve_hook(self, rank: int, step: int, sent: int, total: int) -> None:
+    def _restore_send_hook(self, rank: int, step: int, sent: int, total: int) -> None:
         """(a restore's send thread, agent/recovery.py) A replica is sent only for a recovery's restore: halfway
         through one, the "restore" phase is reached (a fault planned there fires)."""
         if 2 * sent >= total:

@@ -15,7 +15,7 @@ persistent checkpoint at the cut step instead and tells the processes to leave w
 
 Owns: the rounds' state (the processes' ``Left`` and ``RoundFailed``, the round count, the highest step any
 process completed), the fault phases of a recovery (``phase``), the checkpoint of the no-spare path. Does not own:
-the agreement (control/), the replicas (replica/transport.py), the worker's half (worker/recovery.py).
+the agreement (control/), the replicas (replica/replicator.py), the worker's half (worker/recovery.py).
 Runs on the agent's main thread; uses the NodeAgent's public parts, listed in ``RecoveryHost`` (agent/node.py:
 ``tick``, ``node_failed``, ``configure``, ``view``, ``send_role``, ...), and returns how the recovery leaves the node
 (``RecoveryEnd``: the agent's next state, agent/state.py, and its exit code) instead of writing them into the agent.
@@ -258,7 +258,7 @@ class Recovery:
                 a.send_role(local, Spare(a.view()))
             return RecoveryEnd(NodeState.SPARE, f"recovery round {self.rounds}: a spare of generation {g}")
         a.spare_checks.end()
-        serving = any(src // P == a.node for src in decision.sources.values())
+        is_source = any(src // P == a.node for src in decision.sources.values())
         slots = {}
         for local, r in ranks.items():
             if r in decision.fresh:
@@ -279,11 +279,11 @@ class Recovery:
             plan = Restore(
                 cut_step=decision.cut_step, slot=-1 if slot is None else rep.own.slots.index(slot),
                 crc=0 if slot is None else slot.crc, fresh=slot is None,
-                # pulled: sent by its source (this round for decision.sources, or an earlier round of this
+                # from_replica: sent by its source (this round for decision.sources, or an earlier round of this
                 # recovery): no kept shares in the slot
-                pulled=slot is not None and slot.pulled, promoted=r in decision.promoted, serving=serving,
-                recomputed_steps=decision.recomputed_steps, failed_nodes=tuple(decision.failed_nodes),
-                round=self.rounds, t_fail=t_fail, t_agreed=time.time())
+                from_replica=slot is not None and slot.from_replica, promoted=r in decision.promoted,
+                is_source=is_source, recomputed_steps=decision.recomputed_steps,
+                failed_nodes=tuple(decision.failed_nodes), round=self.rounds, t_fail=t_fail, t_agreed=time.time())
             a.send_role(local, Train(a.view(), r, cfg.layout.world_size, self.high_water, a.resume, plan))
         return RecoveryEnd(NodeState.TRAINING, f"recovery round {self.rounds}: training ranks of generation {g}")
 

@@ -27,8 +27,8 @@ def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare
     process still holds r (a promoted spare whose restore failed reports no own steps).
 
     Returns the Decision (decision.py; its coordinator and times are left for the coordinator to fill
-    in). ``sources[r]`` names the MPI rank to pull rank r's state at the
-    cut from, for every rank whose process (new or old) lacks it locally: promoted spares, and ranks whose
+    in). ``sources[r]`` names the MPI rank that sends rank r's state at the
+    cut, for every rank whose process (new or old) lacks it locally: promoted spares, and ranks whose
     process lost its state in a failed round. When a lost active node finds no spare, the decision has
     ``exhausted`` True, no promotion, and still the cut and a source for every lost rank (the job saves a
     persistent checkpoint there and is requeued). A rank whose state exists nowhere before any rank has trained a

@@ -64,7 +64,7 @@ class Decision(Message):
     - assignment: assignment[r] = the virtual process that holds training rank r in the new generation.
     - promoted: {training rank: virtual process of the spare node that takes it over}; empty unless a hot swap.
     - replaced: {lost node: spare node that takes its place}.
-    - sources: {training rank: virtual process to pull that rank's state at ``cut_step`` from}, for every rank
+    - sources: {training rank: virtual process that sends that rank's state at ``cut_step``}, for every rank
       whose (new or old) process lacks it locally; the other ranks restore from their own snapshot.
     - fresh: training ranks (sorted) whose state exists nowhere, at a fresh start (nobody has trained a step yet:
       a node lost during start-up or step 0): ``cut_step`` is 0, and each of their processes takes its own initial

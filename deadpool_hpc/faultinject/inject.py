@@ -11,7 +11,7 @@ Two halves. ``RankFaults`` runs in a training process: step faults, and the phas
 through (build and first at the start, rebuild, restore, resume); a node target there is fired by the node's agent
 (``send("fault")``), a spare node by training rank 0's agent (``send("inject_spare")``, over the control plane).
 ``NodeFaults`` runs in the node agent: the phases it goes through (startup, once its training processes are
-spawned; detect, agree, decided, and restore while it serves a replica), and node faults asked for by its training
+spawned; detect, agree, decided, and restore while it sends a replica), and node faults asked for by its training
 processes or by another agent.
 
 ``--nic-down node1`` gives node 1's training processes a gloo interface that does not exist, from their start

@@ -53,7 +53,7 @@ class Fault:
     - agree:   it has sent its report (or, as coordinator, asked for the reports) and waits for the decision;
     - decided: it holds the decision and has not applied it yet;
     - rebuild: it passed the rebuild barrier and is joining the new process group;
-    - restore: it serves a replica to a promoted rank, half-way through (a process that serves none: at the
+    - restore: it sends a replica to a promoted rank, half-way through (a process that sends none: at the
                start of its own restore);
     - resume:  the first step after the recovery starts.
     """

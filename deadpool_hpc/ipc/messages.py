@@ -90,11 +90,12 @@ class Restore(Message):
     """Where a recovery's trainer finds the cut step's state, and what the round was (its ``recovered`` event).
 
     - cut_step: the step every rank restores; slot: the index of this process's own snapshot slot that holds it
-      (the agent pulled it there, or it is the process's own snapshot), -1 when ``fresh``; crc: its CRC-32C
+      (its source pushed it there, or it is the process's own snapshot), -1 when ``fresh``; crc: its CRC-32C
       (0 when fresh), checked as it is read.
     - fresh: the state exists nowhere and nobody trained a step: the process takes its own initial state.
-    - pulled: the slot was sent by the rank's source (no kept shares in it); promoted: a spare takes the rank over.
-    - serving: this node serves a replica to a puller in this round (the "restore" fault phase fires there).
+    - from_replica: the slot holds a replica the rank's source sent (no kept shares in it).
+    - promoted: a spare takes the rank over.
+    - is_source: this node sends some rank's restore in this round (the "restore" fault phase fires there).
     - recomputed_steps, failed_nodes (sorted), round (the agent's round count): from the decision, for the events.
     - t_fail, t_agreed: wall-clock times the agent's recovery began and its round agreed.
     """
@@ -103,9 +104,9 @@ class Restore(Message):
     slot: int
     crc: int
     fresh: bool
-    pulled: bool
+    from_replica: bool
     promoted: bool
-    serving: bool
+    is_source: bool
     recomputed_steps: int
     failed_nodes: tuple[int, ...]
     round: int

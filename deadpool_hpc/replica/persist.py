@@ -99,7 +99,7 @@ def assemble_shard(layout: StateLayout, slot: Slot, tensors: list[torch.Tensor] 
 
     ``tensors``: where to read the state to (reused across calls; ``save_shard`` clones what it writes); default:
     new tensors of the layout's shapes and dtypes. ``kept``: every share when ``slot`` is the rank's own snapshot,
-    none when that snapshot is itself a restored replica (``Slot.pulled``: a replica carries no share). ``keeper``:
+    none when that snapshot is itself a restored replica (``Slot.from_replica``: a replica carries no share). ``keeper``:
     for a lost rank's shard assembled from its replica, where the share this node kept for it lies, as
     ``(own, index)``: this node's rank's own snapshot of the same step and the index of that share among its views
     (1 + the lost rank's place among the ranks it holds, ``placement.held_by``); asked only when the prefix has
@@ -116,13 +116,13 @@ def assemble_shard(layout: StateLayout, slot: Slot, tensors: list[torch.Tensor] 
     kept = None
     if layout.local_nbytes:
         n = layout.local_nbytes // tensors[0].numel()   # the shares: equal uint8 tensors
-        kept = [not slot.pulled] * n
+        kept = [not slot.from_replica] * n
         if keeper is not None and n == 1:
             kept = [False]
         elif keeper is not None:
             own, index = keeper()
             tensors[0].copy_(layout.views(own)[index])
-            kept = [not own.pulled] + [False] * (n - 1)
+            kept = [not own.from_replica] + [False] * (n - 1)
     return Shard(tensors, rng, kept)
 
 

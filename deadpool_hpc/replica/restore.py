@@ -56,7 +56,7 @@ def expect(st: ReplicaState, rank: int, step: int, generation: int) -> None:
 
 
 def wait(st: ReplicaState, failure: threading.Event, timeout: float) -> Slot:
-    """The expected copy, stamped in an own slot (``Slot.pulled``: no kept shares), once it arrived and passed its
+    """The expected copy, stamped in an own slot (``Slot.from_replica``: no kept shares), once it arrived and passed its
     checks. Raises ReplicaError when the source holds no such copy or what arrived does not match (naming both),
     PeerFailure when the transfer broke off, ``failure`` is set, the state is closed, or ``timeout`` seconds pass.
     Returns or raises within ``timeout`` (+ ~POLL_S); notices ``failure`` within POLL_S."""
@@ -137,7 +137,7 @@ def receive(st: ReplicaState, link: Link, hdr: RestoreOffer) -> None:
                 ok, reason = False, "the expected restore has ended"   # its wait gave up: never stamped
             else:
                 ok, reason = True, ""
-                slot.pulled = True   # the wire part only: no kept shares (Slot)
+                slot.from_replica = True   # the wire part only: no kept shares (Slot)
                 slot.stamp(step, crc)
                 e.slot = slot
         if not ok and e.error is not None:
@@ -199,7 +199,7 @@ def send(st: ReplicaState, address, rank: int, step: int, generation: int, failu
                 raise ReplicaError(reason)   # (the target was told why)
             if not go.ok:
                 raise ReplicaError(f"{what}: refused: {go.reason}")
-            hook = st.serve_hook
+            hook = st.restore_send_hook
             link.send(st.layout.wire(slot), None if hook is None else (lambda sent: hook(rank, step, sent, total)))
             ack = link.recv_msg(st.secret)
             if not isinstance(ack, Ack) or not ack.ok:

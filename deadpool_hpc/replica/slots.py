@@ -10,7 +10,7 @@ links, so that a quiesce or a close can cut them.
 
 Does not own: the transfers themselves (replica/pusher.py pushes and commits, replica/holder.py receives,
 replica/restore.py sends and receives restores), the payload's layout and checksum (replica/snapshot.py), the
-assembly and the public interface (replica/transport.py ``Replicator``).
+assembly and the public interface (replica/replicator.py ``Replicator``).
 """
 from __future__ import annotations
 
@@ -45,12 +45,12 @@ class ReplicaState:
     secret: the job's HMAC key; layout: the StateLayout; log: has ``emit(name, **fields)``; timeout: seconds without
     progress after which a transfer is abandoned; transport: replica/transports.py's; own: the own SlotPair.
     Hooks (tests and the agent): ``on_commit(generation, step)`` under the lock, must not block (replica/pusher.py);
-    ``serve_hook(rank, step, sent, total)``, ``receive_hook(rank, step, received, total)`` after each piece."""
+    ``restore_send_hook(rank, step, sent, total)``, ``receive_hook(rank, step, received, total)`` after each piece."""
 
     def __init__(self, secret: bytes, layout: StateLayout, log, timeout: float, transport, own: SlotPair):
         self.secret, self.layout, self.log, self.timeout, self.transport = secret, layout, log, timeout, transport
         self.own = own
-        self.on_commit = self.serve_hook = self.receive_hook = None
+        self.on_commit = self.restore_send_hook = self.receive_hook = None
         self.lock = threading.RLock()
         self.cv = threading.Condition(self.lock)
         self.held: dict[int, SlotPair] = {}
@@ -138,7 +138,7 @@ class ReplicaState:
                     "held": {str(r): p.steps() for r, p in sorted(self.held.items())}}
 
     def copy_own(self, step: int) -> Slot | None:
-        """A private copy (a new Slot, same step, CRC, rank and ``pulled``) of this rank's own verified snapshot of
+        """A private copy (a new Slot, same step, CRC, rank and ``from_replica``) of this rank's own verified snapshot of
         ``step``, or None when the own slots no longer hold it. The slot is pinned (``readers``) while it is copied,
         so the training process's next snapshot cannot rewrite it meanwhile (agent/persister.py)."""
         with self.lock:
@@ -149,7 +149,7 @@ class ReplicaState:
         try:
             out = Slot(self.layout.nbytes)
             out.buf[:] = slot.buf
-            out.step, out.crc, out.rank, out.pulled = slot.step, slot.crc, slot.rank, slot.pulled
+            out.step, out.crc, out.rank, out.from_replica = slot.step, slot.crc, slot.rank, slot.from_replica
             return out
         finally:
             with self.lock:

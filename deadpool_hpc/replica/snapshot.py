@@ -8,7 +8,7 @@ so the newest complete copy is never overwritten by an incomplete one.
 
 Owns: the slots, the payload layout, and the one checksum used for payloads everywhere (snapshots,
 replicas on the wire, checkpoint shards on disk). Does not own: moving slots between processes
-(``transport.py``) or files (``persist.py``).
+(``replicator.py``) or files (``persist.py``).
 
 The checksum is CRC-32C (google-crc32c, hardware-accelerated), not zlib's CRC-32: 3x faster on 200 MB
 here (16 ms against 48 ms, ``benchmarks/transport.py``). It is handed the numpy buffer itself (no copy,
@@ -62,7 +62,7 @@ class Slot:
 
     ``step``/``crc`` are set only once the whole payload is in place and verified. ``rank`` is the
     training rank whose state it holds (set by whoever writes it). ``readers`` counts the transfers
-    reading it (a push or a restore being sent): a slot with readers is never rewritten. ``pulled``: its payload is
+    reading it (a push or a restore being sent): a slot with readers is never rewritten. ``from_replica``: its payload is
     a replica its source sent for a restore, which carries only the wire part (``StateLayout.wire``): the local
     prefix (a ``ctx.protect`` rank's kept shares) is not this rank's; reset when the slot is invalidated.
 
@@ -99,7 +99,7 @@ class Slot:
         self.crc: int | None = None
         self.rank: int | None = None
         self.readers = 0
-        self.pulled = False
+        self.from_replica = False
 
     @property
     def tensor(self) -> "torch.Tensor":
@@ -113,7 +113,7 @@ class Slot:
     def invalidate(self) -> None:
         self.step = None
         self.crc = None
-        self.pulled = False
+        self.from_replica = False
 
     def stamp(self, step: int, crc: int) -> None:
         self.crc = crc

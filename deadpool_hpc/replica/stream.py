@@ -4,7 +4,7 @@ within ``POLL_S`` of a stop request, of its deadline, or of its peer going quiet
 Owns: connecting, framed signed messages (4-byte big-endian length + ``ipc/wire.py`` encoding:
 JSON + HMAC-SHA256 with the job secret, verified before the body is parsed), and raw payload bytes
 moved in pieces of at most ``CHUNK`` bytes. Does not own: what the messages mean, slots, threads
-(``transport.py``).
+(``replicator.py``).
 
 Why it looks like this: a peer that is SIGSTOPped still completes TCP handshakes (the kernel answers
 for it) and then stops reading, so a plain blocking ``sendall``/``recv`` would wait forever; and

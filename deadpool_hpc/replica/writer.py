@@ -1,6 +1,6 @@
 """The per-step snapshot protocol, training-process side: ``SnapshotWriter`` owns claim, granted, written,
 wait-committed and the background copy. This docstring is the protocol's one description; the agent's side is
-agent/desk.py (``SnapshotDesk``) calling the rank's Replicator (replica/transport.py ``claim``, ``written``,
+agent/desk.py (``SnapshotDesk``) calling the rank's Replicator (replica/replicator.py ``claim``, ``written``,
 ``on_commit``).
 
 The interface: four snapshot words of the rank's progress page (ipc/shm.py ``ProgressPage``; each a

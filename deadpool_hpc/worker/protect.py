@@ -236,7 +236,7 @@ class Protected(SnapshotLayout, DataParallelShares, ShardedState):
         doc = json.loads(bytes(blob[self._hdr.size:self._hdr.size + n].numpy()))
         kept = scratch[:self.m]
         # this process restored its own snapshot (stamped with the cut step once complete): its shares are there;
-        # a replica pulled from a holder carries none; a checkpoint's record says which are (bind)
+        # a replica sent by its source carries none; a checkpoint's record says which are (bind)
         full = self._exchange_shares(kept, self._have)
         tensors = [None] * len(self.entries)
         for i in self._common:
@@ -264,13 +264,13 @@ class Protected(SnapshotLayout, DataParallelShares, ShardedState):
 
     # ---- the step ------------------------------------------------------------------------------------------------
 
-    def bind(self, rank: int, watch, pulled: bool = False, kept: list[bool] | None = None) -> None:
+    def bind(self, rank: int, watch, from_replica: bool = False, kept: list[bool] | None = None) -> None:
         """This process is now training rank ``rank``; ``watch``: what the gradient all-reduce waits under;
-        ``pulled``: the state it restores next is a replica pulled from a holder (no shares of its own); ``kept``:
+        ``from_replica``: the state it restores next is a replica sent by its source (no shares of its own); ``kept``:
         else, which of the 1 + K shares in it are this rank's (a checkpoint's record: ``persist.save_shard``;
         default all)."""
         self.rank, self.watch = rank, watch
-        self._have = [False] * self.m if pulled else [bool(x) for x in (kept or [True] * self.m)]
+        self._have = [False] * self.m if from_replica else [bool(x) for x in (kept or [True] * self.m)]
         if len(self._have) != self.m:
             raise ReplicaError(f"protect: the snapshot to restore says {len(self._have)} shares were kept; this "
                                f"layout keeps {self.m}")

@@ -131,12 +131,12 @@ class Recovering:
         self._faults.at_phase("rebuild", nth, self.rank)
         self._join()
         t_rebuilt = time.time()
-        if not plan.serving:
+        if not plan.is_source:
             self._faults.at_phase("restore", nth, self.rank)
         if plan.fresh:
             self._restore_initial(role)
         else:
-            self._state.bind(self.rank, self.watch, pulled=plan.pulled)
+            self._state.bind(self.rank, self.watch, from_replica=plan.from_replica)
             slot = self._slots[plan.slot]
             slot.step, slot.crc = plan.cut_step, plan.crc
             rng = self._layout.read(slot, self._state.restore_targets())  # verifies the checksum the agent took

@@ -70,9 +70,9 @@ class ShardedAdamW:
     sharded = False
     loader_guard = None
 
-    def bind(self, rank: int, watch, pulled: bool = False, kept: list[bool] | None = None) -> None:
+    def bind(self, rank: int, watch, from_replica: bool = False, kept: list[bool] | None = None) -> None:
         """Take shard ``rank`` (call again when the process is promoted or its rank changes); ``watch``: the
-        dataplane.collectives.Watch every collective of a step waits under. ``pulled`` (the state restored next came
+        dataplane.collectives.Watch every collective of a step waits under. ``from_replica`` (the state restored next came
         from a replica) and ``kept`` (a checkpoint's record of kept regions) change nothing here: the whole shard is in
         the replica."""
         self.rank = rank

@@ -64,7 +64,7 @@ def check_recovered(s, baseline, targets):
 def test_kill_at_the_first_step_and_rank0s_node_over_the_unix_transport(tmp_path, baseline):
     """Two faults one after the other, each recovered before the next: node2 SIGKILLed at step 0 (before any
     snapshot of a later step exists), then node0, which hosts rank 0 and the generation-0 TCPStore, at step 15.
-    Every replica is pushed and pulled over abstract Unix sockets (``--replica-transport unix``,
+    Every replica and restore is pushed over abstract Unix sockets (``--replica-transport unix``,
     replica/transports.py, entry point group deadpool_hpc.transports) instead of TCP."""
     s = run(tmp_path, "unix", spares=2, replica_transport="unix",
             faults=[Fault("kill", "node", 2, 0), Fault("kill", "node", 0, 15)])

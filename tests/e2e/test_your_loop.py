@@ -375,7 +375,7 @@ def test_ddp_state_stays_local_and_a_lost_rank_gets_its_share_from_its_holder(lo
                 out[flip] ^= 1   # one bit changed on the way
         monkeypatch.setattr(collectives, "all_gather", all_gather)
         monkeypatch.setattr(collectives, "all_to_all", all_to_all)
-        prot.bind(1, None, pulled=True)
+        prot.bind(1, None, from_replica=True)
         torch.set_rng_state(layout.read(slot, prot.restore_targets()))
         return calls
 

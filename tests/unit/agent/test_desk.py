@@ -1,7 +1,7 @@
 """The per-step snapshot protocol over the progress page (agent/desk.py, ipc/shm.py): a claim word answered with a
 grant, a written word shipped to a real holder over TCP, the committed word stored by the Replicator, all woken by
 a real eventfd doorbell; stale and busy claims. The training process's side is played here by storing the words,
-then by its SnapshotWriter (replica/writer.py: inline and background copies, the waits); tests/unit/replica/test_transport.py
+then by its SnapshotWriter (replica/writer.py: inline and background copies, the waits); tests/unit/replica/test_replicator.py
 takes every snapshot through the writer, and the end-to-end runs (test_your_loop.py, test_hotswap.py) run it all.
 Run: DEADPOOL_SLURM_TESTS=0 .venv/bin/python -m pytest -q tests/unit/agent/test_desk.py
 """
@@ -17,7 +17,7 @@ from deadpool_hpc.ipc.shm import GEN_MASK, Doorbell, ProgressPage, SharedBuffer,
 from deadpool_hpc.errors import PeerFailure
 from deadpool_hpc.replica.snapshot import Slot, StateLayout, checksum, slot_pair
 from deadpool_hpc.replica.pusher import INLINE_STAMP_BYTES
-from deadpool_hpc.replica.transport import Replicator
+from deadpool_hpc.replica.replicator import Replicator
 from deadpool_hpc.replica.writer import SnapshotWriter
 from snapnode import Agent  # tests/snapnode.py: the NodeAgent attributes the desk reads
 

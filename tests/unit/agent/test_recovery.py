@@ -19,8 +19,8 @@ from deadpool_hpc.ipc.messages import Exit, Failure, Left, RoundFailed, Spare, T
 
 
 class Slot:
-    def __init__(self, step, pulled=False):
-        self.step, self.crc, self.pulled = step, 1234, pulled
+    def __init__(self, step, from_replica=False):
+        self.step, self.crc, self.from_replica = step, 1234, from_replica
 
 
 class Rep:
@@ -40,7 +40,7 @@ class Rep:
 
     def expect_restore(self, r, step, g):
         self.calls.append(("expect_restore", r, step, g))
-        self.slots.append(Slot(step, pulled=True))
+        self.slots.append(Slot(step, from_replica=True))
 
     def wait_restore(self, flag, timeout):
         self.calls.append("wait_restore")
@@ -167,7 +167,7 @@ def test_a_round_that_keeps_the_node_a_spare_returns_that_and_writes_nothing_of_
 
 def test_a_promoted_spare_restores_meets_the_trainers_and_is_told_its_rank():
     rep = Rep(None, [])
-    cp = CP([decision()], ranks={0: 1})   # node 3's process takes over rank 1, pulled from node 2
+    cp = CP([decision()], ranks={0: 1})   # node 3's process takes over rank 1, sent by node 2
     host = Host(cp, node=3, reps={0: rep})
     rec = Recovery(host)
     _left(rec)
@@ -177,7 +177,7 @@ def test_a_promoted_spare_restores_meets_the_trainers_and_is_told_its_rank():
     assert ("expect_restore", 1, 40, 1) in rep.calls and "wait_restore" in rep.calls
     assert cp.barrier_calls == [("rebuild1.0", [0, 2, 3], True)]   # the new trainers' nodes; it can stop early
     (local, role), = host.roles
-    assert isinstance(role, Train) and role.rank == 1 and role.restore.promoted and role.restore.pulled
+    assert isinstance(role, Train) and role.rank == 1 and role.restore.promoted and role.restore.from_replica
     assert role.restore.cut_step == 40 and role.restore.round == 1 and host.phases == ["detect", "rebuild", "open1"]
 
 

@@ -12,7 +12,7 @@ import pytest
 from deadpool_hpc.ipc.messages import Exit, Failure, Finish, Left, Restore, Role, RoundFailed, Spare, Train, View
 
 VIEW = View(3, (0, 2, 3), (4,))
-PLAN = Restore(cut_step=41, slot=1, crc=123456789, fresh=False, pulled=True, promoted=True, serving=False,
+PLAN = Restore(cut_step=41, slot=1, crc=123456789, fresh=False, from_replica=True, promoted=True, is_source=False,
                recomputed_steps=1, failed_nodes=(1,), round=2, t_fail=1700000000.5, t_agreed=1700000000.75)
 RESUME = {"step": 20, "world_size": 3, "generation": 1, "high_water": 21}
 
@@ -33,10 +33,10 @@ def test_every_message_survives_its_wire_form():
 def test_the_wire_form_is_the_dicts_the_agent_and_the_worker_exchanged_before():
     common = {"active_nodes": [0, 2, 3], "spare_nodes": [4], "spares_left": 1, "generation": 3}
     # agent/node.py's recovery round, as it was written out key by key (21 keys)
-    old_round = {**common, "what": "train", "rank": 1, "world_size": 3, "serving": False, "fresh": False,
+    old_round = {**common, "what": "train", "rank": 1, "world_size": 3, "is_source": False, "fresh": False,
                  "resume": RESUME, "cut_step": 41, "slot": 1, "crc": 123456789, "recomputed_steps": 1,
                  "high_water": 41, "t_fail": 1700000000.5, "t_agreed": 1700000000.75, "failed_nodes": [1],
-                 "round": 2, "promoted": True, "pulled": True}
+                 "round": 2, "promoted": True, "from_replica": True}
     assert len(old_round) == 21 and _same_frame(Train(VIEW, 1, 3, 41, RESUME, PLAN).to_wire(), old_round)
     old_start = {**common, "what": "train", "rank": 1, "world_size": 3, "high_water": -1, "resume": None}
     assert _same_frame(Train(VIEW, 1, 3, -1, None).to_wire(), old_start)

@@ -63,7 +63,7 @@ def test_a_zero_shard_is_the_slots_tensors_and_rng_and_keeps_no_shares(tmp_path)
 def test_protect_shards_of_an_own_snapshot_a_restored_one_and_a_lost_ranks_replica(tmp_path):
     """A ctx.protect payload: 3 kept shares (rank 0's own, then those of ranks 1 and 2, whose replicas it holds) and
     a wire tensor. From rank 0's own snapshot every share is its own; from one that is itself a restored replica
-    (``pulled``) none is; a lost rank's shard from the replica held for it takes the share this rank kept for it
+    (``from_replica``) none is; a lost rank's shard from the replica held for it takes the share this rank kept for it
     (its own snapshot's view ``keeper`` names) in the first place, and records only that one as kept."""
     shares = [torch.full((SHARE,), 10 + i, dtype=torch.uint8) for i in range(3)]
     wire0, wire2 = torch.randn(6), torch.randn(6)
@@ -95,7 +95,7 @@ def test_protect_shards_of_an_own_snapshot_a_restored_one_and_a_lost_ranks_repli
         assert rec["kept"] == shard.kept and rec["step"] == 9
         assert all(torch.equal(a, b) for a, b in zip(tensors, shard.tensors)) and torch.equal(got_rng, shard.rng)
 
-    own.pulled = True   # rank 0's own snapshot is itself a replica restored from its source: no share is its own
+    own.from_replica = True   # rank 0's own snapshot is itself a replica restored from its source: no share is its own
     assert persist.assemble_shard(layout, own).kept == [False, False, False]
     assert persist.assemble_shard(layout, held, keeper=lambda: (own, 2)).kept == [False, False, False]
 

@@ -89,7 +89,7 @@ def test_a_slot_being_read_is_never_handed_out_for_writing():
     pair = SlotPair(8)
     a = pair.begin(); a.stamp(1, 0)
     b = pair.begin(); b.stamp(2, 0)
-    a.readers = 1                       # e.g. a fetch is serving step 1
+    a.readers = 1                       # e.g. a restore is sending step 1
     with pytest.raises(ReplicaError, match="step 1 is being read"):
         pair.begin()
     assert pair.steps() == [1, 2]

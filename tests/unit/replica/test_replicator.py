@@ -1,8 +1,8 @@
-"""The replica transport over real TCP sockets, with peers in real processes that are SIGKILLed or
+"""The Replicator over real TCP sockets, with peers in real processes that are SIGKILLed or
 SIGSTOPped mid-transfer (always reaped). Each snapshot takes the path of a run: the training process's SnapshotWriter
 claims, writes and says written, the agent's desk and Replicator checksum, push and commit (tests/snapnode.py).
 A refused or failed push is seen as a commit that never comes (the training process's view) and in the event log.
-Run: DEADPOOL_SLURM_TESTS=0 .venv/bin/python -m pytest -q tests/unit/replica/test_transport.py
+Run: DEADPOOL_SLURM_TESTS=0 .venv/bin/python -m pytest -q tests/unit/replica/test_replicator.py
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from deadpool_hpc.errors import PeerFailure, ReplicaError
 from deadpool_hpc.replica.snapshot import StateLayout, checksum
 from deadpool_hpc.replica.headers import Ack, Go, Push
 from deadpool_hpc.replica.stream import Link
-from deadpool_hpc.replica.transport import Replicator
+from deadpool_hpc.replica.replicator import Replicator
 from snapnode import SnapNode  # tests/snapnode.py
 
 SECRET = b"test-secret-0123456789abcdef-32b"
@@ -88,7 +88,7 @@ import json, sys, threading, time, torch
 a = json.loads(sys.argv[1])
 sys.path.insert(0, a["tests"])
 from deadpool_hpc.replica.snapshot import StateLayout
-from deadpool_hpc.replica.transport import Replicator
+from deadpool_hpc.replica.replicator import Replicator
 from snapnode import SnapNode
 torch.set_num_threads(1)
 out = threading.Lock()
@@ -111,7 +111,7 @@ def slow(kind):  # a slow transfer that says once when it is under way
             told.append(1); say(**{kind: done})
         time.sleep(0.5)
     return hook
-if a.get("slow_serve"): rep.serve_hook = slow("mid_serve")
+if a.get("slow_restore_send"): rep.restore_send_hook = slow("mid_restore_send")
 if a.get("slow_receive"): rep.receive_hook = slow("mid_push")
 say(address=rep.address)
 def send(r):  # as a rank's source in a recovery: send a restore
@@ -431,7 +431,7 @@ def test_holder_frozen_mid_push_and_quiesce_is_prompt(reps, peers):
 
 
 # ---- restore: the source sends, the target expects ------------------------------------------------------
-def test_restore_round_trip_is_bit_for_bit_and_calls_serve_hook(reps):
+def test_restore_round_trip_is_bit_for_bit_and_calls_restore_send_hook(reps):
     n = 3 << 20
     state = state_of(n, 11)
     rng = torch.get_rng_state()
@@ -445,11 +445,11 @@ def test_restore_round_trip_is_bit_for_bit_and_calls_serve_hook(reps):
         node.commit(6, state, rng)
         node.close()
         calls = []
-        server.serve_hook = lambda *a: calls.append(a)
+        server.restore_send_hook = lambda *a: calls.append(a)
         spare.configure(1, None, [], [])
         slot = restore(server, spare, 2, 6)
         assert slot.step == 6 and slot.crc == server.own.get(6).crc
-        assert slot.pulled and not server.own.get(6).pulled   # a restored payload: no kept shares of its own
+        assert slot.from_replica and not server.own.get(6).from_replica   # a restored payload: no kept shares of its own
         assert np.array_equal(slot.buf, server.own.get(6).buf)
         out = [torch.empty_like(state[0])]
         got_rng = layout.read(slot, out)
@@ -525,11 +525,11 @@ def test_an_ack_sent_after_the_target_took_its_copy_still_reaches_the_source(rep
 @pytest.mark.e2e
 def test_restore_from_a_killed_source_fails_fast(reps, peers):
     n = 32 << 20
-    srv = peers(nbytes=n, rank=1, own_step=4, seed=12, slow_serve=True).start()
+    srv = peers(nbytes=n, rank=1, own_step=4, seed=12, slow_restore_send=True).start()
     me = reps(n)
     me.configure(1, None, [], [])
     killed = []
-    threading.Thread(target=lambda: (srv.wait_for("mid_serve"), killed.append(srv.signal(signal.SIGKILL)))).start()
+    threading.Thread(target=lambda: (srv.wait_for("mid_restore_send"), killed.append(srv.signal(signal.SIGKILL)))).start()
     with pytest.raises(PeerFailure, match=r"rank 1 step 4 from 127\.0\.0\.1:\d+ .*failed: .*closed the connection "
                                           r"after"):
         restore(srv, me, 1, 4, timeout=30)
@@ -545,10 +545,10 @@ def test_restore_from_a_killed_source_fails_fast(reps, peers):
 @pytest.mark.e2e
 def test_restore_from_a_frozen_source_respects_timeout_and_failure_flag(reps, peers):
     n = 32 << 20
-    srv = peers(nbytes=n, rank=1, own_step=4, seed=13, slow_serve=True).start()
+    srv = peers(nbytes=n, rank=1, own_step=4, seed=13, slow_restore_send=True).start()
     me = reps(n)
     me.configure(1, None, [], [])
-    threading.Thread(target=lambda: (srv.wait_for("mid_serve"), srv.signal(signal.SIGSTOP))).start()
+    threading.Thread(target=lambda: (srv.wait_for("mid_restore_send"), srv.signal(signal.SIGSTOP))).start()
     t = time.monotonic()
     with pytest.raises(PeerFailure, match="did not arrive within 2 s"):
         restore(srv, me, 1, 4, timeout=2.0)

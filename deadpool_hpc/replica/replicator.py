@@ -1,4 +1,4 @@
-"""Replica transport: one process's replica plane, assembled from its roles; ``Replicator`` is its interface.
+"""The Replicator: one process's replica plane, assembled from its roles; ``Replicator`` is its interface.
 
 A node agent makes one Replicator per local training rank (agent/node.py). Its roles, each in a module of its own:
 - replica/slots.py ``ReplicaState``: the own snapshot slots (shared with the training process) and the held
@@ -62,8 +62,8 @@ class Replicator:
     layout = _state_attr("layout", "The StateLayout of the payload.")
     on_commit = _state_attr("on_commit", "on_commit(generation, step), under the lock (must not block): the "
                                          "committed step grew (agent/node.py stores the committed word).")
-    serve_hook = _state_attr("serve_hook", "Test hook: serve_hook(rank, step, sent_bytes, total) after each piece "
-                                           "of a restore sent.")
+    restore_send_hook = _state_attr("restore_send_hook", "Test hook: restore_send_hook(rank, step, sent_bytes, "
+                                                         "total) after each piece of a restore sent.")
     receive_hook = _state_attr("receive_hook", "Test hook: receive_hook(rank, step, received_bytes, total) after "
                                                "each piece of a push.")
 
