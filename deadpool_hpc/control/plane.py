@@ -318,11 +318,9 @@ class ControlPlane:
         self.pump()
         return self._finish
 
-    def finish(self, body: dict) -> None:
-        """Tell every live process the run is over (they exit without recovering), and every returning one.
-        ``body``: the ``finished`` message of the training process (``{"steps": int | None}``; ValueError if it
-        is malformed)."""
-        msg = Finished.from_wire(body)
+    def finish(self, msg: Finished) -> None:
+        """Tell every live process the run is over (they exit without recovering), and every returning one:
+        ``msg`` (``steps``: the steps trained, when known)."""
         self.peers.stop_watching()
         self.peers.broadcast(Finished.KIND, msg.to_wire())
         self.tell_returning(Finished.KIND, msg.to_wire())
