@@ -34,7 +34,7 @@ import time
 
 from ..cause import signal_name
 from ..control.crashloop import WorkFailure, end_of
-from ..control.messages import Over
+from ..control.messages import Finished, Over
 from ..errors import STARTUP_FAILED_EXIT, Fenced
 from ..ipc.messages import Finish, Layout, Left, LinkAnswer, MatmulFigure, RoundFailed, Slots, Spare, Train, View
 from ..ipc.shm import Doorbell
@@ -386,7 +386,8 @@ class NodeAgent:
         elif kind == "inject_spare":
             self.peers.send(int(body["node"]), "inject", body)
         elif kind == "finished":
-            self.cp.finish({"steps": body.get("steps")})
+            # the training process's ``finished`` (worker/entry.py): ValueError for steps that are not an int or null
+            self.cp.finish(Finished.from_wire({"steps": body.get("steps")}))
         elif kind == "abort":  # an error in the user's code: the whole job stops (every agent is told)
             from ..errors import JobAborted
 

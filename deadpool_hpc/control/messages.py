@@ -205,3 +205,43 @@ class Over(Message, plane=CONTROL, kind="over"):
     """(the members -> every returning agent) The members left for a requeue with exit ``code``: leave too."""
 
     code: int = 75
+
+
+# ---- the notices the control thread reads itself (control/peers.py): failures, fencing, preemption ---------------
+@dataclass(frozen=True)
+class Suspect(Message, plane=CONTROL, kind="suspect"):
+    """(along a dissemination tree, control/topology.py) MPI ranks ``ranks`` failed: ``reason``; ``last_heard``: when
+    the one that noticed it last heard of them (Unix seconds, or null). Sent by a node about itself
+    (ControlPlane.declare_failed) it also says whether it lives on to return to the spare pool (``returning``) and
+    how its training process ended (``work``: a control/crashloop.py WorkFailure's wire form, read apart so that a
+    malformed one loses only itself). ``origin``: the MPI rank that started the notice, added by
+    ``Peers.disseminate``. ``returning``, ``work`` and ``origin`` are left out of the body when None."""
+
+    SPARSE = True
+    ranks: tuple[int, ...]
+    reason: str
+    last_heard: float | None
+    returning: bool | None = None
+    work: dict | None = None
+    origin: int | None = None
+
+
+@dataclass(frozen=True)
+class Teardown(Message, plane=CONTROL, kind="teardown"):
+    """(along a dissemination tree) A member left generation ``g``: recover. ``origin``: as for ``Suspect``."""
+
+    SPARSE = True
+    g: int
+    origin: int | None = None
+
+
+@dataclass(frozen=True)
+class Fenced(Message, plane=CONTROL, kind="fenced"):
+    """(a suspecting agent -> the suspect itself) You were declared failed (``reason``): stop."""
+
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Preempt(Message, plane=CONTROL, kind="preempt"):
+    """(the agents that got the preemption signal -> every live agent) Save a checkpoint and leave. No fields."""

@@ -39,12 +39,13 @@ import numpy as np
 
 from ..ipc import wire
 from .detector import Detector
+from .messages import Fenced, Preempt, Rejoin, Suspect, Teardown
 from .suspicion import helpers_for
 from .topology import ring_neighbours, tree_children
 from .waker import ACK, NACK, PING, PING_REQ
 
 TAG_CONTROL = 7
-TREE_KINDS = ("suspect", "teardown")  # notices disseminated along a tree (topology.py), not sent to every peer
+TREE_KINDS = (Suspect.KIND, Teardown.KIND)  # notices disseminated along a tree (topology.py), not sent to every peer
 # a recovery's decision travels down the same kind of tree from its coordinator (control/plane.py)
 TREE_DECISION = "decision"
 
@@ -271,13 +272,13 @@ class Peers(threading.Thread):
         if tell_suspect:
             # tell the suspect itself (the only message it still gets from us): if it lives on (a false suspicion,
             # a frozen process woken up), it must stop instead of carrying on alone (control/plane.py, Fenced)
-            self._outbox.append((rank, np.frombuffer(wire.encode("fenced", {"reason": reason}, self.secret),
+            self._outbox.append((rank, np.frombuffer(wire.encode(Fenced.KIND, Fenced(reason).to_wire(), self.secret),
                                                      dtype=np.uint8).copy(), True))
             self._wake.set()
         if self.on_suspect is not None:
             self.on_suspect(rank, reason, t, last_heard)
         if notify:
-            self.disseminate("suspect", {"ranks": [rank], "reason": reason, "last_heard": last_heard})
+            self.disseminate(Suspect.KIND, Suspect((rank,), reason, last_heard).to_wire())
 
     def heartbeat_stats(self) -> dict:
         """This agent's heartbeat send gaps (seconds: p50, p99, max, count; the period is the ideal) and its probe
@@ -301,7 +302,7 @@ class Peers(threading.Thread):
         self.preempted.set()  # acted on by the worker at its next step boundary (Context._one_step), never
         # mid-recovery: a restore interrupted half-way would leave a promoted spare with no state to save
         if source == self.me:
-            self.broadcast("preempt", {})
+            self.broadcast(Preempt.KIND, Preempt().to_wire())
         if self.on_preempt is not None:
             self.on_preempt(source)
         self._notice()
@@ -558,7 +559,7 @@ class Peers(threading.Thread):
             self._rejected += 1
             return
         if suspected:   # a returning agent: its request to come back, nothing else
-            if kind == "rejoin":
+            if kind == Rejoin.KIND:
                 self.inbox.put((kind, src, body))
                 self._notice()
             return
@@ -579,35 +580,44 @@ class Peers(threading.Thread):
             self._forward(kind, body)
         if kind in TREE_KINDS:
             body.setdefault("origin", src)
-            if kind == "suspect" or int(body.get("g", -1)) >= self.generation:  # a stale teardown tells nothing
-                self.notice_g = max(self.notice_g, self.generation)
-            if kind == "suspect" and body.get("returning") and [int(r) for r in body.get("ranks", [])] == \
-                    [int(body["origin"])]:
-                with self.lock:   # (before the suspicion: _handle then lets its rejoin through)
-                    self.returning[int(body["origin"])] = time.time()
-            if kind == "suspect" and body.get("work") is not None and self.on_work_failure is not None:
-                self.on_work_failure(body["work"])   # how its training process ended: before the round it starts
-            if kind == "suspect":  # first: the forwarding below skips the newly suspected
-                for r in body.get("ranks", []):
-                    self.suspect(int(r), f"reported by MPI rank {body['origin']} (via {src}): {body.get('reason', '')}",
-                                 notify=False, last_heard=body.get("last_heard"), tell_suspect=False)
-            self._forward(kind, body)
-            if kind == "suspect":
+            try:
+                note = (Suspect if kind == Suspect.KIND else Teardown).from_wire(body)
+            except ValueError as exc:   # neither read nor passed on (an agent of another version: said, not fatal)
+                self._rejected += 1
+                self._probe_event("bad_message", kind=kind, src=src, error=str(exc)[:300])
                 return
-        if kind == "preempt":
+            if isinstance(note, Suspect) or note.g >= self.generation:  # a stale teardown tells nothing
+                self.notice_g = max(self.notice_g, self.generation)
+            if isinstance(note, Suspect):
+                if note.returning and list(note.ranks) == [note.origin]:
+                    with self.lock:   # (before the suspicion: _handle then lets its rejoin through)
+                        self.returning[note.origin] = time.time()
+                if note.work is not None and self.on_work_failure is not None:
+                    self.on_work_failure(note.work)   # how its training process ended: before the round it starts
+                for r in note.ranks:   # first: the forwarding below skips the newly suspected
+                    self.suspect(r, f"reported by MPI rank {note.origin} (via {src}): {note.reason}",
+                                 notify=False, last_heard=note.last_heard, tell_suspect=False)
+                self._forward(kind, body)
+                return
+            self._forward(kind, body)
+        if kind == Preempt.KIND:
             self._preempt(src)
             return
-        if kind == "fenced":
-            self.fenced = self.fenced or f"MPI rank {src} declared this process failed: {body.get('reason', '')}"
+        if kind == Fenced.KIND:
+            try:
+                why = Fenced.from_wire(body).reason
+            except ValueError as exc:   # fenced all the same: the notice's kind is what counts
+                why = f"(a malformed notice: {exc})"
+            self.fenced = self.fenced or f"MPI rank {src} declared this process failed: {why}"
             self.failure.set()
             return
         if kind == "inject":
             if self.on_inject is not None:
                 self.on_inject(body)
             return
-        if kind == "teardown" and int(body.get("g", 0)) < self.generation:
+        if kind == Teardown.KIND and note.g < self.generation:
             return  # a round this process has already left behind
-        if kind in ("teardown", "collect"):
+        if kind in (Teardown.KIND, "collect"):
             self.failure.set()  # a peer left the generation or a coordinator asks for reports: recover
         if kind == "collect" and int(body.get("g", -1)) >= self.generation:
             # a coordinator already collects this generation's reports: a teardown notice of ours would tell

@@ -31,7 +31,7 @@ from .crashloop import WorkFailure
 from .decision import Decision, RoundFailure, decision_from_wire
 from .handlers import HandlerTable
 from .membership import Membership, Readmit, on_readmit
-from .messages import Abort, Collect, Finished, Ready, Report, Sync
+from .messages import Abort, Collect, Fenced, Finished, Preempt, Ready, Report, Suspect, Sync
 from .mpi import import_mpi, unlink_mpi_shm
 from .peers import Peers
 from .waker import Waker
@@ -39,7 +39,7 @@ from .waker import Waker
 # control-message kinds this module dispatches itself (``pump``), or the control thread consumes and never hands to
 # the main thread (control/peers.py): a handler registered for one of them would never run, so ``on`` refuses it
 OWN_KINDS = frozenset({Collect.KIND, Ready.KIND, "decision", Sync.KIND, Readmit.KIND, Finished.KIND, Abort.KIND,
-                       "suspect", "preempt", "fenced", "inject"})
+                       Suspect.KIND, Preempt.KIND, Fenced.KIND, "inject"})
 
 
 class ControlPlane:
@@ -258,12 +258,11 @@ class ControlPlane:
         already), lives on to ask for its return to the spare pool (agent/comeback.py): the others then leave its
         agent alive (no fencing by pid) and let its ``rejoin`` through. ``work``: how its training process ended
         (rank, step, signal or code), for every agent's crash-loop rule (crashloop.py)."""
-        body = {"ranks": [self.me], "reason": reason, "returning": returning,
-                "last_heard": time.time() if last_heard is None else last_heard}
         if work is not None:
             self.work_failures.append(work)
-            body["work"] = work.to_wire()
-        self.peers.disseminate("suspect", body)
+        note = Suspect((self.me,), reason, time.time() if last_heard is None else last_heard, returning=returning,
+                       work=None if work is None else work.to_wire())
+        self.peers.disseminate(Suspect.KIND, note.to_wire())
         self.wait_sends(1.0)
 
     # ---- inbox ----------------------------------------------------------------------------------------------
@@ -319,11 +318,9 @@ class ControlPlane:
         self.pump()
         return self._finish
 
-    def finish(self, body: dict) -> None:
-        """Tell every live process the run is over (they exit without recovering), and every returning one.
-        ``body``: the ``finished`` message of the training process (``{"steps": int | None}``; ValueError if it
-        is malformed)."""
-        msg = Finished.from_wire(body)
+    def finish(self, msg: Finished) -> None:
+        """Tell every live process the run is over (they exit without recovering), and every returning one:
+        ``msg`` (``steps``: the steps trained, when known)."""
         self.peers.stop_watching()
         self.peers.broadcast(Finished.KIND, msg.to_wire())
         self.tell_returning(Finished.KIND, msg.to_wire())

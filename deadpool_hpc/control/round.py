@@ -30,7 +30,7 @@ from ..process import fence as fencing
 from .agreement import decide
 from .decision import Decision, RoundFailure
 from .membership import apply_pending, spares_of
-from .messages import Collect, Ready, Report
+from .messages import Collect, Ready, Report, Teardown
 
 
 def recover(cp, report: dict[int, Report], on_phase=None, wait=None, stop=None) -> Decision | None:
@@ -51,7 +51,7 @@ def recover(cp, report: dict[int, Report], on_phase=None, wait=None, stop=None) 
     stop = stop or (lambda: False)
     cp.peers.failure.set()
     if cp.peers.notice_g < cp.generation:  # nobody told us: we are the first to leave this generation
-        cp.peers.disseminate("teardown", {"g": cp.generation})
+        cp.peers.disseminate(Teardown.KIND, Teardown(cp.generation).to_wire())
     end = time.monotonic() + cp.recovery_timeout
     answered: dict[int, list] = {}
     my_round = None

@@ -114,6 +114,24 @@ def test_the_swap_link_and_return_messages_keep_the_wire_form_of_the_dicts_they_
         SwapAsk.from_wire({"node": 1})
 
 
+def test_the_control_threads_notices_keep_the_wire_form_of_the_dicts_they_replace():
+    from deadpool_hpc.control.messages import Fenced, Preempt, Suspect, Teardown
+
+    # control/peers.py's suspicion (last_heard may be null), and a node's own (control/plane.py declare_failed)
+    assert _same_frame(Suspect((2,), "silent", None).to_wire(), {"ranks": [2], "reason": "silent", "last_heard": None})
+    work = {"rank": 1, "step": 7, "end": "SIGKILL", "node": 2, "generation": 0, "t": 5.0}
+    own = Suspect((2,), "exit", 5.5, returning=False, work=work)
+    assert _same_frame(own.to_wire(), {"ranks": [2], "reason": "exit", "returning": False, "last_heard": 5.5,
+                                       "work": work})
+    passed_on = dict(own.to_wire(), origin=2)   # as Peers.disseminate sends it on
+    assert Suspect.from_wire(json.loads(json.dumps(passed_on))) == Suspect((2,), "exit", 5.5, False, work, 2)
+    assert _same_frame(Teardown(3).to_wire(), {"g": 3}) and Teardown.from_wire({"g": 3, "origin": 1}).origin == 1
+    assert _same_frame(Fenced("silent").to_wire(), {"reason": "silent"}) and Fenced.from_wire({}) == Fenced("")
+    assert Preempt().to_wire() == {} and Preempt.from_wire({}) == Preempt()
+    with pytest.raises(ValueError, match=r"suspect message: key 'ranks' is \['1'\]; expected a list of ints"):
+        Suspect.from_wire({"ranks": ["1"], "reason": "", "last_heard": None})
+
+
 @pytest.mark.parametrize("change, match", [
     (lambda w: w.update(round=["later", 3]), r"key 'round' is \['later', 3\]; expected \[coordinator, round\]"),
     (lambda w: w["report"]["0"].update(own=[1, "2"]), r"key 'report\[0\].own' is \[1, '2'\]; expected a list of ints"),
@@ -161,8 +179,7 @@ _LOCAL = {(schema.TO_AGENT, "closed")}   # ChannelServer.poll's own report that 
 UNTYPED = {
     (schema.TO_AGENT, "fault"), (schema.TO_AGENT, "inject_spare"), (schema.TO_AGENT, "finished"),
     (schema.TO_AGENT, "abort"), (schema.TO_WORKER, "nic_down"),
-    (schema.CONTROL, "suspect"), (schema.CONTROL, "teardown"), (schema.CONTROL, "preempt"),
-    (schema.CONTROL, "fenced"), (schema.CONTROL, "inject"),
+    (schema.CONTROL, "inject"),
 }
 
 
@@ -246,7 +263,7 @@ def kinds_in_the_code() -> dict[tuple[str, str], list[str]]:
 def test_every_message_kind_in_the_code_has_a_schema():
     found = kinds_in_the_code()
     # the scan sees what it must: kinds of each plane, typed and untyped
-    assert {(schema.CONTROL, "decision"), (schema.CONTROL, "teardown"), (schema.TO_AGENT, "store_set"),
+    assert {(schema.CONTROL, "decision"), (schema.CONTROL, "inject"), (schema.TO_AGENT, "store_set"),
             (schema.TO_AGENT, "fault"), (schema.TO_WORKER, "nic_down")} <= set(found)
     untyped = {pk: where for pk, where in found.items()
                if pk[1] not in schema.KINDS[pk[0]] and pk not in UNTYPED and pk not in _LOCAL}
