@@ -123,6 +123,7 @@ def main(argv=None) -> None:
     secret = bytes.fromhex(os.environ["DEADPOOL_JOB_SECRET"])
     from deadpool_hpc.agent.watch import RingWatch
     from deadpool_hpc.control.plane import ControlPlane
+    from deadpool_hpc.control.messages import Finished
     from deadpool_hpc.errors import RunFinished
     from deadpool_hpc.events import EventLog
     from deadpool_hpc.hostaddr import store_host
@@ -176,7 +177,7 @@ def main(argv=None) -> None:
             if a.exit_after and faults and len(applied) >= faults and now >= applied[max(applied)] + a.exit_after:
                 # all leave now: a probe that left alone would be seen leaving (its watch socket closes) and
                 # recovered; the others get the notice before this one's sockets close
-                cp.finish({"reason": "the study is done"})
+                cp.finish(Finished())   # the study is done
                 cp.wait_sends(1.0)
                 time.sleep(0.5)
                 break
