@@ -122,8 +122,8 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     secret = bytes.fromhex(os.environ["DEADPOOL_JOB_SECRET"])
     from deadpool_hpc.agent.watch import RingWatch
-    from deadpool_hpc.control.plane import ControlPlane
     from deadpool_hpc.control.messages import Finished
+    from deadpool_hpc.control.plane import ControlPlane
     from deadpool_hpc.errors import RunFinished
     from deadpool_hpc.events import EventLog
     from deadpool_hpc.hostaddr import store_host
