@@ -34,18 +34,8 @@ from .messages import Collect, Ready, Report, Teardown
 
 
 def recover(cp, report: dict[int, Report], on_phase=None, wait=None, stop=None) -> Decision | None:
-    """Agree on the next generation. Called by every live process after leaving the current one.
-
-    report: {virtual process: Report} for this node's processes (control/messages.py; agreement.decide reads
-    them). wait(seconds): block until then or until something happens (default: a control message;
-    the node agent's also ends on a local event), so that the hundreds of agents of a large job do not all poll at
-    once. stop(): checked after each wait; when true the round is left at once and None returned (the caller's
-    own failure, seen while it waited: it acts on it). on_phase(name): called at "agree" (report sent, or reports
-    asked for) and "decided" (fault injection for tests). Returns the Decision (with its coordinator and times
-    filled in). Raises ReplicaError from ``decide`` (after telling the members), Fenced if the decision declares
-    this process failed, JobAborted if another process aborted, RecoveryTimeout if no decision comes within
-    ``recovery_timeout`` seconds, RunFinished if the run ended meanwhile.
-    """
+    """The agreement round behind ``ControlPlane.recover`` (control/plane.py): its docstring says what this takes,
+    returns and raises; one copy of it, there."""
     on_phase = on_phase or (lambda _name: None)
     wait = wait or cp.pump
     stop = stop or (lambda: False)
