@@ -81,6 +81,8 @@ def main() -> None:
         sched.step()
         if dist.get_rank() == 0 and step % 10 == 0:
             print(f"step {step} loss {loss.item():.4f}", flush=True)
+    dist.barrier()   # every rank past its last collective, and no reference to pending work left: see fsdp2_gpt.py
+    del model, opt, sched
     dist.destroy_process_group()
 
 

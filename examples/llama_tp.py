@@ -204,6 +204,8 @@ def main() -> None:
         loss = train_step(model, opt, sched, s, x.to(device), y.to(device))
         if dist.get_rank() == 0 and (step % 10 == 0 or step == steps - 1):
             print(f"step {step} loss {loss:.4f}", flush=True)
+    dist.barrier()   # every rank past its last collective, and no reference to pending work left: see fsdp2_gpt.py
+    del model, opt, sched
     dist.destroy_process_group()
 
 
