@@ -174,7 +174,8 @@ class Comeback:
             return None
         from .preflight import HealthCheck
 
-        check = HealthCheck(cfg.preflight.health_check, a.sup.env, os.path.join(a.sup.run_dir, f"health-check-node{a.node}.log"))
+        check = HealthCheck(cfg.preflight.health_check, a.sup.env,
+                            os.path.join(a.sup.run_dir, f"health-check-node{a.node}.log"))
         end = time.monotonic() + cfg.comeback.health_check_timeout
         try:
             while (res := check.poll()) is None:
@@ -187,11 +188,12 @@ class Comeback:
             if check.result is None:
                 check.kill()
         rc, secs, tail = res
-        a.log.emit("health_check", rc=rc, seconds=round(secs, 3), command=cfg.preflight.health_check, output=tail[-400:],
+        a.log.emit("health_check", rc=rc, seconds=round(secs, 3), command=cfg.preflight.health_check,
+                   output=tail[-400:],
                    returning=True)
         if rc != 0:
-            self._quarantine(f"the health check {cfg.preflight.health_check!r} exited with {rc}" + (f": {tail[-200:]}" if tail
-                                                                                          else ""))
+            self._quarantine(f"the health check {cfg.preflight.health_check!r} exited with {rc}"
+                             + (f": {tail[-200:]}" if tail else ""))
         return secs
 
     def _quarantine(self, reason: str) -> None:
