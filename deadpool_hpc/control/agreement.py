@@ -34,8 +34,9 @@ def decide(*, generation: Generation, ranks_per_node: int, assignment: list[Proc
     ``exhausted`` True, no promotion, and still the cut and a source for every lost rank (the job saves a
     persistent checkpoint there and is requeued). A rank whose state exists nowhere before any rank has trained a
     step (a node lost during start-up or step 0) starts fresh: the cut is the attempt's start step and ``fresh``
-    lists the ranks that rebuild their initial state themselves (no source). ``preempt`` (Slurm's warning) makes it ``exhausted`` too.
-    ``reason``: "hot swap", "no spare node left", "preempted", "crash loop", or "rebuild" (nobody failed: a
+    lists the ranks that rebuild their initial state themselves (no source). ``preempt`` (Slurm's warning) makes it
+    ``exhausted`` too. ``reason``: "hot swap", "no spare node left", "preempted", "crash loop", or "rebuild" (nobody
+    failed: a
     collective timed out or a round failed; same members, new process group). ``work_failures`` (crashloop.py
     WorkFailure, oldest first: how training processes ended) and ``crash_loop_limit``: when the newest failure
     completes a crash loop (``find_loop``: the same rank, end and step on more than ``crash_loop_limit`` nodes), the
@@ -103,7 +104,8 @@ def decide(*, generation: Generation, ranks_per_node: int, assignment: list[Proc
     if gone:
         r = gone[0]
         raise ReplicaError(f"rank {r}: its node and every holder of its replica were lost together (failed nodes "
-                           f"{failed_nodes}); no copy of its state survives" + (f" (nor of ranks {gone[1:]})" if gone[1:] else ""))
+                           f"{failed_nodes}); no copy of its state survives"
+                           + (f" (nor of ranks {gone[1:]})" if gone[1:] else ""))
     common = set.intersection(*avail.values())
     if not common:
         raise ReplicaError(f"no step whose state exists for every rank: {({r: sorted(a) for r, a in avail.items()})}")

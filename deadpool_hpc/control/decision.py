@@ -22,7 +22,8 @@ from ..ipc.schema import CONTROL, Codec, Message, OneOf
 from .crashloop import CrashLoop
 
 
-MAX_IDS = 1 << 24   # ids in one list on the wire: far above any job, low enough that a bad message cannot exhaust memory
+# ids in one list on the wire: far above any job, low enough that a bad message cannot exhaust memory
+MAX_IDS = 1 << 24
 
 
 def int_runs(ids) -> list[list[int]]:

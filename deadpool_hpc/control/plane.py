@@ -58,7 +58,8 @@ class ControlPlane:
     """
 
     def __init__(self, *, secret: bytes, ranks_per_node: int, active_nodes: int, period: float, deadline: float,
-                 log, ceiling: float = 4.0, settle: float = 0.02, ready_timeout: float = 60.0, recovery_timeout: float = 120.0,
+                 log, ceiling: float = 4.0, settle: float = 0.02, ready_timeout: float = 60.0,
+                 recovery_timeout: float = 120.0,
                  replicas: int = 1, extra_identity: dict | None = None, handlers: dict | None = None,
                  watch_k: int = 2, host: str = "127.0.0.1", crash_loop_limit: int = 0):
         MPI = import_mpi()
@@ -242,7 +243,8 @@ class ControlPlane:
 
     def _on_preempt(self, source: int) -> None:
         if source == self.me:  # the processes that got the signal say so; the others just follow
-            self.log.emit("preempt_requested", generation=self.generation, signal=getattr(self.peers, "preempt_by", None))
+            self.log.emit("preempt_requested", generation=self.generation,
+                          signal=getattr(self.peers, "preempt_by", None))
 
     def _on_work_failure(self, body) -> None:
         """(control thread) A ``suspect`` notice says how the node's training process ended (crashloop.py)."""
