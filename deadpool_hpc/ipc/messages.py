@@ -13,8 +13,9 @@ body of a channel frame; no pickle) ``ipc/schema.py`` derives from its type hint
   ``Train`` and ``Spare`` carry the generation's ``View`` (its number, the active and spare nodes).
 
 The agent sends them (agent/node.py at start-up, agent/recovery.py each round); the worker reads them
-(worker/context.py ``run``; worker/recovery.py ``_recover``, ``_follow``, ``_rejoin``). A body that lacks a key or has one of the
-wrong type raises ValueError naming it. The wire form is the one the dicts read with ``.get`` had, key for key,
+(worker/context.py ``run``; worker/recovery.py ``_recover``, ``_follow``, ``_rejoin``). A body that lacks a key or has
+one of the wrong type raises ValueError naming it. The wire form is the one the dicts read with ``.get`` had, key for
+key,
 but for a spare's first role, which no longer carries a trainer's keys that nobody read (rank null, world_size,
 high_water, resume).
 

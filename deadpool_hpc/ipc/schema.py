@@ -12,7 +12,8 @@ Field types and their wire form:
 
 - ``int`` (a bool is not an int; a ``typing.NewType`` of int, the ids of deadpool_hpc/ids.py, is an int),
   ``float`` (an int or a float, read back as a float), ``str``, ``bool``.
-- ``X | None``: null or X; ``str | bool`` (scalars): the first that fits. ``tuple[X, ...]`` / ``list[X]``: a JSON list of X.
+- ``X | None``: null or X; ``str | bool`` (scalars): the first that fits. ``tuple[X, ...]`` / ``list[X]``: a JSON list
+  of X.
 - ``dict[str, X]``; ``dict[int, X]``: a JSON object keyed by ``str(int)`` (JSON has only string keys), read back
   with int keys. ``dict`` / ``list`` bare: any JSON object / list, passed as it is.
 - another ``Message``: its own wire form, nested under the field's key; ``Annotated[M, FLAT]``: its keys in the
@@ -79,7 +80,8 @@ def reader_of(plane: str, kind: str):
     """The class (or OneOf) that reads ``kind`` on ``plane``. Raises ValueError naming the kinds accepted there."""
     r = KINDS.get(plane, {}).get(kind)
     if r is None:
-        raise ValueError(f"message kind {kind!r} has no schema on the {plane}; accepted: {sorted(KINDS.get(plane, ()))}")
+        raise ValueError(f"message kind {kind!r} has no schema on the {plane}; accepted: "
+                         f"{sorted(KINDS.get(plane, ()))}")
     return r
 
 
@@ -312,7 +314,8 @@ class Message:
                 hint = hints[f.name]
                 # a default: its value, or its factory (called for each message read: no mutable default shared)
                 default = f.default if f.default is not dataclasses.MISSING else (
-                    _Factory(f.default_factory) if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
+                    _Factory(f.default_factory) if f.default_factory is not dataclasses.MISSING
+                    else dataclasses.MISSING)
                 flat = typing.get_origin(hint) is Annotated and any(m is FLAT for m in hint.__metadata__)
                 if flat:
                     inner = typing.get_args(hint)[0]
