@@ -3,8 +3,9 @@ node's place. Pure functions.
 
 Rank r's snapshot is held by the same local index on the next K active (logical) nodes, a ring, so any K
 simultaneous node losses leave a copy of every rank. One rule for everyone who needs it: the recovery's decision
-(control/agreement.py), the pre-start check of a fault spec (faultinject/plan.py, node by node), the node agent that pushes
-and holds replicas (agent/node.py) and ``ctx.protect``, whose kept shares follow the same ring (worker/protect.py).
+(control/agreement.py), the pre-start check of a fault spec (faultinject/plan.py, node by node), the node agent that
+pushes and holds replicas (agent/node.py) and ``ctx.protect``, whose kept shares follow the same ring
+(worker/protect.py).
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def held_by(train_rank: Rank, ranks_per_node: int, active_nodes: int, k: int = 1
 def promotion(lost: list[NodeId], spares: list[NodeId]) -> dict[NodeId, NodeId]:
     """Which spare node takes each lost node's place: the lost (physical) nodes in node-id order, each given the
     first spare left, ``spares`` being in promotion order. One rule for the recovery's decision
-    (control/agreement.py ``decide``) and the pre-start check of a fault spec (faultinject/plan.py), so the two cannot drift.
+    (control/agreement.py ``decide``) and the pre-start check of a fault spec (faultinject/plan.py), so the two cannot
+    drift.
 
     Raises ValueError when there are fewer spares than lost nodes (the caller decides what that means: a requeue,
     or a refused fault spec)."""
