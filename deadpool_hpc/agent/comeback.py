@@ -47,7 +47,8 @@ class ComebackHost(Protocol):
     moves through ``transition`` only. Written directly: ``exit_code`` (``_on_over``, a control-plane handler: the
     members' requeue code, which the agent leaves with; a handler returns to ``cp.pump``, not to the agent, so it
     stays a write), and parts of the agent's collaborators while the node is out: ``cp.readmitted`` (taken),
-    ``peers.fenced`` (cleared), ``watch.enabled`` / ``watch.successor`` (the ring watch off, then dialled again)."""
+    ``peers.fenced`` (cleared), ``watch.enabled`` / ``watch.successor`` (the ring watch off, then dialled
+    again)."""
 
     cfg: object              # RunConfig: spare_return, crash_loop_limit, quarantine, straggler_factor, health_check,
     #                          health_check_timeout, recovery_timeout
