@@ -7,9 +7,9 @@ help, so the batch host watches from outside it:
 
 - each task wrapper (``python -m deadpool_hpc.launch.batch task``, one per node) touches a *beacon*,
   ``RUN_DIR/starting/LAUNCH_ID/TASK``, every ``BEACON_PERIOD_S`` seconds while it lives (``Beacon``);
-- the batch host's watcher (``StartupWatch.poll``, called each second by ``slurm_job.watch``) looks at the beacons
-  of the current launch until some node agent of it has said ``hello`` (which each one does once the start-up
-  collectives are done; a node lost after that is the control plane's to recover). A beacon whose mtime has not
+- the batch host's watcher (``StartupWatch.poll``, called each second by ``slurm_job.watch``) looks at the
+  beacons of the current launch until some node agent of it has said ``hello`` (which each one does once the
+  start-up collectives are done; a node lost after that is the control plane's to recover). A beacon whose mtime has not
   moved for ``STALE_S`` seconds, or one that never appeared while another did (for ``MISSING_S`` seconds, or
   at once when Slurm says its node is down or not responding), is a lost node: the watcher writes
   ``RUN_DIR/relaunch/LAUNCH_ID.json`` (the hosts), logs ``startup_node_lost`` and ends the step (``scancel --signal=KILL
