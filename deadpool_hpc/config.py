@@ -2,8 +2,9 @@
 any process starts.
 
 Each setting is written once, as a field of its section (``layout``, ``train``, ``replication``, ``timeouts``,
-``preflight``, ``stragglers``, ``comeback`` (spares that return), ``persistence``, ``output``, and ``internal`` for what tests and
-benchmarks set): its default, its help text, the check of its value and what is accepted (the field's metadata,
+``preflight``, ``stragglers``, ``comeback`` (spares that return), ``persistence``, ``output``, and ``internal`` for what
+tests and benchmarks set): its default, its help text, the check of its value and what is accepted (the field's
+metadata,
 ``opt``). The ``deadpool run`` / ``deadpool submit`` options (launch/options.py), the submitit executor's
 parameters (``run_parameters``) and the README's options list are derived from these fields. Every setting also
 has a *flat name* (``heartbeat_deadline``, ``straggler_factor``): the CLI option without its dashes and the submitit
@@ -193,7 +194,8 @@ class Train(Section):
     """The training function and its own settings."""
 
     steps: int = opt(200, metavar="K", help="training steps", accepted="1 or more", check=_int(1))
-    train_fn: str = opt("deadpool_hpc.train.demo:train", metavar="MODULE:FUNCTION", help="module:function to train (default: the demo)",
+    train_fn: str = opt("deadpool_hpc.train.demo:train", metavar="MODULE:FUNCTION", help="module:function to train "
+                                                                                         "(default: the demo)",
                         accepted="'package.module:function'", check=lambda v: isinstance(v, str) and ":" in v,
                         public=False)
     # read by the training function as ``ctx.config.train.train_args``: str keys, str/int/float/bool values

@@ -81,7 +81,8 @@ _NAME_RE = re.compile(r"[^A-Za-z0-9_.-]")
 
 def job_name(run_dir: str) -> str:
     """The ``<job>`` of a textfile's name and the ``deadpool_job`` label: Slurm's job id when the run is a Slurm
-    job (not a ``deadpool run`` inside an allocation), else the run directory's name (characters other than letters, digits, ``_.-`` become ``_``)."""
+    job (not a ``deadpool run`` inside an allocation), else the run directory's name (characters other than letters,
+    digits, ``_.-`` become ``_``)."""
     from .process.lifeline import RUN_ENV   # set by the local launcher, whose runs may sit inside an allocation
 
     jid = os.environ.get("SLURM_JOB_ID") if not os.environ.get(RUN_ENV) else None

@@ -14,8 +14,8 @@ each phase's span is ``t_fault`` plus the phases before it. The fault's time is 
 ``fault_injected`` event when our own injection caused it; the ``node_failed`` event of the lost node's agent
 when that agent saw one of its training processes exit ("process exit seen by its agent", milliseconds after it);
 otherwise (a whole node lost, its agent included) nobody saw it happen, and it is *estimated* as the last time any
-survivor heard from the lost node (``t_fault_source``: "last heartbeat heard"). A decision whose round failed (a second fault
-during the recovery) has no rebuild/restore of its own; its failure is recovered when a later round
+survivor heard from the lost node (``t_fault_source``: "last heartbeat heard"). A decision whose round failed (a second
+fault during the recovery) has no rebuild/restore of its own; its failure is recovered when a later round
 resumes training, and ``rounds`` counts the decisions it took.
 """
 from __future__ import annotations
@@ -65,7 +65,8 @@ def build_summary(events: list[dict], config=None) -> dict:  # noqa: C901
         if not d.get("failed_nodes") and not d.get("error"):
             continue  # a preemption alone, or a rebuild with nobody lost
         failures += _failures(d, by, steps, faults, used, t_next_attempt, P)
-    for e in by["crash_loop"][-1:]:   # the swaps into the crash before the loop was found: say so, not just "not recovered"
+    # the swaps into the crash before the loop was found: say so, not just "not recovered"
+    for e in by["crash_loop"][-1:]:
         for f in failures:
             if f["outcome"].startswith("not recovered") and set(f["failed_nodes"]) <= set(e.get("nodes") or []):
                 f["outcome"] = (f"swapped, then the same crash on the spare (rank {e.get('rank')} ended by "
@@ -95,7 +96,8 @@ def build_summary(events: list[dict], config=None) -> dict:  # noqa: C901
         "quarantined": [{k: e.get(k) for k in ("node", "reason")} for e in by["node_quarantined"]],
         "param_digest": fin.get("param_digest"),
         "swaps": sum(1 for f in failures if f["promoted"] and f["recovery_s"] is not None),
-        "planned_swaps": sum(1 for f in failures if f["outcome"].startswith("planned swap") and f["recovery_s"] is not None),
+        "planned_swaps": sum(1 for f in failures
+                             if f["outcome"].startswith("planned swap") and f["recovery_s"] is not None),
         "swaps_refused": [{k: e.get(k) for k in ("node", "detector", "reason", "why")} for e in by["swap_refused"]],
         # the straggler check (agent/stragglers.py): each node found slow, and what was done (swap or report)
         "stragglers": [{k: e.get(k) for k in ("node", "generation", "ratio", "own_s", "median_s", "slow_for_s",
@@ -103,7 +105,8 @@ def build_summary(events: list[dict], config=None) -> dict:  # noqa: C901
         "requeues": len(by["requeued"]),
         # Slurm: nodes lost before the agents' MPI world existed; the step was started again without them
         # (launch/slurm_startup.py)
-        "relaunches": [{"launch": e.get("launch"), "lost_hosts": e.get("lost_hosts"), "spares_left": e.get("spares_left"),
+        "relaunches": [{"launch": e.get("launch"), "lost_hosts": e.get("lost_hosts"),
+                        "spares_left": e.get("spares_left"),
                         "why": e.get("why"),
                         "found_after_s": next((x.get("startup_s") for x in by["startup_node_lost"]
                                                if x.get("launch") == e.get("launch")), None)}
@@ -118,7 +121,8 @@ def build_summary(events: list[dict], config=None) -> dict:  # noqa: C901
         "persist": {"committed": [e.get("step") for e in by["checkpoint_persisted"]],
                     "failed": len(by["persist_failed"]),
                     "reasons": list(dict.fromkeys(e.get("reason") for e in by["persist_failed"]))[:8]},
-        "checkpoint_failed": [{k: e.get(k) for k in ("step", "reason", "error", "node")} for e in by["checkpoint_failed"]],
+        "checkpoint_failed": [{k: e.get(k) for k in ("step", "reason", "error", "node")}
+                              for e in by["checkpoint_failed"]],
         # a crash that followed the work (control/crashloop.py) and stopped the run: the rank, its end, the steps, the
         # nodes it ran into (not their fault), the checkpoint saved (None: none needed), the line in ``errors``
         "crash_loop": next(({k: e.get(k) for k in ("rank", "end", "step", "steps", "nodes", "repeats", "limit",
@@ -213,7 +217,8 @@ def _failure(d: dict, by, fault, lost: set, t_next_attempt, P: int) -> dict:
                         f"{hung[0].get('timeout_s')} s; raise it above your longest step)")
     elif loop:
         outcome = (f"crash loop: rank {loop['rank']} ended by {loop['end']} at step {loop['steps'][0]} on "
-                   f"{', '.join(f'node{n}' for n in loop['nodes'])} (the work, not the node): checkpoint saved, run stopped")
+                   f"{', '.join(f'node{n}' for n in loop['nodes'])} (the work, not the node): checkpoint saved, run "
+                   "stopped")
     elif requeued:
         outcome = "checkpoint saved" + (" + requeue" if t_next_attempt is not None else "")
     elif promoted and t_resume is None:

@@ -124,7 +124,8 @@ def main(argv=None) -> None:
         sup.start()
         check = HealthCheck(cfg.preflight.health_check, env, os.path.join(run_dir, f"health-check-node{cp.me}.log")) \
             if cfg.preflight.health_check else None   # the site's check runs while the training processes start
-        faults = NodeFaults(cfg.internal.faults, node=cp.me, log=log, pids=lambda: {lo: p.pid for lo, p in sup.procs.items()},
+        faults = NodeFaults(cfg.internal.faults, node=cp.me, log=log,
+                            pids=lambda: {lo: p.pid for lo, p in sup.procs.items()},
                             rank_local=lambda r: next((lo for lo in range(cfg.layout.ranks_per_node)
                                                        if cp.train_rank(lo) == r), None),
                             tell_local=lambda kind, body: [channel.send(lo, kind, body)

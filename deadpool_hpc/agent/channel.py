@@ -19,8 +19,8 @@ judged by its pidfd, not by its socket's EOF, which its forked children, e.g. Da
 Accepted: the agent answers ``welcome {local_rank,
 agent_pid, page_bytes}`` with the progress page's fd, and ``poll`` reports ``(local_rank, "hello", {local_rank,
 pid, uid})``. When a connection ends, for whatever reason (its process's exit, seen on its pidfd, included),
-``poll`` reports ``(local_rank, "closed", {why})`` once. A local rank may connect again once its previous connection is closed (the agent decides whether to
-allow that; by the design a training process's exit ends its agent).
+``poll`` reports ``(local_rank, "closed", {why})`` once. A local rank may connect again once its previous connection is
+closed (the agent decides whether to allow that; by the design a training process's exit ends its agent).
 
 Threads: ``poll`` is called by one thread (the agent's channel loop); ``send``, ``closed``, ``progress`` and
 ``drop`` from any. Nothing blocks: sockets are non-blocking, ``send`` queues the frame and writes what the

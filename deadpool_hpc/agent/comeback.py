@@ -47,7 +47,8 @@ class ComebackHost(Protocol):
     moves through ``transition`` only. Written directly: ``exit_code`` (``_on_over``, a control-plane handler: the
     members' requeue code, which the agent leaves with; a handler returns to ``cp.pump``, not to the agent, so it
     stays a write), and parts of the agent's collaborators while the node is out: ``cp.readmitted`` (taken),
-    ``peers.fenced`` (cleared), ``watch.enabled`` / ``watch.successor`` (the ring watch off, then dialled again)."""
+    ``peers.fenced`` (cleared), ``watch.enabled`` / ``watch.successor`` (the ring watch off, then dialled
+    again)."""
 
     cfg: object              # RunConfig: spare_return, crash_loop_limit, quarantine, straggler_factor, health_check,
     #                          health_check_timeout, recovery_timeout
@@ -174,7 +175,8 @@ class Comeback:
             return None
         from .preflight import HealthCheck
 
-        check = HealthCheck(cfg.preflight.health_check, a.sup.env, os.path.join(a.sup.run_dir, f"health-check-node{a.node}.log"))
+        check = HealthCheck(cfg.preflight.health_check, a.sup.env,
+                            os.path.join(a.sup.run_dir, f"health-check-node{a.node}.log"))
         end = time.monotonic() + cfg.comeback.health_check_timeout
         try:
             while (res := check.poll()) is None:
@@ -187,11 +189,12 @@ class Comeback:
             if check.result is None:
                 check.kill()
         rc, secs, tail = res
-        a.log.emit("health_check", rc=rc, seconds=round(secs, 3), command=cfg.preflight.health_check, output=tail[-400:],
+        a.log.emit("health_check", rc=rc, seconds=round(secs, 3), command=cfg.preflight.health_check,
+                   output=tail[-400:],
                    returning=True)
         if rc != 0:
-            self._quarantine(f"the health check {cfg.preflight.health_check!r} exited with {rc}" + (f": {tail[-200:]}" if tail
-                                                                                          else ""))
+            self._quarantine(f"the health check {cfg.preflight.health_check!r} exited with {rc}"
+                             + (f": {tail[-200:]}" if tail else ""))
         return secs
 
     def _quarantine(self, reason: str) -> None:

@@ -6,12 +6,14 @@ through the snapshot words of its progress page (ipc/shm.py ``ProgressPage``: cl
 committed), not through channel messages: the training process stores a word and rings the agent's ``Doorbell``;
 this thread wakes, reads the claim and written words of every local rank, and calls the rank's Replicator
 (``claim``, ``written``: replica/replicator.py), which pushes the snapshot to the holders and, once they all
-acknowledged it, stores the committed word itself (``Replicator.on_commit``, wired by ``attach``). The agent's main loop is not on this
-path: on 2 shared cores each pass of that loop costs ~0.23 ms of CPU, and per-step channel messages would wake it 3
+acknowledged it, stores the committed word itself (``Replicator.on_commit``, wired by ``attach``). The agent's main loop
+is not on this path: on 2 shared cores each pass of that loop costs ~0.23 ms of CPU, and per-step channel messages would
+wake it 3
 times a step (docs/architecture.md, the overhead paragraph, has the measurement).
 
-Owns: answering claim and written words, the committed word (``attach``), and retrying a claim refused while an own slot was busy (every 5 ms).
-Does not own: what a claim or a written snapshot does (the Replicator), the slots (ipc/shm.py), what the agent does
+Owns: answering claim and written words, the committed word (``attach``), and retrying a claim refused while an own slot
+was busy (every 5 ms). Does not own: what a claim or a written snapshot does (the Replicator), the slots (ipc/shm.py),
+what the agent does
 with a written step (``on_written``: agent/node.py keeps it for planned swaps, agent/planned.py).
 """
 from __future__ import annotations

@@ -67,7 +67,8 @@ class NodeMetrics:
         except Exception as exc:  # noqa: BLE001 - the metrics must never end a node agent
             if not self._failed:
                 self._failed = True
-                self.a.log.emit("metrics_failed", what="gathering the node's state", error=f"{type(exc).__name__}: {exc}")
+                self.a.log.emit("metrics_failed", what="gathering the node's state", error=f"{type(exc).__name__}: "
+                                                                                           f"{exc}")
 
     def _gather(self, now: float) -> None:
         a, cp = self.a, self.a.cp
@@ -89,7 +90,8 @@ class NodeMetrics:
             if self.jobx is None:
                 self.jobx = metrics.Exporter(lambda: self.view.refresh(self._live), {"deadpool_job": self.job},
                                              port=a.cfg.output.metrics_port or None,
-                                             textfile=os.path.join(a.cfg.output.metrics_textfile, f"deadpool_{self.job}_job.prom")
+                                             textfile=os.path.join(a.cfg.output.metrics_textfile,
+                                                                   f"deadpool_{self.job}_job.prom")
                                              if a.cfg.output.metrics_textfile else None)
             try:
                 self.jobx.start_http()

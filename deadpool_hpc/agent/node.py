@@ -152,7 +152,8 @@ class NodeAgent:
                 break
             if self.peers.fenced:
                 raise Fenced(self.peers.fenced)
-            if self.peers.preempted.is_set() and self.state == NodeState.TRAINING and not self.cfg.replication.replicate:
+            if (self.peers.preempted.is_set() and self.state == NodeState.TRAINING
+                    and not self.cfg.replication.replicate):
                 if not self._preempt_ignored:
                     self._preempt_ignored = True
                     self.log.emit("preempt_ignored", reason="--no-replicate: no snapshot to save")
@@ -267,11 +268,13 @@ class NodeAgent:
                 if not self.checked():
                     self.health_check.kill()
                     self.node_failed(f"the health check {self.cfg.preflight.health_check!r} was still running after "
-                                      f"{self.cfg.timeouts.startup_timeout:.0f} s (--startup-timeout)", cause="health_check")
+                                      f"{self.cfg.timeouts.startup_timeout:.0f} s (--startup-timeout)",
+                                     cause="health_check")
                     return
                 late = [lo for lo in range(self.P) if lo not in self.layouts]
                 self.node_failed(f"training process(es) {late} did not reach ctx.run within "
-                                  f"{self.cfg.timeouts.startup_timeout:.0f} s (--startup-timeout)", cause="startup_timeout")
+                                  f"{self.cfg.timeouts.startup_timeout:.0f} s (--startup-timeout)",
+                                 cause="startup_timeout")
                 return
         if self.pending_exit is not None:   # (the health check failed as the last layout came)
             return
@@ -334,7 +337,8 @@ class NodeAgent:
             if time.monotonic() > deadline:
                 late = [lo for lo in range(self.P) if lo not in self.layouts]
                 self.node_failed(f"training process(es) {late} of the returned node did not reach ctx.run within "
-                                 f"{self.cfg.timeouts.startup_timeout:.0f} s (--startup-timeout)", cause="startup_timeout")
+                                 f"{self.cfg.timeouts.startup_timeout:.0f} s (--startup-timeout)",
+                                cause="startup_timeout")
                 return
         if self.state != NodeState.RETURNING:
             return   # the members left for a requeue meanwhile (agent/comeback.py ``_on_over``): so does this node
@@ -358,7 +362,8 @@ class NodeAgent:
         rc, secs, tail = res
         self.health_check = None
         # seconds: from its start until this agent saw it end (its loop starts after the agent imported torch)
-        self.log.emit("health_check", rc=rc, seconds=round(secs, 3), command=self.cfg.preflight.health_check, output=tail[-400:])
+        self.log.emit("health_check", rc=rc, seconds=round(secs, 3), command=self.cfg.preflight.health_check,
+                      output=tail[-400:])
         if rc != 0:
             self.node_failed(f"the health check {self.cfg.preflight.health_check!r} exited with {rc} after {secs:.1f} s"
                               + (f": {tail[-200:]}" if tail else ""), cause="health_check")

@@ -26,8 +26,9 @@ recovery leaves that round uncommitted; the next round tries again. Every node a
 every node: a round's directory is removed only once each training node has answered a later round (a node writes
 its rounds one after another), never while a slow node still writes it (the removal of rounds older than the previous
 ask, whatever their state, destroyed every round of a file system slower than two periods: seen in CI, a first
-round slowed by the import of torch.distributed.checkpoint on two busy cores, removed before its commit). LATEST is only written once every shard of
-``S`` is on disk, so a half-written round is never read back as good. The training processes do nothing for it.
+round slowed by the import of torch.distributed.checkpoint on two busy cores, removed before its commit). LATEST is only
+written once every shard of ``S`` is on disk, so a half-written round is never read back as good. The training processes
+do nothing for it.
 
 A run directory that fails writes (full, over quota, read-only, EIO, a stale NFS handle) costs the round
 only: the node logs ``persist_failed`` with the reason, removes what it wrote of the round, and sends no
@@ -104,7 +105,8 @@ class Persister:
             # a round does not overtake the previous one before its step is reached: with steps longer than half
             # --persist-every, each round's request replaced the last before any node got to write it, and nothing
             # was ever persisted (seen with --persist-every 1 and 0.6 s steps)
-            if rep is not None and rep.committed_step >= 0 and (self._asked is None or rep.committed_step >= self._asked):
+            if rep is not None and rep.committed_step >= 0 and (self._asked is None
+                                                                 or rep.committed_step >= self._asked):
                 msg = Persist(g=cp.generation, step=rep.committed_step + 2)
                 done = self._over()
                 if done is not None:   # what rounds every node is done with left (failed rounds) frees room

@@ -172,7 +172,8 @@ class PlannedSwaps:
                        detector=cur["detector"])
             a.health.consumed(cur["detector"])
             a.node_failed(cur["msg"] + ("" if committed else f" (boundary {cur['target']} not committed within "
-                                                              f"{a.cfg.timeouts.collective_timeout:.0f} s)"), cause="planned")
+                                                              f"{a.cfg.timeouts.collective_timeout:.0f} s)"),
+                          cause="planned")
 
     def suspend(self) -> None:
         """A failure elsewhere interrupts the swap: let the stopped processes go (the recovery round needs them to

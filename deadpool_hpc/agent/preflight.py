@@ -13,8 +13,9 @@ Three checks, run at start-up by every node (spares included) before any role is
   spare before training, cause ``preflight_slow`` (NVIDIA's resiliency extension and DLRover check nodes the same
   way before a job trusts them). A node over the factor times its matmul again (``RETIMES`` more times,
   ``RETIME_GAP_S`` apart) and is judged on its best figure; an idle spare is fenced after two slow re-checks in a
-  row: a burst of load on shared cores (seen in CI, the Slurm tests' jobs beside the local tests) is not a slow node. The nodes time their matmuls at about the same moment: each agent, once its own
-  training processes have built their model, tells every other agent (``preflight`` ``built``) and waits for
+  row: a burst of load on shared cores (seen in CI, the Slurm tests' jobs beside the local tests) is not a slow node.
+  The nodes time their matmuls at about the same moment: each agent, once its own training processes have built their
+  model, tells every other agent (``preflight`` ``built``) and waits for
   theirs: the active nodes' until the start-up deadline (the first step waits for every rank anyway), the spares'
   up to ``SYNC_S`` more, so that on a machine whose cores the nodes share (the local emulation) every node runs
   under the same load. A spare not built by then is not waited for (a spare frozen at start-up must not hold the
@@ -31,8 +32,9 @@ Three checks, run at start-up by every node (spares included) before any role is
   with one link checked) is logged (``link_check``, ``blamed: false``) and judged by nothing: the first
   generation's rendezvous then fails as before. A partner that did not come (frozen, lost, built after the sync,
   another view of the ring) judges nothing either: its own fault is found by its own checks. A partner lost
-  during the check costs at most ``LINK_WAIT_S`` + ``LINK_TIMEOUT_S`` (10 s) of the start-up. An idle spare's re-check all-reduces with
-  one training node (a different one each time; ``link_ask`` to its agent, which hands it to its training
+  during the check costs at most ``LINK_WAIT_S`` + ``LINK_TIMEOUT_S`` (10 s) of the start-up. An idle spare's re-check
+  all-reduces with one training node (a different one each time; ``link_ask`` to its agent, which hands it to its
+  training
   processes), once its matmul passed: a training node's links work (it trains), so the spare is fenced (cause
   ``preflight_link``) once its all-reduces with two different training nodes in a row failed, neither by the
   partner's own device (one may be that training node's gloo path, broken while it trains over another). A result
@@ -69,7 +71,8 @@ from ..ipc.messages import LinkAnswer, LinkAsk, LinkPair, LinkResult, MatmulAsk,
 SYNC_S = 10.0               # seconds an agent waits for the other nodes' "built", and then for their figures
 PREFLIGHT_TIMEOUT_S = 60.0  # seconds a node's training processes have to answer a matmul check (at least)
 RETIMES = 2                 # a node found slow at start-up times its matmul again, up to this many times,
-RETIME_GAP_S = 0.5          # this far apart, and keeps its best figure: a burst of load on shared cores is not a slow node
+# this far apart, and keeps its best figure: a burst of load on shared cores is not a slow node
+RETIME_GAP_S = 0.5
 LINK_WAIT_S = 5.0           # seconds a training process waits for its link partner to come
 LINK_TIMEOUT_S = 5.0        # the link pair's gloo timeout, seconds (its set-up and each all-reduce)
 LINK_REPS = 3               # all-reduces per pair (worker/preflight.py REPS)

@@ -268,7 +268,8 @@ class Recovery:
             else:
                 slots[local] = a.reps[local].own.get(decision.cut_step)
         trainers = sorted({decision.assignment[r] // P for r in range(cfg.layout.world_size)})
-        if not a.cp.barrier(f"rebuild{g}.{decision.coordinator}", trainers, cfg.timeouts.rendezvous_timeout, tick=a.tick,
+        if not a.cp.barrier(f"rebuild{g}.{decision.coordinator}", trainers, cfg.timeouts.rendezvous_timeout,
+                            tick=a.tick,
                             stop=lambda: a.exiting):
             return None
         self.phase("rebuild")
@@ -385,7 +386,8 @@ class Recovery:
         if out.get("done") and "error" not in out:
             return True
         reason = persist.failure_reason(out["error"], a.checkpoint_dir) if "error" in out else \
-            f"the {phase} did not complete within {cfg.timeouts.collective_timeout:.0f} s (the file system does not answer)"
+            f"the {phase} did not complete within {cfg.timeouts.collective_timeout:.0f} s (the file system does not " \
+            "answer)"
         for rank in written:
             persist.discard_shard(a.checkpoint_dir, decision.cut_step, rank)
         latest = latest_checkpoint(cfg.output.run_dir)

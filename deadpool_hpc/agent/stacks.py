@@ -109,7 +109,8 @@ def take(pid: int, send_signal, tails, local: int, timeout: float = STACK_TIMEOU
     errors: list[str] = []
     if stopped(pid):
         return Stack("", None, time.monotonic() - t0, None,
-                     [f"process {pid} is stopped by a signal (SIGSTOP): neither py-spy nor its own handler can read it"])
+                     [f"process {pid} is stopped by a signal (SIGSTOP): neither py-spy nor its own handler can "
+                      "read it"])
     for source in ("py-spy", "faulthandler"):
         left = timeout - (time.monotonic() - t0)
         if left <= 0.05:

@@ -29,8 +29,9 @@ Three parts, one per process role:
   does. ``swap`` (``--straggler-action``, the default): with replication on and a spare free, it tells the node,
   whose agent asks for a planned swap as a detector would (detector ``straggler``): 0 steps recomputed, bitwise
   equal; else the event only (``action: report`` and why), once per node and generation. A node swapped out leaves
-  the job for good (it is fenced: quarantined, never a spare again). Hysteresis: when the node that took a straggler's ranks is found slow
-  too, the slowness follows the ranks' work (their data, their shard), not the node, and it is reported, not swapped
+  the job for good (it is fenced: quarantined, never a spare again). Hysteresis: when the node that took a straggler's
+  ranks is found slow too, the slowness follows the ranks' work (their data, their shard), not the node, and it is
+  reported, not swapped
   again.
 
 The coordinator also logs ``node_step_times`` once per interval (each training node's own and wall seconds per

@@ -9,14 +9,15 @@ where each rank's state at ``T`` comes from. Where replicas are is placement.py'
 from __future__ import annotations
 
 from ..errors import ReplicaError
+from ..ids import Generation, NodeId, ProcId, Rank
 from ..placement import holders_of, promotion
 from .crashloop import find_loop
 from .decision import Decision
 from .messages import Report
 
 
-def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare_nodes: list[int],
-           failed: set[int], reports: dict[int, Report], preempt: bool = False, replicas: int = 1,
+def decide(*, generation: Generation, ranks_per_node: int, assignment: list[ProcId], spare_nodes: list[NodeId],
+           failed: set[ProcId], reports: dict[ProcId, Report], preempt: bool = False, replicas: int = 1,
            work_failures=(), crash_loop_limit: int = 0) -> Decision:
     """Plan the next generation.
 
@@ -33,8 +34,9 @@ def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare
     ``exhausted`` True, no promotion, and still the cut and a source for every lost rank (the job saves a
     persistent checkpoint there and is requeued). A rank whose state exists nowhere before any rank has trained a
     step (a node lost during start-up or step 0) starts fresh: the cut is the attempt's start step and ``fresh``
-    lists the ranks that rebuild their initial state themselves (no source). ``preempt`` (Slurm's warning) makes it ``exhausted`` too.
-    ``reason``: "hot swap", "no spare node left", "preempted", "crash loop", or "rebuild" (nobody failed: a
+    lists the ranks that rebuild their initial state themselves (no source). ``preempt`` (Slurm's warning) makes it
+    ``exhausted`` too. ``reason``: "hot swap", "no spare node left", "preempted", "crash loop", or "rebuild" (nobody
+    failed: a
     collective timed out or a round failed; same members, new process group). ``work_failures`` (crashloop.py
     WorkFailure, oldest first: how training processes ended) and ``crash_loop_limit``: when the newest failure
     completes a crash loop (``find_loop``: the same rank, end and step on more than ``crash_loop_limit`` nodes), the
@@ -49,8 +51,8 @@ def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare
     active_nodes = [assignment[n * P] // P for n in range(N)]  # physical node of each logical node
     spares = [s for s in spare_nodes if s not in failed_nodes]
     new_assign = list(assignment)
-    promoted: dict[int, int] = {}
-    replaced: dict[int, int] = {}  # lost node -> the spare node that takes its place
+    promoted: dict[Rank, ProcId] = {}
+    replaced: dict[NodeId, NodeId] = {}  # lost node -> the spare node that takes its place
     lost = [n for n in failed_nodes if n in active_nodes]
     loop = None if preempt else find_loop(list(work_failures), crash_loop_limit)
     exhausted = preempt or loop is not None or len(lost) > len(spares)
@@ -74,7 +76,7 @@ def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare
     fenced = sorted(m for node in failed_nodes for m in range(node * P, node * P + P))
     members = sorted(m for m in reports if m // P not in failed_nodes)
 
-    def own_steps(m: int, r: int) -> set[int]:
+    def own_steps(m: ProcId, r: Rank) -> set[int]:
         rep = reports.get(m)
         if m // P in failed_nodes or rep is None or rep.own_rank != r:
             return set()
@@ -89,7 +91,7 @@ def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare
     gone = [r for r in range(W) if not avail[r]]
     done = max((rep.done_step for rep in reports.values()), default=-1)
     start = max((rep.start_step for rep in reports.values()), default=0)
-    fresh: list[int] = []
+    fresh: list[Rank] = []
     if gone and done <= start and all(s <= start for a in avail.values() for s in a):
         # a fresh start: lost before every rank's first snapshot was committed, so no rank has trained a
         # step (none can pass step 0's first collective before every rank's snapshot 0 is committed), and every
@@ -102,12 +104,13 @@ def decide(*, generation: int, ranks_per_node: int, assignment: list[int], spare
     if gone:
         r = gone[0]
         raise ReplicaError(f"rank {r}: its node and every holder of its replica were lost together (failed nodes "
-                           f"{failed_nodes}); no copy of its state survives" + (f" (nor of ranks {gone[1:]})" if gone[1:] else ""))
+                           f"{failed_nodes}); no copy of its state survives"
+                           + (f" (nor of ranks {gone[1:]})" if gone[1:] else ""))
     common = set.intersection(*avail.values())
     if not common:
         raise ReplicaError(f"no step whose state exists for every rank: {({r: sorted(a) for r, a in avail.items()})}")
     cut = max(common)
-    sources: dict[int, int] = {}
+    sources: dict[Rank, ProcId] = {}
     for r in range(W):
         if cut in own_steps(new_assign[r], r) or r in fresh:
             continue

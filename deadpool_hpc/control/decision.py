@@ -17,11 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated
 
+from ..ids import Generation, NodeId, ProcId, Rank
 from ..ipc.schema import CONTROL, Codec, Message, OneOf
 from .crashloop import CrashLoop
 
 
-MAX_IDS = 1 << 24   # ids in one list on the wire: far above any job, low enough that a bad message cannot exhaust memory
+# ids in one list on the wire: far above any job, low enough that a bad message cannot exhaust memory
+MAX_IDS = 1 << 24
 
 
 def int_runs(ids) -> list[list[int]]:
@@ -52,6 +54,9 @@ def from_int_runs(runs, what: str = "a list of ids") -> tuple[int, ...]:
 
 
 IdRuns = Annotated[tuple[int, ...], Codec(int_runs, from_int_runs)]   # a list of ids, on the wire as runs
+NodeRuns = Annotated[tuple[NodeId, ...], Codec(int_runs, from_int_runs)]   # the same, of nodes
+ProcRuns = Annotated[tuple[ProcId, ...], Codec(int_runs, from_int_runs)]   # of virtual processes
+RankRuns = Annotated[tuple[Rank, ...], Codec(int_runs, from_int_runs)]     # of training ranks
 
 
 @dataclass(frozen=True)
@@ -85,23 +90,23 @@ class Decision(Message):
       recovery, or None (a rebuild with nobody suspected).
     """
 
-    generation: int
-    failed_nodes: IdRuns
-    fenced: IdRuns
-    assignment: IdRuns
-    promoted: dict[int, int]
-    replaced: dict[int, int]
-    sources: dict[int, int]
+    generation: Generation
+    failed_nodes: NodeRuns
+    fenced: ProcRuns
+    assignment: ProcRuns
+    promoted: dict[Rank, ProcId]
+    replaced: dict[NodeId, NodeId]
+    sources: dict[Rank, ProcId]
     exhausted: bool
     reason: str
-    spare_nodes: IdRuns
-    members: IdRuns
+    spare_nodes: NodeRuns
+    members: ProcRuns
     cut_step: int
     recomputed_steps: int
     high_water: int
-    fresh: IdRuns = ()
+    fresh: RankRuns = ()
     crash_loop: CrashLoop | None = None
-    coordinator: int | None = None
+    coordinator: NodeId | None = None
     t_decided: float | None = None
     first_suspicion: float | None = None
 
@@ -129,13 +134,13 @@ class RoundFailure(Message):
     - coordinator, t_decided, first_suspicion: as in ``Decision``.
     """
 
-    generation: int
+    generation: Generation
     error: str
     message: str
-    members: IdRuns
-    failed_nodes: IdRuns
-    fenced: IdRuns = field(default=())
-    coordinator: int | None = None
+    members: ProcRuns
+    failed_nodes: NodeRuns
+    fenced: ProcRuns = field(default=())
+    coordinator: NodeId | None = None
     t_decided: float | None = None
     first_suspicion: float | None = None
 

@@ -3,7 +3,8 @@ message of each kind that ``ControlPlane`` does not handle itself (``ControlPlan
 
 Owns: registration (one handler per kind, refused twice, refused for a kind the plane keeps for itself) and the
 read-only view dispatch reads. Does not own: the messages, their transport (control/peers.py) or the thread that runs
-the handlers (the agent's main thread, in ``pump``). Pure logic: tests/unit/control/test_handlers.py runs it without MPI.
+the handlers (the agent's main thread, in ``pump``). Pure logic: tests/unit/control/test_handlers.py runs it without
+MPI.
 
 A kind with a schema on the control plane (ipc/schema.py ``KINDS``; control/messages.py) reaches its handler typed:
 ``dispatch`` reads the body into its message first. A kind without one (a few still) reaches it as the dict.

@@ -21,10 +21,12 @@ from __future__ import annotations
 import dataclasses
 import operator
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..ipc.schema import CONTROL, Message
-from .decision import IdRuns
+from ..ids import Generation, NodeId, ProcId
+from .decision import NodeRuns, ProcRuns
 
 
 @dataclass(frozen=True)
@@ -38,11 +40,11 @@ class Membership:
     processes (training and spare); coordinator: the MPI rank that decided it (None before the first decision).
     Raises ValueError for a generation that is not an integer >= 0."""
 
-    generation: int
-    assignment: tuple[int, ...]
-    spare_nodes: tuple[int, ...]
-    members: tuple[int, ...]
-    coordinator: int | None = None
+    generation: Generation
+    assignment: tuple[ProcId, ...]
+    spare_nodes: tuple[NodeId, ...]
+    members: tuple[ProcId, ...]
+    coordinator: NodeId | None = None
 
     def __post_init__(self):
         g = self.generation
@@ -66,7 +68,7 @@ class Membership:
         """A new view with ``changes`` (field=value) applied."""
         return dataclasses.replace(self, **changes)
 
-    def with_spare(self, node: int, ranks_per_node: int) -> "Membership":
+    def with_spare(self, node: NodeId, ranks_per_node: int) -> "Membership":
         """The view with ``node`` a spare of this generation: appended to ``spare_nodes`` (last in promotion order)
         unless listed, its virtual processes among the members."""
         P = ranks_per_node
@@ -75,7 +77,8 @@ class Membership:
                             members=tuple(sorted(set(self.members) | set(range(node * P, (node + 1) * P)))))
 
 
-def spares_of(view_spares, alive, assignment, P: int) -> list[int]:
+def spares_of(view_spares: Iterable[NodeId], alive: Iterable[NodeId], assignment: Iterable[ProcId],
+              P: int) -> list[NodeId]:
     """The spare nodes of a round, in promotion order: the view's (``view_spares``), then every live agent in
     ``alive`` that holds no training rank of ``assignment`` and is not listed (a node readmitted meanwhile)."""
     training = {m // P for m in assignment}
@@ -90,17 +93,17 @@ class Readmit(Message, plane=CONTROL, kind="readmit"):
     own); suspected: the MPI ranks the coordinator suspects (the node's heartbeat view); coordinator: who readmitted
     it; t: when (Unix seconds)."""
 
-    node: int
-    generation: int
-    assignment: IdRuns
-    spare_nodes: tuple[int, ...]
-    members: IdRuns
-    suspected: tuple[int, ...]
-    coordinator: int
+    node: NodeId
+    generation: Generation
+    assignment: ProcRuns
+    spare_nodes: tuple[NodeId, ...]
+    members: ProcRuns
+    suspected: tuple[NodeId, ...]
+    coordinator: NodeId
     t: float
 
 
-def may_readmit(cp, node: int) -> str | None:
+def may_readmit(cp, node: NodeId) -> str | None:
     """Why the agent of ``cp`` cannot readmit ``node`` now (it asks again), or None. Only the lowest live agent does;
     never during a recovery, nor before the decision that took the node out is applied here."""
     alive = cp.peers.alive()
@@ -115,7 +118,7 @@ def may_readmit(cp, node: int) -> str | None:
     return None
 
 
-def readmit(cp, node: int) -> Readmit:
+def readmit(cp, node: NodeId) -> Readmit:
     """(the coordinator) Put ``node`` back in the spare pool of the current generation and tell every live agent."""
     cp.peers.readmit(node)
     _add(cp, node)
@@ -163,5 +166,5 @@ def rejoin(cp, msg: Readmit) -> None:
     cp.peers.rejoined(msg.suspected)
 
 
-def _add(cp, node: int) -> None:
+def _add(cp, node: NodeId) -> None:
     cp.adopt(cp.membership.with_spare(node, cp.P))

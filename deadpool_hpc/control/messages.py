@@ -25,10 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated
 
+from ..ids import Generation, NodeId, ProcId, Rank
 from ..ipc.schema import CONTROL, Codec, Message
-from .decision import IdRuns
+from .decision import ProcRuns
 
-RoundId = tuple   # (coordinator's MPI rank, its round count), or ("auto", generation)
+RoundId = tuple   # (coordinator's MPI rank: a NodeId, its round count: a Round), or ("auto", Generation)
 
 
 def _round_id(raw, label: str) -> tuple:
@@ -44,9 +45,9 @@ RoundIdWire = Annotated[RoundId, Codec(list, _round_id)]
 
 @dataclass(frozen=True)
 class Report(Message):
-    own_rank: int | None = None
+    own_rank: Rank | None = None
     own: tuple[int, ...] = ()
-    held: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    held: dict[Rank, tuple[int, ...]] = field(default_factory=dict)
     done_step: int = -1
     start_step: int = 0
 
@@ -54,10 +55,10 @@ class Report(Message):
 @dataclass(frozen=True)
 class Ready(Message, plane=CONTROL, kind="ready"):
     round: RoundIdWire
-    report: dict[int, Report]
-    applied: int
-    assignment: IdRuns
-    spare_nodes: tuple[int, ...]
+    report: dict[ProcId, Report]
+    applied: Generation
+    assignment: ProcRuns
+    spare_nodes: tuple[NodeId, ...]
 
     @property
     def unasked(self) -> bool:
@@ -68,7 +69,7 @@ class Ready(Message, plane=CONTROL, kind="ready"):
 @dataclass(frozen=True)
 class Collect(Message, plane=CONTROL, kind="collect"):
     round: RoundIdWire
-    g: int
+    g: Generation
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ class Finished(Message, plane=CONTROL, kind="finish"):
 @dataclass(frozen=True)
 class Abort(Message, plane=CONTROL, kind="abort"):
     error: str
-    mpi_rank: int
+    mpi_rank: NodeId
 
 
 # ---- the node agents' own exchanges over the control plane (handlers registered with ControlPlane.on) -----------
@@ -93,7 +94,7 @@ class Persist(Message, plane=CONTROL, kind="persist"):
     """(the persist scheduler -> every training node, agent/persister.py) Write the checkpoint of ``step`` of
     generation ``g``."""
 
-    g: int
+    g: Generation
     step: int
 
 
@@ -102,7 +103,7 @@ class Persisted(Message, plane=CONTROL, kind="persisted"):
     """(a training node -> the scheduler) Done with round ``step`` of generation ``g``: written (``ok``), or missed
     or failed."""
 
-    g: int
+    g: Generation
     step: int
     ok: bool = True
 
@@ -111,7 +112,7 @@ class Persisted(Message, plane=CONTROL, kind="persisted"):
 class Kv(Message, plane=CONTROL, kind="kv"):
     """(agent/rendezvous.py) A ``set`` of generation ``g``'s store: ``key`` to ``value`` (bytes, base64)."""
 
-    g: int
+    g: Generation
     key: str
     value: str
 
@@ -122,11 +123,11 @@ class StragglerSummary(Message, plane=CONTROL, kind="straggler_summary"):
     ``generation``: its own work (``own_s``) and the wall step (``step_s``), for its training ``ranks``; ``site``:
     its health plugin's slowest site ``[factor, name]``, or None."""
 
-    node: int
-    generation: int
+    node: NodeId
+    generation: Generation
     own_s: float
     step_s: float
-    ranks: tuple[int, ...]
+    ranks: tuple[Rank, ...]
     site: list | None = None
 
     def __post_init__(self):
@@ -158,7 +159,7 @@ class PreflightBuilt(PeerPreflight, variant="built"):
 @dataclass(frozen=True)
 class PreflightFigure(PeerPreflight, variant="figure"):
     seconds: float
-    links: dict[int, bool] = field(default_factory=dict)
+    links: dict[NodeId, bool] = field(default_factory=dict)
 
 
 # ---- a planned swap (agent/planned.py), a spare's link re-check (agent/sparecheck.py), a return (agent/comeback.py)
@@ -167,8 +168,8 @@ class SwapAsk(Message, plane=CONTROL, kind="swap_ask"):
     """(a node that wants to leave -> the lowest live agent) May ``node``, at ``generation``, hand its work to a
     spare now?"""
 
-    node: int
-    generation: int
+    node: NodeId
+    generation: Generation
 
 
 @dataclass(frozen=True)
@@ -178,7 +179,7 @@ class SwapAnswer(Message, plane=CONTROL, kind="swap_answer"):
 
     SPARSE = True
     ok: bool
-    busy: int | None = None
+    busy: NodeId | None = None
     why: str | None = None
 
 
@@ -188,8 +189,8 @@ class SpareLinkAsk(Message, plane=CONTROL, kind="link_ask"):
     over nodes ``a`` < ``b`` (the spare and the training node)."""
 
     tag: str
-    a: int
-    b: int
+    a: NodeId
+    b: NodeId
 
 
 @dataclass(frozen=True)
@@ -218,12 +219,12 @@ class Suspect(Message, plane=CONTROL, kind="suspect"):
     ``Peers.disseminate``. ``returning``, ``work`` and ``origin`` are left out of the body when None."""
 
     SPARSE = True
-    ranks: tuple[int, ...]
+    ranks: tuple[NodeId, ...]
     reason: str
     last_heard: float | None
     returning: bool | None = None
     work: dict | None = None
-    origin: int | None = None
+    origin: NodeId | None = None
 
 
 @dataclass(frozen=True)
@@ -231,8 +232,8 @@ class Teardown(Message, plane=CONTROL, kind="teardown"):
     """(along a dissemination tree) A member left generation ``g``: recover. ``origin``: as for ``Suspect``."""
 
     SPARSE = True
-    g: int
-    origin: int | None = None
+    g: Generation
+    origin: NodeId | None = None
 
 
 @dataclass(frozen=True)

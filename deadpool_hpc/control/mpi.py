@@ -38,7 +38,8 @@ def unlink_mpi_shm(maps: str = "/proc/self/maps") -> list[str]:
     removed = []
     try:
         with open(maps) as f:
-            paths = {line.split()[-1] for line in f if "/dev/shm/mpich_shm_" in line and not line.rstrip().endswith("(deleted)")}
+            paths = {line.split()[-1] for line in f
+                     if "/dev/shm/mpich_shm_" in line and not line.rstrip().endswith("(deleted)")}
     except OSError:
         return removed
     for path in sorted(paths):

@@ -24,6 +24,7 @@ import os
 import time
 
 from ..errors import Fenced, JobAborted
+from ..ids import Generation, LocalRank, NodeId, ProcId, Rank
 from . import barrier as barriers
 from . import bootstrap
 from . import round as rounds
@@ -57,7 +58,8 @@ class ControlPlane:
     """
 
     def __init__(self, *, secret: bytes, ranks_per_node: int, active_nodes: int, period: float, deadline: float,
-                 log, ceiling: float = 4.0, settle: float = 0.02, ready_timeout: float = 60.0, recovery_timeout: float = 120.0,
+                 log, ceiling: float = 4.0, settle: float = 0.02, ready_timeout: float = 60.0,
+                 recovery_timeout: float = 120.0,
                  replicas: int = 1, extra_identity: dict | None = None, handlers: dict | None = None,
                  watch_k: int = 2, host: str = "127.0.0.1", crash_loop_limit: int = 0):
         MPI = import_mpi()
@@ -142,29 +144,29 @@ class ControlPlane:
         return self._membership
 
     @property
-    def generation(self) -> int:
+    def generation(self) -> Generation:
         """The generation this agent has applied (0 at the start; each recovery's decision is the next). Read-only:
         ``adopt`` (and ``enter_generation``) replace it, and the control thread (``peers.generation``) reads this
         same value."""
         return self._membership.generation
 
     @property
-    def assignment(self) -> tuple[int, ...]:
+    def assignment(self) -> tuple[ProcId, ...]:
         """The virtual process that holds each training rank (assignment[r]) in the current generation."""
         return self._membership.assignment
 
     @property
-    def spare_nodes(self) -> tuple[int, ...]:
+    def spare_nodes(self) -> tuple[NodeId, ...]:
         """The current generation's spare nodes (MPI ranks), in promotion order."""
         return self._membership.spare_nodes
 
     @property
-    def members(self) -> tuple[int, ...]:
+    def members(self) -> tuple[ProcId, ...]:
         """The current generation's virtual processes (training and spare)."""
         return self._membership.members
 
     @property
-    def coordinator(self) -> int | None:
+    def coordinator(self) -> NodeId | None:
         """The MPI rank whose decision made the current generation (None before the first)."""
         return self._membership.coordinator
 
@@ -176,7 +178,7 @@ class ControlPlane:
             raise TypeError(f"a control plane's view is a Membership, not {type(view).__name__}")
         self._membership = view
 
-    def enter_generation(self, g: int) -> None:
+    def enter_generation(self, g: Generation) -> None:
         """Make ``g`` this agent's generation, the rest of the view kept: a resume from a checkpoint of generation
         ``g - 1`` (agent/node.py). Raises ValueError for a negative or non-integer ``g``."""
         self.adopt(self._membership.replace(generation=g))
@@ -206,12 +208,12 @@ class ControlPlane:
         return bootstrap.bcast_text(self.world, self.me, text, root)
 
     # ---- roles ----------------------------------------------------------------------------------------------
-    def procs(self, node: int | None = None) -> list[int]:
+    def procs(self, node: NodeId | None = None) -> list[ProcId]:
         """The virtual processes of ``node`` (default: this one)."""
         n = self.me if node is None else node
         return list(range(n * self.P, (n + 1) * self.P))
 
-    def train_rank(self, local: int) -> int | None:
+    def train_rank(self, local: LocalRank) -> Rank | None:
         """Training rank local process ``local`` of this node holds now, or None while the node is a spare."""
         try:
             return self.assignment.index(self.me * self.P + local)
@@ -219,7 +221,7 @@ class ControlPlane:
             return None
 
     @property
-    def member_nodes(self) -> list[int]:
+    def member_nodes(self) -> list[NodeId]:
         """Agents (MPI ranks) of the current generation's members."""
         return sorted({m // self.P for m in self.members})
 
@@ -241,7 +243,8 @@ class ControlPlane:
 
     def _on_preempt(self, source: int) -> None:
         if source == self.me:  # the processes that got the signal say so; the others just follow
-            self.log.emit("preempt_requested", generation=self.generation, signal=getattr(self.peers, "preempt_by", None))
+            self.log.emit("preempt_requested", generation=self.generation,
+                          signal=getattr(self.peers, "preempt_by", None))
 
     def _on_work_failure(self, body) -> None:
         """(control thread) A ``suspect`` notice says how the node's training process ended (crashloop.py)."""
@@ -346,7 +349,7 @@ class ControlPlane:
             time.sleep(0.01)
 
     # ---- recovery (control/round.py) and barriers (control/barrier.py) ----------------------------------------
-    def recover(self, report: dict[int, Report], on_phase=None, wait=None, stop=None) -> Decision | None:
+    def recover(self, report: dict[ProcId, Report], on_phase=None, wait=None, stop=None) -> Decision | None:
         """Agree on the next generation. Called by every live process after leaving the current one.
 
         report: {virtual process: Report} for this node's processes (control/messages.py; agreement.decide reads
@@ -361,7 +364,7 @@ class ControlPlane:
         """
         return rounds.recover(self, report, on_phase=on_phase, wait=wait, stop=stop)
 
-    def barrier(self, tag: str, participants: list[int], timeout: float, tick=None, stop=None) -> bool:
+    def barrier(self, tag: str, participants: list[NodeId], timeout: float, tick=None, stop=None) -> bool:
         """Wait until every MPI rank in ``participants`` has reached the barrier ``tag`` (point-to-point
         messages, so a dead participant blocks nothing): True; False at once when ``stop()`` is true after a
         ``tick()`` (the caller's own failure). Raises PeerFailure when a participant is suspected, the failure flag

@@ -26,14 +26,15 @@ import dataclasses
 import time
 
 from ..errors import Fenced, RecoveryTimeout, RunFinished
+from ..ids import NodeId, ProcId
 from ..process import fence as fencing
 from .agreement import decide
 from .decision import Decision, RoundFailure
 from .membership import apply_pending, spares_of
-from .messages import Collect, Ready, Report, Teardown
+from .messages import Collect, Ready, Report, RoundId, Teardown
 
 
-def recover(cp, report: dict[int, Report], on_phase=None, wait=None, stop=None) -> Decision | None:
+def recover(cp, report: dict[ProcId, Report], on_phase=None, wait=None, stop=None) -> Decision | None:
     """The agreement round behind ``ControlPlane.recover`` (control/plane.py): its docstring says what this takes,
     returns and raises; one copy of it, there."""
     on_phase = on_phase or (lambda _name: None)
@@ -43,7 +44,7 @@ def recover(cp, report: dict[int, Report], on_phase=None, wait=None, stop=None) 
     if cp.peers.notice_g < cp.generation:  # nobody told us: we are the first to leave this generation
         cp.peers.disseminate(Teardown.KIND, Teardown(cp.generation).to_wire())
     end = time.monotonic() + cp.recovery_timeout
-    answered: dict[int, list] = {}
+    answered: dict[NodeId, RoundId] = {}
     my_round = None
     told = False
     auto_to = None
@@ -96,18 +97,18 @@ def recover(cp, report: dict[int, Report], on_phase=None, wait=None, stop=None) 
     return decision
 
 
-def _coordinator_candidates(cp) -> list[int]:
+def _coordinator_candidates(cp) -> list[NodeId]:
     """Live agents, in order: the first coordinates. (A node whose training process failed declares itself
     failed and leaves, so a coordinator is never on a node the decision fences.)"""
     return cp.peers.alive()
 
 
-def _ready(cp, rid: tuple, report: dict[int, Report]) -> Ready:
+def _ready(cp, rid: RoundId, report: dict[ProcId, Report]) -> Ready:
     return Ready(round=tuple(rid), report=report, applied=cp.generation, assignment=tuple(cp.assignment),
                  spare_nodes=tuple(cp.spare_nodes))   # the assignment travels as runs of ids: O(N) ids, a few runs
 
 
-def _start_round(cp, alive: list[int]) -> tuple:
+def _start_round(cp, alive: list[NodeId]) -> RoundId:
     """A new round with this agent as coordinator. The reports come unasked (``recover``); ``_coordinate``
     asks the agents still missing ``collect_after`` seconds from now."""
     cp._round += 1
@@ -129,7 +130,8 @@ def _take_decision(cp) -> Decision | RoundFailure | None:
     return best
 
 
-def _coordinate(cp, rid: tuple, alive: list[int], report: dict[int, Report]) -> Decision | RoundFailure | None:
+def _coordinate(cp, rid: RoundId, alive: list[NodeId],
+                report: dict[ProcId, Report]) -> Decision | RoundFailure | None:
     ready = cp._ready.setdefault(rid, {})
     if cp.me not in ready:
         ready[cp.me] = _ready(cp, rid, report)

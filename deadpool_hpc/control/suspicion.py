@@ -27,7 +27,8 @@ of some state. The rules here come from the SWIM family of failure detectors:
 Owns: the per-peer gap statistics, the open probes and the local health score. Does not own: the last-heard times and
 the watcher's stalls (``Detector``, control/detector.py, which holds this), sending (``Peers`` sends the pings asked
 for, control/peers.py), the datagrams (control/waker.py), or what a confirmed suspicion leads to.
-Pure logic on a clock the caller passes (monotonic seconds): tests/unit/control/test_suspicion.py runs it without processes.
+Pure logic on a clock the caller passes (monotonic seconds): tests/unit/control/test_suspicion.py runs it without
+processes.
 """
 from __future__ import annotations
 
@@ -121,7 +122,8 @@ class Suspicion:
 
     def shift(self, seconds: float) -> None:
         """This watcher did not run for ``seconds`` (its own stall): the silence it would now see is its own, so the
-        last heard-of times and the open probes' starts move forward by as much (no gap sample, no window, counts it)."""
+        last heard-of times and the open probes' starts move forward by as much (no gap sample, no window, counts
+        it)."""
         for p in self.heard_at:
             self.heard_at[p] += seconds
         for probe in self.probes.values():

@@ -7,8 +7,9 @@ tensors live on: ``cuda:LOCAL_RANK`` (modulo the node's GPU count) under NCCL, t
 ``nccl_environment`` is the environment the product sets for NCCL before any communicator exists (a user's own
 setting wins): no asynchronous error handling by torch (``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``; 1 and 3 tear the
 process down, 2 aborts the failed communicator alone): the product's watchdog aborts every communicator of the
-generation together, and a peer's failure leaves the survivors running so they can be hot-swapped), CUDA errors of a failed collective not rethrown as fatal by the watchdog
-(``TORCH_NCCL_RETHROW_CUDA_ERRORS=0``), no blocking wait (the product's own watchdog aborts the communicators,
+generation together, and a peer's failure leaves the survivors running so they can be hot-swapped), CUDA errors of a
+failed collective not rethrown as fatal by the watchdog (``TORCH_NCCL_RETHROW_CUDA_ERRORS=0``), no blocking wait (the
+product's own watchdog aborts the communicators,
 dataplane/watchdog.py). Variable names and values: PyTorch's ProcessGroupNCCL.hpp (release 2.13).
 
 ``nccl_version_problem`` refuses the NCCL versions whose ``ncclCommAbort`` is known to hang (a peer lost inside a

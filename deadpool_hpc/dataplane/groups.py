@@ -10,8 +10,8 @@ So a failed generation's group is *abandoned*: a reference is kept in a graveyar
 registry is cleared, then the next generation is initialised (ft-probes.md 1c'). On NCCL the group
 is aborted instead, which does interrupt: every communicator of the generation together (the default group and
 its sub-groups inside one ``ncclGroupStart``/``ncclGroupEnd``, as torch's ``_abort_process_group`` does: aborting
-them one at a time deadlocks), by ``abort_all`` (the collective watchdog's, dataplane/watchdog.py) or at ``abandon``. An NCCL
-generation is joined eagerly (``device_id``: its communicator exists once ``join`` returns), and its unique id
+them one at a time deadlocks), by ``abort_all`` (the collective watchdog's, dataplane/watchdog.py) or at ``abandon``. An
+NCCL generation is joined eagerly (``device_id``: its communicator exists once ``join`` returns), and its unique id
 travels through the store under the generation's fresh prefix. These use torch internals
 (``c10d._world``); the version is pinned and the end-to-end tests cover them.
 
@@ -80,7 +80,8 @@ class GenerationGroups:
         except (RuntimeError, ValueError) as exc:  # PeerFailure (a RuntimeError), DistStoreError, gloo errors
             self._clear_registry()
             raise PeerFailure(f"joining generation {generation}'s process group failed after "
-                              f"{time.monotonic() - t0:.1f} s (limit {limit:.0f} s): {str(exc).splitlines()[0][:200]}") from exc
+                              f"{time.monotonic() - t0:.1f} s (limit {limit:.0f} s): "
+                              f"{str(exc).splitlines()[0][:200]}") from exc
         self._release_graveyard()
         self._sub = {}
         pg = c10d._get_default_group()

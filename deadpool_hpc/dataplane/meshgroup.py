@@ -282,8 +282,8 @@ def device_mesh(group: MeshGroup | list[MeshGroup], device_type: str = "cpu", me
 def set_mesh_rank(mesh, rank: int) -> None:
     """Make ``mesh`` (a DeviceMesh over MeshGroups, or a slice of one) see this process as global rank ``rank``: its
     rank and its coordinate in the slice holding ``rank`` (torch internals ``DeviceMesh._rank``,
-    ``_coordinate_on_dim``, ``_layout.remap_to_tensor(_rank_map)``; tests/e2e/test_fsdp2.py and tests/unit/dataplane/test_meshgroup.py
-    pin them)."""
+    ``_coordinate_on_dim``, ``_layout.remap_to_tensor(_rank_map)``; tests/e2e/test_fsdp2.py and
+    tests/unit/dataplane/test_meshgroup.py pin them)."""
     full = mesh._layout.remap_to_tensor(mesh._rank_map)   # (slices, *mesh shape): every slice's global ranks
     coords = (full == rank).nonzero()
     mesh._rank = rank

@@ -16,7 +16,8 @@
   PeerFailure once the failure flag is set, which the watchdog sets when it aborts).
 
 The watchdog's logic is pure (works are anything with ``is_completed()`` and, optionally, ``exception()``) and is
-tested with works that never complete (tests/unit/dataplane/test_watchdog.py). Its use on NCCL is written, not run on a device.
+tested with works that never complete (tests/unit/dataplane/test_watchdog.py). Its use on NCCL is written, not run on a
+device.
 """
 from __future__ import annotations
 
@@ -110,7 +111,8 @@ class CollectiveWatchdog:
                 if work.is_completed():
                     exc = _failed(work)
                     if exc is not None and reason is None:
-                        reason = f"a collective failed: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}"
+                        first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+                        reason = f"a collective failed: {first}"
                     continue
                 live.append((work, deadline, g))
                 if reason is None and now > deadline:

@@ -147,7 +147,8 @@ class NodeFaults:
         if self.slowdown is not None:
             return
         pids = list(self.pids().values())
-        self.log.emit("fault_injected", kind="slow", target=body["target"], step=body.get("step"), phase=body.get("phase"),
+        self.log.emit("fault_injected", kind="slow", target=body["target"], step=body.get("step"),
+                      phase=body.get("phase"),
                       node=self.node, pids=pids, factor=body["factor"], signal="SIGSTOP/SIGCONT")
         self.log.sync()
         self.slowdown = Slowdown(pids, float(body["factor"])).start()
@@ -196,8 +197,9 @@ def _nic_down_injected(log, target: str, node: int, step, pids: list) -> str:
 
 class Slowdown:
     """Run ``pids`` 1/``factor`` of the time: SIGCONT, ``period``/factor seconds, SIGSTOP, factor - 1 times as long,
-    in a daemon thread, until every pid is gone (the node is fenced, or the run ends). A real slowdown of real processes:
-    their wall time per unit of work grows by ``factor``, as on a throttled device or a node whose CPU share shrank."""
+    in a daemon thread, until every pid is gone (the node is fenced, or the run ends). A real slowdown of real
+    processes: their wall time per unit of work grows by ``factor``, as on a throttled device or a node whose CPU share
+    shrank."""
 
     def __init__(self, pids: list[int], factor: float, period: float = 0.05):
         self.pids, self.factor, self.period = list(pids), float(factor), period

@@ -73,9 +73,9 @@ class _Sim:
         replaced_before: set[int] = set()
         if start:
             if phase:
-                raise ConfigError(f"{start[0]} and {phase[0]}: a start-up fault cannot be combined with a recovery-phase "
-                                  f"fault (the start-up may take one round or two, so recovery {phase[0].nth} is not "
-                                  f"fixed); accepted: start-up faults with step faults")
+                raise ConfigError(f"{start[0]} and {phase[0]}: a start-up fault cannot be combined with a "
+                                  f"recovery-phase fault (the start-up may take one round or two, so recovery "
+                                  f"{phase[0].nth} is not fixed); accepted: start-up faults with step faults")
             for f in start:
                 if f.phase == "first" and self._resolve(f) not in self.active:
                     raise ConfigError(f"{f}: node{self._resolve(f)} is a spare, which takes no snapshot, so it never "
@@ -175,9 +175,9 @@ class _Sim:
             if not self.cfg.persistence.requeue:
                 total = len(self.cfg.internal.faults)
                 raise ConfigError(f"{total} fault(s) requested ({', '.join(map(str, self.cfg.internal.faults))}): at "
-                                  f"{', '.join(map(str, faults))} no spare node is left (only {self.S} spare node(s)); accepted: "
-                                  f"more --spares, fewer faults, or --requeue (which saves a checkpoint and restarts "
-                                  f"when no spare is left)")
+                                  f"{', '.join(map(str, faults))} no spare node is left (only {self.S} spare node(s)); "
+                                  f"accepted: more --spares, fewer faults, or --requeue (which saves a checkpoint and "
+                                  f"restarts when no spare is left)")
             if any(f.phase is not None for f in self.cfg.internal.faults):
                 raise ConfigError("phase faults (nodeN@PHASE) cannot be combined with a requeue (the requeued attempt "
                                   "starts its recovery count again); accepted: enough --spares for every loss")

@@ -13,8 +13,9 @@ body of a channel frame; no pickle) ``ipc/schema.py`` derives from its type hint
   ``Train`` and ``Spare`` carry the generation's ``View`` (its number, the active and spare nodes).
 
 The agent sends them (agent/node.py at start-up, agent/recovery.py each round); the worker reads them
-(worker/context.py ``run``; worker/recovery.py ``_recover``, ``_follow``, ``_rejoin``). A body that lacks a key or has one of the
-wrong type raises ValueError naming it. The wire form is the one the dicts read with ``.get`` had, key for key,
+(worker/context.py ``run``; worker/recovery.py ``_recover``, ``_follow``, ``_rejoin``). A body that lacks a key or has
+one of the wrong type raises ValueError naming it. The wire form is the one the dicts read with ``.get`` had, key for
+key,
 but for a spare's first role, which no longer carries a trainer's keys that nobody read (rank null, world_size,
 high_water, resume).
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated
 
+from ..ids import Generation, LocalRank, NodeId, Rank, Round
 from .schema import FLAT, TO_AGENT, TO_WORKER, Message
 
 STORE_KINDS = frozenset({"store_set", "store_get", "store_wait", "store_check"})   # STORE_REQUESTS' kinds
@@ -41,7 +43,7 @@ LINK_GENERATION = -1
 class Failure(Message, plane=TO_WORKER, kind="failure"):
     """The agent starts a recovery round (its generation was ``generation``): leave it and say how far you got."""
 
-    generation: int
+    generation: Generation
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class Left(Message, plane=TO_AGENT, kind="left"):
     """A training process left ``generation`` (or, a spare, answers a round: ``done_step`` -1); ``done_step``: the
     steps it completed there, whose snapshot it settled (the cut may be there); ``why``: what ended it (<= 200)."""
 
-    generation: int
+    generation: Generation
     done_step: int
     why: str
 
@@ -61,7 +63,7 @@ class Left(Message, plane=TO_AGENT, kind="left"):
 class RoundFailed(Message, plane=TO_AGENT, kind="round_failed"):
     """Joining or restoring generation ``generation`` failed in this process (``error``, <= 300 characters)."""
 
-    generation: int
+    generation: Generation
     error: str
 
     def to_wire(self) -> dict:
@@ -73,9 +75,9 @@ class View(Message):
     """The generation a role belongs to and its layout (fault targets, the summary): ``active_nodes`` (sorted),
     ``spare_nodes`` (live spares, in promotion order). On the wire with ``spares_left`` too (read by nobody)."""
 
-    generation: int
-    active_nodes: tuple[int, ...]
-    spare_nodes: tuple[int, ...]
+    generation: Generation
+    active_nodes: tuple[NodeId, ...]
+    spare_nodes: tuple[NodeId, ...]
 
     @property
     def spares_left(self) -> int:
@@ -108,8 +110,8 @@ class Restore(Message):
     promoted: bool
     is_source: bool
     recomputed_steps: int
-    failed_nodes: tuple[int, ...]
-    round: int
+    failed_nodes: tuple[NodeId, ...]
+    round: Round
     t_fail: float
     t_agreed: float
 
@@ -128,7 +130,7 @@ class Train(Role, variant="train"):
     itself."""
 
     view: Annotated[View, FLAT]
-    rank: int
+    rank: Rank
     world_size: int
     high_water: int
     resume: dict | None
@@ -159,7 +161,7 @@ class Finish(Role, variant="finish"):
 class Hello(Message, plane=TO_AGENT, kind="hello"):
     """A training process's first frame: it is ``local_rank`` of its node, process ``pid``."""
 
-    local_rank: int
+    local_rank: LocalRank
     pid: int
 
 
@@ -168,7 +170,7 @@ class Welcome(Message, plane=TO_WORKER, kind="welcome"):
     """The agent admitted ``local_rank``; it is process ``agent_pid``. Sent with the progress page's fd (of
     ``page_bytes`` bytes)."""
 
-    local_rank: int
+    local_rank: LocalRank
     agent_pid: int
     page_bytes: int
 
@@ -187,7 +189,7 @@ class StoreRequest(Message):
     > 0: a ``get`` / ``wait`` is answered ``timeout`` by then)."""
 
     id: int
-    generation: int
+    generation: Generation
     timeout: float = 60.0
 
 
@@ -284,7 +286,7 @@ class LinkPair(Message):
     """One link to check: meet the process of ``peer`` (a node) under store ``key``, as ``rank`` 0 or 1 of the
     pair's group."""
 
-    peer: int
+    peer: NodeId
     rank: int
     key: str
 
@@ -317,4 +319,4 @@ class LinkAnswer(Message, plane=TO_AGENT, kind="link"):
     """The answer to link ask ``id``: each pair's result by peer node."""
 
     id: int | str | None
-    pairs: dict[int, LinkResult]
+    pairs: dict[NodeId, LinkResult]

@@ -10,8 +10,10 @@ against its type hint, and raises ValueError naming the kind, the key, the value
 
 Field types and their wire form:
 
-- ``int`` (a bool is not an int), ``float`` (an int or a float, read back as a float), ``str``, ``bool``.
-- ``X | None``: null or X; ``str | bool`` (scalars): the first that fits. ``tuple[X, ...]`` / ``list[X]``: a JSON list of X.
+- ``int`` (a bool is not an int; a ``typing.NewType`` of int, the ids of deadpool_hpc/ids.py, is an int),
+  ``float`` (an int or a float, read back as a float), ``str``, ``bool``.
+- ``X | None``: null or X; ``str | bool`` (scalars): the first that fits. ``tuple[X, ...]`` / ``list[X]``: a JSON list
+  of X.
 - ``dict[str, X]``; ``dict[int, X]``: a JSON object keyed by ``str(int)`` (JSON has only string keys), read back
   with int keys. ``dict`` / ``list`` bare: any JSON object / list, passed as it is.
 - another ``Message``: its own wire form, nested under the field's key; ``Annotated[M, FLAT]``: its keys in the
@@ -78,7 +80,8 @@ def reader_of(plane: str, kind: str):
     """The class (or OneOf) that reads ``kind`` on ``plane``. Raises ValueError naming the kinds accepted there."""
     r = KINDS.get(plane, {}).get(kind)
     if r is None:
-        raise ValueError(f"message kind {kind!r} has no schema on the {plane}; accepted: {sorted(KINDS.get(plane, ()))}")
+        raise ValueError(f"message kind {kind!r} has no schema on the {plane}; accepted: "
+                         f"{sorted(KINDS.get(plane, ()))}")
     return r
 
 
@@ -139,8 +142,16 @@ class _Field:
         self.name, self.enc, self.dec, self.default, self.flat, self.optional = name, enc, dec, default, flat, optional
 
 
+def _base(hint):
+    """A ``typing.NewType``'s base type (``NodeId`` -> ``int``: the wire form of the type it names), else ``hint``."""
+    while isinstance(hint, typing.NewType):
+        hint = hint.__supertype__
+    return hint
+
+
 def _codec_of(hint, owner: str):
-    """(encode(value), decode(raw, label), expected) for a type hint."""
+    """(encode(value), decode(raw, label), expected) for a type hint; a NewType has its base type's."""
+    hint = _base(hint)
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
     if origin is Annotated:
@@ -187,7 +198,7 @@ def _codec_of(hint, owner: str):
     if origin in (Union, types.UnionType):
         inner = [a for a in args if a is not type(None)]
         optional = len(inner) < len(args)
-        if len(inner) > 1 and not all(a in (int, float, str, bool) for a in inner):
+        if len(inner) > 1 and not all(_base(a) in (int, float, str, bool) for a in inner):
             raise TypeError(f"{owner}: a union of several types is of int, float, str and bool only, not {hint!r}")
         parts = [_codec_of(a, owner) for a in inner]
         expected = " or ".join([p[2] for p in parts] + (["null"] if optional else []))
@@ -222,7 +233,7 @@ def _codec_of(hint, owner: str):
                 raise
         return (lambda v: [enc1(x) for x in v]), dec, expected
     if origin is dict:
-        kt, vt = args
+        kt, vt = _base(args[0]), args[1]
         if kt not in (str, int):
             raise TypeError(f"{owner}: a dict field is keyed by str or int, not {kt!r}")
         enc1, dec1, exp1 = _codec_of(vt, owner)
@@ -303,7 +314,8 @@ class Message:
                 hint = hints[f.name]
                 # a default: its value, or its factory (called for each message read: no mutable default shared)
                 default = f.default if f.default is not dataclasses.MISSING else (
-                    _Factory(f.default_factory) if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
+                    _Factory(f.default_factory) if f.default_factory is not dataclasses.MISSING
+                    else dataclasses.MISSING)
                 flat = typing.get_origin(hint) is Annotated and any(m is FLAT for m in hint.__metadata__)
                 if flat:
                     inner = typing.get_args(hint)[0]

@@ -4,7 +4,8 @@ templates (templates/train.sbatch) call these; people use the ``deadpool`` comma
 - ``write-config``       write RUN_DIR/config.json from ``deadpool run``-style options (a template run without CONFIG)
 - ``copy-config``        copy a config file (the batch script's CONFIG) to RUN_DIR/config.json
 - ``prepare``            (holding run.lock) clear RUN_DIR for a fresh run, or for a resumed one with ``--resume``
-- ``watch``              on the batch host: touch RUN_DIR/batch.alive every second; drain the nodes the run declares dead
+- ``watch``              on the batch host: touch RUN_DIR/batch.alive every second; drain the nodes the run declares
+  dead
 - ``launch``             before each srun: record the launch, its id and its nodes (slurm_startup.py)
 - ``task``               one Slurm task: run the worker, then, if the batch script died with its node, finish the job
 - ``relaunch``           after a start-up loss: one spare fewer; prints TOTAL SPARES EXCLUDED

@@ -54,8 +54,9 @@ def cmd_run(a) -> int:
     saved = check_resume(a.run_dir, cfg.layout.world_size) if a.resume else None
     console = Console()
     say = _sayer(console)
-    say(f"[bold]deadpool run[/]: {cfg.layout.nodes} nodes x {cfg.layout.ranks_per_node} ranks + {cfg.layout.spares} spare node(s), "
-        f"{cfg.train.steps} steps, faults: {', '.join(map(str, cfg.internal.faults)) or 'none'}; run dir {cfg.output.run_dir}"
+    say(f"[bold]deadpool run[/]: {cfg.layout.nodes} nodes x {cfg.layout.ranks_per_node} ranks + {cfg.layout.spares} "
+        f"spare node(s), {cfg.train.steps} steps, faults: {', '.join(map(str, cfg.internal.faults)) or 'none'}; "
+        f"run dir {cfg.output.run_dir}"
         + (f"; resuming from its checkpoint at step {saved['step']}" if saved else ""))
     try:
         with LiveView(cfg, console) as view:
@@ -70,7 +71,8 @@ def cmd_run(a) -> int:
         print_summary(summary, console)
     except OSError:  # the terminal is gone (SIGHUP): the summary files are written already
         pass
-    where = f"{summary['run_dir']}/summary.json" + (f" and {cfg.output.summary_path}" if cfg.output.summary_path else "")
+    where = f"{summary['run_dir']}/summary.json" + (f" and {cfg.output.summary_path}"
+                                                     if cfg.output.summary_path else "")
     unwritten = not summary.get("summary_written", True)
     if unwritten:   # a full or read-only run directory: the summary in full on stdout, and exit 3 says so
         where = "the JSON above (stdout)"
@@ -270,8 +272,8 @@ def main(argv=None) -> int:
     st.add_argument("--json", action="store_true", help="print Slurm's view of the job and the run's progress as "
                                                         "JSON (the raw view)")
     st.set_defaults(fn=cmd_status)
-    pl = sub.add_parser("plot", help="draw a run's timeline: steps/s over wall time, faults, decisions, swaps, returns, "
-                                     "straggler verdicts, checkpoints and recovery phases (needs matplotlib)")
+    pl = sub.add_parser("plot", help="draw a run's timeline: steps/s over wall time, faults, decisions, swaps, "
+                                     "returns, straggler verdicts, checkpoints and recovery phases (needs matplotlib)")
     pl.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (holding events.jsonl)")
     pl.add_argument("-o", "--output", metavar="FILE", help="the picture: .png, .svg or .pdf (default "
                                                            "RUN_DIR/timeline.png)")

@@ -119,7 +119,8 @@ class LiveView:
             elif kind == "resumed" and e.get("rank") == 0:
                 since = "the fault" if self.t_fault else "rank 0 noticed the failure (not injected: see the summary)"
                 base = self.t_fault or e["t_fail"]
-                self._note(f"  resumed: step {e['step']} completed (+{e['t'] - base:.2f} s after {since})", "bold green")
+                self._note(f"  resumed: step {e['step']} completed (+{e['t'] - base:.2f} s after {since})",
+                           "bold green")
                 self.t_fault = None  # the next failure is timed from its own fault
             elif kind == "checkpoint_saved" and e.get("reason") == "crash loop":
                 self._note(f"  crash loop: checkpoint saved at step {e['step']}; the run stops here (never "
@@ -139,8 +140,9 @@ class LiveView:
             elif kind == "error":
                 self._note(f"error on MPI rank {e.get('mpi_rank')}: {e['error']}", "bold red")
             elif kind == "preempt_requested":
-                self._note(f"MPI rank {e.get('mpi_rank')} got {e.get('signal') or 'SIGUSR2/SIGTERM'} (Slurm's preemption or "
-                           f"time-limit warning): every process saves the cut step and leaves", "bold yellow")
+                self._note(f"MPI rank {e.get('mpi_rank')} got {e.get('signal') or 'SIGUSR2/SIGTERM'} (Slurm's "
+                           f"preemption or time-limit warning): every process saves the cut step and leaves",
+                           "bold yellow")
             elif kind == "fault_skipped":
                 self._note(f"step {e['step']}: {e['kind']} {e['target']} skipped: {e['reason']}", "yellow")
         if not self._started:
@@ -191,7 +193,8 @@ def print_summary(summary: dict, console: Console | None = None) -> None:
     t.add_row("completed", str(summary["completed"]) + (f" (stopped by {summary['interrupted']})"
                                                          if summary.get("interrupted") else ""))
     t.add_row("steps", str(summary["steps_completed"]))
-    t.add_row("failures / swaps / requeues", f"{len(summary['failures'])} / {summary['swaps']} / {summary.get('requeues', 0)}")
+    t.add_row("failures / swaps / requeues", f"{len(summary['failures'])} / {summary['swaps']} / "
+                                             f"{summary.get('requeues', 0)}")
     t.add_row("first -> final loss", f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"
               if summary["first_loss"] is not None and summary["final_loss"] is not None else "-")
     t.add_row("world size / spares left", f"{summary['world_size']} / {summary['spares_left']}")
@@ -225,7 +228,8 @@ def print_summary(summary: dict, console: Console | None = None) -> None:
                                                         else "") for x in summary["failures"]]),
                  ("cut step", [str(x["cut_step"]) for x in summary["failures"]]),
                  ("steps recomputed", [str(x["recomputed_steps"]) for x in summary["failures"]]),
-                 ("replaced by", [("checkpoint + requeue" if x.get("recovery_s") is not None else "checkpoint, run stopped")
+                 ("replaced by", [("checkpoint + requeue" if x.get("recovery_s") is not None
+                                   else "checkpoint, run stopped")
                                   if x.get("requeued") else
                                   ", ".join(f"node{n}" for n in x.get("spare_nodes_used", [])) or "-"
                                   for x in summary["failures"]])]

@@ -127,9 +127,10 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
     """
     cfg.validate()
     if cfg.layout.total_processes > LOCAL_MAX_PROCESSES:
-        raise ConfigError(f"{cfg.layout.total_processes} training processes requested ({cfg.layout.total_nodes} nodes x "
-                          f"{cfg.layout.ranks_per_node} ranks per node); the local launcher (deadpool run) runs at most "
-                          f"{LOCAL_MAX_PROCESSES} on one machine: use fewer --nodes / --spares / --ranks-per-node, or "
+        raise ConfigError(f"{cfg.layout.total_processes} training processes requested ({cfg.layout.total_nodes} "
+                          f"nodes x {cfg.layout.ranks_per_node} ranks per node); the local launcher (deadpool run) "
+                          f"runs at most {LOCAL_MAX_PROCESSES} on one machine: use fewer --nodes / --spares / "
+                          f"--ranks-per-node, or "
                           f"Slurm (deadpool submit, SlurmExecutor or SubmititExecutor), which has no "
                           f"such cap")
     check_extensions(cfg.replication.replica_transport)   # a missing or broken plugin named before anything starts
@@ -327,7 +328,8 @@ def _run_once(cfg, rd, env, tail, on_poll, poll_s, timeout, start, stop, run_id,
         out = pump.fd
         t_spawn = time.monotonic()
         server = None
-        if cfg.layout.fork_server:   # torch imported once for every training process of this attempt (worker/forkserver.py)
+        # torch imported once for every training process of this attempt (worker/forkserver.py)
+        if cfg.layout.fork_server:
             server, name = forkserver.start(env, stdout=out, preexec_fn=_die_with_parent())
             env = dict(env, **{forkserver.ENV: name})
         try:
@@ -347,7 +349,8 @@ def _run_once(cfg, rd, env, tail, on_poll, poll_s, timeout, start, stop, run_id,
                 started = started or any(e["event"] in ("started", "spare_ready") for e in batch)
                 if not started and time.monotonic() - t_spawn > cfg.timeouts.startup_timeout + 10:
                     log.emit(
-                        "error", error=f"StartupTimeout: the job did not start within {cfg.timeouts.startup_timeout:.0f} s "
+                        "error", error="StartupTimeout: the job did not start within "
+                                       f"{cfg.timeouts.startup_timeout:.0f} s "
                                        f"(--startup-timeout): a process died or froze during MPI start-up; the stacks "
                                        f"where each one waited are in {rd.launcher_log}")
                     break

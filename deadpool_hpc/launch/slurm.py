@@ -73,8 +73,8 @@ def template_home(template: str) -> str:
 
 def write_config(cfg: RunConfig, run_dir: str | None = None) -> str:
     """Validate ``cfg`` and write it to RUN_DIR/config.json (run_dir defaults to cfg.run_dir). Returns the path.
-    A relative run_dir, ``summary_path`` or ``metrics_textfile`` is made absolute against this process's current directory (the
-    submitter's, on every launch path)."""
+    A relative run_dir, ``summary_path`` or ``metrics_textfile`` is made absolute against this process's current
+    directory (the submitter's, on every launch path)."""
     run_dir = os.path.abspath(run_dir or cfg.output.run_dir)
     cfg.update(run_dir=run_dir)
     if cfg.output.summary_path:
@@ -151,11 +151,12 @@ def render(cfg: RunConfig, template: str | None = None, python: str | None = Non
     text = re.sub(r"(?m)^#SBATCH --output=.*$", f"#SBATCH --output={run_dir}/slurm-%j.out", text)
     if job_name:
         text = re.sub(r"(?m)^#SBATCH --job-name=.*$", f"#SBATCH --job-name={job_name}", text)
+    summary = shlex.quote(os.path.abspath(cfg.output.summary_path)) if cfg.output.summary_path else ""
     pinned = ["", "# ---- pinned by deadpool_hpc.launch.slurm.render ----",
               f"CONFIG={shlex.quote(os.path.join(run_dir, 'config.json'))}",
               f"RUN_DIR={shlex.quote(run_dir)}",
               f"PYTHON=${{PYTHON:-{shlex.quote(python or sys.executable)}}}",
-              f"SUMMARY=${{SUMMARY:-{shlex.quote(os.path.abspath(cfg.output.summary_path)) if cfg.output.summary_path else ''}}}",
+              f"SUMMARY=${{SUMMARY:-{summary}}}",
               f"DEADPOOL_HOME=${{DEADPOOL_HOME:-{shlex.quote(template_home(template))}}}",
               ""]
     lines = text.split("\n")
@@ -205,7 +206,8 @@ def check_partition(cfg: RunConfig, partition: str | None = None) -> dict | None
     cpus = [int(c) for c in _run(["sinfo", "-h", "-N", "-p", name, "-o", "%c"]).split() if c.isdigit()]
     fit = sum(1 for c in cpus if c >= cfg.layout.ranks_per_node)
     if cpus and fit < need:
-        raise ConfigError(f"--ranks-per-node {cfg.layout.ranks_per_node} needs {cfg.layout.ranks_per_node} CPUs on each of {need} "
+        raise ConfigError(f"--ranks-per-node {cfg.layout.ranks_per_node} needs {cfg.layout.ranks_per_node} CPUs on "
+                          f"each of {need} "
                           f"nodes, but partition {name!r} has {fit} node(s) with that many (CPUs per node: "
                           f"{', '.join(map(str, sorted(set(cpus))))}): it could never start; accepted: "
                           f"--ranks-per-node <= {sorted(cpus, reverse=True)[min(need, len(cpus)) - 1]}")

@@ -81,7 +81,8 @@ def write_summary(run_dir: str, out: str | None = None, extra: dict | None = Non
             write_json(path, s)
         except OSError as exc:
             s["summary_written"] = False
-            s.setdefault("summary_error", f"{path}: {errno.errorcode.get(exc.errno or 0, 'EIO')}: {exc.strerror or exc}")
+            s.setdefault("summary_error", f"{path}: {errno.errorcode.get(exc.errno or 0, 'EIO')}: "
+                                          f"{exc.strerror or exc}")
     if not s["summary_written"]:
         try:
             print("--- deadpool summary (not written: see summary_error) ---\n" + json.dumps(s, indent=1) +

@@ -151,7 +151,8 @@ _COMPLETE_SNIPPET = """
 import ctypes, ctypes.util, sys
 job, rc = int(sys.argv[1]), int(sys.argv[2])
 for name in ("/usr/lib/x86_64-linux-gnu/slurm-wlm/libslurmfull.so", "/usr/lib64/slurm/libslurmfull.so",
-             "/usr/lib/slurm/libslurmfull.so", ctypes.util.find_library("slurmfull"), ctypes.util.find_library("slurm")):
+             "/usr/lib/slurm/libslurmfull.so", ctypes.util.find_library("slurmfull"),
+             ctypes.util.find_library("slurm")):
     if not name:
         continue
     try:
@@ -210,7 +211,8 @@ def finish_headless(run_dir: str, wait_s: float = 60.0) -> dict | None:
     job_id = os.environ.get("SLURM_JOB_ID")
     if job_id:
         with open(os.path.join(run_dir, "finisher.log"), "a") as fh:
-            fh.write(f"{time.time()} task {_task_id()} on {os.uname().nodename}: batch host dead, ending job {job_id}\n")
+            fh.write(f"{time.time()} task {_task_id()} on {os.uname().nodename}: batch host dead, ending job "
+                     f"{job_id}\n")
             fh.flush()
             how = complete_job(job_id, 0 if s["completed"] else 1)  # may kill this very task: log first
             fh.write(f"{time.time()} {how}\n")
@@ -314,8 +316,9 @@ class NodeStates:
 
 def watch(run_dir: str, do_drain: bool = True, period: float = 1.0) -> None:
     """Run on the batch host while the batch script lives: keep RUN_DIR/batch.alive fresh, drain each node the
-    run declares dead, and record Slurm's State and Reason of each (``NodeStates``). SIGTERM, SIGUSR2, SIGINT and SIGHUP are ignored (``scancel --full``, a cancel or the time
-    limit signal every process of the batch step; the watcher must outlive the ranks' save, or the tasks would
+    run declares dead, and record Slurm's State and Reason of each (``NodeStates``). SIGTERM, SIGUSR2, SIGINT and SIGHUP
+    are ignored (``scancel --full``, a cancel or the time limit signal every process of the batch step; the watcher must
+    outlive the ranks' save, or the tasks would
     take the batch host for dead): the batch script ends it with SIGKILL, and it ends by itself when the batch
     script (its parent) is gone."""
     alive = os.path.join(run_dir, ALIVE_FILE)
@@ -354,7 +357,8 @@ def watch(run_dir: str, do_drain: bool = True, period: float = 1.0) -> None:
                         if do_drain and h and h not in drained:
                             drained.add(h)
                             ok = drain(h, f"deadpool job {os.environ.get('SLURM_JOB_ID', '?')}: declared dead")
-                            _log.info("%s %s (node%s of the run, generation %s)", "drained" if ok else "could not drain",
+                            _log.info("%s %s (node%s of the run, generation %s)",
+                                      "drained" if ok else "could not drain",
                                      h, n, e["generation"])
             except (OSError, ValueError, KeyError) as exc:
                 _log.warning("watch: %s", exc)
@@ -453,8 +457,9 @@ def settle(run_dir: str, since: float | None = None, srun_rc: int | None = None)
       (idle_stop_reason), not requeued for ever.
     - ``stopped``: a checkpoint was saved but the job is not requeued: Slurm is ending it (``scancel``, the end
       of a preemption's grace time; Slurm itself requeues a preempted job if its PreemptMode says so), or
-      ``max_requeues`` was reached, or ``scontrol requeue`` was refused, or a crash loop stopped the run (``crash_loop``:
-      the same rank's crash at the same step on several nodes; a requeue would resume into it). Or the batch shell was signalled and the
+      ``max_requeues`` was reached, or ``scontrol requeue`` was refused, or a crash loop stopped the run
+      (``crash_loop``: the same rank's crash at the same step on several nodes; a requeue would resume into it). Or the
+      batch shell was signalled and the
       ranks ended without saving (srun answers a SIGTERM of its own by killing its step) and the agents had
       persisted nothing in this attempt (else: ``requeued``, from that checkpoint). ``stopped`` is logged.
     - ``none``: nothing to decide (the run finished, or ended without a checkpoint and without a signal).
@@ -510,9 +515,11 @@ def settle(run_dir: str, since: float | None = None, srun_rc: int | None = None)
         why_not = f"a crash loop: {loops[-1].get('error')}"
     elif ending and slurm_reason != "TimeLimit":
         acct = _accounted_state(job_id) if job_id else None
-        why_not = f"Slurm is ending the job ({acct or state}{f', {slurm_reason}' if slurm_reason not in (None, 'None') else ''})"
+        why_not = (f"Slurm is ending the job ({acct or state}"
+                   f"{f', {slurm_reason}' if slurm_reason not in (None, 'None') else ''})")
     elif ending and idle:
-        why_not = f"time limit, and this attempt made no progress (stopped before its first step, at step {ckpt['step']})"
+        why_not = ("time limit, and this attempt made no progress (stopped before its first step, at step "
+                   f"{ckpt['step']})")
     elif ending and resumed and ckpt["step"] <= max(resumed):
         why_not = f"time limit, and this attempt made no progress (resumed at step {max(resumed)})"
     elif idle and idle_streak(events) >= MAX_IDLE_REQUEUES:

@@ -7,12 +7,13 @@ help, so the batch host watches from outside it:
 
 - each task wrapper (``python -m deadpool_hpc.launch.batch task``, one per node) touches a *beacon*,
   ``RUN_DIR/starting/LAUNCH_ID/TASK``, every ``BEACON_PERIOD_S`` seconds while it lives (``Beacon``);
-- the batch host's watcher (``StartupWatch.poll``, called each second by ``slurm_job.watch``) looks at the beacons
-  of the current launch until some node agent of it has said ``hello`` (which each one does once the start-up
-  collectives are done; a node lost after that is the control plane's to recover). A beacon whose mtime has not
+- the batch host's watcher (``StartupWatch.poll``, called each second by ``slurm_job.watch``) looks at the
+  beacons of the current launch until some node agent of it has said ``hello`` (which each one does once the
+  start-up collectives are done; a node lost after that is the control plane's to recover). A beacon whose mtime has not
   moved for ``STALE_S`` seconds, or one that never appeared while another did (for ``MISSING_S`` seconds, or
-  at once when Slurm says its node is down or not responding), is a lost node: the watcher writes ``RUN_DIR/relaunch/LAUNCH_ID.json`` (the hosts), logs
-  ``startup_node_lost`` and ends the step (``scancel --signal=KILL JOBID.STEPID``);
+  at once when Slurm says its node is down or not responding), is a lost node: the watcher writes
+  ``RUN_DIR/relaunch/LAUNCH_ID.json`` (the hosts), logs ``startup_node_lost`` and ends the step (``scancel --signal=KILL
+  JOBID.STEPID``);
 - the batch script (templates/train.sbatch) then calls ``relaunch``: one spare fewer in RUN_DIR/config.json and the
   lost hosts excluded, and starts srun again on the live nodes of the same allocation (event ``relaunched``). With
   no spare left it ends the attempt with the reason (exit 1 of ``relaunch``).
@@ -227,8 +228,9 @@ def after_failed_step(run_dir: str, launch: str, events: list[dict]) -> bool:
 def relaunch(run_dir: str, launch: str) -> tuple[int, int, list[str]]:
     """(batch script, after srun failed) Apply RUN_DIR/relaunch/LAUNCH.json (the watcher's, or ``after_failed_step``'s):
     one spare fewer per lost host in RUN_DIR/config.json (atomically), and log ``relaunched``. Raises LookupError
-    when no node was lost before the MPI world existed (nothing to relaunch: the attempt ends as it would). Returns (nodes + spares now, spares now, every host
-    excluded in this attempt so far). Raises ConfigError, with the reason, when fewer spares are left than hosts
+    when no node was lost before the MPI world existed (nothing to relaunch: the attempt ends as it would). Returns
+    (nodes + spares now, spares now, every host excluded in this attempt so far). Raises ConfigError, with the reason,
+    when fewer spares are left than hosts
     were lost (the attempt ends: nothing has trained, nothing is saved)."""
     from ..errors import ConfigError
     from .. import rundir
@@ -256,8 +258,9 @@ def relaunch(run_dir: str, launch: str) -> tuple[int, int, list[str]]:
             "error", error=f"StartupNodeLost: {', '.join(lost['lost_hosts'])} lost during the start-up with "
                            f"{cfg.layout.spares} spare(s) left: the job cannot start ({lost['why']})")
         raise ConfigError(f"{', '.join(lost['lost_hosts'])} lost during the start-up ({lost['why']}), before the node "
-                          f"agents' MPI world existed, and only {cfg.layout.spares} spare node(s) are left: the job cannot "
-                          f"start on the nodes that are left; nothing was trained, so nothing is saved (submit again)")
+                          f"agents' MPI world existed, and only {cfg.layout.spares} spare node(s) are left: the job "
+                          f"cannot start on the nodes that are left; nothing was trained, so nothing is saved "
+                          f"(submit again)")
     cfg.update(spares=cfg.layout.spares - n)
     cfg.validate()
     rundir.write_config(run_dir, cfg)

@@ -234,7 +234,8 @@ class HotSwapJob:
         new = f"{attempt}.{launch}"
         slurm_startup.write_launch(self.run_dir, new, slurm_startup.step_nodes(total, ",".join(excluded)))
         cmd = ["srun", *srun_args(), "--overlap", f"--nodes={total}", f"--ntasks={total}", "--ntasks-per-node=1",
-               f"--cpus-per-task={self.cfg.layout.ranks_per_node}", "--distribution=block", f"--exclude={','.join(excluded)}",
+               f"--cpus-per-task={self.cfg.layout.ranks_per_node}", "--distribution=block",
+               f"--exclude={','.join(excluded)}",
                f"--output={os.path.join(self.run_dir, 'task-%t.log')}",
                sys.executable, "-m", "deadpool_hpc.launch.batch", "task", self.run_dir, "--no-finisher"]
         _log.warning("%s lost before the agents' MPI world existed: the agents again on %d nodes", excluded, total)
@@ -244,7 +245,8 @@ class HotSwapJob:
 
     def _wait_survivors(self) -> None:
         end = time.monotonic() + self.wait_survivors_s
-        while time.monotonic() < end and not slurm_job.expected_survivors(self.run_dir) <= slurm_job.exited_tasks(self.run_dir):
+        while (time.monotonic() < end
+               and not slurm_job.expected_survivors(self.run_dir) <= slurm_job.exited_tasks(self.run_dir)):
             time.sleep(0.5)
 
     def _unless_finished(self, fn):

@@ -23,7 +23,8 @@ import signal as _signal
 
 from ..errors import ConfigError
 
-DEFAULT_SIGNAL_LEAD_S = 120   # the template's ``#SBATCH --signal=USR2@120`` (tests/unit/launch/test_timelimit.py keeps them equal)
+# the template's ``#SBATCH --signal=USR2@120`` (tests/unit/launch/test_timelimit.py keeps them equal)
+DEFAULT_SIGNAL_LEAD_S = 120
 SIGNAL_EARLY_S = 60           # Slurm may send the --signal this much earlier than asked (sbatch(1))
 MIN_TRAIN_S = 30              # after the earliest signal: the job's start-up and its first steps (docs/slurm.md:
                               # first step 12.5-12.7 s after Slurm started the attempt, 2 + 1 nodes, the demo; up to
@@ -169,7 +170,8 @@ def check_submitit(time, delay_s, time_name: str = "timeout_min", lead_name: str
     limit ``time`` (submitit's ``timeout_min``: minutes, or any Slurm --time string; None: no limit) against
     submitit's signal lead ``delay_s`` (``signal_delay_s``, seconds; submitit's default 90), as check_lead. Raises
     ConfigError naming the parameters by ``time_name`` and ``lead_name``."""
-    if isinstance(delay_s, bool) or not isinstance(delay_s, int) or not MIN_SIGNAL_LEAD_S <= delay_s <= MAX_SIGNAL_LEAD_S:
+    if (isinstance(delay_s, bool) or not isinstance(delay_s, int)
+            or not MIN_SIGNAL_LEAD_S <= delay_s <= MAX_SIGNAL_LEAD_S):
         raise ConfigError(f"{lead_name}={delay_s!r}: accepted: whole seconds from {MIN_SIGNAL_LEAD_S} (the ranks' save "
                           f"and the job's requeue must fit in it; raise it for a big model) to {MAX_SIGNAL_LEAD_S}")
     limit = parse_time_limit(str(time), time_name) if time is not None else None

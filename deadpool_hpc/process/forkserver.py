@@ -13,7 +13,8 @@ This module is the mechanism: the launcher's ``start``, the agent's ``spawn``, t
 program, which knows what to preload and what a forked process runs, is ``worker/forkserver.py``.
 
 What a forked training process keeps of a fresh one, so that nothing in the fault model changes:
-- its own session (``setsid``), the agent's stdout and the stderr the agent gives it (passed as file descriptors), the agent's
+- its own session (``setsid``), the agent's stdout and the stderr the agent gives it (passed as file descriptors), the
+  agent's
   environment (replaced whole: ``os.environ``, ``PYTHONPATH`` entries added to ``sys.path``) and working
   directory, fresh seeds for Python's ``random`` and numpy's global generator;
 - it dies with its agent: the server SIGKILLs it the moment the agent's connection closes (an agent killed by
@@ -25,7 +26,8 @@ Protocol: one ``AF_UNIX``/``SOCK_SEQPACKET`` connection per training process, in
 message is ``ipc/wire.py`` JSON + HMAC with the job's secret (no pickle). Agent -> server: ``spawn`` {argv:
 [RUN_DIR, LOCAL_RANK], env, cwd} with the agent's fd 1 and its stderr for the process (fd 2, or the pipe of
 agent/stderrtail.py) attached (SCM_RIGHTS); server -> agent:
-``spawned`` {pid} with a pidfd of the child attached, later ``exited`` {pid, rc} (rc as ``subprocess.Popen.returncode``: negative for a signal).
+``spawned`` {pid} with a pidfd of the child attached, later ``exited`` {pid, rc} (rc as ``subprocess.Popen.returncode``:
+negative for a signal).
 """
 from __future__ import annotations
 

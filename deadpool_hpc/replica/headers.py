@@ -5,7 +5,8 @@ schema message (ipc/schema.py), its body derived from its type hints.
   ``nbytes`` bytes whose CRC-32C is ``crc``.
 - ``RestoreOffer`` (a rank's source -> the rank's new process, ``restore``): the copy of ``rank`` at ``step`` for
   ``generation`` follows (``ok``), ``nbytes`` / ``crc`` as for a push; or, ``ok`` false, why there is none
-  (``reason``). ``source``: the sender's replica address (its transport's JSON form, e.g. ``[host, port]``; null before it serves).
+  (``reason``). ``source``: the sender's replica address (its transport's JSON form, e.g. ``[host, port]``; null before
+  it serves).
 - ``Go`` (receiver -> sender, ``go``): send the bytes (``ok``), or not and why (``reason``), and whether asking again
   later may succeed (``retry``).
 - ``Ack`` (receiver -> sender, ``ack``): the bytes arrived and check out (``ok``), or why not. A push's names the

@@ -136,7 +136,8 @@ class Holder:
                 st.writing[rank] = token
         if reason is not None:
             if not retry:  # a retryable refusal (busy, not configured yet) is the pusher's to report if it gives up
-                st.log.emit("replica_rejected", role="holder", peer=link.peer, rank=rank, step=step, reason=reason[:300])
+                st.log.emit("replica_rejected", role="holder", peer=link.peer, rank=rank, step=step,
+                            reason=reason[:300])
             link.send_msg(Go(ok=False, retry=retry, reason=reason), st.secret)
             return True
         try:

@@ -99,8 +99,8 @@ def assemble_shard(layout: StateLayout, slot: Slot, tensors: list[torch.Tensor] 
 
     ``tensors``: where to read the state to (reused across calls; ``save_shard`` clones what it writes); default:
     new tensors of the layout's shapes and dtypes. ``kept``: every share when ``slot`` is the rank's own snapshot,
-    none when that snapshot is itself a restored replica (``Slot.from_replica``: a replica carries no share). ``keeper``:
-    for a lost rank's shard assembled from its replica, where the share this node kept for it lies, as
+    none when that snapshot is itself a restored replica (``Slot.from_replica``: a replica carries no share).
+    ``keeper``: for a lost rank's shard assembled from its replica, where the share this node kept for it lies, as
     ``(own, index)``: this node's rank's own snapshot of the same step and the index of that share among its views
     (1 + the lost rank's place among the ranks it holds, ``placement.held_by``); asked only when the prefix has
     more than one share (with one kept region, HSDP's replicate group's shards whole, the lost rank's region is not

@@ -187,7 +187,8 @@ def send(st: ReplicaState, address, rank: int, step: int, generation: int, failu
                 else:
                     slot.readers += 1
             link.send_msg(RestoreOffer(generation=generation, rank=rank, step=step, ok=slot is not None,
-                                       source=None if st.address is None else list(st.address), reason="" if slot is not None else reason,
+                                       source=None if st.address is None else list(st.address),
+                                       reason="" if slot is not None else reason,
                                        nbytes=total, crc=slot.crc if slot is not None else 0), st.secret)
             go = link.recv_msg(st.secret)
             if not isinstance(go, Go):

@@ -138,8 +138,8 @@ class ReplicaState:
                     "held": {str(r): p.steps() for r, p in sorted(self.held.items())}}
 
     def copy_own(self, step: int) -> Slot | None:
-        """A private copy (a new Slot, same step, CRC, rank and ``from_replica``) of this rank's own verified snapshot of
-        ``step``, or None when the own slots no longer hold it. The slot is pinned (``readers``) while it is copied,
+        """A private copy (a new Slot, same step, CRC, rank and ``from_replica``) of this rank's own verified snapshot
+        of ``step``, or None when the own slots no longer hold it. The slot is pinned (``readers``) while it is copied,
         so the training process's next snapshot cannot rewrite it meanwhile (agent/persister.py)."""
         with self.lock:
             slot = self.own.find(step)

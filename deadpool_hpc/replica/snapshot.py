@@ -62,8 +62,8 @@ class Slot:
 
     ``step``/``crc`` are set only once the whole payload is in place and verified. ``rank`` is the
     training rank whose state it holds (set by whoever writes it). ``readers`` counts the transfers
-    reading it (a push or a restore being sent): a slot with readers is never rewritten. ``from_replica``: its payload is
-    a replica its source sent for a restore, which carries only the wire part (``StateLayout.wire``): the local
+    reading it (a push or a restore being sent): a slot with readers is never rewritten. ``from_replica``: its payload
+    is a replica its source sent for a restore, which carries only the wire part (``StateLayout.wire``): the local
     prefix (a ``ctx.protect`` rank's kept shares) is not this rank's; reset when the slot is invalidated.
 
     tensor: an existing buffer of ``nbytes`` bytes to use instead of a new one: a 1-D uint8 CPU tensor, or a 1-D
@@ -341,7 +341,8 @@ class StateLayout:
 
 
 # bytes per element of each torch dtype, by its name (torch.float32 -> "float32"): what a node agent needs to lay out
-# a payload without importing torch (tests/unit/replica/test_snapshot.py checks the table against torch's own element sizes)
+# a payload without importing torch (tests/unit/replica/test_snapshot.py checks the table against torch's own element
+# sizes)
 ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8,
             "complex32": 4, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2,
             "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1,

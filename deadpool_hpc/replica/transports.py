@@ -2,8 +2,8 @@
 
 The replica protocol (push, go, ack: replica/pusher.py and holder.py; restore, go, ack: replica/restore.py; signed JSON
 headers, raw payloads, CRC-32C end to end) runs over stream sockets (replica/stream.py ``Link``). A transport decides
-which sockets: their family, their address, how a listener is made and how a connection is opened. Registered in the entry point group
-``deadpool_hpc.transports``; ``--replica-transport NAME`` picks one (default ``tcp``).
+which sockets: their family, their address, how a listener is made and how a connection is opened. Registered in the
+entry point group ``deadpool_hpc.transports``; ``--replica-transport NAME`` picks one (default ``tcp``).
 
 Interface (an object, or a class whose instances are, registered under a name):
 

@@ -32,7 +32,8 @@ STYLE = {
     "requeue": ("checkpoints", ">", "tab:brown"),
 }
 LANES = ("faults", "decisions", "swaps", "returns", "stragglers", "checkpoints")
-LABELLED = ("fault", "decision", "swap", "straggler", "quarantine", "checkpoint", "requeue")   # kinds whose marks get their label
+# kinds whose marks get their label
+LABELLED = ("fault", "decision", "swap", "straggler", "quarantine", "checkpoint", "requeue")
 MAX_LABELS = 30   # per kind: more marks than that are drawn without labels (they would overlap)
 
 
@@ -94,7 +95,8 @@ def draw(tl: Timeline, path: str, title: str | None = None) -> dict:
     ax.set_ylabel(f"steps/s (rank 0, over {tl.window_s:.3g} s)")
     ax.set_ylim(0, max(tl.rates, default=1.0) * 1.3 or 1.0)
     ax.legend([Line2D([], [], color="black"), Line2D([], [], color=STYLE["fault"][2])]
-              + [Patch(color=PHASE_COLORS[p]) for p in PHASES], ["steps/s", "fault"] + [f"recovery: {p}" for p in PHASES],
+              + [Patch(color=PHASE_COLORS[p]) for p in PHASES],
+              ["steps/s", "fault"] + [f"recovery: {p}" for p in PHASES],
               fontsize=7, loc="upper left", ncol=7)
     row = {lane: len(LANES) - 1 - i for i, lane in enumerate(LANES)}
     drawn = {}

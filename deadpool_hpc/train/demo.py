@@ -2,8 +2,8 @@
 
 This is what ``deadpool run`` trains by default, and the shape a user's own function takes:
 read its own settings from ``ctx.config.train_args``, build the model, optimizer, schedule and data as in any torch
-script, protect them (``ctx.protect``), and hand one step to ``ctx.run``. ``DemoConfig`` is the demo's settings; the launcher checks
-``--train-arg`` values with it (``train.check_args``) before any process starts.
+script, protect them (``ctx.protect``), and hand one step to ``ctx.run``. ``DemoConfig`` is the demo's settings; the
+launcher checks ``--train-arg`` values with it (``train.check_args``) before any process starts.
 """
 from __future__ import annotations
 

@@ -293,7 +293,8 @@ class AgentClient:
             raise
         if slots.bell:
             fd = fds.pop()
-            os.set_inheritable(fd, False)   # SCM_RIGHTS fds come without close-on-exec: the user's programs never get it
+            # SCM_RIGHTS fds come without close-on-exec: the user's programs never get it
+            os.set_inheritable(fd, False)
             self.bell = Doorbell(fd)        # agent/desk.py: rung after each claim and written word
             children.keep_from_children(fd)
         bufs = []

@@ -82,10 +82,12 @@ class Context(Recovering):
         self._failure = threading.Event()
         self.watch = Watch(self._failure, cfg.timeouts.wait_timeout, client.progress.beat)
         self._steps = StepSequence(world_size=cfg.layout.world_size, replicate=cfg.replication.replicate,
-                                   interleave=cfg.internal.interleave_replication, wait_timeout=cfg.timeouts.wait_timeout,
+                                   interleave=cfg.internal.interleave_replication,
+                                   wait_timeout=cfg.timeouts.wait_timeout,
                                    generation=lambda: self.generation, failure=self._failure, watch=self.watch,
                                    beat=client.progress.beat)
-        self._faults = RankFaults(cfg.internal.faults, node=node, local=local, ranks_per_node=cfg.layout.ranks_per_node, log=log,
+        self._faults = RankFaults(cfg.internal.faults, node=node, local=local,
+                                  ranks_per_node=cfg.layout.ranks_per_node, log=log,
                                   send=client.send)
         self._role: Train | Spare | None = None   # the current generation's role (ipc/messages.py)
         self._waiting: Left | None = None   # what this process said when it left, while it waits for its next role

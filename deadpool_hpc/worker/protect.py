@@ -79,8 +79,9 @@ from .state.shares import DataParallelShares, ddp_class
 class Protected(SnapshotLayout, DataParallelShares, ShardedState):
     """The state ``ctx.protect`` keeps: see the module docstring; each kind of state in its own module of
     worker/state/: the snapshot layout, the data-parallel shares and the FSDP2 shards mixed in here, the per-rank JSON
-    document's state held (``document``, a ``RankDocument``). A ``StepState`` (worker/steps.py), as ``ShardedAdamW`` is: ``bind(rank, watch)``, ``state_tensors()``
-    (snapshot), ``restore_targets()`` + ``gather()`` (restore), ``end_of_run()``, ``param_digest()``; during a step
+    document's state held (``document``, a ``RankDocument``). A ``StepState`` (worker/steps.py), as ``ShardedAdamW`` is:
+    ``bind(rank, watch)``, ``state_tensors()`` (snapshot), ``restore_targets()`` + ``gather()`` (restore),
+    ``end_of_run()``, ``param_digest()``; during a step
     it calls ``hooks`` (the context's ``StepSequence``): before the first collective, after the gradient all-reduce,
     before the update."""
 
@@ -175,7 +176,8 @@ class Protected(SnapshotLayout, DataParallelShares, ShardedState):
                             "accepted: a torch.optim.Optimizer")
         if not isinstance(optimizer, torch.optim.Optimizer) or not is_stateful(optimizer):
             raise TypeError(f"protect(optimizer=...): got a {type_name(optimizer)}, which is not a "
-                            "torch.optim.Optimizer with state_dict()/load_state_dict(); accepted: a torch.optim.Optimizer (AdamW, SGD, ...)")
+                            "torch.optim.Optimizer with state_dict()/load_state_dict(); accepted: a "
+                            "torch.optim.Optimizer (AdamW, SGD, ...)")
         owned = {id(p) for p in model.parameters()}
         stray = [i for g in optimizer.param_groups for i, p in enumerate(g["params"]) if id(p) not in owned]
         if stray:

@@ -77,8 +77,8 @@ class StepState(Protocol):
     loader_guard: object | None
 
     def bind(self, rank: int, watch, from_replica: bool = False, kept: list[bool] | None = None) -> None:
-        """This process is now training rank ``rank``; ``from_replica``: the state restored next is a replica its source sent;
-        ``kept``: which kept regions a checkpoint's record says are this rank's."""
+        """This process is now training rank ``rank``; ``from_replica``: the state restored next is a replica its source
+        sent; ``kept``: which kept regions a checkpoint's record says are this rank's."""
 
     def layout_tensors(self) -> list[torch.Tensor]:
         """Tensors of the payload's dtypes and shapes, in payload order (the slots are sized from them)."""

@@ -36,7 +36,8 @@ class ShardedAdamW:
                  betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1, clip: float = 1.0):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.world_size = world_size
-        self.lr, self.warmup, self.betas, self.eps, self.wd, self.clip = lr, warmup_steps, betas, eps, weight_decay, clip
+        self.lr, self.warmup, self.betas, self.eps = lr, warmup_steps, betas, eps
+        self.wd, self.clip = weight_decay, clip
         total = sum(p.numel() for p in self.params)
         self.shard = math.ceil(total / world_size)
         self.padded = self.shard * world_size
@@ -72,8 +73,9 @@ class ShardedAdamW:
 
     def bind(self, rank: int, watch, from_replica: bool = False, kept: list[bool] | None = None) -> None:
         """Take shard ``rank`` (call again when the process is promoted or its rank changes); ``watch``: the
-        dataplane.collectives.Watch every collective of a step waits under. ``from_replica`` (the state restored next came
-        from a replica) and ``kept`` (a checkpoint's record of kept regions) change nothing here: the whole shard is in
+        dataplane.collectives.Watch every collective of a step waits under. ``from_replica`` (the state restored next
+        came from a replica) and ``kept`` (a checkpoint's record of kept regions) change nothing here: the whole shard
+        is in
         the replica."""
         self.rank = rank
         self.watch = watch
@@ -126,7 +128,8 @@ class ShardedAdamW:
             # 2.13), so it cannot be polled: all-reduce the full gradient and keep this rank's shard.
             collectives.all_reduce(self.grad, f)
             g = self.grad[self._lo:self._hi].div(W)
-            stats = torch.stack([g.pow(2).sum(), (loss.detach().float() if loss is not None else torch.tensor(float("nan")))])
+            stats = torch.stack([g.pow(2).sum(),
+                                 (loss.detach().float() if loss is not None else torch.tensor(float("nan")))])
             collectives.all_reduce(stats, f)
             norm = stats[0].sqrt().item()
             if self.clip and norm > self.clip:

@@ -10,6 +10,7 @@ from typing import Annotated
 
 import pytest
 
+from deadpool_hpc.ids import Generation, NodeId, ProcId, Rank
 from deadpool_hpc.ipc import schema
 from deadpool_hpc.ipc.schema import FLAT, Codec, Message, OneOf
 
@@ -184,3 +185,26 @@ def test_a_type_without_a_wire_form_is_refused_when_first_used():
 
     with pytest.raises(TypeError, match="no wire form"):
         Bad({1}).to_wire()
+
+
+def test_a_newtype_of_int_has_the_wire_form_of_an_int_and_is_refused_as_one():
+    """The typed ids (deadpool_hpc/ids.py) are NewTypes of int: a field, a list item, a dict key and a member of a
+    union annotated with one read and write plain JSON integers, and a bad value is refused as an int's is."""
+    @dataclass(frozen=True)
+    class Typed(Message):
+        generation: Generation
+        nodes: tuple[NodeId, ...]
+        sources: dict[Rank, ProcId]
+        coordinator: NodeId | None = None
+        either: NodeId | str = "x"
+
+    msg = Typed(Generation(3), (NodeId(0), NodeId(2)), {Rank(1): ProcId(5)}, NodeId(4), NodeId(6))
+    wire = msg.to_wire()
+    assert json.loads(json.dumps(wire)) == wire == {"generation": 3, "nodes": [0, 2], "sources": {"1": 5},
+                                                    "coordinator": 4, "either": 6}
+    assert Typed.from_wire(wire) == msg
+    assert Typed.from_wire(dict(wire, coordinator=None)).coordinator is None
+    with pytest.raises(ValueError, match=r"generation.*an int"):
+        Typed.from_wire(dict(wire, generation="3"))
+    with pytest.raises(ValueError, match=r"sources.*int -> an int"):
+        Typed.from_wire(dict(wire, sources={"one": 5}))
