@@ -57,6 +57,9 @@ SCENARIOS = ("basic", "tcp", "killed_before", "killed_during", "killed_after_con
 TAG_PING, TAG_PONG, TAG_HB = 11, 12, 13
 HB_PERIOD_S, HB_DEADLINE_S = 0.1, 1.0
 SRUN = ["srun", "--no-kill", "--kill-on-bad-exit=0", "--mpi=pmi2"]
+# Requests never completed (to a process that died or is blocked) and their buffers, kept for the process's life: a
+# late message must land in memory that is still this request's, never in a freed buffer.
+_ABANDONED: list = []
 
 
 def _write(path: str, obj: dict) -> None:
@@ -101,7 +104,7 @@ def _ping_round(MPI, comm, deadline: float) -> dict:
     keep = []
     for p in peers:
         t0[p] = time.perf_counter()
-        keep.append(comm.Isend(np.array([t0[p]]), dest=p, tag=TAG_PING))
+        keep.append(comm.Isend(np.array([t0[p]]), dest=p, tag=TAG_PING))  # the request holds its buffer
     answered = set()
     end = time.monotonic() + deadline
     while time.monotonic() < end and (len(out) < len(peers) or len(answered) < len(peers)):
@@ -112,9 +115,7 @@ def _ping_round(MPI, comm, deadline: float) -> dict:
             if p not in out and pongs[p].Test():
                 out[p] = round(1000 * (time.perf_counter() - t0[p]), 3)
         time.sleep(0.0005)
-    for r in list(pings.values()) + list(pongs.values()) + keep:
-        if not r.Test():
-            pass  # abandoned, never freed: a request to a dead process never completes (MPICH, no ULFM)
+    _ABANDONED.append((pings, pongs, keep, inbuf, pongbuf))  # a request to a dead process never completes (MPICH)
     return {p: out.get(p) for p in peers}
 
 
@@ -152,6 +153,7 @@ def _heartbeats(MPI, comm, seconds: float, *, die_at: float | None = None, d: st
             if p not in suspected and time.time() - last[p] > HB_DEADLINE_S:
                 suspected[p] = time.time()
         time.sleep(0.005)
+    _ABANDONED.append((recv, bufs, sends))
     return {"heard": heard, "suspected": suspected, "pending_sends": len(sends)}
 
 
