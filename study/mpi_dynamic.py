@@ -551,7 +551,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tcp", action="store_true",
                     help="UCX_TLS=tcp in every scenario (as between real machines; the emulated nodes share a kernel, "
                          "so UCX otherwise uses shared memory between them)")
-    ap.add_argument("--repeat", type=int, default=1, help="runs of each failure scenario (killed_*), a pair of jobs each")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each failure scenario (killed_*, newcomer_dies), a pair of jobs each")
     ap.add_argument("--kill-ms", default="2,5,10,20",
                     help="killed_during: ms after starting its connect that the newcomer dies, one per repetition (cycled)")
     ap.add_argument("--side", choices=("a", "b", "session", "canceller"), help=argparse.SUPPRESS)
@@ -582,7 +582,7 @@ def main(argv=None) -> None:
     kill_ms = [float(x) for x in a.kill_ms.split(",") if x]
     try:
         for s in chosen:
-            for rep in range(a.repeat if s.startswith("killed") else 1):
+            for rep in range(a.repeat if s.startswith("killed") or s == "newcomer_dies" else 1):
                 res = run_scenario(jobs, a.out_dir, s, a.runs, a.deadline, a.cancel_after, rep,
                                    kill_ms[rep % len(kill_ms)], a.tcp)
                 _write(os.path.join(a.out_dir, s, str(rep), "result.json"), res)
