@@ -31,6 +31,9 @@ Scenarios (``--scenarios``, default all):
   deadline 1 s) to every other over the merged communicator; B SIGKILLs itself after 1 s; A's members go on for 3 s
   (do their heartbeats to each other still flow? when do they suspect B?), then build a communicator without B
   (``MPI_Comm_create_group``) and run a barrier on it.
+- ``member_dies``: no newcomer, for comparison: A's three ranks send each other the same heartbeats over the world
+  srun made, and A's last rank SIGKILLs itself after 1 s (with ``--tcp``: does a peer's death over UCX's TCP
+  transport hurt the survivors whether or not the peer joined dynamically?).
 - ``session``: one rank: ``MPI_Session_init``, its process sets, ``MPI_Comm_create_from_group`` on ``mpi://WORLD``.
 
 In every failure scenario A's main thread keeps sending point-to-point pings among A's members (on a duplicate of
@@ -53,7 +56,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCENARIOS = ("basic", "tcp", "killed_before", "killed_during", "killed_after_connect", "member_dead",
-             "newcomer_dies", "session")
+             "newcomer_dies", "member_dies", "session")
 TAG_PING, TAG_PONG, TAG_HB = 11, 12, 13
 HB_PERIOD_S, HB_DEADLINE_S = 0.1, 1.0
 SRUN = ["srun", "--no-kill", "--kill-on-bad-exit=0", "--mpi=pmi2"]
@@ -119,7 +122,7 @@ def _ping_round(MPI, comm, deadline: float) -> dict:
     return {p: out.get(p) for p in peers}
 
 
-def _heartbeats(MPI, comm, seconds: float, *, die_at: float | None = None, d: str = "") -> dict:
+def _heartbeats(MPI, comm, seconds: float, *, die_at: float | None = None, d: str = "", who: str = "newcomer") -> dict:
     """Heartbeats to every other process of ``comm`` every HB_PERIOD_S for ``seconds``; a peer silent for
     HB_DEADLINE_S is suspected (and no longer sent to). ``die_at``: monotonic time at which this process SIGKILLs
     itself. Returns {"heard": {peer: [wall times heard]}, "suspected": {peer: wall time}}."""
@@ -138,7 +141,7 @@ def _heartbeats(MPI, comm, seconds: float, *, die_at: float | None = None, d: st
     while time.monotonic() < end:
         now = time.monotonic()
         if die_at is not None and now >= die_at:
-            _die(d, "newcomer", stage="after_merge")
+            _die(d, who, stage="heartbeats")
         if now >= next_send:
             for p in peers:
                 if p not in suspected:
@@ -170,6 +173,11 @@ def _side_a(MPI, a) -> None:
         t = time.perf_counter()
         comm = world.Create_group(world.Get_group().Excl([wn - 1]), tag=77)
         rec["create_group_ms"] = round(1000 * (time.perf_counter() - t), 2)
+    if a.scenario == "member_dies":
+        die_at = time.monotonic() + 1.0 if wme == wn - 1 else None
+        rec["heartbeats"] = _heartbeats(MPI, world, 4.0, die_at=die_at, d=a.dir, who="member")
+        _write(os.path.join(a.dir, f"a-{wme}.json"), rec)
+        os._exit(0)
     me, n = comm.Get_rank(), comm.Get_size()
     rec.update(rank=me, size=n)
     side = comm.Dup()  # the main thread's pings among members while the accept thread is blocked
@@ -434,7 +442,12 @@ def run_scenario(jobs: Jobs, out: str, scenario: str, runs: int, deadline: float
         return {"scenario": scenario, "session": _read(os.path.join(d, "session.json"))}
     ja = jobs.submit(d, "a", ["--side", "a"] + common, nodes=2, ntasks=3, env=env)
     a_nodes = jobs.nodes(ja)
-    a_count = 2 if scenario == "member_dead" else 3
+    a_count = 2 if scenario in ("member_dead", "member_dies") else 3
+    if scenario == "member_dies":
+        _wait(lambda: sum(os.path.exists(os.path.join(d, f"a-{r}.json")) for r in range(3)) >= a_count, 40)
+        time.sleep(0.5)
+        return {"scenario": scenario, "a": [f for f in (_read(os.path.join(d, f"a-{r}.json")) for r in range(3)) if f],
+                "fault": _read(os.path.join(d, "fault.json")), "a_nodes": a_nodes, "a_log": _tail(d, "slurm-a.out")}
     if not _wait(lambda: os.path.exists(os.path.join(d, "port.json")), 60):
         return {"scenario": scenario, "error": "job A never opened its port"}
     nb = runs if scenario in ("basic", "tcp") else 1
@@ -480,6 +493,17 @@ def summarize(res: dict) -> dict:
         return {"scenario": s, "outcome": ("works" if x.get("ok") else f"fails: {x.get('error')}"),
                 "detail": f"MPI {x.get('mpi_version')}, psets {x.get('psets')}, "
                           f"WORLD from session size {x.get('world_from_session_size')}"}
+    if s == "member_dies":
+        t_fault = (res["fault"] or {}).get("t")
+        after = [sum(t > t_fault + HB_DEADLINE_S for t in times) for f in res["a"]
+                 for p, times in f["heartbeats"]["heard"].items() if int(p) != 2] if t_fault else []
+        detect = [round(1000 * (f["heartbeats"]["suspected"]["2"] - t_fault)) for f in res["a"]
+                  if t_fault and "2" in f["heartbeats"]["suspected"]]
+        ok = len(res["a"]) == 2 and after and min(after) > 0
+        return {"scenario": s, "a_nodes": res["a_nodes"], "survivors_reported": len(res["a"]),
+                "member_heartbeats_after_death_min": min(after) if after else None,
+                "dead_suspected_after_ms": detect,
+                "outcome": "survivors go on" if ok else "survivors lost: " + "; ".join(sorted(set(res["a_log"])))}
     a, b = res["a"], res["b"]
     row: dict = {"scenario": s, "a_nodes": res["a_nodes"], "b_nodes": sorted({f["node"] for f in b}),
                  "a_ranks_reported": len(a), "joins": len(b)}
@@ -551,7 +575,8 @@ def main(argv=None) -> None:
     ap.add_argument("--tcp", action="store_true",
                     help="UCX_TLS=tcp in every scenario (as between real machines; the emulated nodes share a kernel, "
                          "so UCX otherwise uses shared memory between them)")
-    ap.add_argument("--repeat", type=int, default=1, help="runs of each failure scenario (killed_*, newcomer_dies), a pair of jobs each")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of each failure scenario (killed_*, newcomer_dies, member_dies), its own jobs each")
     ap.add_argument("--kill-ms", default="2,5,10,20",
                     help="killed_during: ms after starting its connect that the newcomer dies, one per repetition (cycled)")
     ap.add_argument("--side", choices=("a", "b", "session", "canceller"), help=argparse.SUPPRESS)
@@ -582,7 +607,7 @@ def main(argv=None) -> None:
     kill_ms = [float(x) for x in a.kill_ms.split(",") if x]
     try:
         for s in chosen:
-            for rep in range(a.repeat if s.startswith("killed") or s == "newcomer_dies" else 1):
+            for rep in range(a.repeat if s.startswith("killed") or s in ("newcomer_dies", "member_dies") else 1):
                 res = run_scenario(jobs, a.out_dir, s, a.runs, a.deadline, a.cancel_after, rep,
                                    kill_ms[rep % len(kill_ms)], a.tcp)
                 _write(os.path.join(a.out_dir, s, str(rep), "result.json"), res)
