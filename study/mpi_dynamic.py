@@ -568,17 +568,18 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m study.mpi_dynamic")
     ap.add_argument("out_dir", nargs="?")
     ap.add_argument("--runs", type=int, default=5, help="newcomers (one Slurm job each) in basic and tcp")
-    ap.add_argument("--deadline", type=float, default=8.0, help="seconds A waits for a join before giving up")
+    ap.add_argument("--deadline", type=float, default=5.0, help="seconds A waits for a join before giving up")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {', '.join(SCENARIOS)}")
-    ap.add_argument("--cancel-after", type=float, default=12.0,
+    ap.add_argument("--cancel-after", type=float, default=7.0,
                     help="seconds after its start that A's canceller completes a pending accept (failure scenarios)")
     ap.add_argument("--tcp", action="store_true",
                     help="UCX_TLS=tcp in every scenario (as between real machines; the emulated nodes share a kernel, "
                          "so UCX otherwise uses shared memory between them)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs of each failure scenario (killed_*, newcomer_dies, member_dies), its own jobs each")
-    ap.add_argument("--kill-ms", default="2,5,10,20",
-                    help="killed_during: ms after starting its connect that the newcomer dies, one per repetition (cycled)")
+    ap.add_argument("--kill-ms", default="3,8,15",
+                    help="killed_during: ms after starting its connect that the newcomer dies, one per repetition "
+                         "(cycled)")
     ap.add_argument("--side", choices=("a", "b", "session", "canceller"), help=argparse.SUPPRESS)
     ap.add_argument("--cancel-file", help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
@@ -600,7 +601,7 @@ def main(argv=None) -> None:
         if not [float(x) for x in a.kill_ms.split(",") if x]:
             raise ValueError
     except ValueError:
-        ap.error(f"--kill-ms {a.kill_ms!r}: expected comma-separated milliseconds, e.g. 2,5,10,20")
+        ap.error(f"--kill-ms {a.kill_ms!r}: expected comma-separated milliseconds, e.g. 3,8,15")
     os.makedirs(a.out_dir, exist_ok=True)
     jobs = Jobs()
     rows = []
