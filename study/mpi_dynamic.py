@@ -1,14 +1,14 @@
 """MPI dynamic processes study: can a process of another Slurm allocation join the agents' MPI world?
 
-``python -m study.mpi_dynamic OUT_DIR [--runs 5] [--deadline 8] [--scenarios a,b,...]`` on a machine with a Slurm
+``python -m study.mpi_dynamic OUT_DIR [--runs 5] [--repeat 3] [--tcp] [--scenarios a,b,...]`` on a machine with a Slurm
 cluster (the local one: ``bash scripts/slurm-local-cluster.sh up 5``), from the checkout. For each scenario it
 submits job A (``sbatch -N2 -n3``, ranks started by ``srun --no-kill --kill-on-bad-exit=0 --mpi=pmi2``, as the
 agents are) and one or more jobs B (``sbatch -N1 -n1`` on a node A does not use, the "newcomer"), waits for the
-files their ranks write under ``OUT_DIR/<scenario>/``, cancels every job it submitted (by id) and prints one table
+files their ranks write under ``OUT_DIR/<scenario>/<run>/``, cancels every job it submitted (by id) and prints one table
 row per scenario. The ranks import MPI as an agent does (control/mpi.py: ``import_mpi``, MPI_THREAD_MULTIPLE).
 
 The handshake (MPI-2 dynamic processes, MPI 5.0 section 11.8): A's rank 0 calls ``MPI_Open_port`` and writes the
-port name to ``OUT_DIR/<scenario>/port`` (a shared directory: not a secret, anyone who reads it may connect); every
+port name to ``port.json`` in that directory (a shared directory: not a secret, anyone who reads it may connect); every
 rank of A calls ``MPI_Comm_accept`` (collective over A's communicator, in a thread, so the main thread can watch a
 deadline); B reads the file and calls ``MPI_Comm_connect``; both sides ``MPI_Intercomm_merge`` (A low, B high) into
 one intracommunicator, exchange point-to-point messages and ``MPI_Comm_disconnect``.
@@ -19,10 +19,12 @@ Scenarios (``--scenarios``, default all):
   merge, a round trip to each member over the merged communicator (median over the runs).
 - ``tcp``: the same with ``UCX_TLS=tcp`` (the path between real machines; UCX would otherwise use shared memory
   between the emulated nodes, which share one kernel).
-- ``killed_before``: B SIGKILLs itself after reading the port, before connecting. A's accept has no timeout; after
-  ``--deadline`` A's rank 0 tries the one way out MPI offers: it connects to its own port from its main thread
-  (``COMM_SELF.Connect``), which completes the pending accept with itself, and then everyone disconnects.
-- ``killed_during``: B SIGKILLs itself 5 ms after starting ``MPI_Comm_connect`` (from a timer thread).
+- ``killed_before``: B SIGKILLs itself after reading the port, before connecting. A's accept has no timeout. The
+  one way out MPI offers is another MPI process that connects to the port and disconnects: A's rank 0 starts such a
+  *canceller* (a singleton, ``--cancel-after`` seconds) before it accepts, since its own other threads cannot call
+  MPI while it accepts (measured). A's ranks tell it from a newcomer by the file it writes first.
+- ``killed_during``: B SIGKILLs itself ``--kill-ms`` ms after starting ``MPI_Comm_connect`` (from a timer thread);
+  one delay per repetition.
 - ``killed_after_connect``: B SIGKILLs itself once ``MPI_Comm_connect`` returned, before the merge (a collective over
   the intercommunicator, like the disconnect).
 - ``member_dead``: A's last rank SIGKILLs itself first; after 1 s (a heartbeat deadline) the survivors build their
@@ -36,11 +38,13 @@ Scenarios (``--scenarios``, default all):
   transport hurt the survivors whether or not the peer joined dynamically?).
 - ``session``: one rank: ``MPI_Session_init``, its process sets, ``MPI_Comm_create_from_group`` on ``mpi://WORLD``.
 
+``--tcp`` sets ``UCX_TLS=tcp`` in every scenario; ``--repeat`` runs each failure scenario that many times.
 In every failure scenario A's main thread keeps sending point-to-point pings among A's members (on a duplicate of
 its communicator made before the accept) while the accept/merge thread is blocked: can the process go on?
 
 Files per scenario: ``a-R.json`` (A's rank R: the stage its accept thread reached, times, pings), ``b-I.json``
-(newcomer I: its clocks), ``fault.json`` (when the process that was killed died), ``slurm-*.out``.
+(newcomer I: its clocks), ``fault.json`` (when the process that was killed died), ``cancel-0*`` (the canceller),
+``slurm-*.out`` (with each process's timestamped stages), ``result.json``; ``OUT_DIR/table.json``: the rows.
 """
 from __future__ import annotations
 
