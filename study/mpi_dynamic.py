@@ -608,6 +608,7 @@ def main(argv=None) -> None:
         ap.error(f"--kill-ms {a.kill_ms!r}: expected comma-separated milliseconds, e.g. 3,8,15")
     os.makedirs(a.out_dir, exist_ok=True)
     jobs = Jobs()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` or a kill: still cancel the jobs (finally)
     rows = []
     kill_ms = [float(x) for x in a.kill_ms.split(",") if x]
     try:
