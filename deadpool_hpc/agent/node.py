@@ -45,7 +45,7 @@ from .desk import SnapshotDesk
 from .metrics import NodeMetrics
 from .persister import Persister
 from .planned import PlannedSwaps
-from .preflight import SpeedCheck
+from .preflight import PreflightStopped, SpeedCheck
 from .recovery import Recovery
 from .rendezvous import Rendezvous
 from .sparecheck import SpareChecks
@@ -60,10 +60,6 @@ STARTUP_HEARTBEAT_DEADLINE_S = 5.0
 # an exited training process's stderr may still hold its last words: the most its agent waits for the pipe's end
 # before it declares the node failed (the end comes with the process's, unless a child of it holds its stderr)
 STDERR_WAIT_S = 0.2
-
-
-class _Stopped(Exception):
-    """(``NodeAgent._tick_or_stop``) This node failed during the start-up's pre-flight: ends its waits."""
 
 
 class NodeAgent:
@@ -278,7 +274,7 @@ class NodeAgent:
         if self.cfg.preflight.factor:   # links with the neighbour nodes, the timed matmul (agent/preflight.py)
             try:
                 verdict = self.speed.at_startup(self._tick_or_stop, deadline)
-            except _Stopped:
+            except PreflightStopped:
                 return
             if verdict:
                 cause, why = verdict
@@ -301,10 +297,10 @@ class NodeAgent:
 
     def _tick_or_stop(self, timeout: float = 0.0) -> None:
         """``tick`` for the start-up's pre-flight (agent/preflight.py), whose waits know nothing of a pending exit:
-        raises _Stopped, which ``_start`` catches right above that call, once this node failed."""
+        raises PreflightStopped, which ``_start`` catches right above that call, once this node failed."""
         self.tick(timeout)
         if self.pending_exit is not None:
-            raise _Stopped()
+            raise PreflightStopped()
 
     def restart_as_spare(self) -> None:
         """(agent/comeback.py) Readmitted: forget the failed processes' state, start fresh ones and make them spares
