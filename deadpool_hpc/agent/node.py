@@ -36,7 +36,9 @@ from ..cause import signal_name
 from ..control.crashloop import WorkFailure, end_of
 from ..control.messages import Finished, Over
 from ..errors import STARTUP_FAILED_EXIT, Fenced
-from ..ipc.messages import Finish, Layout, Left, LinkAnswer, MatmulFigure, RoundFailed, Slots, Spare, Train, View
+from ..faultinject.messages import FireNode, Inject, InjectSpare
+from ..ipc.messages import (AbortAsk, Finish, Layout, Left, LinkAnswer, MatmulFigure, RoundFailed, Slots, Spare, Train,
+                            Trained, View)
 from ..ipc.shm import Doorbell
 from ..placement import held_by, holders_of
 from ..rundir import RunDir, latest_checkpoint
@@ -377,24 +379,29 @@ class NodeAgent:
             self.recovery.on_left(local, Left.from_wire(body))
         elif kind == RoundFailed.KIND:
             self.recovery.on_round_failed(local, RoundFailed.from_wire(body))
-        elif kind == "fault":
-            self.faults.fire_node(body)
-        elif kind == "inject_spare":
-            self.peers.send(int(body["node"]), "inject", body)
-        elif kind == "finished":
-            # the training process's ``finished`` (worker/entry.py): ValueError for steps that are not an int or null
-            self.cp.finish(Finished.from_wire({"steps": body.get("steps")}))
-        elif kind == "abort":  # an error in the user's code: the whole job stops (every agent is told)
+        elif kind == FireNode.KIND:   # a test's fault on this whole node (faultinject/inject.py)
+            if (fault := self._answer(local, FireNode, body)) is not None:
+                self.faults.fire_node(fault)
+        elif kind == InjectSpare.KIND:   # ... on a spare node: passed on to its agent (``_on_inject`` there)
+            if (ask := self._answer(local, InjectSpare, body)) is not None:
+                self.peers.send(ask.node, Inject.KIND, Inject(ask.node, ask.fault).to_wire())
+        elif kind == Trained.KIND:   # training rank 0 completed the run (worker/context.py)
+            # a malformed one ends the run all the same (said): the kind is what counts, its steps are information
+            done = self._answer(local, Trained, body) or Trained()
+            self.cp.finish(Finished(done.steps))
+        elif kind == AbortAsk.KIND:  # an error in the user's code: the whole job stops (every agent is told)
             from ..errors import JobAborted
 
-            self.cp.abort(str(body.get("error")))
-            raise JobAborted(f"training process {local} failed: {body.get('error')}")
+            # a malformed one stops the job all the same (said): the kind is what counts
+            ask = self._answer(local, AbortAsk, body) or AbortAsk(f"(a malformed abort message: {body!r:.200})")
+            self.cp.abort(ask.error)
+            raise JobAborted(f"training process {local} failed: {ask.error}")
         elif kind == "closed" and self.state not in (NodeState.DONE, NodeState.SAVED):
             pass  # the supervisor reports the exit itself (with its status)
 
     def _answer(self, local: int, cls, body: dict):
-        """A training process's pre-flight answer read into ``cls``; None for a malformed one, dropped and said (its
-        process counts as not answering)."""
+        """A training process's message read into ``cls``; None for a malformed one, dropped and said
+        (``bad_message``; a pre-flight answer's process then counts as not answering)."""
         try:
             return cls.from_wire(body)
         except ValueError as exc:
@@ -538,8 +545,14 @@ class NodeAgent:
         self.pending_exit = PendingExit(reason, cause, returning=False)
 
     def _on_inject(self, body: dict) -> None:
-        """(control thread) Training rank 0 asks this (spare) node to fire a fault on itself."""
-        self.faults.on_message(body)
+        """(control thread) Training rank 0 asks this (spare) node to fire a fault on itself (``Inject``); a malformed
+        ask is dropped and said (``bad_message``), never fired."""
+        try:
+            msg = Inject.from_wire(body)
+        except ValueError as exc:
+            self.log.emit("bad_message", kind=Inject.KIND, error=str(exc)[:300])
+            return
+        self.faults.on_message(msg)
 
     def _restore_send_hook(self, rank: int, step: int, sent: int, total: int) -> None:
         """(a restore's send thread, agent/recovery.py) A replica is sent only for a recovery's restore: halfway
