@@ -45,15 +45,6 @@ class Fenced(RuntimeError):
     it learns so from a ``fenced`` notice or from the decision, and must stop."""
 
 
-class Returning(RuntimeError):
-    """This node's training processes failed (an exit, a hang) while its agent lives on: the agent has ended them and
-    told the others, and now checks the node and asks to return to the spare pool (agent/comeback.py)."""
-
-    def __init__(self, reason: str, cause: str):
-        super().__init__(reason)
-        self.reason, self.cause = reason, cause
-
-
 class RunFinished(RuntimeError):
     """The run completed (rank 0 said so) while this process was recovering: it has nothing left to do."""
 

@@ -36,7 +36,9 @@ from ..cause import signal_name
 from ..control.crashloop import WorkFailure, end_of
 from ..control.messages import Finished, Over
 from ..errors import STARTUP_FAILED_EXIT, Fenced
-from ..ipc.messages import Finish, Layout, Left, LinkAnswer, MatmulFigure, RoundFailed, Slots, Spare, Train, View
+from ..faultinject.messages import FireNode, Inject, InjectSpare
+from ..ipc.messages import (AbortAsk, Finish, Layout, Left, LinkAnswer, MatmulFigure, RoundFailed, Slots, Spare, Train,
+                            Trained, View)
 from ..ipc.shm import Doorbell
 from ..placement import held_by, holders_of
 from ..rundir import RunDir, latest_checkpoint
@@ -45,7 +47,7 @@ from .desk import SnapshotDesk
 from .metrics import NodeMetrics
 from .persister import Persister
 from .planned import PlannedSwaps
-from .preflight import SpeedCheck
+from .preflight import PreflightStopped, SpeedCheck
 from .recovery import Recovery
 from .rendezvous import Rendezvous
 from .sparecheck import SpareChecks
@@ -60,10 +62,6 @@ STARTUP_HEARTBEAT_DEADLINE_S = 5.0
 # an exited training process's stderr may still hold its last words: the most its agent waits for the pipe's end
 # before it declares the node failed (the end comes with the process's, unless a child of it holds its stderr)
 STDERR_WAIT_S = 0.2
-
-
-class _Stopped(Exception):
-    """(``NodeAgent._tick_or_stop``) This node failed during the start-up's pre-flight: ends its waits."""
 
 
 class NodeAgent:
@@ -281,7 +279,7 @@ class NodeAgent:
         if self.cfg.preflight.factor:   # links with the neighbour nodes, the timed matmul (agent/preflight.py)
             try:
                 verdict = self.speed.at_startup(self._tick_or_stop, deadline)
-            except _Stopped:
+            except PreflightStopped:
                 return
             if verdict:
                 cause, why = verdict
@@ -304,10 +302,10 @@ class NodeAgent:
 
     def _tick_or_stop(self, timeout: float = 0.0) -> None:
         """``tick`` for the start-up's pre-flight (agent/preflight.py), whose waits know nothing of a pending exit:
-        raises _Stopped, which ``_start`` catches right above that call, once this node failed."""
+        raises PreflightStopped, which ``_start`` catches right above that call, once this node failed."""
         self.tick(timeout)
         if self.pending_exit is not None:
-            raise _Stopped()
+            raise PreflightStopped()
 
     def restart_as_spare(self) -> None:
         """(agent/comeback.py) Readmitted: forget the failed processes' state, start fresh ones and make them spares
@@ -386,24 +384,29 @@ class NodeAgent:
             self.recovery.on_left(local, Left.from_wire(body))
         elif kind == RoundFailed.KIND:
             self.recovery.on_round_failed(local, RoundFailed.from_wire(body))
-        elif kind == "fault":
-            self.faults.fire_node(body)
-        elif kind == "inject_spare":
-            self.peers.send(int(body["node"]), "inject", body)
-        elif kind == "finished":
-            # the training process's ``finished`` (worker/entry.py): ValueError for steps that are not an int or null
-            self.cp.finish(Finished.from_wire({"steps": body.get("steps")}))
-        elif kind == "abort":  # an error in the user's code: the whole job stops (every agent is told)
+        elif kind == FireNode.KIND:   # a test's fault on this whole node (faultinject/inject.py)
+            if (fault := self._answer(local, FireNode, body)) is not None:
+                self.faults.fire_node(fault)
+        elif kind == InjectSpare.KIND:   # ... on a spare node: passed on to its agent (``_on_inject`` there)
+            if (ask := self._answer(local, InjectSpare, body)) is not None:
+                self.peers.send(ask.node, Inject.KIND, Inject(ask.node, ask.fault).to_wire())
+        elif kind == Trained.KIND:   # training rank 0 completed the run (worker/context.py)
+            # a malformed one ends the run all the same (said): the kind is what counts, its steps are information
+            done = self._answer(local, Trained, body) or Trained()
+            self.cp.finish(Finished(done.steps))
+        elif kind == AbortAsk.KIND:  # an error in the user's code: the whole job stops (every agent is told)
             from ..errors import JobAborted
 
-            self.cp.abort(str(body.get("error")))
-            raise JobAborted(f"training process {local} failed: {body.get('error')}")
+            # a malformed one stops the job all the same (said): the kind is what counts
+            ask = self._answer(local, AbortAsk, body) or AbortAsk(f"(a malformed abort message: {body!r:.200})")
+            self.cp.abort(ask.error)
+            raise JobAborted(f"training process {local} failed: {ask.error}")
         elif kind == "closed" and self.state not in (NodeState.DONE, NodeState.SAVED):
             pass  # the supervisor reports the exit itself (with its status)
 
     def _answer(self, local: int, cls, body: dict):
-        """A training process's pre-flight answer read into ``cls``; None for a malformed one, dropped and said (its
-        process counts as not answering)."""
+        """A training process's message read into ``cls``; None for a malformed one, dropped and said
+        (``bad_message``; a pre-flight answer's process then counts as not answering)."""
         try:
             return cls.from_wire(body)
         except ValueError as exc:
@@ -547,8 +550,14 @@ class NodeAgent:
         self.pending_exit = PendingExit(reason, cause, returning=False)
 
     def _on_inject(self, body: dict) -> None:
-        """(control thread) Training rank 0 asks this (spare) node to fire a fault on itself."""
-        self.faults.on_message(body)
+        """(control thread) Training rank 0 asks this (spare) node to fire a fault on itself (``Inject``); a malformed
+        ask is dropped and said (``bad_message``), never fired."""
+        try:
+            msg = Inject.from_wire(body)
+        except ValueError as exc:
+            self.log.emit("bad_message", kind=Inject.KIND, error=str(exc)[:300])
+            return
+        self.faults.on_message(msg)
 
     def _restore_send_hook(self, rank: int, step: int, sent: int, total: int) -> None:
         """(a restore's send thread, agent/recovery.py) A replica is sent only for a recovery's restore: halfway

@@ -116,6 +116,13 @@ def blame(mine: dict[int, bool], theirs: dict[int, dict[int, bool]], me: int) ->
     return None
 
 
+class PreflightStopped(Exception):
+    """This node failed while its start-up checks ran (a training process exited, a planned fault fired: its agent's
+    ``pending_exit`` is set). Raised by the ``tick`` a node agent hands ``SpeedCheck.at_startup`` (agent/node.py
+    ``_tick_or_stop``) to end the checks' waits; ``at_startup`` lets it through, and its caller ends the start-up
+    without a verdict (the agent's loop acts on the failure)."""
+
+
 class LinkCheck:
     """The agent's half of the link check (the module docstring): ``channel`` to this node's ``P`` training
     processes. ``run`` at start-up (blocking); ``ask`` then ``collect`` for an idle spare's re-check."""
@@ -237,7 +244,8 @@ class SpeedCheck:
     def at_startup(self, tick, deadline: float) -> tuple[str, str] | None:
         """Run the start-up checks, the matmul then the links (blocking, ticking the agent's loop). Returns (cause,
         why) when this node fails one (cause ``preflight_slow`` or ``preflight_link``; a slow node's links may time
-        out too: slow is said first), or None."""
+        out too: slow is said first), or None. ``tick(timeout)`` runs the agent's loop between the waits; what it
+        raises ends the checks (PreflightStopped: this node failed meanwhile)."""
         cp, me, t_start = self.cp, self.cp.me, time.monotonic()
         alive = lambda: set(cp.peers.alive())  # noqa: E731
         active = {m // self.P for m in cp.assignment}   # their build is waited for anyway: step 0 needs every rank

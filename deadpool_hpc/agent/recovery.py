@@ -5,7 +5,7 @@ Each round: tell the node's training processes (``Failure``) and wait until each
 (``Left``: how far it got); pause the replicas (``Replicator.quiesce``) and drop the desk's pending claims; report
 to the coordinator and get the decision (``ControlPlane.recover``: control/plane.py, agreement.py); send the
 replicas this node is the source of (``Replicator.send_restore``, on threads) and receive those of the ranks it takes
-over (``expect_restore``, ``wait_restore``: replica/restore.py); meet the new generation's other agents
+over (``expect_restore``, ``poll_restore`` between ticks: replica/restore.py); meet the new generation's other agents
 (``ControlPlane.barrier``), open its store, and send each training process its role (``Train`` with a ``Restore``,
 or ``Spare``: ipc/messages.py). A failure at any moment (``PeerFailure``) ends the round and starts the next;
 ``MAX_FAILED_ROUNDS`` in a row end the run. A training process whose join or restore fails says so
@@ -41,6 +41,7 @@ from ..rundir import latest_checkpoint
 from .state import NodeState
 
 MAX_FAILED_ROUNDS = 8
+RESTORE_POLL_S = 0.005   # the restore's wait between two ticks of the agent's loop, seconds (its arrival ends it)
 
 
 class RecoveryHost(Protocol):
@@ -58,7 +59,7 @@ class RecoveryHost(Protocol):
     P: int                   # ranks per node
     node: int                # this node's index
     resume: dict | None      # LATEST of the checkpoint this attempt resumed from (step, high_water), or None
-    reps: dict               # local rank -> Replicator: quiesce(), report(), expect_restore(), wait_restore(),
+    reps: dict               # local rank -> Replicator: quiesce(), report(), expect_restore(), poll_restore(),
     #                          send_restore(), own, held(rank)
     layouts: dict            # local rank -> StateLayout (read only)
     checkpoint_dir: str      # RUN_DIR/checkpoint
@@ -264,7 +265,9 @@ class Recovery:
             if r in decision.fresh:
                 slots[local] = None   # a fresh start: the training process takes its own initial state
             elif r in decision.sources:
-                slots[local] = a.reps[local].wait_restore(a.cp.failure, cfg.timeouts.wait_timeout)   # (expected above)
+                slots[local] = self._await_restore(a.reps[local], cfg.timeouts.wait_timeout)   # (expected above)
+                if slots[local] is None:   # this node failed while it waited
+                    return None
             else:
                 slots[local] = a.reps[local].own.get(decision.cut_step)
         trainers = sorted({decision.assignment[r] // P for r in range(cfg.layout.world_size)})
@@ -287,6 +290,18 @@ class Recovery:
                 failed_nodes=tuple(decision.failed_nodes), round=self.rounds, t_fail=t_fail, t_agreed=time.time())
             a.send_role(local, Train(a.view(), r, cfg.layout.world_size, self.high_water, a.resume, plan))
         return RecoveryEnd(NodeState.TRAINING, f"recovery round {self.rounds}: training ranks of generation {g}")
+
+    def _await_restore(self, rep, timeout: float):
+        """The restore ``rep`` expects (``Replicator.poll_restore``), ticking the agent's loop meanwhile: a poll of up to
+        ``RESTORE_POLL_S`` on the replica's own wake-up, then a tick, until it arrived or ``timeout`` seconds passed
+        (PeerFailure, as ``wait_restore``'s). None once this node failed meanwhile (``exiting``). Raises what
+        ``poll_restore`` raises (ReplicaError; PeerFailure: the transfer broke off, the failure flag, the deadline)."""
+        a, since = self.agent, time.monotonic()
+        while (slot := rep.poll_restore(a.cp.failure, since, timeout, RESTORE_POLL_S)) is None:
+            a.tick(0.0)
+            if a.exiting:
+                return None
+        return slot
 
     def _send_restores(self, decision: Decision) -> None:
         """Send every replica this node is the source of (``decision.sources``) to the process that restores it, one

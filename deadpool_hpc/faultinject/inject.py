@@ -9,7 +9,8 @@ above the job's high-water step), phase faults the first time their phase comes.
 
 Two halves. ``RankFaults`` runs in a training process: step faults, and the phases a training process goes
 through (build and first at the start, rebuild, restore, resume); a node target there is fired by the node's agent
-(``send("fault")``), a spare node by training rank 0's agent (``send("inject_spare")``, over the control plane).
+(``FireNode``), a spare node by training rank 0's agent (``InjectSpare``, passed on over the control plane as
+``Inject``): faultinject/messages.py.
 ``NodeFaults`` runs in the node agent: the phases it goes through (startup, once its training processes are
 spawned; detect, agree, decided, and restore while it sends a replica), and node faults asked for by its training
 processes or by another agent.
@@ -31,6 +32,8 @@ import signal
 import threading
 import time
 
+from .messages import FireNode, Inject, InjectSpare, NicDown
+
 AGENT_PHASES = ("startup", "detect", "agree", "decided")
 RANK_PHASES = ("build", "first", "rebuild", "restore", "resume")
 
@@ -40,7 +43,8 @@ def _signal(kind: str) -> signal.Signals:
 
 
 class RankFaults:
-    """A training process's share. node/local: where it sits; log: EventLog; send(kind, body): to its agent."""
+    """A training process's share. node/local: where it sits; log: EventLog; send(kind, body): to its agent (a
+    ``FireNode`` or an ``InjectSpare``'s kind and wire form)."""
 
     def __init__(self, faults, *, node: int, local: int, ranks_per_node: int, log, send):
         self.steps = sorted((f for f in faults if f.phase is None), key=lambda f: (f.step, f.target_kind, f.index))
@@ -60,11 +64,11 @@ class RankFaults:
                 continue
             if f.index in active_nodes:
                 if f.index == self.node and self.local == 0:  # the node's first process asks for the whole node
-                    self.send("fault", {"kind": f.kind, "target": f.target, "step": step, "factor": f.factor})
+                    self.send(FireNode.KIND, FireNode(f.kind, f.target, f.factor, step=step).to_wire())
             elif train_rank == 0:
                 if f.index in spare_nodes:
-                    self.send("inject_spare", {"node": f.index, "kind": f.kind, "target": f.target, "step": step,
-                                               "factor": f.factor})
+                    ask = InjectSpare(f.index, FireNode(f.kind, f.target, f.factor, step=step))
+                    self.send(InjectSpare.KIND, ask.to_wire())
                 else:
                     self.log.emit("fault_skipped", kind=f.kind, target=f.target, step=step,
                                   reason=f"node{f.index} is neither training nor a live spare at step {step} (lost)")
@@ -79,7 +83,7 @@ class RankFaults:
             elif f.target_kind == "node" and f.index == self.node and (self.local == 0 or phase == "build"):
                 # (build: whichever of the node's processes gets there first; the agent fires the node once)
                 self.fired.add(f)
-                self.send("fault", {"kind": f.kind, "target": f.target, "phase": f.when, "factor": f.factor})
+                self.send(FireNode.KIND, FireNode(f.kind, f.target, f.factor, phase=f.when).to_wire())
 
     def _fire_self(self, kind: str, target: str, step=None, phase=None) -> None:
         sig = _signal(kind)
@@ -92,7 +96,7 @@ class RankFaults:
 class NodeFaults:
     """A node agent's share. node: this node; pids(): this node's training processes' pids by local rank;
     rank_local(rank) -> local rank on this node holding training ``rank`` now, or None; log: EventLog;
-    tell_local(kind, body): send every training process of this node a message (``nic_down``)."""
+    tell_local(kind, body): send every training process of this node a message (``NicDown``'s kind and wire form)."""
 
     def __init__(self, faults, *, node: int, log, pids, rank_local, tell_local=None):
         self.phases = [f for f in faults if f.phase in AGENT_PHASES + ("restore",) and f.kind != "nic_down"]
@@ -117,7 +121,7 @@ class NodeFaults:
                     continue
                 self.fired.add(f)
             if f.target_kind == "node":
-                self.fire_node({"kind": f.kind, "target": f.target, "phase": f.when, "factor": f.factor})
+                self.fire_node(FireNode(f.kind, f.target, f.factor, phase=f.when))
             else:
                 pid = self.pids()[self.rank_local(f.index)]
                 sig = _signal(f.kind)
@@ -134,39 +138,37 @@ class NodeFaults:
             return f.index == self.node
         return self.rank_local(f.index) is not None
 
-    def on_message(self, body: dict) -> None:
-        """Another agent (training rank 0's) asks this spare node to fire on itself."""
-        key = (body.get("target"), body.get("step"))
+    def on_message(self, msg: Inject) -> None:
+        """Another agent (training rank 0's) asks this spare node to fire on itself (once per target and step)."""
+        key = (msg.fault.target, msg.fault.step)
         if key not in self.fired:
             self.fired.add(key)
-            self.fire_node(body)
+            self.fire_node(msg.fault)
 
-    def slow_node(self, body: dict) -> None:
+    def slow_node(self, fault: FireNode) -> None:
         """``--slow``: this node's training processes run 1/factor of the time from now on (once per node: at
         ``build`` each of them asks)."""
         if self.slowdown is not None:
             return
         pids = list(self.pids().values())
-        self.log.emit("fault_injected", kind="slow", target=body["target"], step=body.get("step"),
-                      phase=body.get("phase"),
-                      node=self.node, pids=pids, factor=body["factor"], signal="SIGSTOP/SIGCONT")
+        self.log.emit("fault_injected", kind="slow", target=fault.target, step=fault.step, phase=fault.phase,
+                      node=self.node, pids=pids, factor=fault.factor, signal="SIGSTOP/SIGCONT")
         self.log.sync()
-        self.slowdown = Slowdown(pids, float(body["factor"])).start()
+        self.slowdown = Slowdown(pids, float(fault.factor)).start()
 
-    def fire_node(self, body: dict) -> None:
+    def fire_node(self, fault: FireNode) -> None:
         """The whole node: its training processes, then this agent (a node crash / freeze); or, for ``slow``, its
         training processes made ``factor`` times slower; for ``nic_down`` (a spare's, at a step), its training
         processes' gloo given an interface that does not exist (``tell_local``)."""
-        if body["kind"] == "slow":
-            return self.slow_node(body)
-        if body["kind"] == "nic_down":
-            ifname = _nic_down_injected(self.log, body["target"], self.node, body.get("step"),
-                                        list(self.pids().values()))
-            return self.tell_local("nic_down", {"ifname": ifname})
-        sig = _signal(body["kind"])
+        if fault.kind == "slow":
+            return self.slow_node(fault)
+        if fault.kind == "nic_down":
+            ifname = _nic_down_injected(self.log, fault.target, self.node, fault.step, list(self.pids().values()))
+            return self.tell_local(NicDown.KIND, NicDown(ifname).to_wire())
+        sig = _signal(fault.kind)
         pids = list(self.pids().values())
-        self.log.emit("fault_injected", kind=body["kind"], target=body["target"], step=body.get("step"),
-                      phase=body.get("phase"), node=self.node, pids=pids + [os.getpid()], signal=sig.name)
+        self.log.emit("fault_injected", kind=fault.kind, target=fault.target, step=fault.step,
+                      phase=fault.phase, node=self.node, pids=pids + [os.getpid()], signal=sig.name)
         self.log.sync()
         for pid in pids:
             try:

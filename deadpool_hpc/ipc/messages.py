@@ -22,8 +22,10 @@ high_water, resume).
 The generation store: a training process's ``AgentStore`` (worker/client.py) sends ``STORE_REQUESTS`` with a
 ``generation``; its agent's ``GenerationStore`` of that generation (agent/store.py) answers ``StoreReply``. The
 others: the admission (``Hello``, ``Welcome``, ``Refused``: agent/channel.py), the snapshot slots (``Layout``,
-``Slots``) and the start-up pre-flight (``MatmulAsk`` / ``MatmulFigure``, ``LinkAsk`` / ``LinkAnswer``:
-agent/preflight.py, worker/preflight.py), each described where it is defined.
+``Slots``), the start-up pre-flight (``MatmulAsk`` / ``MatmulFigure``, ``LinkAsk`` / ``LinkAnswer``:
+agent/preflight.py, worker/preflight.py) and the end of a run (``Trained``: rank 0 finished; ``AbortAsk``: the user's
+code failed), each described where it is defined. Fault injection's (``fault``, ``inject_spare``, ``nic_down``) are
+faultinject/messages.py's.
 """
 from __future__ import annotations
 
@@ -320,3 +322,23 @@ class LinkAnswer(Message, plane=TO_AGENT, kind="link"):
 
     id: int | str | None
     pairs: dict[NodeId, LinkResult]
+
+
+# ---- the end of a run, as training rank 0 / a training process says it ----------------------------------------------
+@dataclass(frozen=True)
+class Trained(Message, plane=TO_AGENT, kind="finished"):
+    """(training rank 0 -> its agent) The run is complete after ``steps`` steps (None: not said); its agent ends
+    the job (control/messages.py ``Finished``)."""
+
+    steps: int | None = None
+
+
+@dataclass(frozen=True)
+class AbortAsk(Message, plane=TO_AGENT, kind="abort"):
+    """(a training process -> its agent) The user's code raised ``error`` (its type and message, <= 2000
+    characters): the whole job stops (control/messages.py ``Abort``, to every agent)."""
+
+    error: str
+
+    def to_wire(self) -> dict:
+        return dict(super().to_wire(), error=self.error[:2000])

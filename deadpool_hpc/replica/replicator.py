@@ -152,13 +152,19 @@ class Replicator:
     # ---- restore (replica/restore.py: the wire, what is checked, what is raised) --------------------------------
     def expect_restore(self, rank: int, step: int, generation: int) -> None:
         """Accept from now on the copy of training rank ``rank``'s ``step`` that its source sends for ``generation``
-        (``wait_restore`` takes it)."""
+        (``wait_restore`` or ``poll_restore`` takes it)."""
         _restore.expect(self.state, rank, step, generation)
 
     def wait_restore(self, failure: threading.Event, timeout: float) -> Slot:
         """The expected copy, verified, in an own slot; raises ReplicaError (no such copy at the source, a mismatch)
         or PeerFailure (the transfer broke off, ``failure`` set, ``timeout`` seconds passed)."""
         return _restore.wait(self.state, failure, timeout)
+
+    def poll_restore(self, failure: threading.Event, since: float, timeout: float, for_s: float) -> Slot | None:
+        """``wait_restore`` in pieces (the node agent ticks its loop between them): waits up to ``for_s`` seconds of
+        the wait that began at monotonic ``since`` and ends ``timeout`` seconds later; None while the copy has not
+        arrived and the end is ahead (poll again). Raises as ``wait_restore`` does (PeerFailure once the end passed)."""
+        return _restore.poll(self.state, failure, since, timeout, for_s)
 
     def send_restore(self, address, rank: int, step: int, generation: int, failure: threading.Event,
                      timeout: float) -> None:

@@ -1,6 +1,7 @@
 """Restores over the replica plane: the process chosen as a rank's source sends its verified copy of the cut step to
 the process that restores the rank (``send``); that one expects it (``expect``), receives it into an own slot on its
-replica server's handler thread (``receive``) and hands it to its agent (``wait``).
+replica server's handler thread (``receive``) and hands it to its agent (``wait``, or ``poll`` between the agent's
+other work).
 
 Wire, source -> target: ``restore {generation, rank, step, ok, reason, nbytes, crc}`` -> ``go {ok, retry, reason}``
 -> payload -> ``ack {ok, reason}``. The target accepts only the restore it expects (generation, rank and step of
@@ -60,24 +61,41 @@ def wait(st: ReplicaState, failure: threading.Event, timeout: float) -> Slot:
     checks. Raises ReplicaError when the source holds no such copy or what arrived does not match (naming both),
     PeerFailure when the transfer broke off, ``failure`` is set, the state is closed, or ``timeout`` seconds pass.
     Returns or raises within ``timeout`` (+ ~POLL_S); notices ``failure`` within POLL_S."""
-    deadline = time.monotonic() + timeout
+    return _await(st, failure, time.monotonic(), timeout, None)
+
+
+def poll(st: ReplicaState, failure: threading.Event, since: float, timeout: float, for_s: float) -> Slot | None:
+    """``wait`` in pieces, for a waiter that does other work between them (the node agent ticks its loop): the wait
+    that began at monotonic ``since`` and ends ``timeout`` seconds later, for at most ``for_s`` seconds now. None
+    while the copy has not arrived and the end is ahead (the expectation stays: poll again); else returns or raises
+    as ``wait`` does (PeerFailure once the end passed, naming ``timeout``)."""
+    return _await(st, failure, since, timeout, time.monotonic() + for_s)
+
+
+def _await(st: ReplicaState, failure: threading.Event, since: float, timeout: float, until: float | None) -> Slot | None:
+    deadline = since + timeout
     with st.lock:
         e = st.expected
         if e is None:
             raise ReplicaError("no restore is expected here (expect first)")
+        ended = True   # the wait ends here (returned or raised): the expectation with it
         try:
             while e.slot is None and e.error is None:
                 why = ("failure flag set" if failure.is_set() else None) or ("closed" if st.closed else None)
-                if why is None and time.monotonic() > deadline:
+                now = time.monotonic()
+                if why is None and now > deadline:
                     why = f"it did not arrive within {timeout:g} s"
                 if why is not None:
                     raise PeerFailure(f"{e.what()}: {why}")
-                st.cv.wait(POLL_S)
+                if until is not None and now >= until:
+                    ended = False
+                    return None
+                st.cv.wait(POLL_S if until is None else max(0.0, min(POLL_S, until - now)))
             if e.error is not None:
                 raise e.error
             return e.slot
         finally:
-            if st.expected is e:
+            if ended and st.expected is e:
                 st.expected = None
 
 

@@ -31,7 +31,8 @@ from ..dataplane.collectives import Watch
 from ..dataplane.groups import device_for
 from ..errors import PeerFailure
 from ..faultinject.inject import RankFaults
-from ..ipc.messages import Failure, Finish, Left, LinkAsk, MatmulAsk, Spare, Train
+from ..faultinject.messages import NicDown
+from ..ipc.messages import Failure, Finish, Left, LinkAsk, MatmulAsk, Spare, Train, Trained
 from ..replica.devicecopy import DeviceCopier
 from ..replica.snapshot import Slot, StateLayout
 from ..replica.writer import SnapshotWriter
@@ -107,7 +108,8 @@ class Context(Recovering):
         client.on(MatmulAsk.KIND, lambda body: preflight.answer(client, self.device, MatmulAsk.from_wire(body)))
         client.on(LinkAsk.KIND, lambda body: preflight.link_answer(client, LinkAsk.from_wire(body)))
         # a test's --nic-down nodeI@STEP (faultinject/inject.py): from now on, every gloo group this process builds
-        client.on("nic_down", lambda body: os.environ.__setitem__("GLOO_SOCKET_IFNAME", str(body.get("ifname"))))
+        client.on(NicDown.KIND, lambda body: os.environ.__setitem__("GLOO_SOCKET_IFNAME",
+                                                                    NicDown.from_wire(body).ifname))
         _local_default_group()
 
     # ---- what the training function uses ---------------------------------------------------
@@ -364,7 +366,8 @@ class Context(Recovering):
     # ---- the end -----------------------------------------------------------------------------
     def _finish(self) -> None:
         if self.rank == 0:
-            self._client.send("finished", {"steps": self.step})  # first: hashing a large model takes a while
+            # first: hashing a large model takes a while
+            self._client.send(Trained.KIND, Trained(self.step).to_wire())
             replicate = self.config.replication.replicate
             self._log.emit("finished", generation=self.generation, steps=self.step,
                            param_digest=self._state.param_digest(), world_size=self.world_size,

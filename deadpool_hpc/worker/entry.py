@@ -108,6 +108,7 @@ def main(argv=None) -> None:
     from ..errors import STARTUP_FAILED_EXIT
     from ..events import EventLog
     from ..logs import setup as setup_logging
+    from ..ipc.messages import AbortAsk
     from .client import AgentClient
     from ..process.lifeline import RUN_ENV
 
@@ -155,7 +156,7 @@ def main(argv=None) -> None:
             code = 1
             log.emit("error", error=error, traceback=traceback.format_exc()[-4000:])
             try:
-                client.send("abort", {"error": error[:2000]})
+                client.send(AbortAsk.KIND, AbortAsk(error[:2000]).to_wire())
             except Exception:  # noqa: BLE001 - the agent is gone: nothing to tell
                 pass
     log.sync()

@@ -250,7 +250,7 @@ def test_the_control_planes_parts_sit_below_it():
 # fault injection (deadpool_hpc/faultinject/: the test fault grammar, the pre-start survival check, the signals) is a
 # room of its own, below the configuration and the processes that fire faults, and out of the package's public names
 FAULTINJECT = f"{PKG}.faultinject"
-FAULTINJECT_DEPS = {f"{PKG}.errors", f"{PKG}.placement"}
+FAULTINJECT_DEPS = {f"{PKG}.errors", f"{PKG}.placement", f"{PKG}.ipc"}   # ipc: its messages' schema
 FAULTINJECT_USERS = {f"{PKG}.config", f"{PKG}.launch", f"{PKG}.agent", f"{PKG}.worker"}
 
 

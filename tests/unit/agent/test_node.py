@@ -67,3 +67,17 @@ def test_tick_does_nothing_while_an_exit_is_pending():
     assert a.exiting
     a.tick(0.0)
     assert a.calls == []   # not even the control messages: the agent's loop acts first
+
+
+def test_the_preflight_tick_ends_the_checks_with_a_public_error_once_the_node_failed():
+    """The start-up checks (agent/preflight.py) wait by ticking the agent's loop; once the node failed meanwhile the
+    tick raises PreflightStopped, which ``_start`` catches."""
+    from deadpool_hpc.agent.preflight import PreflightStopped
+
+    ticks = []
+    agent = SimpleNamespace(tick=ticks.append, pending_exit=None)
+    NodeAgent._tick_or_stop(agent, 0.005)
+    agent.pending_exit = PendingExit("training process 0 exited", "exit", returning=False)
+    with pytest.raises(PreflightStopped):
+        NodeAgent._tick_or_stop(agent, 0.005)
+    assert ticks == [0.005, 0.005]

@@ -5,6 +5,7 @@ process: the real rounds are tests/e2e/test_hotswap.py's, tests/e2e/test_never_h
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +17,7 @@ from deadpool_hpc.control.decision import Decision
 from deadpool_hpc.control.messages import Report
 from deadpool_hpc.errors import PeerFailure, RecoveryTimeout, RunFinished
 from deadpool_hpc.ipc.messages import Exit, Failure, Left, RoundFailed, Spare, Train, View
+from deadpool_hpc.replica import restore
 
 
 class Slot:
@@ -42,8 +44,8 @@ class Rep:
         self.calls.append(("expect_restore", r, step, g))
         self.slots.append(Slot(step, from_replica=True))
 
-    def wait_restore(self, flag, timeout):
-        self.calls.append("wait_restore")
+    def poll_restore(self, flag, since, timeout, for_s):
+        self.calls.append("poll_restore")
         return self.slots[-1]
 
 
@@ -174,7 +176,7 @@ def test_a_promoted_spare_restores_meets_the_trainers_and_is_told_its_rank():
     host.seal()
     end = rec.run()
     assert end.state == NodeState.TRAINING and end.exit_code is None
-    assert ("expect_restore", 1, 40, 1) in rep.calls and "wait_restore" in rep.calls
+    assert ("expect_restore", 1, 40, 1) in rep.calls and "poll_restore" in rep.calls
     assert cp.barrier_calls == [("rebuild1.0", [0, 2, 3], True)]   # the new trainers' nodes; it can stop early
     (local, role), = host.roles
     assert isinstance(role, Train) and role.rank == 1 and role.restore.promoted and role.restore.from_replica
@@ -246,3 +248,49 @@ def test_a_left_of_an_older_generation_starts_no_round_and_a_round_failed_of_a_r
     assert not rec.wanted()
     rec.on_round_failed(0, RoundFailed(generation=2, error="join failed"))
     assert rec.wanted() and not rec.processes_left()
+
+
+class Arriving:
+    """A Replicator whose restore is waited for by the real replica/restore.py ``poll`` on a bare state: the copy
+    arrives when ``arrive()`` is called (as a replica server's handler thread stamps it)."""
+
+    def __init__(self):
+        self.st = SimpleNamespace(lock=threading.RLock(), closed=False, expected=restore.Expected(1, 1, 40))
+        self.st.cv = threading.Condition(self.st.lock)
+        self.polls = []
+
+    def poll_restore(self, flag, since, timeout, for_s):
+        self.polls.append(for_s)
+        return restore.poll(self.st, flag, since, timeout, for_s)
+
+    def arrive(self):
+        with self.st.lock:
+            self.st.expected.slot = Slot(40, from_replica=True)
+            self.st.cv.notify_all()
+
+
+def test_the_restore_wait_ticks_the_agents_loop_until_the_copy_arrives():
+    rep, host = Arriving(), Host(CP([]))
+    host.tick = lambda timeout=0.0: (host.ticks.append(timeout), len(host.ticks) == 5 and rep.arrive())
+    slot = Recovery(host)._await_restore(rep, 30.0)
+    assert slot.step == 40 and slot.from_replica
+    assert len(host.ticks) == 5 and len(rep.polls) == 6   # a tick between two polls; the sixth poll takes the copy
+    assert rep.st.expected is None   # taken: the wait is over
+
+
+def test_the_restore_wait_keeps_its_deadline_and_stops_at_this_nodes_failure():
+    rep, host = Arriving(), Host(CP([]))
+    t0 = time.monotonic()
+    with pytest.raises(PeerFailure, match=r"replica of rank 1 step 40 .*: it did not arrive within 0\.3 s"):
+        Recovery(host)._await_restore(rep, 0.3)
+    waited = time.monotonic() - t0
+    assert 0.3 <= waited < 1.5, waited
+    assert len(host.ticks) >= 10 and rep.st.expected is None   # ticked all along (every ~5 ms), then given up
+    # the failure flag ends it at once
+    rep, host = Arriving(), Host(CP([]))
+    host.cp.failure.set()
+    with pytest.raises(PeerFailure, match="failure flag set"):
+        Recovery(host)._await_restore(rep, 30.0)
+    # this node failed while it waited: None, with the loop ticked once
+    rep, host = Arriving(), Host(CP([]), fail_in_tick=True)
+    assert Recovery(host)._await_restore(rep, 30.0) is None and len(host.ticks) == 1 and host.failed == ["exit"]

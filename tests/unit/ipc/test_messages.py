@@ -6,6 +6,7 @@ Run: DEADPOOL_SLURM_TESTS=0 .venv/bin/python -m pytest -q tests/unit/ipc/test_me
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -157,6 +158,7 @@ import paths  # noqa: E402
 from deadpool_hpc.agent import watch as _watch  # noqa: E402,F401 - registers the ring watch's
 from deadpool_hpc.control import messages as _control_messages  # noqa: E402,F401 - registers the control plane's
 from deadpool_hpc.control import membership as _membership  # noqa: E402,F401 - registers readmit
+from deadpool_hpc.faultinject import messages as _fault_messages  # noqa: E402,F401 - registers fault injection's
 from deadpool_hpc.process import forkserver as _forkserver  # noqa: E402,F401 - registers the fork server's
 from deadpool_hpc.ipc import schema  # noqa: E402
 from deadpool_hpc.replica import headers as _replica_headers  # noqa: E402,F401 - registers the replica stream's
@@ -174,13 +176,6 @@ _DISPATCH = {"process/forkserver.py": schema.FORKSERVER, "agent/watch.py": schem
 _ENCODES = {"control/peers.py": schema.CONTROL, "process/forkserver.py": schema.FORKSERVER,
             "agent/watch.py": schema.WATCH}
 _LOCAL = {(schema.TO_AGENT, "closed")}   # ChannelServer.poll's own report that a connection ended: never on a wire
-# kinds still read as dicts, each with its schema to come (their senders and handlers are in files other helpers
-# own this session): this list only shrinks
-UNTYPED = {
-    (schema.TO_AGENT, "fault"), (schema.TO_AGENT, "inject_spare"), (schema.TO_AGENT, "finished"),
-    (schema.TO_AGENT, "abort"), (schema.TO_WORKER, "nic_down"),
-    (schema.CONTROL, "inject"),
-}
 
 
 def _kind_of(node, consts: dict) -> str | None:
@@ -262,14 +257,11 @@ def kinds_in_the_code() -> dict[tuple[str, str], list[str]]:
 
 def test_every_message_kind_in_the_code_has_a_schema():
     found = kinds_in_the_code()
-    # the scan sees what it must: kinds of each plane, typed and untyped
+    # the scan sees what it must: kinds of each plane written as strings (a dispatcher's, a sender's)
     assert {(schema.CONTROL, "decision"), (schema.CONTROL, "inject"), (schema.TO_AGENT, "store_set"),
-            (schema.TO_AGENT, "fault"), (schema.TO_WORKER, "nic_down")} <= set(found)
-    untyped = {pk: where for pk, where in found.items()
-               if pk[1] not in schema.KINDS[pk[0]] and pk not in UNTYPED and pk not in _LOCAL}
+            (schema.TO_WORKER, "link")} <= set(found)
+    untyped = {pk: where for pk, where in found.items() if pk[1] not in schema.KINDS[pk[0]] and pk not in _LOCAL}
     assert not untyped, f"message kinds without a schema (ipc/schema.py): {untyped}"
-    stale = sorted(pk for pk in UNTYPED if pk[1] in schema.KINDS[pk[0]] or pk not in found)
-    assert not stale, f"UNTYPED lists kinds that have a schema now, or that the code no longer uses: {stale}"
 
 
 def test_the_scan_finds_a_new_untyped_kind(tmp_path, monkeypatch):
@@ -342,3 +334,91 @@ def test_the_replica_streams_and_the_fork_servers_messages_keep_the_dicts_they_r
     assert Watch(3).to_wire() == {"node": 3}
     with pytest.raises(ValueError, match="spawn message: key 'env' is .*; expected an object of str -> a string"):
         Spawn.from_wire(dict(spawn, env={"A": 1}))
+
+
+def test_the_fault_injections_and_the_runs_end_keep_the_dicts_they_replace():
+    from deadpool_hpc.faultinject.inject import NodeFaults, RankFaults
+    from deadpool_hpc.faultinject.messages import FireNode, Inject, InjectSpare, NicDown
+    from deadpool_hpc.faultinject.spec import parse_fault
+    from deadpool_hpc.ipc.messages import AbortAsk, Trained
+
+    sent = []
+    log = SimpleNamespace(emit=lambda *a, **k: None, sync=lambda: None)
+    faults = [parse_fault("slow", "node1@5:4"), parse_fault("kill", "node2@5"), parse_fault("kill", "node1@rebuild")]
+    rank = RankFaults(faults, node=1, local=0, ranks_per_node=1, log=log, send=lambda k, b: sent.append((k, b)))
+    rank.at_step(5, 0, active_nodes={0, 1}, spare_nodes=[2])
+    rank.at_phase("rebuild", 1, 0)
+    wire = [(k, json.loads(json.dumps(b))) for k, b in sent]
+    assert [k for k, _ in wire] == ["fault", "inject_spare", "fault"]
+    assert _same_frame(wire[0][1], {"kind": "slow", "target": "node1", "step": 5, "factor": 4.0})
+    assert _same_frame(wire[1][1], {"node": 2, "kind": "kill", "target": "node2", "step": 5, "factor": None})
+    assert _same_frame(wire[2][1], {"kind": "kill", "target": "node1", "phase": "rebuild", "factor": None})
+    assert FireNode.from_wire(wire[0][1]) == FireNode("slow", "node1", 4.0, step=5)
+    ask = InjectSpare.from_wire(wire[1][1])
+    assert ask == InjectSpare(2, FireNode("kill", "node2", None, step=5))
+    assert Inject.from_wire(Inject(ask.node, ask.fault).to_wire()) == Inject(2, ask.fault)
+    assert _same_frame(Inject(ask.node, ask.fault).to_wire(), wire[1][1])   # passed on key for key
+    # a spare's nic_down at a step: its agent tells its training processes the interface
+    told = []
+    node = NodeFaults([], node=2, log=log, pids=lambda: {}, rank_local=lambda r: None,
+                      tell_local=lambda k, b: told.append((k, b)))
+    node.on_message(Inject(2, FireNode("nic_down", "node2", None, step=7)))
+    node.on_message(Inject(2, FireNode("nic_down", "node2", None, step=7)))   # once per target and step
+    assert told == [("nic_down", {"ifname": NicDown.from_wire(told[0][1]).ifname})] and told[0][1]["ifname"]
+    assert _same_frame(Trained(7).to_wire(), {"steps": 7}) and Trained.from_wire({}) == Trained(None)
+    assert _same_frame(AbortAsk("ValueError: x").to_wire(), {"error": "ValueError: x"})
+    assert len(AbortAsk("e" * 3000).to_wire()["error"]) == 2000
+    with pytest.raises(ValueError, match="inject_spare message: key 'step' is '5'; expected an int or null"):
+        InjectSpare.from_wire(dict(wire[1][1], step="5"))
+    with pytest.raises(ValueError, match="fault message lacks key 'factor'"):
+        FireNode.from_wire({"kind": "kill", "target": "node1", "step": 5})
+
+
+class _Agent(SimpleNamespace):
+    """What NodeAgent._on_local / _on_inject use of the agent, recording what they do."""
+
+    def __init__(self):
+        from deadpool_hpc.agent.node import NodeAgent
+
+        super().__init__(events=[], fired=[], sent=[], finished=[], aborted=[], state=None)
+        self.log = SimpleNamespace(emit=lambda name, **f: self.events.append((name, f)))
+        self.peers = SimpleNamespace(fenced=None, send=lambda dest, kind, body: self.sent.append((dest, kind, body)))
+        self.faults = SimpleNamespace(fire_node=self.fired.append, on_message=self.fired.append)
+        self.cp = SimpleNamespace(finish=self.finished.append, abort=self.aborted.append)
+        self._answer = lambda local, cls, body: NodeAgent._answer(self, local, cls, body)
+        self.on_local = lambda local, kind, body: NodeAgent._on_local(self, local, kind, body)
+        self.on_inject = lambda body: NodeAgent._on_inject(self, body)
+
+
+def test_the_agent_reads_faults_and_the_runs_end_typed_and_refuses_a_malformed_fault():
+    from deadpool_hpc.control.messages import Finished
+    from deadpool_hpc.errors import JobAborted
+    from deadpool_hpc.faultinject.messages import FireNode, Inject
+
+    a = _Agent()
+    a.on_local(0, "fault", {"kind": "kill", "target": "node1", "step": 5, "factor": None})
+    a.on_local(0, "fault", {"kind": "kill", "target": "node1", "step": "5", "factor": None})   # malformed
+    assert a.fired == [FireNode("kill", "node1", None, step=5)]
+    assert a.events == [("bad_message", {"kind": "fault", "local": 0, "error": "fault message: key 'step' is '5'; "
+                                         "expected an int or null"})]
+    body = {"node": 3, "kind": "hang", "target": "node3", "step": 9, "factor": None}
+    a.on_local(0, "inject_spare", body)
+    a.on_local(0, "inject_spare", {"kind": "hang", "target": "node3", "step": 9, "factor": None})   # no node
+    assert len(a.sent) == 1 and a.sent[0][:2] == (3, "inject") and _same_frame(a.sent[0][2], body)
+    assert a.events[-1][1]["error"] == "inject_spare message lacks key 'node'"
+    # the spare's agent (control thread): fired typed, a malformed one never
+    a.fired.clear()
+    a.on_inject(a.sent[0][2])
+    a.on_inject({"node": 3, "kind": "hang", "target": 3, "factor": None})
+    assert a.fired == [Inject(3, FireNode("hang", "node3", None, step=9))]
+    assert a.events[-1] == ("bad_message", {"kind": "inject", "error": "inject message: key 'target' is 3; expected "
+                                            "a string"})
+    # the run's end: a malformed one ends it all the same (said), with its steps unknown
+    a.on_local(0, "finished", {"steps": 200})
+    a.on_local(0, "finished", {"steps": "200"})
+    assert a.finished == [Finished(200), Finished(None)] and a.events[-1][1]["kind"] == "finished"
+    with pytest.raises(JobAborted, match="training process 1 failed: ValueError: x"):
+        a.on_local(1, "abort", {"error": "ValueError: x"})
+    with pytest.raises(JobAborted, match="a malformed abort message"):
+        a.on_local(1, "abort", {})
+    assert a.aborted[0] == "ValueError: x" and "malformed" in a.aborted[1] and a.events[-1][1]["kind"] == "abort"
