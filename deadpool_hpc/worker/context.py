@@ -11,8 +11,8 @@ the next forward and backward. When the agent says a peer failed (or a collectiv
 the generation, tells its agent how far it got, and waits for its next role: train (join the new generation's
 process group through the agent-backed store, restore the cut step from the shared slot the agent filled,
 gather, resume), stay a spare, save and leave (75: requeue), or finish. A failure while it joins or restores
-ends that round; the agent starts the next (worker/recovery.py). Spare processes build the model and buffers, then
-wait in ``run``. The order of a step around the state (wait committed, all-reduce, claim, update, snapshot) is
+ends that round; the agent starts the next (worker/recovery.py's ``Recovery``, which the context holds). Spare
+processes build the model and buffers, then wait in ``run``. The order of a step around the state (wait committed, all-reduce, claim, update, snapshot) is
 ``StepSequence``'s (worker/steps.py); the state is a ``StepState`` of either kind (``ctx.protect``'s ``Protected``,
 ``ctx.zero_adamw``'s ``ShardedAdamW``).
 The contract is in docs/worker-contract.md.
@@ -32,12 +32,12 @@ from ..dataplane.groups import device_for
 from ..errors import PeerFailure
 from ..faultinject.inject import RankFaults
 from ..faultinject.messages import NicDown
-from ..ipc.messages import Failure, Finish, Left, LinkAsk, MatmulAsk, Spare, Train, Trained
+from ..ipc.messages import Failure, Finish, LinkAsk, MatmulAsk, Train, Trained
 from ..replica.devicecopy import DeviceCopier
 from ..replica.snapshot import Slot, StateLayout
 from ..replica.writer import SnapshotWriter
 from . import preflight
-from .recovery import Recovering
+from .recovery import Recovery
 from .steps import StepSequence, StepState
 from .zero import ShardedAdamW
 
@@ -60,14 +60,16 @@ def _local_default_group() -> None:
                 os.environ["GLOO_SOCKET_IFNAME"] = ifname
 
 
-class Context(Recovering):
+class Context:
     """Per-process handle given to the training function (docs/worker-contract.md).
 
     rank: training rank (None while a spare); world_size: number of training ranks; device; generation;
     config (RunConfig); process_group (the current generation's default group); watch (the Watch every
     collective of a step waits under: ``collectives.all_reduce(t, ctx.watch)``); step (the current step);
-    device_mesh, init_device_mesh, protect, zero_adamw, run. For the entry point (worker/entry.py): exit_code,
-    attached, refusal. Everything else is private.
+    device_mesh, init_device_mesh, protect, zero_adamw, run. For the entry point (worker/entry.py), properties of
+    its own: exit_code, attached, refusal. Everything else is private: the step's order (``StepSequence``,
+    worker/steps.py) and this process's roles and recoveries (``Recovery``, worker/recovery.py) are objects it
+    holds.
     """
 
     def __init__(self, cfg, client, groups, log, node: int, local: int, backend: str = "gloo"):
@@ -79,7 +81,6 @@ class Context(Recovering):
         self._log = log
         self._node, self._local = node, local
         self._state: StepState | None = None   # what ctx.protect / ctx.zero_adamw made (worker/steps.py)
-        self._exit_code = 0
         self._failure = threading.Event()
         self.watch = Watch(self._failure, cfg.timeouts.wait_timeout, client.progress.beat)
         self._steps = StepSequence(world_size=cfg.layout.world_size, replicate=cfg.replication.replicate,
@@ -90,11 +91,6 @@ class Context(Recovering):
         self._faults = RankFaults(cfg.internal.faults, node=node, local=local,
                                   ranks_per_node=cfg.layout.ranks_per_node, log=log,
                                   send=client.send)
-        self._role: Train | Spare | None = None   # the current generation's role (ipc/messages.py)
-        self._waiting: Left | None = None   # what this process said when it left, while it waits for its next role
-        self._recovery: dict | None = None
-        self._high_water = -1
-        self._trained = False   # a step has run in this process (its state is no longer the initial one)
         self._attached = False   # ctx.run has attached this process to its agent's slots (start-up is over for it)
         self._refusal = None     # what ctx.protect / zero_adamw / run refused (a job-wide error, not a node's)
         self._writer: SnapshotWriter | None = None   # the snapshot protocol's side of this process (``run``)
@@ -103,7 +99,10 @@ class Context(Recovering):
         self._mesh = None   # ctx.device_mesh
         self._meshes: dict = {}      # ctx.init_device_mesh's, by shape
         self._mesh_groups: list = []   # every mesh's groups (dataplane/meshgroup.py)
-        client.on(Failure.KIND, self._on_failure)
+        # the roles of this process and its half of each recovery (worker/recovery.py): its rank and generation
+        self._recovery = Recovery(cfg, client, groups, log, self._faults, self._steps, self._failure, self.watch,
+                                  node=node, first_rank=self._first_rank, mesh_groups=self._mesh_groups)
+        client.on(Failure.KIND, self._recovery.on_failure)
         # worker/preflight.py; a malformed ask raises ValueError here, and the client logs it (its ``on``)
         client.on(MatmulAsk.KIND, lambda body: preflight.answer(client, self.device, MatmulAsk.from_wire(body)))
         client.on(LinkAsk.KIND, lambda body: preflight.link_answer(client, LinkAsk.from_wire(body)))
@@ -115,11 +114,13 @@ class Context(Recovering):
     # ---- what the training function uses ---------------------------------------------------
     @property
     def rank(self) -> int | None:
-        return self._role.rank if isinstance(self._role, Train) else None
+        """The training rank (None while a spare)."""
+        return self._recovery.rank
 
     @property
     def generation(self) -> int:
-        return self._role.view.generation if self._role is not None else 0
+        """The generation number (0, then +1 per membership change)."""
+        return self._recovery.generation
 
     @property
     def step(self) -> int:
@@ -199,7 +200,7 @@ class Context(Recovering):
     @property
     def exit_code(self) -> int:
         """The process's exit code once the training function returned (75: saved and requeued)."""
-        return self._exit_code
+        return self._recovery.exit_code
 
     @property
     def attached(self) -> bool:
@@ -255,7 +256,7 @@ class Context(Recovering):
         guard = self._state.loader_guard
         with self._refusing():   # a loader iterator no restore would move: refused before step 0 (state/loader.py)
             check_no_stray_iterators([guard] if guard is not None else [])
-        rng = self._rng0 = torch.get_rng_state()   # the initial state's RNG (a fresh start restores it)
+        rng = torch.get_rng_state()   # the initial state's RNG (a fresh start restores it)
         shapes = self._state.layout_tensors()
         local_nbytes = self._state.local_nbytes   # ctx.protect's shares: kept, never sent
         self._layout = StateLayout(shapes, rng.numel(), local_nbytes)
@@ -269,14 +270,15 @@ class Context(Recovering):
                                       lost=self._client.lost, grant_timeout=self.config.timeouts.collective_timeout,
                                       copier=DeviceCopier(self.device, pin=bufs))   # replica/devicecopy.py
         self._steps.attach(self._writer)
-        role = self._next_role(self.config.timeouts.startup_timeout)
+        self._recovery.attach(self._state, self._writer, self._layout, self._slots, rng)
+        role = self._recovery.next_role(self.config.timeouts.startup_timeout)
         if isinstance(role, Train):
             try:
                 self._start(role)
             except PeerFailure as exc:  # a peer lost before the first step: e.g. the holder of this rank's step 0
-                if not self._recover(str(exc)):
+                if not self._recovery.recover(str(exc)):
                     return
-        elif not self._follow(role):
+        elif not self._recovery.follow(role):
             return
         self._loop(step_fn)
 
@@ -292,18 +294,13 @@ class Context(Recovering):
                 self._state.end_of_run()   # FSDP2: the final digest covers every rank's shards
                 break
             except PeerFailure as exc:
-                if not self._recover(str(exc)):
+                if not self._recovery.recover(str(exc)):
                     return
         self._finish()
 
     def _start(self, role: Train) -> None:
         """Generation 0 (or the first of a requeued attempt): join, load a checkpoint, first snapshot."""
-        self._role = role
-        self._high_water = role.high_water
-        self._join(first=True)
-        self._state.bind(self.rank, self.watch)
-        if role.resume:
-            self._load_checkpoint(role.resume)
+        self._recovery.start(role)
         self._steps.snapshot()
         self._faults.at_phase("first", 1, self.rank)  # (faults) the first snapshot is written, not yet committed
         self._steps.wait_committed()  # a fault at the first step needs it
@@ -318,10 +315,11 @@ class Context(Recovering):
         page.arm()
         if self._failure.is_set():
             raise PeerFailure("a peer failed")
-        if self._recovery is not None:
-            self._faults.at_phase("resume", self._role.restore.round, self.rank)
-        if s > self._high_water:  # faults fire on the first pass through their step, never on a recomputation
-            view = self._role.view
+        rec = self._recovery
+        if rec.resumed is not None:
+            self._faults.at_phase("resume", rec.role.restore.round, self.rank)
+        if s > rec.high_water:  # faults fire on the first pass through their step, never on a recomputation
+            view = rec.role.view
             self._faults.at_step(s, self.rank, set(view.active_nodes), list(view.spare_nodes))
         t = time.perf_counter()
         waited = self.watch.waited
@@ -335,33 +333,21 @@ class Context(Recovering):
             raise
         tokens = metrics.pop("tokens", None)  # this rank's tokens in the step, if the step function says
         dt = time.perf_counter() - t
-        self._trained = True
+        rec.trained = True
         self._steps.step = s + 1
         self._steps.snapshot()
         # the straggler check's figures (agent/stragglers.py): the step's wall time and, less its waits on peers
         # (collectives, the replica commit), this rank's own work
         wall = time.perf_counter() - t
         page.add_step(wall - (self.watch.waited - waited), wall)
-        if self._recovery is not None:
-            r, self._recovery = self._recovery, None
+        if rec.resumed is not None:
+            r, rec.resumed = rec.resumed, None
             self._log.emit("resumed", generation=self.generation, rank=self.rank, step=self.step,
                            t_fail=r["t_fail"], recomputed_steps=r["recomputed_steps"])
         if self.rank == 0 and (s % self.config.output.log_every == 0 or self.step == self.config.train.steps):
             rate = {"tokens_per_s": self.world_size * tokens / dt if dt > 0 else 0.0} if tokens else {}
             self._log.emit("step", step=self.step, generation=self.generation, step_s=dt, **rate,
                            **{k: v for k, v in metrics.items() if isinstance(v, (int, float))})
-
-    def _on_failure(self, body: dict) -> None:
-        """(reader thread) The agent starts a recovery round (``Failure``): a process already waiting for its role
-        answers at once; a training one leaves at its next wait (the failure flag). Raises ValueError on a malformed
-        notice (the channel logs it)."""
-        Failure.from_wire(body)
-        waiting = self._waiting
-        if waiting is not None:
-            self._client.send(Left.KIND, waiting.to_wire())
-        else:
-            self._failure.set()
-        self._client.wake()
 
     # ---- the end -----------------------------------------------------------------------------
     def _finish(self) -> None:
@@ -371,14 +357,14 @@ class Context(Recovering):
             replicate = self.config.replication.replicate
             self._log.emit("finished", generation=self.generation, steps=self.step,
                            param_digest=self._state.param_digest(), world_size=self.world_size,
-                           spares_left=self._role.view.spares_left,
+                           spares_left=self._recovery.role.view.spares_left,
                            bytes_per_rank_per_step=self._layout.wire_nbytes if replicate else 0,
                            local_bytes_per_rank_per_step=self._layout.local_nbytes if replicate else 0,
                            replica_wait_s=self._steps.wait_s, snapshots=self._writer.counts)
             self._log.sync()
             return
         try:
-            while not isinstance(self._next_role(self.config.timeouts.collective_timeout), Finish):
+            while not isinstance(self._recovery.next_role(self.config.timeouts.collective_timeout), Finish):
                 pass
         except Exception:  # noqa: BLE001 - the run is over either way; the agent ends us if it must
             pass

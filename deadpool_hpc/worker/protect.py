@@ -4,10 +4,12 @@ Owns: turning the user's training state into the snapshot payload the replica pl
 tensors + the RNG bytes, ``replica/snapshot.StateLayout``) and back, and the data-parallel gradient average of a
 ``DistributedDataParallel`` model, done with the context's pollable collectives. Does not own: slots, replication,
 recovery (``worker/context.py``), the process groups (``dataplane/groups.py``). This module holds the checks, the
-binding to a rank and the restore's order; each kind of state has its module in ``worker/state/``: ``layout.py``
-(the snapshot layout), ``shares.py`` (the state every data-parallel rank holds alike: DDP), ``shards.py`` (the state
-FSDP2 shards: FSDP, HSDP, TP x FSDP), ``document.py`` (what exists once per rank: the JSON document). The order of a
-step around this state (commit waits, early claim, snapshot) is ``worker/steps.py``'s.
+binding to a rank, the restore's order and the torch hooks that call the step's order back; each kind of state is an
+object of its own module in ``worker/state/``, held here: ``layout.py`` (``SnapshotLayout``: the snapshot layout),
+``shares.py`` (``DataParallelShares``: the state every data-parallel rank holds alike, DDP's gradient average),
+``shards.py`` (``ShardedState``: the state FSDP2 shards: FSDP, HSDP, TP x FSDP), ``document.py`` (``RankDocument``:
+what exists once per rank: the JSON document). The order of a step around this state (commit waits, early claim,
+snapshot) is ``worker/steps.py``'s.
 
 State goes in and out through ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` /
 ``get_optimizer_state_dict`` and their ``set_`` twins: they know DDP's ``module.`` prefix and every torch.optim
@@ -60,253 +62,262 @@ anyone updates past it (the ZeRO step gets the same from its all-gather after th
 from __future__ import annotations
 
 import hashlib
-import json
-import struct
 
 import torch
 from torch import nn
 
 from ..errors import ReplicaError
-from ..placement import held_by
-from .state.document import RankDocument, check_loader, decode, distributed_sampler, is_stateful, type_name
+from .state.document import RankDocument, check_loader, distributed_sampler, is_stateful, type_name
 from .state.layout import SnapshotLayout
 from .state.loader import LoaderGuard
+from .state.shards import ShardedState, check_fsdp2, is_fsdp1, is_fsdp2, local_shard
+from .state.shares import DataParallelShares, ddp_class, dry_run_state, load_full
 from .steps import NO_HOOKS, StepHooks
-from .state.shards import ShardedState, is_fsdp1, is_fsdp2, local_shard, replicate_group
-from .state.shares import DataParallelShares, ddp_class
 
 
-class Protected(SnapshotLayout, DataParallelShares, ShardedState):
-    """The state ``ctx.protect`` keeps: see the module docstring; each kind of state in its own module of
-    worker/state/: the snapshot layout, the data-parallel shares and the FSDP2 shards mixed in here, the per-rank JSON
-    document's state held (``document``, a ``RankDocument``). A ``StepState`` (worker/steps.py), as ``ShardedAdamW`` is:
-    ``bind(rank, watch)``, ``state_tensors()`` (snapshot), ``restore_targets()`` + ``gather()`` (restore),
-    ``end_of_run()``, ``param_digest()``; during a step
-    it calls ``hooks`` (the context's ``StepSequence``): before the first collective, after the gradient all-reduce,
-    before the update."""
+def check(world_size: int, model, optimizer, scheduler=None, dataloader=None, extra=None) -> None:
+    """What ``ctx.protect`` accepts, checked before anything is changed (module docstring). Raises TypeError or
+    ValueError naming the bad value and what is accepted."""
+    DDP = ddp_class()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"protect(model=...): got a {type_name(model)}; accepted: a torch.nn.Module, wrapped in "
+                        "torch.nn.parallel.DistributedDataParallel when world_size > 1")
+    if is_fsdp1(model):
+        raise ValueError(f"protect(model={type(model).__name__}): FSDP1 (FullyShardedDataParallel) is not "
+                         "supported; accepted: FSDP2 (torch.distributed.fsdp.fully_shard(module, "
+                         "mesh=ctx.device_mesh)) or DistributedDataParallel(model) (docs/your-loop.md)")
+    if is_fsdp2(model):
+        check_fsdp2(model)
+    elif world_size > 1 and not isinstance(model, DDP):
+        raise ValueError(f"protect(model={type(model).__name__}): world_size is {world_size} but the model "
+                         "is not wrapped in DistributedDataParallel nor sharded with fully_shard, so its gradients "
+                         "would never be averaged over ranks; accepted: DistributedDataParallel(model), "
+                         "fully_shard(model, mesh=ctx.device_mesh) (a plain nn.Module only when world_size is 1)")
+    if isinstance(model, DDP):
+        if model.broadcast_buffers and any(True for _ in model.module.buffers()):
+            raise ValueError(f"protect(model=DistributedDataParallel({type(model.module).__name__})): the "
+                             "module has buffers and broadcast_buffers=True (a blocking broadcast every "
+                             "forward); accepted: DistributedDataParallel(..., broadcast_buffers=False)")
+        if model.find_unused_parameters or model.static_graph:
+            raise ValueError("protect(model=DistributedDataParallel(...)): find_unused_parameters and "
+                             "static_graph are not supported; accepted: the defaults (both False)")
+    from .zero import ShardedAdamW
+
+    if isinstance(optimizer, ShardedAdamW):
+        raise TypeError("protect(optimizer=ShardedAdamW): ctx.zero_adamw's optimizer is protected already; "
+                        "accepted: a torch.optim.Optimizer")
+    if not isinstance(optimizer, torch.optim.Optimizer) or not is_stateful(optimizer):
+        raise TypeError(f"protect(optimizer=...): got a {type_name(optimizer)}, which is not a "
+                        "torch.optim.Optimizer with state_dict()/load_state_dict(); accepted: a torch.optim.Optimizer (AdamW, SGD, ...)")
+    owned = {id(p) for p in model.parameters()}
+    stray = [i for g in optimizer.param_groups for i, p in enumerate(g["params"]) if id(p) not in owned]
+    if stray:
+        raise ValueError(f"protect(optimizer={type(optimizer).__name__}): {len(stray)} of its parameters are not "
+                         "parameters of the model; accepted: an optimizer over model.parameters()")
+    if scheduler is not None:
+        if not is_stateful(scheduler):
+            raise TypeError(f"protect(scheduler=...): got a {type_name(scheduler)} without state_dict()/"
+                            "load_state_dict(); accepted: a torch.optim.lr_scheduler scheduler, or None")
+        if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+            raise ValueError("protect(scheduler=...): the scheduler drives another optimizer than the one given")
+    if dataloader is not None:
+        check_loader(dataloader)
+    if extra is not None and not is_stateful(extra):
+        raise TypeError(f"protect(extra=...): got a {type_name(extra)} without state_dict()/load_state_dict(); "
+                        "accepted: an object with both (torch.distributed.checkpoint.stateful.Stateful), or None")
+
+
+class Protected:
+    """The state ``ctx.protect`` keeps (module docstring), over ``world_size`` ranks; ``ring``: (ranks per node,
+    active nodes, K replicas), whose shares this rank keeps; ``first_rank``: the rank the job's first generation
+    gives this process (None: a spare). Raises TypeError or ValueError (``check``) before anything is changed.
+
+    It holds one object per kind of state (worker/state/): the snapshot layout (``SnapshotLayout``), the
+    data-parallel shares (``DataParallelShares``), the FSDP2 shards (``ShardedState``, FSDP2 models only) and the
+    per-rank JSON document (``document``, a ``RankDocument``). A ``StepState`` (worker/steps.py), as
+    ``ShardedAdamW`` is: ``bind(rank, watch)``, ``layout_tensors()``, ``state_tensors()`` (snapshot),
+    ``restore_targets()`` + ``gather()`` (restore), ``end_of_run()``, ``param_digest()``, and ``hooks``,
+    ``local_nbytes``, ``on_host``, ``sharded``, ``loader_guard``; during a step it calls ``hooks`` (the context's
+    ``StepSequence``): before the first collective, after the gradient all-reduce (``on_reduced`` for FSDP2's
+    reduce-scatter, dataplane/fsdp.py), before the update. ``entries``, ``common_nbytes``, ``shard_nbytes``,
+    ``blob_nbytes``: the layout's (layout.py)."""
 
     def __init__(self, world_size: int, model, optimizer, scheduler=None, dataloader=None, extra=None, *,
                  python_rng: bool = False, numpy_rng: bool = False, ring: tuple[int, int, int] = (1, 1, 0),
                  first_rank: int | None = None):
+        check(world_size, model, optimizer, scheduler, dataloader, extra)
         self.world_size = world_size
-        # (ranks per node, active nodes, K replicas): whose shares this rank keeps (module docstring)
-        self.ring = ring
-        self.k = ring[2] if world_size > 1 else 0
-        self.held: list[int] = []
-        self._plans: dict[int, tuple] = {}
-        self._hdr = struct.Struct("<Q")   # the JSON region starts with the document's length
-        self._check(model, optimizer, scheduler, dataloader, extra)
         self.model, self.optimizer = model, optimizer
         # every iter(loader) from now on is re-armed by a restore (state/loader.py); refuses an iterator made before
         self.loader_guard = None if dataloader is None else LoaderGuard(
             dataloader, is_stateful(dataloader), distributed_sampler(dataloader))
         if self.loader_guard is not None:
             self.loader_guard.follow_rank(first_rank, world_size)
-        self.ddp = isinstance(model, ddp_class())
-        self.inner = model.module if self.ddp else model
+        ddp = isinstance(model, ddp_class())
+        self._module = model.module if ddp else model
         # FSDP2 over ctx.device_mesh: every tensor of the state is this rank's shard, unique to it (replicated
         # whole, no shares); FSDP2's collectives run pollably on the generation's group (dataplane/fsdp.py)
         self.sharded = is_fsdp2(model)
-        # HSDP: the shards are the same on every rank of a replicate group (a *column* of the mesh), so they are kept
-        # in the rank's own snapshot and never sent, like DDP's shares, whole: one kept region (state/shares.py)
-        self.column = replicate_group(model) if self.sharded else None
-        if self.column is not None:
-            self._check_columns_span_nodes()
-        self.m = 1 if self.column is not None else 1 + self.k   # kept regions in the payload's local prefix
-        self._have = [True] * self.m   # which kept regions the next restore has (bind)
-        self._digest: str | None = None
+        self._shards = ShardedState(model, self._module, optimizer, world_size, ring[0]) if self.sharded else None
+        self._shares = DataParallelShares(world_size, ring, self._shards.columns() if self.sharded else None)
         # everything but the model's and optimizer's tensors: the per-rank JSON document's state (state/document.py)
-        self.document = RankDocument(optimizer, self.inner, scheduler, self.loader_guard, extra,
+        self.document = RankDocument(optimizer, self._module, scheduler, self.loader_guard, extra,
                                      python_rng=python_rng, numpy_rng=numpy_rng)
         self.rank: int | None = None
         self.watch = None
         self.hooks: StepHooks = NO_HOOKS   # set by the context (worker/steps.py StepSequence)
-        self._restoring = False
-        self._queued = False
-        self._cache_sig, self._cache = None, None
-        self._pieces = None   # ((signature, owners), the shares' pieces): see state_tensors
-        self._zeros = None    # the JSON region's padding (state_tensors)
-        self._pad = None      # zero bytes after short FSDP2 shards (_zero_bytes)
-        self.params = [p for p in self.inner.parameters() if p.requires_grad]
+        self._have = [True] * self._shares.kept   # which kept shares the next restore has (bind)
+        self._restoring = False   # a restore is under way: its dry step and forward are no training step
+        self._queued = False      # the gradient average is queued for the end of this backward
+        self._digest: str | None = None   # FSDP2: over every rank's shards (end_of_run)
+        self._params = [p for p in self._module.parameters() if p.requires_grad]
         # the state lives in host memory: its snapshot is a memory copy, done inline (StepSequence.snapshot); a device's
         # is a device-to-host transfer, left to the background copier
-        self.on_host = all(t.device.type == "cpu" for t in self.inner.parameters())
-        self._sig_tensors = [local_shard(t) for t in list(self.inner.parameters()) + list(self.inner.buffers())]
+        self.on_host = all(t.device.type == "cpu" for t in self._module.parameters())
         if self.sharded:
-            self._layout_from_real_dry_run()
-            self._install_fsdp_comms()
+            model_sd, optim_sd, unique, padded = self._shards.dry_run_state()
         else:
-            self._layout_from_dry_run()
-        if self.ddp:
+            (model_sd, optim_sd, unique), padded = dry_run_state(model, self._module, optimizer), None
+        self._layout = SnapshotLayout(model, self._module, optimizer, model_sd, optim_sd, unique=unique,
+                                      small=self.document.state, parts=self._shares.parts, kept=self._shares.kept,
+                                      sharded=self.sharded, padded=padded)
+        if self.sharded:
+            self._shards.install_comms(self)
+            # the first collective of a step is the forward's all-gather: wait for the replica's commit before it
+            model.register_forward_pre_hook(self._forward_starts_sharded, prepend=True)
+        if ddp:
             model.require_backward_grad_sync = False   # DDP's reducer stays idle: the average is done here
-            for p in self.params:
+            for p in self._params:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
             model.register_forward_pre_hook(self._forward_starts)
         optimizer.register_step_pre_hook(self._pre_step)
 
-    # ---- checks (before anything is changed) ---------------------------------------------------------------------
-    def _check(self, model, optimizer, scheduler, dataloader, extra) -> None:
-        DDP = ddp_class()
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"protect(model=...): got a {type_name(model)}; accepted: a torch.nn.Module, wrapped in "
-                            "torch.nn.parallel.DistributedDataParallel when world_size > 1")
-        if is_fsdp1(model):
-            raise ValueError(f"protect(model={type(model).__name__}): FSDP1 (FullyShardedDataParallel) is not "
-                             "supported; accepted: FSDP2 (torch.distributed.fsdp.fully_shard(module, "
-                             "mesh=ctx.device_mesh)) or DistributedDataParallel(model) (docs/your-loop.md)")
-        if is_fsdp2(model):
-            self._check_fsdp2(model)
-        elif self.world_size > 1 and not isinstance(model, DDP):
-            raise ValueError(f"protect(model={type(model).__name__}): world_size is {self.world_size} but the model "
-                             "is not wrapped in DistributedDataParallel nor sharded with fully_shard, so its gradients "
-                             "would never be averaged over ranks; accepted: DistributedDataParallel(model), "
-                             "fully_shard(model, mesh=ctx.device_mesh) (a plain nn.Module only when world_size is 1)")
-        if isinstance(model, DDP):
-            if model.broadcast_buffers and any(True for _ in model.module.buffers()):
-                raise ValueError(f"protect(model=DistributedDataParallel({type(model.module).__name__})): the "
-                                 "module has buffers and broadcast_buffers=True (a blocking broadcast every "
-                                 "forward); accepted: DistributedDataParallel(..., broadcast_buffers=False)")
-            if model.find_unused_parameters or model.static_graph:
-                raise ValueError("protect(model=DistributedDataParallel(...)): find_unused_parameters and "
-                                 "static_graph are not supported; accepted: the defaults (both False)")
-        from .zero import ShardedAdamW
+    # ---- the layout (layout.py) ----------------------------------------------------------------------------------
+    @property
+    def entries(self) -> list[tuple[str, torch.dtype, tuple]]:
+        """(path, dtype, shape) of every tensor of the state, in layout order (a tied weight once)."""
+        return self._layout.entries
 
-        if isinstance(optimizer, ShardedAdamW):
-            raise TypeError("protect(optimizer=ShardedAdamW): ctx.zero_adamw's optimizer is protected already; "
-                            "accepted: a torch.optim.Optimizer")
-        if not isinstance(optimizer, torch.optim.Optimizer) or not is_stateful(optimizer):
-            raise TypeError(f"protect(optimizer=...): got a {type_name(optimizer)}, which is not a "
-                            "torch.optim.Optimizer with state_dict()/load_state_dict(); accepted: a "
-                            "torch.optim.Optimizer (AdamW, SGD, ...)")
-        owned = {id(p) for p in model.parameters()}
-        stray = [i for g in optimizer.param_groups for i, p in enumerate(g["params"]) if id(p) not in owned]
-        if stray:
-            raise ValueError(f"protect(optimizer={type(optimizer).__name__}): {len(stray)} of its parameters are not "
-                             "parameters of the model; accepted: an optimizer over model.parameters()")
-        if scheduler is not None:
-            if not is_stateful(scheduler):
-                raise TypeError(f"protect(scheduler=...): got a {type_name(scheduler)} without state_dict()/"
-                                "load_state_dict(); accepted: a torch.optim.lr_scheduler scheduler, or None")
-            if getattr(scheduler, "optimizer", optimizer) is not optimizer:
-                raise ValueError("protect(scheduler=...): the scheduler drives another optimizer than the one given")
-        if dataloader is not None:
-            check_loader(dataloader)
-        if extra is not None and not is_stateful(extra):
-            raise TypeError(f"protect(extra=...): got a {type_name(extra)} without state_dict()/load_state_dict(); "
-                            "accepted: an object with both (torch.distributed.checkpoint.stateful.Stateful), or None")
+    @property
+    def local_nbytes(self) -> int:
+        """Bytes of the payload's local prefix: the shares kept in the node's slot, never sent."""
+        return self._layout.local_nbytes
 
+    @property
+    def common_nbytes(self) -> int:
+        """Bytes of the state that is the same on every data-parallel rank (cut into shares)."""
+        return self._layout.common_nbytes
 
-    # ---- the state, as one nested dict ---------------------------------------------------------------------------
+    @property
+    def shard_nbytes(self) -> int:
+        """Bytes of one share (a multiple of 8)."""
+        return self._layout.shard_nbytes
 
+    @property
+    def blob_nbytes(self) -> int:
+        """Bytes of the payload's JSON region."""
+        return self._layout.blob_nbytes
 
-    def _dry_step(self, optimizer) -> None:
-        """One optimizer step that changes no parameter and creates the optimizer's state: zero gradients, lr 0
-        (AdamW's decoupled weight decay multiplies by 1 - 0 * wd, its update adds 0)."""
-        lrs = []
-        with torch.no_grad():
-            for g in optimizer.param_groups:
-                for p in g["params"]:
-                    if p.requires_grad:
-                        p.grad = torch.zeros_like(p)
-                lrs.append(g.get("lr"))
-                if "lr" in g:
-                    g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
-        restoring, self._restoring = self._restoring, True   # no commit wait, no claim: not a training step
-        try:
-            optimizer.step()
-        finally:
-            self._restoring = restoring
-            for g, lr in zip(optimizer.param_groups, lrs):
-                if lr is not None:
-                    g["lr"] = lr
-                for p in g["params"]:
-                    p.grad = None
-
+    def layout_tensors(self) -> list[torch.Tensor]:
+        """Meta tensors of the payload's dtypes and shapes, in payload order (layout.py)."""
+        return self._layout.layout_tensors()
 
     # ---- snapshot ------------------------------------------------------------------------------------------------
-
+    def state_tensors(self) -> list:
+        """The current state, in payload order: this rank's kept shares, its own tensors, the JSON region
+        (layout.py). Raises ValueError when the state no longer fits the layout fixed at protect()."""
+        return self._layout.state_tensors(self._shares.owners())
 
     # ---- restore -------------------------------------------------------------------------------------------------
+    def restore_targets(self) -> list[torch.Tensor]:
+        """Fresh tensors a payload is read into (``gather`` then applies them)."""
+        return self._layout.restore_targets()
 
     def gather(self) -> None:
-        """Apply the payload read into ``restore_targets()``: model, optimizer, scheduler, loader, extra, RNGs.
-        Gradients are dropped (a failed step may have left some)."""
-        scratch, self._scratch = self._scratch, None
-        self._cache_sig, self._cache, self._pieces = None, None, None
-        blob = scratch[-1]
-        (n,) = self._hdr.unpack(bytes(blob[:self._hdr.size].numpy()))
-        doc = json.loads(bytes(blob[self._hdr.size:self._hdr.size + n].numpy()))
-        kept = scratch[:self.m]
+        """Apply the payload read into ``restore_targets()``: model, optimizer, scheduler, loader, extra, RNGs; the
+        shares this rank lacks are exchanged with the others first (a collective every rank joins). Gradients are
+        dropped (a failed step may have left some). Raises ReplicaError (a share lost or corrupted) or PeerFailure."""
+        restored = self._layout.take_restored()
         # this process restored its own snapshot (stamped with the cut step once complete): its shares are there;
         # a replica sent by its source carries none; a checkpoint's record says which are (bind)
-        full = self._exchange_shares(kept, self._have)
-        tensors = [None] * len(self.entries)
-        for i in self._common:
-            off, n = self._span[i]
-            _, dtype, shape = self.entries[i]
-            tensors[i] = full[off:off + n].view(dtype).reshape(shape)
-        for pos, i in enumerate(self._unique):
-            tensors[i] = scratch[self.m + pos]
-        tree = decode(doc["tree"], tensors)
-        small = decode(doc["small"], None)
+        full = self._shares.exchange(restored.kept, self._have)
+        tree, small = self._layout.decode(restored, full)
         self._restoring = True
         try:
-            if self.sharded:
-                from ..dataplane.fsdp import reset_after_failure
-
-                reset_after_failure(self.model)   # a failure may have cut a forward or backward short
-                self._load_shards(tree)
+            if self._shards is not None:
+                self._shards.load(tree)
             else:
-                self._load_full(tree)
+                load_full(self.model, self.optimizer, tree)
         finally:
             self._restoring = False
         self.document.load(small)
         self._queued = False
 
-
     # ---- the step ------------------------------------------------------------------------------------------------
-
     def bind(self, rank: int, watch, from_replica: bool = False, kept: list[bool] | None = None) -> None:
         """This process is now training rank ``rank``; ``watch``: what the gradient all-reduce waits under;
         ``from_replica``: the state it restores next is a replica sent by its source (no shares of its own); ``kept``:
         else, which of the 1 + K shares in it are this rank's (a checkpoint's record: ``persist.save_shard``;
-        default all)."""
+        default all). Raises ReplicaError when ``kept`` does not match the layout."""
         self.rank, self.watch = rank, watch
-        self._have = [False] * self.m if from_replica else [bool(x) for x in (kept or [True] * self.m)]
-        if len(self._have) != self.m:
+        m = self._shares.kept
+        self._have = [False] * m if from_replica else [bool(x) for x in (kept or [True] * m)]
+        if len(self._have) != m:
             raise ReplicaError(f"protect: the snapshot to restore says {len(self._have)} shares were kept; this "
-                               f"layout keeps {self.m}")
-        if self.sharded:
-            from ..dataplane.fsdp import rebind
-
-            if rebind(self.model, rank):   # uneven shards: this rank's have other shapes than the ones it had
-                self.optimizer.state.clear()   # made again, with the new shapes, by the restore's dry step
-                self._cache_sig, self._cache, self._pieces = None, None, None
-        if self.k and self.column is None:
-            P, nodes, k = self.ring
-            self.held = held_by(rank, P, nodes, k)
+                               f"layout keeps {m}")
+        if self._shards is not None and self._shards.bind(rank, watch):
+            self._layout.forget()   # uneven shards: this rank's have other shapes than the ones it had
+        self._shares.bind(rank, watch)
         self._queued = False
         if self.loader_guard is not None:
             self.loader_guard.follow_rank(rank, self.world_size)
 
-
+    # the torch hooks: where a step of the user's loop calls the step's order back (worker/steps.py)
     def _pre_step(self, optimizer, args, kwargs) -> None:
         if not self._restoring:   # (a restore's dry step is no training step)
             self.hooks.before_update()   # wait for the commit, claim the next snapshot's slot (worker/steps.py)
 
+    def _forward_starts(self, module, args) -> None:
+        self._queued = False   # a backward that failed half-way never ran its callback
+        self.hooks.forward_starts()
+
+    def _grad_ready(self, param) -> None:
+        if not self._queued and self.world_size > 1 and self.rank is not None:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._average_gradients)
+
+    def _average_gradients(self) -> None:
+        """(end of backward) Average the gradients over the ranks (shares.py). First wait for this rank's replica of
+        the step to be committed: the all-reduce completes nowhere before every rank's is, so no survivor can be more
+        than one snapshot ahead of a lost rank's newest replica (module docstring)."""
+        self._queued = False
+        self.hooks.before_collective()
+        self._shares.average_gradients(self._params)
+        self.hooks.reduced()
+
+    def _forward_starts_sharded(self, module, args) -> None:
+        self.hooks.forward_starts()
+        if self.rank is not None and not self._restoring:
+            self.hooks.before_collective()
+
+    def on_reduced(self) -> None:
+        """(FSDP2) A gradient reduce-scatter of this step completed (dataplane/fsdp.py)."""
+        self.hooks.reduced()
+
+    # ---- the end -------------------------------------------------------------------------------------------------
     def end_of_run(self) -> None:
-        """(every rank, after the last step) FSDP2: make ``param_digest`` cover every rank's shards."""
-        if self.sharded:
-            self.gather_digests()
+        """(every rank, after the last step) FSDP2: make ``param_digest`` cover every rank's shards (an all-gather,
+        pollable: raises PeerFailure)."""
+        if self._shards is not None:
+            self._digest = None
+            self._digest = self._shards.gather_digest(self.param_digest())
 
     def param_digest(self) -> str:
         """sha256 over the model's parameters (``parameters()`` order, raw bytes). FSDP2: over every rank's
-        digest of its shards, in rank order, once ``gather_digests`` ran (else this rank's shards only)."""
+        digest of its shards, in rank order, once ``end_of_run`` ran (else this rank's shards only)."""
         if self._digest is not None:
             return self._digest
         h = hashlib.sha256()
-        for p in self.inner.parameters():
+        for p in self._module.parameters():
             h.update(local_shard(p).detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
-
-

@@ -221,7 +221,7 @@ def test_sharded_snapshot_round_trip_is_bitwise(local_group, at):
     optimizer state and schedule; protect() leaves the optimizer without state (its dry step is undone)."""
     model, opt, sched, prot = protected()
     assert not opt.state
-    assert all(i in prot._unique for i in range(len(prot.entries))) and prot.common_nbytes == 0
+    assert all(i in prot._layout.unique for i in range(len(prot.entries))) and prot.common_nbytes == 0
     train_steps(model, opt, sched, 0, at)
     layout, slot = snapshot(prot)
     train_steps(model, opt, sched, at, 3)

@@ -343,7 +343,7 @@ def test_ddp_state_stays_local_and_a_lost_rank_gets_its_share_from_its_holder(lo
     assert layout.wire_nbytes == per_rank + prot.blob_nbytes + rng_n
     payloads = _ranks_payloads(prot, 3, layout)
     for r in range(3):   # kept: own share, then the share of held_by(r) = r - 1
-        shares = [torch.cat(prot._share(x, prot._collect()[0])) for x in (r, (r - 1) % 3)]
+        shares = [torch.cat(prot._layout.share_pieces(x, prot._layout.collect()[0])) for x in (r, (r - 1) % 3)]
         assert all(torch.equal(a, b) for a, b in zip(payloads[r][:2], shares))
     slot = Slot(layout.nbytes)
     assert layout.write(slot, payloads[1], torch.get_rng_state(), step=3)

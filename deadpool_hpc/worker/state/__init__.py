@@ -1,2 +1,3 @@
-"""What ``ctx.protect`` keeps, by kind of state: the snapshot layout, the data-parallel shares, the FSDP2 shards
-(mixed into worker/protect.py's ``Protected``), the per-rank document (``RankDocument``, held by it)."""
+"""What ``ctx.protect`` keeps, by kind of state, one object each, held by worker/protect.py's ``Protected``: the
+snapshot layout (``SnapshotLayout``), the data-parallel shares (``DataParallelShares``), the FSDP2 shards
+(``ShardedState``), the per-rank document (``RankDocument``); the data loader's guard (``LoaderGuard``)."""

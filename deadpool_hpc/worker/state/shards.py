@@ -1,10 +1,11 @@
 """The state sharded by FSDP2 (1-D FSDP, HSDP, tensor parallel x FSDP): every tensor is this rank's shard.
 
-Owns: the checks of an FSDP2 model (the mesh groups of ctx.device_mesh / ctx.init_device_mesh), its layout (a dry step
-of the real optimizer, undone; shard shapes padded to the largest rank's, ``_padded_shape``, so the layout is the same
-on every rank), FSDP2's pollable collectives and the commit wait before the forward, loading saved shards in place
-(a padded saved shard gives its first rows, ``_fit_copy``) and the digest over every rank's shards. Does not own: the
-mesh's groups (dataplane/meshgroup.py), FSDP2's internals (dataplane/fsdp.py).
+Owns: the checks of an FSDP2 model (``check_fsdp2``: the mesh groups of ctx.device_mesh / ctx.init_device_mesh), and
+``ShardedState``: HSDP's replicate groups, the layout state (a dry step of the real optimizer, undone; shard shapes
+padded to the largest rank's, ``_padded_shape``, so the layout is the same on every rank), FSDP2's pollable
+collectives, a rebind to another rank, loading saved shards in place (a padded saved shard gives its first rows,
+``_fit_copy``) and the digest over every rank's shards. Does not own: the mesh's groups (dataplane/meshgroup.py),
+FSDP2's internals (dataplane/fsdp.py), the commit wait before the forward (worker/protect.py's hooks).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from ...dataplane import collectives
 from ...errors import ReplicaError
 from .document import set_param_groups
+from .optim import dry_step
 
 
 def is_fsdp1(model) -> bool:
@@ -99,20 +101,55 @@ def replicate_group(model):
     return first if same else None
 
 
-class ShardedState:
-    """FSDP2's sharded state (mixed into worker/protect.Protected)."""
+def check_fsdp2(model) -> None:
+    """An FSDP2 model ctx.protect can keep: ``fully_shard`` on the root module, every group one of ctx.device_mesh's
+    or ctx.init_device_mesh's. Raises ValueError naming what is not accepted."""
+    from torch.distributed.fsdp import FSDPModule
 
-    def _columns(self) -> list[tuple[int, ...]]:
-        """HSDP: the replicate groups' ranks (a column of the mesh each: the same shards), in a fixed order."""
+    from ...dataplane.fsdp import mesh_infos
+    from ...dataplane.meshgroup import MeshGroup
+
+    if not isinstance(model, FSDPModule):
+        raise ValueError(f"protect(model={type(model).__name__}): only some of its submodules are sharded with "
+                         "fully_shard; accepted: fully_shard on the root module too (it drives the others)")
+    infos = mesh_infos(model)
+    used = [g for info in infos for g in (getattr(info, "shard_process_group", None),
+                                          getattr(info, "replicate_process_group", None)) if g is not None]
+    groups = {type(g).__name__ for g in used if not isinstance(g, MeshGroup)}
+    if groups:
+        raise ValueError("protect(model=...): fully_shard was called with another mesh than ctx.device_mesh or "
+                         f"ctx.init_device_mesh(...)'s (its groups: {sorted(groups)}); accepted: "
+                         "fully_shard(module, mesh=ctx.device_mesh), or mesh=ctx.init_device_mesh((R, S), "
+                         "(\"replicate\", \"shard\")) for HSDP, on every sharded module")
+
+
+class ShardedState:
+    """FSDP2's sharded state: ``model`` (an FSDP2 root module, ``check_fsdp2``; ``module``: the same module) and its
+    ``optimizer`` (a torch.optim one), over ``world_size`` ranks, ``ranks_per_node`` of them on a node. Raises
+    ValueError for an HSDP replicate group whose ranks all live on one node. ``column``: HSDP's replicate group
+    (a MeshGroup), else None."""
+
+    def __init__(self, model, module, optimizer, world_size: int, ranks_per_node: int = 1):
+        self._model, self._module, self._optimizer = model, module, optimizer
+        self._world_size = world_size
+        self._watch = None
+        # HSDP: the shards are the same on every rank of a replicate group (a *column* of the mesh), so they are kept
+        # in the rank's own snapshot and never sent, like DDP's shares, whole: one kept region (state/shares.py)
+        self.column = replicate_group(model)
+        if self.column is not None:
+            self._check_columns_span_nodes(ranks_per_node)
+
+    def columns(self) -> list[tuple[int, ...]] | None:
+        """HSDP: the replicate groups' ranks (a column of the mesh each: the same shards), in a fixed order; else
+        None."""
         from ...dataplane.meshgroup import mesh_lines
 
-        return mesh_lines(self.column.layout, self.column.dim)
+        return None if self.column is None else mesh_lines(self.column.layout, self.column.dim)
 
-    def _check_columns_span_nodes(self) -> None:
+    def _check_columns_span_nodes(self, P: int) -> None:
         """HSDP keeps the shards only in the snapshots of their replicate group's ranks: a group whose ranks all
         live on one node would lose them with that node. Raises ValueError naming the group."""
-        P = self.ring[0]
-        for line in self._columns():
+        for line in self.columns():
             if len({r // P for r in line}) < 2:
                 raise ValueError(f"protect(model=...): the replicate group of ranks {list(line)} lives on one node "
                                  f"(node {line[0] // P}, {P} ranks per node), so losing that node would lose its "
@@ -120,98 +157,85 @@ class ShardedState:
                                  "replicate dimension spans nodes, e.g. ctx.init_device_mesh((nodes, ranks per "
                                  "node), (\"replicate\", \"shard\"))")
 
-    def _column_index(self, r: int) -> int:
-        return next(i for i, line in enumerate(self._columns()) if r in line)
-
-    def _check_fsdp2(self, model) -> None:
-        from torch.distributed.fsdp import FSDPModule
-
-        from ...dataplane.fsdp import mesh_infos
-        from ...dataplane.meshgroup import MeshGroup
-
-        if not isinstance(model, FSDPModule):
-            raise ValueError(f"protect(model={type(model).__name__}): only some of its submodules are sharded with "
-                             "fully_shard; accepted: fully_shard on the root module too (it drives the others)")
-        infos = mesh_infos(model)
-        used = [g for info in infos for g in (getattr(info, "shard_process_group", None),
-                                              getattr(info, "replicate_process_group", None)) if g is not None]
-        groups = {type(g).__name__ for g in used if not isinstance(g, MeshGroup)}
-        if groups:
-            raise ValueError("protect(model=...): fully_shard was called with another mesh than ctx.device_mesh or "
-                             f"ctx.init_device_mesh(...)'s (its groups: {sorted(groups)}); accepted: "
-                             "fully_shard(module, mesh=ctx.device_mesh), or mesh=ctx.init_device_mesh((R, S), "
-                             "(\"replicate\", \"shard\")) for HSDP, on every sharded module")
-
-    def _layout_from_real_dry_run(self) -> None:
-        """FSDP2's layout: a sharded module cannot be deep-copied with its process group, so the dry step runs on the
-        real optimizer, whose state is then emptied again (its first real step is bitwise a plain run's). Every
-        tensor is this rank's shard: all per rank, none shared."""
+    def dry_run_state(self) -> tuple[dict, dict, object, dict]:
+        """What the payload layout is made of (layout.py ``SnapshotLayout``): (model state dict, optimizer state
+        dict, ``unique(path)``, ``padded``), local shards. A sharded module cannot be deep-copied with its process
+        group, so the dry step runs on the real optimizer, whose state is then emptied again (its first real step is
+        bitwise a plain run's). Every tensor is this rank's shard: all per rank (HSDP: the replicate group's,
+        buffers per rank)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-        had_state = bool(self.optimizer.state)
+        had_state = bool(self._optimizer.state)
         if not had_state:
-            self._dry_step(self.optimizer)
+            dry_step(self._optimizer)
         padded: dict = {}
-        model_sd = local_shards(get_model_state_dict(self.model), padded)
-        optim_sd = local_shards(get_optimizer_state_dict(self.model, self.optimizer), padded)
+        model_sd = local_shards(get_model_state_dict(self._model), padded)
+        optim_sd = local_shards(get_optimizer_state_dict(self._model, self._optimizer), padded)
         if not had_state:
-            self.optimizer.state.clear()
+            self._optimizer.state.clear()
         if self.column is None:   # every tensor is this rank's alone: replicated whole
             unique = lambda path: True  # noqa: E731
         else:   # HSDP: the shards are the replicate group's (kept, never sent); buffers are per rank
-            buffers = {f"/model/{n}" for n, _ in self.inner.named_buffers()}
+            buffers = {f"/model/{n}" for n, _ in self._module.named_buffers()}
             unique = lambda path: path in buffers  # noqa: E731
-        self._fix_layout(model_sd, optim_sd, unique=unique, padded=padded)
+        return model_sd, optim_sd, unique, padded
 
-    def _install_fsdp_comms(self) -> None:
+    def install_comms(self, owner) -> None:
+        """FSDP2's all-gathers and reduce-scatters, pollable, on the generation's group (dataplane/fsdp.py);
+        ``owner.on_reduced()`` is called after each gradient reduce-scatter."""
         from ...dataplane.fsdp import PollableAllGather, PollableReduceScatter, fsdp_modules
 
-        for m in fsdp_modules(self.model):
-            m.set_custom_all_gather(PollableAllGather(self))
-            m.set_custom_reduce_scatter(PollableReduceScatter(self))
-        # the first collective of a step is the forward's all-gather: wait for the replica's commit before it
-        self.model.register_forward_pre_hook(self._forward_starts_sharded, prepend=True)
+        for m in fsdp_modules(self._model):
+            m.set_custom_all_gather(PollableAllGather(owner))
+            m.set_custom_reduce_scatter(PollableReduceScatter(owner))
 
-    def on_reduced(self) -> None:
-        """(FSDP2) A gradient reduce-scatter of this step completed (dataplane/fsdp.py)."""
-        self.hooks.reduced()
+    def bind(self, rank: int, watch) -> bool:
+        """This process is now rank ``rank``; ``watch``: what ``gather_digest`` waits under. Returns True when this
+        rank's shards have other shapes than the ones it had (uneven shards): the optimizer's state is then dropped,
+        made again with the new shapes by the restore's dry step (``load``)."""
+        from ...dataplane.fsdp import rebind
 
-    def _forward_starts_sharded(self, module, args) -> None:
-        self.hooks.forward_starts()
-        if self.rank is not None and not self._restoring:
-            self.hooks.before_collective()
+        self._watch = watch
+        if rebind(self._model, rank):
+            self._optimizer.state.clear()
+            return True
+        return False
 
-    def _load_shards(self, tree: dict) -> None:
-        """(FSDP2) Copy the saved shards into the live ones, in place: DCP's set_*_state_dict would treat the local
-        tensors as whole ones and redistribute them over the mesh, whose group carries no traffic
-        (dataplane/fsdp.py). A spare's optimizer gets its state from a dry step first."""
+    def load(self, tree: dict) -> None:
+        """Put FSDP2 back to the start of a step (a failure may have cut a forward or backward short), then copy the
+        saved shards of ``tree`` (layout.py ``SnapshotLayout.decode``'s) into the live ones, in place: DCP's
+        set_*_state_dict would treat the local tensors as whole ones and redistribute them over the mesh, whose group
+        carries no traffic (dataplane/fsdp.py). A spare's optimizer gets its state from a dry step first. Raises
+        ReplicaError naming a model tensor the model does not have."""
+        from ...dataplane.fsdp import reset_after_failure
+
+        reset_after_failure(self._model)
         osd = tree["optim"]
         with torch.no_grad():
-            live = self.model.state_dict()
+            live = self._model.state_dict()
             for name, saved in tree["model"].items():
                 if name not in live:
                     raise ReplicaError(f"protect: the snapshot has a model tensor {name} the model does not have")
                 _fit_copy(local_shard(live[name]), saved)
             if tree["optim_empty"]:
-                self.optimizer.state.clear()
+                self._optimizer.state.clear()
             else:
-                if not self.optimizer.state:
-                    self._dry_step(self.optimizer)
-                by_name = dict(self.model.named_parameters())
+                if not self._optimizer.state:
+                    dry_step(self._optimizer)
+                by_name = dict(self._model.named_parameters())
                 for fqn, saved in osd["state"].items():
-                    st = self.optimizer.state[by_name[fqn]]
+                    st = self._optimizer.state[by_name[fqn]]
                     for k, v in saved.items():
                         if isinstance(v, torch.Tensor) and isinstance(st.get(k), torch.Tensor):
                             _fit_copy(local_shard(st[k]), v)
                         else:
                             st[k] = v
-        set_param_groups(self.optimizer, osd["param_groups"])
+        set_param_groups(self._optimizer, osd["param_groups"])
 
-    def gather_digests(self) -> None:
-        """(FSDP2, every rank, at the end of the run) Make ``param_digest`` cover the whole model: all-gather every
-        rank's digest of its shards, pollably. Raises PeerFailure."""
-        self._digest = None
-        mine = torch.frombuffer(bytearray(bytes.fromhex(self.param_digest())), dtype=torch.uint8)
-        every = torch.empty(32 * self.world_size, dtype=torch.uint8)
-        collectives.all_gather(every, mine, self.watch)
-        self._digest = hashlib.sha256(every.numpy().tobytes()).hexdigest()
+    def gather_digest(self, mine: str) -> str:
+        """(every rank, at the end of the run) sha256 (hex) over every rank's ``mine`` (the sha256 of its shards,
+        hex), in rank order: all-gathered pollably. Raises PeerFailure."""
+        own = torch.frombuffer(bytearray(bytes.fromhex(mine)), dtype=torch.uint8)
+        every = torch.empty(32 * self._world_size, dtype=torch.uint8)
+        collectives.all_gather(every, own, self._watch)
+        return hashlib.sha256(every.numpy().tobytes()).hexdigest()

@@ -1,10 +1,12 @@
 """The state that is the same on every data-parallel rank (DDP): never sent while training, restored by an exchange.
 
-Owns: the layout of a DDP model (a dry step on a copy), the byte *shares* of the common state each rank keeps
-(``_share``: rank r's own and those of the ranks whose replica it holds, worker/protect.py's module docstring), the
-restore's exchange of the missing shares (``_exchange_shares``: all-gather of who kept what with its CRC-32C, one
-pollable all-to-all), loading a whole state dict through DCP (``_load_full``), and DDP's gradient average (the reducer
-left idle; at the end of backward the gradients are all-reduced pollably, flattened in ``parameters()`` order).
+Owns: the layout state of a DDP model (``dry_run_state``: a dry step on a copy), which byte *shares* of the common
+state each rank keeps (``DataParallelShares.owners``: rank r's own and those of the ranks whose replica it holds,
+worker/protect.py's module docstring; HSDP: its replicate group's one share), the restore's exchange of the missing
+shares (``DataParallelShares.exchange``: all-gather of who kept what with its CRC-32C, one pollable all-to-all),
+loading a whole state dict through DCP (``load_full``), and DDP's gradient average
+(``DataParallelShares.average_gradients``: flattened in ``parameters()`` order, all-reduced pollably). Does not own:
+the shares' byte ranges (layout.py), when the average runs (worker/protect.py's hooks).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from ...errors import ReplicaError
 from ...placement import held_by, holders_of
 from ...replica.snapshot import checksum
 from .document import set_param_groups
+from .optim import dry_step
 
 
 def ddp_class():
@@ -25,59 +28,85 @@ def ddp_class():
     return DistributedDataParallel
 
 
+def dry_run_state(model, module, optimizer) -> tuple[dict, dict, object]:
+    """What a DDP (or plain) model's payload layout is made of: (model state dict, optimizer state dict as a dry step
+    on a copy of ``module`` and ``optimizer`` creates it, ``unique(path)``: the module's buffers are per rank). The
+    real optimizer is untouched (worker/protect.py's module docstring, "Layout")."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    twin_model, twin_opt = copy.deepcopy((module, optimizer))
+    twin_opt.__dict__.pop("step", None)        # an LR scheduler's wrapper would call the real optimizer
+    twin_opt._optimizer_step_pre_hooks.clear()
+    twin_opt._optimizer_step_post_hooks.clear()
+    dry_step(twin_opt)
+    model_sd = get_model_state_dict(model)
+    optim_sd = get_optimizer_state_dict(twin_model, twin_opt)
+    del twin_model, twin_opt
+    buffers = {f"/model/{n}" for n, _ in module.named_buffers()}
+    return model_sd, optim_sd, (lambda path: path in buffers)
+
+
+def load_full(model, optimizer, tree: dict) -> None:
+    """The model and optimizer state of ``tree`` (layout.py ``SnapshotLayout.decode``'s) through DCP's
+    set_*_state_dict (DDP and plain modules)."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    set_model_state_dict(model, tree["model"])
+    osd = tree["optim"]
+    if tree["optim_empty"]:
+        optimizer.state.clear()
+        set_param_groups(optimizer, osd["param_groups"])
+    else:
+        if not optimizer.state:
+            # a spare's optimizer has no state yet: fill it first, or DCP makes it with a dry step of the
+            # real optimizer (lr 0); load_state_dict then replaces it as usual
+            for live, saved in zip(optimizer.param_groups, osd["param_groups"]):
+                for p, fqn in zip(live["params"], saved["params"]):
+                    if fqn in osd["state"]:
+                        optimizer.state[p] = dict(osd["state"][fqn])
+        set_optimizer_state_dict(model, optimizer, osd)
+
+
 class DataParallelShares:
-    """DDP's common state and gradient average (mixed into worker/protect.Protected)."""
+    """Which shares of the common state each of ``world_size`` ranks keeps and how a restore finds the missing ones,
+    and DDP's gradient average. ``ring``: (ranks per node, active nodes, K replicas), the replicas' ring
+    (control/agreement.py); ``columns``: HSDP's replicate groups (shards.py ``ShardedState.columns``), each kept whole
+    as one share by every rank of the group, else None (DDP: world_size shares, rank r keeps its own and those of the
+    K ranks whose replica it holds). ``kept``: shares in a rank's payload; ``parts``: shares the common state is cut
+    into. ``bind`` before ``owners``, ``exchange`` and ``average_gradients``."""
 
-    def _layout_from_dry_run(self) -> None:
-        """Fix the payload layout: the model's tensors, and the optimizer state's as a dry step on a copy creates
-        them (module docstring, "Layout")."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    def __init__(self, world_size: int, ring: tuple[int, int, int] = (1, 1, 0),
+                 columns: list[tuple[int, ...]] | None = None):
+        self._world_size = world_size
+        self._ring = ring
+        self._k = ring[2] if world_size > 1 else 0
+        self._columns = columns
+        self.kept = 1 if columns is not None else 1 + self._k
+        self.parts = 1 if columns is not None else world_size
+        self._rank: int | None = None
+        self._watch = None
+        self._held: list[int] = []
 
-        twin_model, twin_opt = copy.deepcopy((self.inner, self.optimizer))
-        twin_opt.__dict__.pop("step", None)        # an LR scheduler's wrapper would call the real optimizer
-        twin_opt._optimizer_step_pre_hooks.clear()
-        twin_opt._optimizer_step_post_hooks.clear()
-        self._dry_step(twin_opt)
-        model_sd = get_model_state_dict(self.model)
-        optim_sd = get_optimizer_state_dict(twin_model, twin_opt)
-        del twin_model, twin_opt
-        buffers = {f"/model/{n}" for n, _ in self.inner.named_buffers()}
-        self._fix_layout(model_sd, optim_sd, unique=lambda path: path in buffers)
+    def bind(self, rank: int, watch) -> None:
+        """This process is now rank ``rank``; ``watch``: what the exchange's and the average's collectives wait
+        under."""
+        self._rank, self._watch = rank, watch
+        if self._k and self._columns is None:
+            P, nodes, k = self._ring
+            self._held = held_by(rank, P, nodes, k)
 
-    def _share(self, r: int, found: dict) -> list[torch.Tensor]:
-        """Bytes [r * shard_nbytes, (r + 1) * shard_nbytes) of the common state: 1-D uint8 pieces, views of the
-        live tensors where they exist (zeros for state not there yet, e.g. no optimizer state before the first step,
-        never read back, and for the padding of the last share)."""
-        plan = self._plans.get(r)
-        if plan is None:   # which byte range of which tensor: fixed by the layout, computed once per share
-            lo, hi = r * self.shard_nbytes, (r + 1) * self.shard_nbytes
-            plan, pos = [], lo
-            for i in self._common:
-                off, n = self._span[i]
-                a, b = max(off, lo), min(off + n, hi)
-                if a < b:
-                    plan.append((i, a - off, b - off))
-                    pos = b
-            self._plans[r] = plan = (plan, hi - max(pos, lo))
-        ranges, pad = plan
-        pieces = []
-        for i, a, b in ranges:
-            t = found.get(i)
-            if t is None:
-                pieces.append(torch.zeros(b - a, dtype=torch.uint8))
-            else:
-                pieces.append(t.detach().contiguous().reshape(-1).view(torch.uint8)[a:b])
-        if pad:
-            pieces.append(torch.zeros(pad, dtype=torch.uint8))
-        return pieces
+    def owners(self) -> list[int]:
+        """Whose shares this rank's payload keeps, in payload order (``kept`` of them)."""
+        return [0] if self._columns is not None else [self._rank] + self._held
 
-    def _exchange_shares(self, kept: list[torch.Tensor], have: list[bool]) -> torch.Tensor:
-        """Every rank's share of the common state, at the restored step. A pollable all-gather of which shares each
-        rank kept (``have``) with their CRC-32C, taken now, then one all-to-all that moves only the shares a rank
-        lacks: share j comes from rank j, else from a holder of rank j's replica, and goes to every rank that kept no
-        copy of it (a survivor lacks W - 1 - K shares, a promoted spare all W). Raises ReplicaError naming the share
-        no live rank kept, or one that arrived with another checksum than its sender's."""
-        W, m, shard = self.world_size, self.m, self.shard_nbytes
+    def exchange(self, kept: list[torch.Tensor], have: list[bool]) -> torch.Tensor:
+        """Every share of the common state this rank restores, concatenated, at the restored step, from ``kept`` (its
+        payload's shares, 1-D uint8 of one size each) of which ``have`` says which are really there. A pollable
+        all-gather of which shares each rank kept with their CRC-32C, taken now, then one all-to-all that moves only
+        the shares a rank lacks: share j comes from rank j, else from a holder of rank j's replica, and goes to every
+        rank that kept no copy of it (a survivor lacks W - 1 - K shares, a promoted spare all W). Raises ReplicaError
+        naming the share no live rank kept, or one that arrived with another checksum than its sender's."""
+        W, m, shard = self._world_size, len(kept), kept[0].numel()
         if W == 1:
             if not have[0]:
                 raise ReplicaError("protect: the restored snapshot carries no share of the parameters and "
@@ -86,7 +115,7 @@ class DataParallelShares:
         mine_info = torch.tensor(have + [checksum(t.numpy()) if h else 0 for t, h in zip(kept, have)],
                                  dtype=torch.int64)
         info = torch.zeros(W * 2 * m, dtype=torch.int64)
-        collectives.all_gather(info, mine_info, self.watch)
+        collectives.all_gather(info, mine_info, self._watch)
         info = info.view(W, 2 * m).tolist()
         flags, crcs = [row[:m] for row in info], [row[m:] for row in info]
         keeps = [self._kept_ids(r) for r in range(W)]   # the shares rank r keeps, in its kept order
@@ -97,7 +126,8 @@ class DataParallelShares:
             """Where in rank r's kept shares a copy of share j is (None: r has none)."""
             return next((i for i, jj in enumerate(keeps[r]) if jj == j and flags[r][i]), None)
 
-        pos_of = {j: i for i, j in enumerate(needs[self.rank])}
+        me = self._rank
+        pos_of = {j: i for i, j in enumerate(needs[me])}
         out = torch.empty(len(pos_of) * shard, dtype=torch.uint8)
         to, frm = [[] for _ in range(W)], [[] for _ in range(W)]   # share ids sent to / received from each rank
         sent_from = {}  # share id this rank sends -> where in its kept shares its copy is
@@ -105,13 +135,13 @@ class DataParallelShares:
             src = next((r for r in self._sources(j) if good_copy(r, j) is not None), None)
             if src is None:
                 raise ReplicaError(self._lost(j))
-            mine = good_copy(self.rank, j)
+            mine = good_copy(me, j)
             if j in pos_of:
                 if mine is not None:
                     out[pos_of[j] * shard:(pos_of[j] + 1) * shard] = kept[mine]
-                elif src != self.rank:
+                elif src != me:
                     frm[src].append(j)
-            if src == self.rank:
+            if src == me:
                 sent_from[j] = mine
                 for q in range(W):
                     if q != src and j in wants[q] and good_copy(q, j) is None:
@@ -119,7 +149,7 @@ class DataParallelShares:
         send = [kept[sent_from[j]] for q in range(W) for j in to[q]]
         inp = torch.cat(send) if send else torch.empty(0, dtype=torch.uint8)
         got = torch.empty(sum(len(f) for f in frm) * shard, dtype=torch.uint8)
-        collectives.all_to_all(got, inp, [len(f) * shard for f in frm], [len(t) * shard for t in to], self.watch)
+        collectives.all_to_all(got, inp, [len(f) * shard for f in frm], [len(t) * shard for t in to], self._watch)
         pos = 0
         for q in range(W):
             for j in frm[q]:
@@ -134,79 +164,52 @@ class DataParallelShares:
 
     # which shares exist, who keeps them, who needs them: DDP's ring (held_by), or HSDP's columns (one share each,
     # kept whole by every rank of the column, shards.py)
+    def _column_index(self, r: int) -> int:
+        return next(i for i, line in enumerate(self._columns) if r in line)
+
     def _kept_ids(self, r: int) -> list[int]:
-        if self.column is not None:
+        if self._columns is not None:
             return [self._column_index(r)]
-        P, nodes, k = self.ring
+        P, nodes, k = self._ring
         return [r] + held_by(r, P, nodes, k)
 
     def _needs(self, q: int) -> list[int]:
-        return [self._column_index(q)] if self.column is not None else list(range(self.world_size))
+        return [self._column_index(q)] if self._columns is not None else list(range(self._world_size))
 
     def _sources(self, j: int) -> list[int]:
-        if self.column is not None:
-            return list(self._columns()[j])
-        P, nodes, k = self.ring
+        if self._columns is not None:
+            return list(self._columns[j])
+        P, nodes, k = self._ring
         return [j] + holders_of(j, P, nodes, k)
 
     def _what(self, j: int) -> str:
-        if self.column is not None:
-            return f"the shards of replicate group {j} (ranks {list(self._columns()[j])})"
+        if self._columns is not None:
+            return f"the shards of replicate group {j} (ranks {list(self._columns[j])})"
         return f"rank {j}'s share of the parameters and optimizer state"
 
     def _lost(self, j: int) -> str:
-        if self.column is not None:
+        if self._columns is not None:
             return (f"protect: {self._what(j)} are lost: no rank of the group restored its own snapshot (each keeps "
                     "them whole, none sends them)")
-        P, nodes, k = self.ring
+        P, nodes, k = self._ring
         return (f"protect: rank {j}'s share of the parameters and optimizer state is lost: neither rank {j} nor a "
                 f"holder of its replica ({holders_of(j, P, nodes, k)}) kept a copy")
 
-    def _load_full(self, tree: dict) -> None:
-        """The model and optimizer state through DCP's set_*_state_dict (DDP and plain modules)."""
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-        set_model_state_dict(self.model, tree["model"])
-        osd = tree["optim"]
-        if tree["optim_empty"]:
-            self.optimizer.state.clear()
-            set_param_groups(self.optimizer, osd["param_groups"])
-        else:
-            if not self.optimizer.state:
-                # a spare's optimizer has no state yet: fill it first, or DCP makes it with a dry step of the
-                # real optimizer (lr 0); load_state_dict then replaces it as usual
-                for live, saved in zip(self.optimizer.param_groups, osd["param_groups"]):
-                    for p, fqn in zip(live["params"], saved["params"]):
-                        if fqn in osd["state"]:
-                            self.optimizer.state[p] = dict(osd["state"][fqn])
-            set_optimizer_state_dict(self.model, self.optimizer, osd)
-
-    def _forward_starts(self, module, args) -> None:
-        self._queued = False   # a backward that failed half-way never ran its callback
-        self.hooks.forward_starts()
-
-    def _grad_ready(self, param) -> None:
-        if not self._queued and self.world_size > 1 and self.rank is not None:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._average_gradients)
-
-    def _average_gradients(self) -> None:
-        """(end of backward) Sum every gradient over the ranks, pollably, and divide by the world size. First wait
-        for this rank's replica of the step to be committed: the all-reduce completes nowhere before every rank's is,
-        so no survivor can be more than one snapshot ahead of a lost rank's newest replica (module docstring)."""
-        self._queued = False
-        self.hooks.before_collective()
+    def average_gradients(self, params: list[torch.Tensor]) -> None:
+        """Sum the gradients of ``params`` over the ranks, pollably (one all-reduce per dtype, flattened in the
+        given order), divide by the world size and write them back (a missing gradient counts as zeros). Raises
+        PeerFailure."""
         by_dtype: dict[torch.dtype, list] = {}
-        for p in self.params:
+        for p in params:
             by_dtype.setdefault(p.dtype, []).append(p)
         with torch.no_grad():
-            for dtype, params in by_dtype.items():
+            for dtype, group in by_dtype.items():
                 flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                                  for p in params])
-                collectives.all_reduce(flat, self.watch)
-                flat.div_(self.world_size)
+                                  for p in group])
+                collectives.all_reduce(flat, self._watch)
+                flat.div_(self._world_size)
                 off = 0
-                for p in params:
+                for p in group:
                     n = p.numel()
                     g = flat[off:off + n].view_as(p)
                     if p.grad is None:
@@ -214,4 +217,3 @@ class DataParallelShares:
                     else:
                         p.grad.copy_(g)
                     off += n
-        self.hooks.reduced()

@@ -183,19 +183,3 @@ def test_the_context_shows_the_training_function_only_what_the_contract_document
     public = {n for n in dir(ctx) if not n.startswith("_")}
     assert public == DOCUMENTED | FOR_THE_ENTRY_POINT
     assert ctx.step == 0 and ctx.rank is None and ctx.exit_code == 0 and not ctx.attached and ctx.refusal is None
-
-
-def test_the_agent_s_failure_notice_is_read_as_a_typed_failure(local_group):
-    """A well-formed ``Failure`` sets the failure flag of a training process; a waiting one answers with its ``Left``
-    at once instead. A notice without its generation is refused, naming the field (the channel logs it)."""
-    from deadpool_hpc.ipc.messages import Failure, Left
-
-    ctx, sent = fake_context()
-    ctx._on_failure(Failure(2).to_wire())
-    assert ctx._failure.is_set()
-    ctx._failure.clear()
-    ctx._waiting = Left(2, 5, "peer failed")
-    ctx._on_failure(Failure(2).to_wire())
-    assert sent == [(Left.KIND, Left(2, 5, "peer failed").to_wire())] and not ctx._failure.is_set()
-    with pytest.raises(ValueError, match="generation"):
-        ctx._on_failure({})
