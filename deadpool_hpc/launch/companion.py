@@ -202,7 +202,7 @@ class Companions:
         self.python = python or sys.executable
         self.info = info
         self.states: dict[str, str] = {}       # job id -> the policy state last seen
-        self.submitted: dict[str, float] = dict(recorded(run_dir))
+        self.submitted: dict[str, float] = {}  # this attempt's (an earlier one's: cancelled by its exit trap)
         self._next = 0.0
 
     def pool_from(self, events: list[dict], since: float) -> int:

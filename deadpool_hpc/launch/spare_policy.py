@@ -11,8 +11,9 @@ the time, the pool size and the companion jobs outstanding, and answers what to 
 - **cancel** a companion still pending ``wait`` seconds after it was submitted (Slurm has no node for it now: the
   job goes on with what it has); one whose node failed its checks (release it); and every one at the job's end.
 - after a cancel for the wait, nothing is asked again until the pool shrinks further (a new loss): a cluster
-  with no free node is not asked every ``wait`` seconds for ever. A pool that grows (a node joined, a spare came
-  back) ends that pause.
+  with no free node is not asked every ``wait`` seconds for ever. The same after a companion that ended without
+  this policy cancelling it (``scancel`` by hand, its node released itself, Slurm ended it). A pool that grows (a
+  node joined, a spare came back) ends that pause.
 
 Nothing else: when the pool is empty the job's own requeue (docs/slurm.md) acts, as without this policy.
 """
@@ -65,28 +66,41 @@ class SparePolicy:
         self.floor = floor
         self.wait = float(wait)
         self._paused_at: int | None = None   # the pool size when a request was given up (None: not paused)
+        self._cancelled: set[str] = set()    # companions this policy cancelled
+        self._ended: set[str] = set()        # companions seen gone
 
     def decide(self, now: float, pool: int, companions: typing.Iterable[Companion], ending: bool = False) -> list[Action]:
         """The actions for this moment: cancels first, then submits. ``now``: seconds on the same clock as each
         companion's ``submitted``; ``pool``: idle spares the job has now (>= 0); ``companions``: every companion
-        job submitted so far (gone ones may be left in or out); ``ending``: the job is ending, cancel all."""
+        job submitted so far by this policy's caller (a gone one may be left out once it was passed as gone);
+        ``ending``: the job is ending, cancel all."""
         comps = list(companions)
         live = [c for c in comps if c.state != GONE]
         if ending:
+            self._cancelled |= {c.job_id for c in live}
             return [Action("cancel", c.job_id, "the job ends") for c in live]
         if self._paused_at is not None and pool > self._paused_at:
             self._paused_at = None
         actions: list[Action] = []
+        for c in comps:
+            if c.state == GONE and c.job_id not in self._ended:
+                self._ended.add(c.job_id)
+                if c.job_id not in self._cancelled:   # ended, and not by this policy
+                    self._pause(pool)
         for c in live:
             if c.state == PENDING and now - c.submitted >= self.wait:
                 actions.append(Action("cancel", c.job_id, f"not started within {self.wait:g} s"))
-                self._paused_at = pool if self._paused_at is None else min(self._paused_at, pool)
+                self._pause(pool)
             elif c.state == FAILED:
                 actions.append(Action("cancel", c.job_id, "its node failed its checks"))
         cancelled = {a.job_id for a in actions}
+        self._cancelled |= cancelled
         expected = sum(1 for c in live if c.outstanding and c.job_id not in cancelled)
         missing = self.floor - pool
         if missing > 0 and (self._paused_at is None or pool < self._paused_at):
             self._paused_at = None
             actions += [Action("submit", None, f"{pool} spare(s) left, floor {self.floor}")] * max(0, missing - expected)
         return actions
+
+    def _pause(self, pool: int) -> None:
+        self._paused_at = pool if self._paused_at is None else min(self._paused_at, pool)

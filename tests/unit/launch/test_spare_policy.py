@@ -92,6 +92,17 @@ def test_after_a_give_up_a_grown_pool_then_a_new_loss_asks_again():
     assert [a.kind for a in c.tick()] == ["submit"]
 
 
+def test_a_companion_ended_by_someone_else_is_not_asked_again_until_a_new_loss():
+    c = Cluster(SparePolicy(1, 60), pool=0)
+    c.tick()
+    c.set("100", GONE)             # scancel by hand, or its node released itself
+    assert c.tick() == [] and c.tick() == []
+    c.pool = 1                     # a spare came back
+    assert c.tick() == []
+    c.pool = 0                     # and is lost: a new loss
+    assert [a.kind for a in c.tick()] == ["submit"]
+
+
 def test_a_started_companion_is_not_cancelled_by_the_wait():
     c = Cluster(SparePolicy(1, 10), pool=0)
     c.tick()
