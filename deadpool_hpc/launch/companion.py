@@ -54,7 +54,7 @@ def job_name(main_job: str) -> str:
 
 
 def template_path() -> str:
-    """The installed companion template (package data)."""
+    """The installed companion template (package data, as slurm.template_path finds the others)."""
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates", "companion.sbatch")
 
 
