@@ -69,7 +69,8 @@ class SparePolicy:
         self._cancelled: set[str] = set()    # companions this policy cancelled
         self._ended: set[str] = set()        # companions seen gone
 
-    def decide(self, now: float, pool: int, companions: typing.Iterable[Companion], ending: bool = False) -> list[Action]:
+    def decide(self, now: float, pool: int, companions: typing.Iterable[Companion],
+               ending: bool = False) -> list[Action]:
         """The actions for this moment: cancels first, then submits. ``now``: seconds on the same clock as each
         companion's ``submitted``; ``pool``: idle spares the job has now (>= 0); ``companions``: every companion
         job submitted so far by this policy's caller (a gone one may be left out once it was passed as gone);
@@ -99,7 +100,8 @@ class SparePolicy:
         missing = self.floor - pool
         if missing > 0 and (self._paused_at is None or pool < self._paused_at):
             self._paused_at = None
-            actions += [Action("submit", None, f"{pool} spare(s) left, floor {self.floor}")] * max(0, missing - expected)
+            why = f"{pool} spare(s) left, floor {self.floor}"
+            actions += [Action("submit", None, why)] * max(0, missing - expected)
         return actions
 
     def _pause(self, pool: int) -> None:

@@ -99,7 +99,8 @@ def test_a_lost_spare_asks_for_a_companion_cancelled_after_spare_wait_when_no_no
     s = json.load(open(os.path.join(run_dir, "summary.json")))
     assert s["completed"] and s["steps_completed"] == 200, s
     rec = {"test": "companion-cancelled-after-wait", "job": job, "companion": cid,
-           "kill_to_submitted_s": round(sub["t"] - t_kill, 2), "submitted_to_cancelled_s": round(canc["t"] - sub["t"], 2)}
+           "kill_to_submitted_s": round(sub["t"] - t_kill, 2),
+           "submitted_to_cancelled_s": round(canc["t"] - sub["t"], 2)}
     print(f"\n[measure] {json.dumps(rec)}")
     with open(MEASURE, "a") as fh:
         fh.write(json.dumps(rec) + "\n")
