@@ -2,13 +2,13 @@
 any process starts.
 
 Each setting is written once, as a field of its section (``layout``, ``train``, ``replication``, ``timeouts``,
-``preflight``, ``stragglers``, ``comeback`` (spares that return), ``persistence``, ``output``, and ``internal`` for what
-tests and benchmarks set): its default, its help text, the check of its value and what is accepted (the field's
-metadata,
-``opt``). The ``deadpool run`` / ``deadpool submit`` options (launch/options.py), the submitit executor's
-parameters (``run_parameters``) and the README's options list are derived from these fields. Every setting also
-has a *flat name* (``heartbeat_deadline``, ``straggler_factor``): the CLI option without its dashes and the submitit
-parameter; ``RunConfig(**flat)`` builds a config from flat names, ``cfg.flat()`` gives them back.
+``preflight``, ``stragglers``, ``comeback`` (spares that return), ``persistence``, ``replacement`` (nodes asked of
+Slurm), ``output``, and ``internal`` for what tests and benchmarks set): its default, its help text, the check
+of its value and what is accepted (the field's metadata, ``opt``). The ``deadpool run`` / ``deadpool submit``
+options (launch/options.py), the submitit executor's parameters (``run_parameters``) and the README's options list
+are derived from these fields. Every setting also has a *flat name* (``heartbeat_deadline``, ``straggler_factor``):
+the CLI option without its dashes and the submitit parameter; ``RunConfig(**flat)`` builds a config from flat
+names, ``cfg.flat()`` gives them back.
 
 Owns the shapes every other module reads; owns no behaviour. A bad value raises ``ConfigError`` naming the value
 and what would be accepted; the CLI turns that into exit 2. The test fault grammar lives in ``faultinject``.
@@ -374,6 +374,34 @@ class Persistence(Section):
 
 
 @dataclass(frozen=True)
+class Replacement(Section):
+    """Replacement nodes: when the spare pool falls below a floor, a Slurm job asks for more.
+
+    ``spare_floor`` > 0: whenever fewer than that many spares are left, the batch host submits small companion jobs
+    (one node each, the main job's account, partition, constraints and time limit; launch/companion.py) and
+    cancels each one that has not started within ``spare_wait`` seconds, and all of them when the job ends. Slurm
+    only (the batch template: ``deadpool submit``, ``SlurmExecutor``); docs/replacement-nodes.md."""
+
+    spare_floor: int = opt(0, metavar="K", check=_int(0),
+                           accepted="an integer >= 0 (spares below which replacement nodes are asked of Slurm; 0: off)",
+                           help="when fewer than K spares are left, ask Slurm for replacement nodes: one companion "
+                                "job of one node per missing spare, at most K at a time (Slurm batch jobs only; "
+                                "docs/replacement-nodes.md; default 0: off)")
+    spare_wait: float = opt(600.0, metavar="SECONDS", check=_num(0, strict=True), accepted="seconds > 0",
+                            help="a companion job not started within SECONDS is cancelled and the job goes on with "
+                                 "the spares it has (default 600)")
+
+
+def only_under_slurm_batch(cfg: "RunConfig", launcher: str) -> None:
+    """Refuse ``--spare-floor`` > 0 for a launcher that cannot ask Slurm for nodes (``launcher``: its name, e.g.
+    "deadpool run (local)"): replacement nodes are companion Slurm jobs that the batch template's watcher submits
+    and its exit trap cancels. Raises ConfigError naming the value and what is accepted."""
+    k = cfg.replacement.spare_floor
+    _need(k == 0, f"--spare-floor {k} with {launcher}: replacement nodes are Slurm jobs that the batch template "
+                  f"submits and cancels (docs/replacement-nodes.md); accepted: --spare-floor 0 here, or a Slurm "
+                  f"batch job (deadpool submit, SlurmExecutor, sbatch/train.sbatch)")
+
+@dataclass(frozen=True)
 class Output(Section):
     """Where a run's results go: its directory, summary, logs and metrics."""
 
@@ -452,7 +480,8 @@ class Internal(Section):
 
 SECTIONS: dict[str, type] = {"layout": Layout, "train": Train, "replication": Replication, "timeouts": Timeouts,
                              "preflight": Preflight, "stragglers": Stragglers, "comeback": Comeback,
-                             "persistence": Persistence, "output": Output, "internal": Internal}
+                             "persistence": Persistence, "replacement": Replacement, "output": Output,
+                             "internal": Internal}
 
 
 class FlatField(typing.NamedTuple):
@@ -491,6 +520,7 @@ class RunConfig:
     stragglers: Stragglers = field(default_factory=Stragglers)
     comeback: Comeback = field(default_factory=Comeback)
     persistence: Persistence = field(default_factory=Persistence)
+    replacement: Replacement = field(default_factory=Replacement)
     output: Output = field(default_factory=Output)
     internal: Internal = field(default_factory=Internal)
 

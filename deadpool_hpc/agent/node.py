@@ -51,6 +51,7 @@ from .preflight import PreflightStopped, SpeedCheck
 from .recovery import Recovery
 from .rendezvous import Rendezvous
 from .sparecheck import SpareChecks
+from .sparepool import SparePool
 from .state import NodeState, PendingExit, check_transition
 from .stragglers import Stragglers
 STEADY_TICK_S = 0.05  # seconds between passes of the agent's loop when nothing happens (a quiet loop keeps an idle
@@ -111,6 +112,8 @@ class NodeAgent:
         self.spare_checks = SpareChecks(self)   # agent/sparecheck.py: an idle spare checks itself again
         # agent/metrics.py: --metrics-port / --metrics-textfile (None: off)
         self.metrics = NodeMetrics(self) if cfg.output.metrics_port or cfg.output.metrics_textfile else None
+        # agent/sparepool.py: --spare-floor: the pool's size, for the batch host's replacement requests (None: off)
+        self.spare_pool = SparePool(self) if cfg.replacement.spare_floor else None
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -249,6 +252,8 @@ class NodeAgent:
                 return
         if self.metrics is not None:
             self.metrics.tick()
+        if self.spare_pool is not None:
+            self.spare_pool.tick()
 
     # ---- start-up --------------------------------------------------------------------------------------------
     def _start(self) -> None:

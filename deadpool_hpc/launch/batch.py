@@ -11,6 +11,9 @@ templates (templates/train.sbatch) call these; people use the ``deadpool`` comma
 - ``relaunch``           after a start-up loss: one spare fewer; prints TOTAL SPARES EXCLUDED
 - ``end``                after srun: requeue the job if it should go on, else write the summary
 - ``requeue-if-needed``  (batch scripts rendered before ``end`` existed) requeue the job if it should go on
+- ``cancel-companions``  (the batch script's exit trap) scancel every companion job of this job, by job id
+- ``join``               on a companion job's node (templates/companion.sbatch): check the node, wait for the
+                         main job's end (joining the running job is not built yet: launch/companion.py)
 
 Exit 2 on bad input (ConfigError, a missing file), with ``deadpool: error: ...`` on stderr.
 """
@@ -20,7 +23,7 @@ import argparse
 import sys
 
 from ..errors import ConfigError
-from . import slurm, slurm_job, slurm_startup
+from . import companion, slurm, slurm_job, slurm_startup
 from .options import add_run_options, config_from_args
 
 
@@ -58,6 +61,12 @@ def main(argv=None) -> int:
     en.add_argument("--srun-rc", type=int)
     rq = sub.add_parser("requeue-if-needed", help="(scripts rendered before `end`) requeue the job if it should go on")
     rq.add_argument("run_dir")
+    cx = sub.add_parser("cancel-companions", help="(exit trap) scancel the companion jobs of this job, by job id")
+    cx.add_argument("run_dir")
+    cx.add_argument("--main-job", required=True)
+    jn = sub.add_parser("join", help="(a companion job's node) check the node, wait until the main job ends")
+    jn.add_argument("run_dir")
+    jn.add_argument("--main-job", required=True)
     a = p.parse_args(argv)
     setup_logging(f"slurm-{a.cmd}")
     try:
@@ -83,6 +92,11 @@ def main(argv=None) -> int:
             return slurm.end_attempt(a.run_dir, a.out, a.since, a.srun_rc)
         elif a.cmd == "requeue-if-needed":
             return 0 if slurm_job.requeue_if_needed(a.run_dir) else 1
+        elif a.cmd == "cancel-companions":
+            ids = companion.cancel_all(a.run_dir, a.main_job)
+            print(f"[deadpool] companion jobs of {a.main_job} cancelled: {' '.join(ids) or 'none'}")
+        elif a.cmd == "join":
+            return companion.join(a.run_dir, a.main_job)
     except (ConfigError, FileNotFoundError) as exc:
         print(f"deadpool: error: {exc}", file=sys.stderr)
         return 2

@@ -36,7 +36,7 @@ import threading
 import time
 from contextlib import closing, contextmanager
 
-from ..config import RunConfig
+from ..config import RunConfig, only_under_slurm_batch
 from ..process.fence import descendants, fence, is_alive
 from ..errors import ConfigError
 from ..events import EventLog, EventSpill, EventTail, merge, read_events
@@ -126,6 +126,7 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
     This is the blocking engine under ``LocalExecutor`` (launch/executors.py), the public way to start a local run.
     """
     cfg.validate()
+    only_under_slurm_batch(cfg, "deadpool run (local)")
     if cfg.layout.total_processes > LOCAL_MAX_PROCESSES:
         raise ConfigError(f"{cfg.layout.total_processes} training processes requested ({cfg.layout.total_nodes} "
                           f"nodes x {cfg.layout.ranks_per_node} ranks per node); the local launcher (deadpool run) "

@@ -37,7 +37,8 @@ from .slurm_common import summary_out as summary_out
 from .slurm_common import write_summary as write_summary
 
 TEMPLATE_ENV = "DEADPOOL_SBATCH_TEMPLATE"
-TEMPLATES = ("train.sbatch", "scaling.sbatch")  # package data: deadpool_hpc/launch/templates/
+TEMPLATES = ("train.sbatch", "scaling.sbatch", "companion.sbatch")  # package data: deadpool_hpc/launch/templates/
+#                                                   (companion.sbatch: submitted by the job itself, launch/companion.py)
 
 
 # ---- config, template, submission ------------------------------------------------------------------------------
@@ -444,7 +445,7 @@ def end_attempt(run_dir: str, out: str | None = None, since: float | None = None
 
 # ---- the old command line ---------------------------------------------------------------------------------------
 BATCH_COMMANDS = ("write-config", "copy-config", "prepare", "watch", "launch", "task", "relaunch", "end",
-                  "requeue-if-needed")
+                  "requeue-if-needed", "cancel-companions", "join")
 
 
 def _moved(argv: list[str]) -> int:

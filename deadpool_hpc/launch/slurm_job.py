@@ -209,6 +209,10 @@ def finish_headless(run_dir: str, wait_s: float = 60.0) -> dict | None:
             for h in f.get("failed_hosts", []):
                 drain(h, f"deadpool job {os.environ.get('SLURM_JOB_ID', '?')}: declared dead")
     job_id = os.environ.get("SLURM_JOB_ID")
+    if job_id and os.path.isdir(os.path.join(run_dir, "companions")):   # the exit trap died with the batch host
+        from .companion import cancel_all
+
+        cancel_all(run_dir, job_id)
     if job_id:
         with open(os.path.join(run_dir, "finisher.log"), "a") as fh:
             fh.write(f"{time.time()} task {_task_id()} on {os.uname().nodename}: batch host dead, ending job "
@@ -329,6 +333,7 @@ def watch(run_dir: str, do_drain: bool = True, period: float = 1.0) -> None:
     drained: set[str] = set()
     states = NodeStates(EventLog(events_path, role="watcher"))   # Slurm's view of each lost host
     t_start = time.time()  # decisions of earlier attempts (a requeued job) were drained by their own watcher
+    spares = _companions(run_dir)   # --spare-floor: replacement nodes asked of Slurm (launch/companion.py)
     for sig in STOP_SIGNALS + (signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     while os.getppid() == parent:
@@ -363,7 +368,30 @@ def watch(run_dir: str, do_drain: bool = True, period: float = 1.0) -> None:
             except (OSError, ValueError, KeyError) as exc:
                 _log.warning("watch: %s", exc)
         states.poll()
+        if spares is not None:
+            try:
+                spares.pool_from(events, t_start)
+                spares.tick()
+            except Exception as exc:  # noqa: BLE001 - asking for replacements must never end the watcher
+                _log.warning("watch (companion jobs): %s", exc)
         time.sleep(period)
+
+
+def _companions(run_dir: str):
+    """The watcher's companion jobs (launch/companion.py Companions) when the run asks for replacement nodes
+    (``--spare-floor`` > 0) and this is a Slurm job; else None."""
+    from .companion import Companions
+
+    job_id = os.environ.get("SLURM_JOB_ID")
+    try:
+        cfg = load_config(run_dir)
+    except (OSError, ValueError) as exc:
+        _log.warning("watch: no config, no replacement nodes: %s", exc)
+        return None
+    if not job_id or cfg.replacement.spare_floor <= 0:
+        return None
+    return Companions(run_dir, job_id, cfg.replacement.spare_floor, cfg.replacement.spare_wait, cfg.layout.spares,
+                      EventLog(RunDir(run_dir).events, role="watcher"))
 
 
 # ---- how an attempt ends: requeue, or stop ------------------------------------------------------------------------

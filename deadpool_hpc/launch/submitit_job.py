@@ -68,7 +68,7 @@ import sys
 import threading
 import time
 
-from ..config import RunConfig
+from ..config import RunConfig, only_under_slurm_batch
 from ..events import EventLog, read_events
 from ..logs import setup as setup_logging
 from ..errors import ConfigError
@@ -128,6 +128,7 @@ class HotSwapJob:
         self._saved_before = 0
         self._skipped_before = 0
         self._lock = None
+        only_under_slurm_batch(cfg, "submitit (no batch script to cancel companion jobs)")
         check_extensions(cfg.replication.replica_transport)   # a missing or broken plugin named before anything starts
         # a job still running there must keep its files (RunDirBusy: a ConfigError); held while the directory is
         # prepared, as every launcher does (the task 0 of the job takes it again when it starts)

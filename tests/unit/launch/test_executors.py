@@ -92,7 +92,8 @@ def test_one_cli_and_the_batch_commands_in_their_own_module(capsys):
         text = open(slurm.template_path(name)).read()
         assert "deadpool_hpc.launch.slurm " not in text, name
         used |= set(re.findall(r"-m deadpool_hpc\.launch\.batch ([a-z-]+)", text))
-    assert used == {"copy-config", "write-config", "prepare", "watch", "launch", "task", "relaunch", "end"}, used
+    assert used == {"copy-config", "write-config", "prepare", "watch", "launch", "task", "relaunch", "end",
+                    "cancel-companions", "join"}, used
     for cmd in used:
         with pytest.raises(SystemExit) as info:
             batch.main([cmd, "--help"])

@@ -1,0 +1,125 @@
+"""Replacement nodes on the real local cluster (launch/companion.py, docs/replacement-nodes.md "Operations"): a job
+with ``--spare-floor`` asks Slurm for a companion job when its pool falls below the floor, and everything it asked
+of Slurm is gone when it ends.
+
+The companion jobs are submitted held (``DEADPOOL_COMPANION_SBATCH_ARGS=--hold``): a cluster with no free node,
+whatever else runs on this shared cluster. The cluster is shared with other work: this module never brings it up
+or down (it is skipped when it is not up: ``bash scripts/slurm-local-cluster.sh up 5``), and cancels only the jobs
+it submitted, by job id (the conftest's clean-up of every queued job is replaced here by a no-op).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from slurm_helpers import ACTIVE, crash_when, events, final_state, host_of, job_output, wait_for, wait_gone
+
+pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CLUSTER = os.path.join(ROOT, "scripts", "slurm-local-cluster.sh")
+MEASURE = os.environ.get("DEADPOOL_SLURM_MEASURE", "/tmp/deadpool-slurm-measure.jsonl")
+
+
+@pytest.fixture(scope="module")
+def cluster_up():
+    if os.environ.get("DEADPOOL_SLURM_TESTS", "1") == "0":
+        pytest.skip("DEADPOOL_SLURM_TESTS=0")
+    st = subprocess.run(["bash", CLUSTER, "status"], capture_output=True, text=True, timeout=60)
+    if st.returncode != 0:
+        pytest.skip("the local Slurm cluster is not up (bash scripts/slurm-local-cluster.sh up 5)")
+
+
+@pytest.fixture(autouse=True)
+def clean_cluster():
+    """(replaces the conftest's) the cluster is shared: each test cancels its own jobs by id, nothing else."""
+    yield
+
+
+def _squeue_name(name: str) -> list[list[str]]:
+    out = subprocess.run(["squeue", "-h", f"--name={name}", "-o", "%i %T %r"], capture_output=True, text=True,
+                         timeout=30).stdout
+    return [l.split() for l in out.splitlines() if l.strip()]
+
+
+def _submit(tmp_path, *args) -> tuple[str, str]:
+    cli = [sys.executable, "-m", "deadpool_hpc.launch.cli", "submit", "--nodes", str(ACTIVE), "--spares", "1",
+           "--run-dir", "run", *args]
+    env = dict(os.environ, DEADPOOL_COMPANION_SBATCH_ARGS="--hold")
+    r = subprocess.run(cli, cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split()[-1], str(tmp_path / "run")
+
+
+def _companion_ids(run_dir) -> list[str]:
+    return [e["job_id"] for e in events(run_dir, "companion_submitted")]
+
+
+def _no_job_left(job, run_dir):
+    """squeue shows neither the main job nor any companion of it; each companion ended CANCELLED."""
+    assert wait_gone(job, 60), f"job {job} still queued"
+    assert wait_for(lambda: not _squeue_name(f"deadpool-spare-{job}"), 30, "no companion job queued"), \
+        _squeue_name(f"deadpool-spare-{job}")
+    for c in _companion_ids(run_dir):
+        assert final_state(c) == "CANCELLED", c
+
+
+def test_a_lost_spare_asks_for_a_companion_cancelled_after_spare_wait_when_no_node_is_free(tmp_path, cluster_up):
+    """2 + 1 with --spare-floor 1 --spare-wait 5: node1 (MPI rank 1) crashed at step 20, the spare takes its place,
+    the pool is empty (below the floor): one companion job is submitted, stays pending (held: no free node), and
+    is cancelled 5 s later; the job goes on and ends COMPLETED; nothing of the run is left in squeue."""
+    job, run_dir = _submit(tmp_path, "--steps", "200", "--spare-floor", "1", "--spare-wait", "5")
+    crashed = []
+    fail = lambda node: (subprocess.run(["bash", CLUSTER, "fail", node, "crash"], check=True, timeout=60),  # noqa: E731
+                         crashed.append(node))
+    try:
+        _, t_kill = crash_when(run_dir, fail, host_of(1), 20, time.time() + 150, lambda: wait_gone(job, 0))
+        sub = wait_for(lambda: events(run_dir, "companion_submitted"), 30, "a companion job submitted")[0]
+        cid = sub["job_id"]
+        queued = _squeue_name(f"deadpool-spare-{job}")
+        assert queued and queued[0][0] == cid and queued[0][1] == "PENDING", queued   # held: no node for it
+        canc = wait_for(lambda: [e for e in events(run_dir, "companion_cancelled") if e["job_id"] == cid], 30,
+                        "the companion cancelled after --spare-wait")[0]
+        assert canc["reason"] == "not started within 5 s" and canc["accepted"], canc
+        assert wait_gone(job, 180), f"job {job} still queued"
+    finally:
+        subprocess.run(["scancel", job, *_companion_ids(run_dir)], timeout=30)
+        for n in crashed:
+            subprocess.run(["bash", CLUSTER, "recover", n], timeout=120, check=False)
+    out = job_output(os.path.join(run_dir, f"slurm-{job}.out"))
+    assert final_state(job) == "COMPLETED", out
+    _no_job_left(job, run_dir)
+    assert len(_companion_ids(run_dir)) == 1   # not asked again: the pool did not shrink further
+    pool = events(run_dir, "spare_pool")
+    assert pool[0]["spares"] == 1 and pool[-1]["spares"] == 0, pool
+    s = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert s["completed"] and s["steps_completed"] == 200, s
+    rec = {"test": "companion-cancelled-after-wait", "job": job, "companion": cid,
+           "kill_to_submitted_s": round(sub["t"] - t_kill, 2),
+           "submitted_to_cancelled_s": round(canc["t"] - sub["t"], 2)}
+    print(f"\n[measure] {json.dumps(rec)}")
+    with open(MEASURE, "a") as fh:
+        fh.write(json.dumps(rec) + "\n")
+
+
+def test_a_companion_still_pending_when_the_job_ends_is_cancelled_by_the_job(tmp_path, cluster_up):
+    """2 + 1 with --spare-floor 2 (one spare below it from the start) and --spare-wait 600: the companion job is
+    submitted at once and stays pending (held); the job trains on, is not held back by it, ends COMPLETED, and its
+    batch script's exit trap cancels the companion: nothing of the run is left in squeue."""
+    job, run_dir = _submit(tmp_path, "--steps", "40", "--spare-floor", "2", "--spare-wait", "600")
+    try:
+        sub = wait_for(lambda: events(run_dir, "companion_submitted"), 90, "a companion job submitted")[0]
+        assert wait_gone(job, 180), f"job {job} still queued"
+    finally:
+        subprocess.run(["scancel", job, *_companion_ids(run_dir)], timeout=30)
+    out = job_output(os.path.join(run_dir, f"slurm-{job}.out"))
+    assert final_state(job) == "COMPLETED", out
+    _no_job_left(job, run_dir)
+    assert _companion_ids(run_dir) == [sub["job_id"]]   # floor 2, pool 1: one missing, asked once
+    canc = [e for e in events(run_dir, "companion_cancelled") if e["job_id"] == sub["job_id"]]
+    assert [e["reason"] for e in canc] == ["the job ends"], canc
+    assert f"companion jobs of {job} cancelled: {sub['job_id']}" in out, out[-2000:]

@@ -1,0 +1,99 @@
+"""The companion jobs' Slurm side (launch/companion.py) without Slurm: the sbatch command built from the main job's
+``scontrol show job``, the states read back, and the watcher's driver over a stubbed sbatch/squeue/scancel.
+The real thing runs in tests/slurm/test_slurm_companion.py."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from deadpool_hpc.events import EventLog, read_events
+from deadpool_hpc.launch import companion
+from deadpool_hpc.launch.spare_policy import FAILED, GONE, PENDING, RUNNING
+
+SHOW = ("JobId=41 JobName=deadpool UserId=ci(1000) GroupId=ci(1000) Priority=1 Account=physics QOS=normal "
+        "JobState=RUNNING Reason=None TimeLimit=02:00:00 Partition=gpu Features=a100&ib Reservation=(null) "
+        "NumNodes=3 Command=/x/job.sbatch\n")
+
+
+def test_main_job_info_reads_what_a_companion_copies():
+    info = companion.main_job_info("41", show=SHOW)
+    assert info == {"partition": "gpu", "account": "physics", "qos": "normal", "constraint": "a100&ib",
+                    "time_limit": "02:00:00"}
+    with pytest.raises(RuntimeError, match="no such job"):
+        companion.main_job_info("42", show=SHOW)
+
+
+def test_sbatch_args_tie_the_companion_to_the_main_job(tmp_path):
+    info = companion.main_job_info("41", show=SHOW)
+    cmd = companion.sbatch_args("41", info, str(tmp_path), "/venv/bin/python", template="/t/companion.sbatch",
+                                extra=["--qos=spares"])
+    assert cmd[:2] == ["sbatch", "--parsable"] and cmd[-1] == "/t/companion.sbatch"
+    for a in ("--job-name=deadpool-spare-41", "--nodes=1", "--exclusive", "--no-requeue", "--partition=gpu",
+              "--account=physics", "--constraint=a100&ib", "--time=02:00:00", f"--chdir={tmp_path}",
+              f"--output={tmp_path}/companions/slurm-%j.out",
+              f"--export=ALL,DEADPOOL_MAIN_JOB=41,RUN_DIR={tmp_path},PYTHON=/venv/bin/python"):
+        assert a in cmd, a
+    assert cmd.index("--qos=spares") > cmd.index("--qos=normal")   # the site's options come last: they win
+    bare = companion.sbatch_args("7", {"partition": "debug", "time_limit": "UNLIMITED"}, str(tmp_path), "py")
+    assert not [a for a in bare if a.startswith(("--time", "--account", "--constraint"))]
+    assert bare[-1] == companion.template_path() and os.path.isfile(bare[-1])
+
+
+def test_policy_state_from_slurm_and_the_nodes_markers(tmp_path):
+    d = tmp_path / "companions"
+    d.mkdir()
+    assert companion.policy_state("PENDING", str(tmp_path), "5") == PENDING
+    assert companion.policy_state("RUNNING", str(tmp_path), "5") == RUNNING
+    assert companion.policy_state("CONFIGURING", str(tmp_path), "5") == RUNNING
+    assert companion.policy_state(None, str(tmp_path), "5") == GONE
+    assert companion.policy_state("COMPLETING", str(tmp_path), "5") == GONE
+    (d / "5.failed").write_text("node9 --health-check exited 1\n")
+    assert companion.policy_state("RUNNING", str(tmp_path), "5") == FAILED
+
+
+class FakeSlurm:
+    """sbatch/squeue/scancel as the driver calls them (companion.submit/queued/cancel), answered from a dict."""
+
+    def __init__(self, monkeypatch, run_dir):
+        self.jobs: dict[str, str] = {}
+        self.cancelled: list[str] = []
+        self.next = 100
+        monkeypatch.setattr(companion, "submit", self.submit)
+        monkeypatch.setattr(companion, "queued", lambda main: dict(self.jobs))
+        monkeypatch.setattr(companion, "cancel", self.cancel)
+
+    def submit(self, main_job, run_dir, info, python=None, extra=None, now=None):
+        os.makedirs(os.path.join(run_dir, "companions"), exist_ok=True)
+        jid = str(self.next)
+        self.next += 1
+        self.jobs[jid] = "PENDING"
+        return jid
+
+    def cancel(self, jid):
+        self.cancelled.append(jid)
+        self.jobs.pop(jid, None)
+        return True
+
+
+def test_the_driver_submits_below_the_floor_cancels_after_the_wait_and_logs_it(tmp_path, monkeypatch):
+    slurm = FakeSlurm(monkeypatch, tmp_path)
+    log = EventLog(str(tmp_path / "events.jsonl"), role="watcher")
+    c = companion.Companions(str(tmp_path), "41", floor=1, wait=10, initial_pool=1, log=log, info={"partition": "p"})
+    assert c.tick(now=1000.0) == []
+    c.pool_from([{"t": 5.0, "event": "spare_pool", "spares": 0}], since=0.0)
+    assert c.tick(now=1001.0) == []                              # at most one look every TICK_S (2 s)
+    assert [a.kind for a in c.tick(now=1002.0)] == ["submit"]
+    assert [a.kind for a in c.tick(now=1006.0)] == []            # pending, within the wait
+    assert [(a.kind, a.job_id) for a in c.tick(now=1012.0)] == [("cancel", "100")]
+    assert c.tick(now=1030.0) == [] and slurm.cancelled == ["100"]
+    kinds = [e["event"] for e in read_events(str(tmp_path / "events.jsonl"))]
+    assert kinds == ["companion_submitted", "companion_cancelled"]
+
+
+def test_the_pool_comes_from_this_attempts_events_only(tmp_path):
+    c = companion.Companions(str(tmp_path), "41", 1, 10, initial_pool=2, log=None)
+    events = [{"t": 1.0, "event": "spare_pool", "spares": 0}, {"t": 5.0, "event": "relaunched", "spares_left": 1},
+              {"t": 6.0, "event": "spare_pool", "spares": 1}]
+    assert c.pool_from(events[:1], since=2.0) == 2   # an earlier attempt's
+    assert c.pool_from(events, since=2.0) == 1
