@@ -126,6 +126,13 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
     This is the blocking engine under ``LocalExecutor`` (launch/executors.py), the public way to start a local run.
     """
     cfg.validate()
+    if cfg.layout.ranks_per_node == 0:   # one per GPU of this machine (1 without a GPU): every emulated node's
+        from ..dataplane.backend import BackendError, node_gpus, resolve_ranks_per_node
+
+        try:
+            cfg.update(ranks_per_node=resolve_ranks_per_node(0, cfg.layout.backend, node_gpus()))
+        except BackendError as exc:
+            raise ConfigError(str(exc)) from None
     if cfg.layout.total_processes > LOCAL_MAX_PROCESSES:
         raise ConfigError(f"{cfg.layout.total_processes} training processes requested ({cfg.layout.total_nodes} nodes x "
                           f"{cfg.layout.ranks_per_node} ranks per node); the local launcher (deadpool run) runs at most "
