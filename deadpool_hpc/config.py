@@ -153,7 +153,12 @@ class Layout(Section):
 
     nodes: int = opt(3, metavar="N", help="active (training) nodes", accepted="1 or more (active nodes)", check=_int(1))
     spares: int = opt(1, metavar="S", help="spare nodes allocated with the job", accepted="0 or more", check=_int(0))
-    ranks_per_node: int = opt(1, metavar="P", help="training processes per node", accepted="1 or more", check=_int(1))
+    # 0 is resolved before any process starts, where the node is known (launch/batch.py on a Slurm allocation, where
+    # it is the batch template's and ``deadpool submit``'s default; launch/local.py): never seen by an agent or worker
+    ranks_per_node: int = opt(1, metavar="P", check=_int(0),
+                              help="training processes per node (deadpool run: 1); 0: one per GPU of the node (1 without a "
+                                   "GPU), what deadpool submit and the batch template take when not told",
+                              accepted="1 or more, or 0 (one per GPU of the node)")
     backend: str = opt("auto", metavar="auto|nccl|gloo",
                        help="the training processes' torch.distributed backend: auto (nccl where torch sees CUDA "
                             "and the node has a GPU, else gloo), nccl or gloo (default auto)",
@@ -629,5 +634,8 @@ del _name
 def run_parameters() -> dict[str, tuple]:
     """The submitit executor's run parameters, derived from the sections: {flat name: (check(value) -> bool, what
     is accepted)} for every public setting except ``nodes`` (submitit's own generic parameter)."""
-    return {ff.name: (ff.field.metadata["check"], ff.field.metadata["accepted"]) for ff in FLAT.values()
-            if ff.field.metadata["public"] and ff.name != "nodes"}
+    params = {ff.name: (ff.field.metadata["check"], ff.field.metadata["accepted"]) for ff in FLAT.values()
+              if ff.field.metadata["public"] and ff.name != "nodes"}
+    # ranks_per_node 0 (one per GPU) is resolved by the batch template on the allocation, which submitit's job has not
+    params["ranks_per_node"] = (_int(1), "1 or more")
+    return params

@@ -144,3 +144,26 @@ def abort_rank1(ctx) -> None:
 
     ctx.run = run_aborting
     demo_train(ctx)
+
+
+def cuda_unusable_rank1(ctx) -> None:
+    """The demo, but training rank 1's process finds its CUDA context unusable at step ``DEADPOOL_TEST_UNUSABLE_STEP``
+    (default 10), once per run (a marker file in the run directory): it raises DeviceUnusable, as
+    dataplane/groups.py's ``abandon`` does after an NCCL abort on a GPU, and so exits with CUDA_UNUSABLE_EXIT
+    (worker/entry.py). The exit code's handling, on the CPU."""
+    from deadpool_hpc.dataplane.backend import DeviceUnusable
+
+    at = int(os.environ.get("DEADPOOL_TEST_UNUSABLE_STEP", "10"))
+    marker = os.path.join(ctx.config.output.run_dir, "unusable")
+    run = ctx.run
+
+    def run_unusable(step_fn):
+        def step(s: int):
+            if s == at and ctx.rank == 1 and not os.path.exists(marker):
+                open(marker, "w").close()
+                raise DeviceUnusable("the CUDA context of cuda:1 is unusable after the NCCL abort (test)")
+            return step_fn(s)
+        run(step)
+
+    ctx.run = run_unusable
+    demo_train(ctx)

@@ -16,7 +16,17 @@ dataplane/watchdog.py). Variable names and values: PyTorch's ProcessGroupNCCL.hp
 collective then never returns): 2.25.1, and 2.28.3 to 2.28.8. Source: the peers' reports gathered for the GPU path
 (NCCL release notes of 2.25.2 and 2.28.9 name the fixes). Pure logic; ``nccl_version`` reads torch's.
 
-UNTESTED on a GPU (this suite runs without CUDA): the NCCL branches are written, not run on a device.
+``node_gpus`` and ``resolve_ranks_per_node`` give a node's training processes before any starts (the Slurm batch
+script's ``write-config`` / ``copy-config``, launch/batch.py): ``--ranks-per-node 0`` is one per GPU of the node (1
+without a GPU), and more than the node's GPUs under ``--backend nccl`` is refused (NCCL takes one GPU per rank).
+
+``misplaced_parameter`` names a model's parameter that is not on the training process's device (``ctx.device``),
+which ``ctx.protect`` and ``ctx.zero_adamw`` refuse before step 0. ``warm_cuda`` creates the CUDA context and fills
+the caching allocator (every training process, spares while idle); ``cuda_context_problem`` says whether the CUDA
+context still works after an NCCL abort (a sticky error leaves it unusable: the process then exits with
+``CUDA_UNUSABLE_EXIT``, and its agent handles it as a lost training process).
+
+UNTESTED on a GPU (this suite runs without CUDA): the NCCL and CUDA branches are written, not run on a device.
 """
 from __future__ import annotations
 
@@ -38,8 +48,20 @@ NCCL_ENV = {
 }
 
 
+# A training process's exit code when its CUDA context is unusable after an NCCL abort (a sticky CUDA error: no kernel
+# runs again in this process). Its node agent handles it as any lost training process (agent/node.py: the node fails
+# with cause "exit", and returns to the spare pool after its check, agent/comeback.py), its reason says so. Not 1
+# (an error in user code, which ends the job), 3 (start-up) nor 4 (crash loop).
+CUDA_UNUSABLE_EXIT = 5
+
+
 class BackendError(ValueError):
     """A backend setting that cannot be honoured here (its message names the value and what is accepted)."""
+
+
+class DeviceUnusable(RuntimeError):
+    """This process's CUDA context no longer works (after an NCCL abort): it must exit with ``CUDA_UNUSABLE_EXIT``
+    (worker/entry.py), never ask the job to stop."""
 
 
 def cuda_devices() -> int:
@@ -64,6 +86,93 @@ def resolve_backend(setting: str, gpus: int | None = None) -> str:
         raise BackendError("backend 'nccl' needs CUDA and a GPU, and this node has none; accepted here: gloo "
                            "(or auto, which picks gloo without a GPU)")
     return setting
+
+
+def node_gpus(environ=None, count: int | None = None) -> int:
+    """The GPUs of this node for its layout: ``SLURM_GPUS_ON_NODE`` where Slurm set it (the GPUs the job holds on the
+    node; a number, else ignored), else the CUDA devices this process sees (``count`` instead, for tests)."""
+    environ = os.environ if environ is None else environ
+    text = str(environ.get("SLURM_GPUS_ON_NODE", "")).strip()
+    if text.isdigit():
+        return int(text)
+    return cuda_devices() if count is None else count
+
+
+def resolve_ranks_per_node(requested: int, backend: str, gpus: int) -> int:
+    """The training processes per node for ``--ranks-per-node requested`` on a node with ``gpus`` GPUs under the
+    ``backend`` setting: ``requested``, or for 0 one per GPU (1 without a GPU). Raises BackendError, naming the
+    value and the GPU count, for more processes than GPUs under "nccl" (NCCL needs a GPU of its own per rank of a
+    communicator), or "nccl" on a node without a GPU."""
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 0:
+        raise BackendError(f"--ranks-per-node {requested!r}: accepted: 1 or more, or 0 (one per GPU of the node)")
+    n = requested or max(1, gpus)
+    if backend == "nccl":
+        if gpus <= 0:
+            raise BackendError("--backend nccl needs a GPU on each node, and this node has 0 (SLURM_GPUS_ON_NODE / "
+                               "CUDA); accepted here: --backend gloo or auto")
+        if n > gpus:
+            raise BackendError(f"--ranks-per-node {n} with --backend nccl: this node has {gpus} GPU(s) "
+                               f"(SLURM_GPUS_ON_NODE / CUDA) and NCCL needs one per training process; accepted: "
+                               f"1..{gpus}, or 0 (one per GPU)")
+    return n
+
+
+def misplaced_parameter(model, device, backend: str = "nccl") -> str | None:
+    """Why ``model`` cannot be trained by a process whose device is ``device`` (``ctx.device``), or None: the first
+    parameter (by ``named_parameters``) that lives elsewhere, its name, its device and ``device``. A parameter on
+    ``device``'s type with no index (``cuda``) or the same index matches. Under gloo a CUDA parameter is accepted on
+    a CPU ``device`` (gloo's collectives take CUDA tensors: benchmarks/gpu_check_train.py); a ``meta`` parameter
+    (never materialised) is refused everywhere."""
+    import torch
+
+    want = torch.device(device)
+    for name, p in model.named_parameters():
+        have = p.device
+        if have.type == want.type and (have.index is None or want.index is None or have.index == want.index):
+            continue
+        if backend == "gloo" and want.type == "cpu" and have.type == "cuda":
+            continue
+        return (f"parameter {name!r} is on {have} but this training process's device (ctx.device) is {want}; "
+                f"accepted: every parameter on {want} (move the model there before ctx.protect: model.to(ctx.device))")
+    return None
+
+
+def warm_cuda(device, nbytes: int = 64 << 20) -> None:
+    """Create the CUDA context on ``device`` and leave ``nbytes`` in the caching allocator (allocated, then freed:
+    torch keeps the block), so the first step after a promotion pays for neither. Every training process does it when
+    it starts, a spare's while it waits (worker/entry.py ``bind_device``). Nothing on a CPU ``device``. Written, not
+    run on a device."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    torch.cuda.init()
+    block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    block.zero_()
+    torch.cuda.synchronize(device)
+    del block
+
+
+def cuda_context_problem(device) -> str | None:
+    """Why the CUDA context of ``device`` cannot run work any more (the CUDA error a tiny kernel and a
+    synchronisation raise: after an NCCL abort a sticky error, e.g. an illegal address, poisons the context for the
+    process's lifetime), or None if it runs. None on a CPU ``device``. Written, not run on a device."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    try:
+        torch.cuda.synchronize(device)
+        probe = torch.ones(1, device=device)
+        probe.add_(1)
+        torch.cuda.synchronize(device)
+        if probe.item() != 2.0:
+            return f"a kernel on {device} computed {probe.item()} instead of 2.0"
+    except RuntimeError as exc:   # torch.AcceleratorError (a RuntimeError) in recent releases
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def device_of(backend: str, local_rank: int, gpus: int | None = None):

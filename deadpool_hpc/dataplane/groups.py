@@ -115,7 +115,10 @@ class GenerationGroups:
         return self._sub.get(tuple(ranks))
 
     def abandon(self) -> None:
-        """Leave the current group without waiting for its pending ops (see module docstring)."""
+        """Leave the current group without waiting for its pending ops (see module docstring). Under NCCL, once its
+        communicators are aborted, check that this process's CUDA context still runs work: raises DeviceUnusable
+        (dataplane/backend.py) when it does not, and the process must then exit (``CUDA_UNUSABLE_EXIT``). The NCCL
+        branch is written, not run on a device."""
         if not dist.is_initialized():
             return
         pg = c10d._get_default_group()
@@ -125,6 +128,12 @@ class GenerationGroups:
         if self.backend == "nccl":
             self.abort_all()
         self._clear_registry()
+        if self.backend == "nccl" and self.device is not None:
+            from .backend import DeviceUnusable, cuda_context_problem
+
+            problem = cuda_context_problem(self.device)
+            if problem is not None:
+                raise DeviceUnusable(f"the CUDA context of {self.device} is unusable after the NCCL abort: {problem}")
 
     def abort_all(self) -> bool:
         """(NCCL; any thread) Abort every communicator of the current generation together, so that kernels waiting on

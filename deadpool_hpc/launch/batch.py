@@ -15,6 +15,11 @@ templates (templates/train.sbatch) call these; people use the ``deadpool`` comma
 - ``join``               on a companion job's node (templates/companion.sbatch): check the node, wait for the
                          main job's end (joining the running job is not built yet: launch/companion.py)
 
+``write-config`` and ``copy-config`` run on the allocation (the batch host), so the node's GPUs are known there:
+``--ranks-per-node 0`` (the template's and ``deadpool submit``'s default) becomes one per GPU of the node
+(``SLURM_GPUS_ON_NODE``, else the CUDA devices; 1 without a GPU) in RUN_DIR/config.json, and more than that under
+``--backend nccl`` is refused, before any process starts (``resolve_layout``).
+
 Exit 2 on bad input (ConfigError, a missing file), with ``deadpool: error: ...`` on stderr.
 """
 from __future__ import annotations
@@ -25,6 +30,39 @@ import sys
 from ..errors import ConfigError
 from . import companion, slurm, slurm_job, slurm_startup
 from .options import add_run_options, config_from_args
+
+
+def resolve_layout(cfg, gpus: int | None = None):
+    """``cfg`` with its training processes per node resolved for a node with ``gpus`` GPUs (default: this node's,
+    dataplane/backend.py ``node_gpus``): 0 becomes one per GPU (1 without a GPU). Returns ``cfg`` (updated in place).
+    Raises ConfigError naming the value and the GPU count for more processes than GPUs under ``--backend nccl``."""
+    from ..dataplane.backend import BackendError, node_gpus, resolve_ranks_per_node
+
+    gpus = node_gpus() if gpus is None else gpus
+    try:
+        n = resolve_ranks_per_node(cfg.layout.ranks_per_node, cfg.layout.backend, gpus)
+    except BackendError as exc:
+        raise ConfigError(str(exc)) from None
+    if n != cfg.layout.ranks_per_node:
+        cfg.update(ranks_per_node=n)
+    return cfg
+
+
+def copy_config_resolved(config: str, run_dir: str, gpus: int | None = None) -> str:
+    """``copy-config``: copy CONFIG to RUN_DIR/config.json (slurm.copy_config), its ranks per node resolved for this
+    node (``resolve_layout``; a resolved config is written anew). Returns the path; ConfigError as both."""
+    from .. import rundir
+    from ..config import RunConfig
+
+    dest = slurm.copy_config(config, run_dir)
+    with open(dest) as fh:
+        cfg = RunConfig.from_json(fh.read())
+    before = cfg.layout.ranks_per_node
+    resolve_layout(cfg, gpus)
+    if cfg.layout.ranks_per_node != before:
+        cfg.validate()
+        dest = rundir.write_config(run_dir, cfg)
+    return dest
 
 
 def main(argv=None) -> int:
@@ -71,9 +109,9 @@ def main(argv=None) -> int:
     setup_logging(f"slurm-{a.cmd}")
     try:
         if a.cmd == "write-config":
-            print(slurm.write_config(config_from_args(a)))
+            print(slurm.write_config(resolve_layout(config_from_args(a))))
         elif a.cmd == "copy-config":
-            print(slurm.copy_config(a.config, a.run_dir))
+            print(copy_config_resolved(a.config, a.run_dir))
         elif a.cmd == "prepare":
             slurm.prepare(a.run_dir, resume=a.resume)
         elif a.cmd == "watch":

@@ -255,6 +255,7 @@ def main(argv=None) -> int:
     sm = sub.add_parser("submit", help="submit the same run to Slurm (the batch template, train.sbatch); "
                         "prints the job id last")
     add_run_options(sm)
+    sm.set_defaults(ranks_per_node=0)   # one per GPU of each node, resolved on the allocation (launch/batch.py)
     sm.add_argument("--partition")
     sm.add_argument("--time", help="Slurm time limit, e.g. 2:00:00 (it must exceed --signal-lead by 90 s)")
     sm.add_argument("--signal-lead", type=signal_lead_arg, metavar="SECONDS",

@@ -429,6 +429,9 @@ class SubmititExecutor:
         spares nodes, ranks_per_node CPUs per task, the hot-swap flags."""
         from .submitit_job import JOB_FLAGS, srun_args
 
+        if cfg.layout.ranks_per_node == 0:
+            raise ConfigError("--ranks-per-node 0 (one per GPU of the node) is resolved by the batch template "
+                              "(deadpool submit, SlurmExecutor); accepted with the submitit executor: 1 or more")
         slurm = dict(self.slurm)
         add = dict(JOB_FLAGS, **(slurm.pop("additional_parameters", None) or {}))
         return dict(nodes=cfg.layout.total_nodes, ntasks_per_node=1, cpus_per_task=cfg.layout.ranks_per_node,

@@ -127,6 +127,13 @@ def launch(cfg: RunConfig, on_poll=None, poll_s: float = 0.25, timeout: float | 
     """
     cfg.validate()
     only_under_slurm_batch(cfg, "deadpool run (local)")
+    if cfg.layout.ranks_per_node == 0:   # one per GPU of this machine (1 without a GPU): every emulated node's
+        from ..dataplane.backend import BackendError, node_gpus, resolve_ranks_per_node
+
+        try:
+            cfg.update(ranks_per_node=resolve_ranks_per_node(0, cfg.layout.backend, node_gpus()))
+        except BackendError as exc:
+            raise ConfigError(str(exc)) from None
     if cfg.layout.total_processes > LOCAL_MAX_PROCESSES:
         raise ConfigError(f"{cfg.layout.total_processes} training processes requested ({cfg.layout.total_nodes} "
                           f"nodes x {cfg.layout.ranks_per_node} ranks per node); the local launcher (deadpool run) "

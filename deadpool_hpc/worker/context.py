@@ -172,6 +172,7 @@ class Context:
         """A ZeRO-1 AdamW over ``model`` whose shard is the state this context protects."""
         self._refuse_second("zero_adamw")
         with self._refusing():
+            self._check_device("zero_adamw", model)
             opt = ShardedAdamW(model, self.world_size, **kwargs)
         self._hold(opt)
         return opt
@@ -190,6 +191,7 @@ class Context:
         self._refuse_second("protect")
         cfg = self.config
         with self._refusing():
+            self._check_device("protect", model)
             state = Protected(self.world_size, model, optimizer, scheduler, dataloader, extra,
                               python_rng=python_rng, numpy_rng=numpy_rng,
                               ring=(cfg.layout.ranks_per_node, cfg.layout.nodes, cfg.replica_holders),
@@ -235,6 +237,16 @@ class Context:
         except (TypeError, ValueError) as exc:
             self._refusal = exc
             raise
+
+    def _check_device(self, what: str, model) -> None:
+        """Refuse (ValueError: the parameter, its device, ctx.device) a model with a parameter elsewhere than
+        ``self.device``: its snapshot copies and collectives run on ctx.device (dataplane/backend.py)."""
+        from ..dataplane.backend import misplaced_parameter
+
+        if hasattr(model, "named_parameters"):   # what is not a module, protect's own check names
+            problem = misplaced_parameter(model, self.device, getattr(self._groups, "backend", "gloo"))
+            if problem is not None:
+                raise ValueError(f"ctx.{what}(model={type(model).__name__}): {problem}")
 
     def _refuse_second(self, what: str) -> None:
         if self._state is not None:

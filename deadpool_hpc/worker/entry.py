@@ -65,24 +65,11 @@ def bind_device(cfg, local: int, log=None):
             raise RuntimeError(problem)
         be.nccl_environment()
         torch.cuda.set_device(device)
-        warm_cuda(device)
+        be.warm_cuda(device)
         if log is not None:   # the NCCL version in the event log, and on stderr (the agent's tail of it)
             log.emit("device", **info)
         print(f"deadpool: backend nccl on {device}, NCCL {info['nccl']}", file=sys.stderr, flush=True)
     return name, device
-
-
-def warm_cuda(device, nbytes: int = 64 << 20) -> None:
-    """Create the CUDA context on ``device`` and leave ``nbytes`` in the caching allocator (allocated, then freed:
-    torch keeps the block), so the first step after a promotion pays for neither. CUDA only; written, not run on a
-    device."""
-    import torch
-
-    torch.cuda.init()
-    block = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    block.zero_()
-    torch.cuda.synchronize(device)
-    del block
 
 
 def main(argv=None) -> None:
@@ -128,6 +115,7 @@ def main(argv=None) -> None:
     import torch
 
     torch.set_num_threads(int(os.environ.get("DEADPOOL_THREADS", "1")))
+    from ..dataplane.backend import CUDA_UNUSABLE_EXIT, DeviceUnusable
     from ..dataplane.groups import GenerationGroups
     from .context import Context
 
@@ -144,6 +132,10 @@ def main(argv=None) -> None:
                                       lambda: groups.generation)
         load_train_fn(cfg.train.train_fn)(ctx)
         code = ctx.exit_code
+    except DeviceUnusable as exc:  # its CUDA context died with an NCCL abort: this node's loss, not the job's end
+        code = CUDA_UNUSABLE_EXIT
+        log.emit("device_unusable", error=str(exc)[:2000])
+        print(f"deadpool: {exc}; exiting with {CUDA_UNUSABLE_EXIT}", file=sys.stderr, flush=True)
     except BaseException as exc:  # report, ask the agent to end the job (or, at start-up, fail this node), leave
         error = f"{type(exc).__name__}: {exc}"
         if ctx is None or (not ctx.attached and ctx.refusal is None):

@@ -256,7 +256,7 @@ from deadpool_hpc.config import SECTIONS, flat_fields, run_parameters  # noqa: E
 
 
 @pytest.mark.parametrize("section, kwargs, needle", [
-    ("layout", dict(ranks_per_node=0), "--ranks-per-node 0: accepted: 1 or more"),
+    ("layout", dict(ranks_per_node=-1), "--ranks-per-node -1: accepted: 1 or more, or 0 (one per GPU of the node)"),
     ("layout", dict(backend="mpi"), "--backend 'mpi': accepted: auto, nccl or gloo"),
     ("layout", dict(nodes=1, spares=1), "hot-swap needs at least 2 active nodes"),
     ("train", dict(steps=True), "--steps True: accepted: 1 or more"),

@@ -84,3 +84,81 @@ def test_a_training_process_without_cuda_binds_the_cpu_and_refuses_nccl(monkeypa
     assert os.environ["LOCAL_RANK"] == "0" and emitted == []   # gloo: nothing new in the event log
     with pytest.raises(be.BackendError, match="'nccl' needs CUDA"):
         bind_device(RunConfig(backend="nccl"), 0, log)
+
+
+# ---- the layout: training processes per node from the node's GPUs -----------------------------------------------
+def test_node_gpus_reads_slurm_first_then_cuda():
+    assert be.node_gpus({"SLURM_GPUS_ON_NODE": "4"}, count=8) == 4
+    assert be.node_gpus({"SLURM_GPUS_ON_NODE": "0"}, count=8) == 0
+    assert be.node_gpus({}, count=2) == 2
+    assert be.node_gpus({"SLURM_GPUS_ON_NODE": "gpu:a100:4"}, count=3) == 3   # not a number: CUDA's count
+    if not torch.cuda.is_available():
+        assert be.node_gpus({}) == 0
+
+
+@pytest.mark.parametrize("requested, backend, gpus, want", [
+    (0, "auto", 4, 4), (0, "nccl", 8, 8), (0, "auto", 0, 1), (0, "gloo", 0, 1),   # 0: one per GPU, 1 without
+    (2, "nccl", 4, 2), (4, "nccl", 4, 4), (3, "gloo", 1, 3), (6, "auto", 2, 6), (1, "gloo", 0, 1)])
+def test_ranks_per_node_default_is_the_node_gpu_count(requested, backend, gpus, want):
+    assert be.resolve_ranks_per_node(requested, backend, gpus) == want
+
+
+def test_more_ranks_than_gpus_under_nccl_is_refused_naming_value_and_count():
+    with pytest.raises(be.BackendError, match=r"--ranks-per-node 5 with --backend nccl: this node has 4 GPU\(s\).*"
+                                              r"accepted: 1\.\.4, or 0"):
+        be.resolve_ranks_per_node(5, "nccl", 4)
+    with pytest.raises(be.BackendError, match=r"--backend nccl needs a GPU on each node, and this node has 0"):
+        be.resolve_ranks_per_node(0, "nccl", 0)
+    with pytest.raises(be.BackendError, match=r"--ranks-per-node -1: accepted: 1 or more, or 0"):
+        be.resolve_ranks_per_node(-1, "gloo", 0)
+
+
+# ---- a model's parameters and ctx.device ----------------------------------------------------------------------
+def test_a_parameter_on_another_device_is_named_with_both_devices():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    assert be.misplaced_parameter(model, torch.device("cpu"), "gloo") is None
+    with torch.device("meta"):
+        model[1] = torch.nn.Linear(2, 2)
+    why = be.misplaced_parameter(model, torch.device("cpu"), "gloo")
+    assert why.startswith("parameter '1.weight' is on meta but this training process's device (ctx.device) is cpu")
+    assert "accepted: every parameter on cpu" in why
+
+
+def test_a_device_without_index_matches_any_index_of_its_type():
+    with torch.device("meta"):
+        model = torch.nn.Linear(2, 2)
+    assert be.misplaced_parameter(model, torch.device("meta")) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a CPU parameter under a CUDA ctx.device)")
+def test_cpu_parameters_under_a_cuda_device_are_refused():
+    model = torch.nn.Linear(2, 2)
+    why = be.misplaced_parameter(model, torch.device("cuda", 0), "nccl")
+    assert why.startswith("parameter 'weight' is on cpu but this training process's device (ctx.device) is cuda:0")
+    assert be.misplaced_parameter(model.to("cuda:0"), torch.device("cuda", 0), "nccl") is None
+    # gloo over CUDA tensors (benchmarks/gpu_check_train.py): accepted on a CPU ctx.device
+    assert be.misplaced_parameter(model.to("cuda:0"), torch.device("cpu"), "gloo") is None
+
+
+# ---- the CUDA context: warmed while idle, checked after an abort ----------------------------------------------
+def test_on_the_cpu_warming_and_the_context_check_do_nothing():
+    be.warm_cuda(torch.device("cpu"))
+    assert be.cuda_context_problem(torch.device("cpu")) is None
+    if not torch.cuda.is_available():
+        assert not torch.cuda.is_initialized()   # no CUDA context was made on the CPU path
+
+
+def test_the_unusable_context_exit_code_is_distinct():
+    from deadpool_hpc.errors import CRASH_LOOP_EXIT, STARTUP_FAILED_EXIT
+
+    assert be.CUDA_UNUSABLE_EXIT not in (0, 1, 2, STARTUP_FAILED_EXIT, CRASH_LOOP_EXIT, 75)
+    assert issubclass(be.DeviceUnusable, RuntimeError) and not issubclass(be.DeviceUnusable, ValueError)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the CUDA context and its caching allocator)")
+def test_warming_leaves_the_block_in_the_caching_allocator_and_the_context_works():
+    dev = torch.device("cuda", 0)
+    be.warm_cuda(dev, nbytes=8 << 20)
+    assert torch.cuda.is_initialized()
+    assert torch.cuda.memory_reserved(dev) >= 8 << 20 and torch.cuda.memory_allocated(dev) == 0
+    assert be.cuda_context_problem(dev) is None
