@@ -27,8 +27,8 @@ PLACES = ("unit", "e2e", "project")
 FOLDERS = PLACES + ("slurm", "plugin_fixture", "__pycache__")
 # the shared helpers, imported by their bare name from every test (tests/ is on sys.path: conftest.py lies there)
 # and by the runs' processes (trainfns*: ``--train-fn trainfns:paced``, with tests/ on PYTHONPATH)
-SHARED = {"conftest.py", "fasttier.py", "paths.py", "runs.py", "snapnode.py", "snapshots.py", "trainfns.py",
-          "trainfns_data.py", "trainfns_startup.py", "README.md"}
+SHARED = {"conftest.py", "fasttier.py", "paths.py", "runs.py", "snapnode.py", "snapshots.py", "testkit.py",
+          "trainfns.py", "trainfns_data.py", "trainfns_startup.py", "README.md"}
 
 
 def _test_files(place: str) -> list[str]:
