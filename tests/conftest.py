@@ -85,6 +85,18 @@ def importable_test_code(request, monkeypatch):
         monkeypatch.setenv("PYTHONPATH", _with_test_code(os.environ.get("PYTHONPATH")))
 
 
+@pytest.fixture
+def local_group():
+    """A default process group of this process alone (gloo over a HashStore: no process, no socket), destroyed after
+    the test: what the worker context installs for DDP and FSDP2 before ``run``."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 def baseline_settings(**settings) -> dict:
     """The settings of a failure-free run that decide its parameters (a default named or not: the same run)."""
     bad = set(settings) - {ff.name for ff in RunConfig.flat_fields()}

@@ -48,6 +48,36 @@ def launch_reaped(cfg: RunConfig, timeout: float) -> dict:
 
 
 SMALL_RUN_STEPS = 24   # the fault tests' runs (test_never_hang, test_startup) and their shared baseline
+EXAMPLE_STEPS = 44     # the examples' runs (test_your_loop: examples/ddp_gpt.py; test_fsdp2: examples/fsdp2_gpt.py, ...)
+
+
+def run_example(tmp_path, name, *specs, timeout=240, **kw) -> dict:
+    """A run of an example (``kw`` names ``nodes``, ``train_fn`` and ``train_args``, and any RunConfig field on top)
+    of EXAMPLE_STEPS steps with one spare in ``tmp_path/name``, with ``specs`` ("kill node1@30", "hang rank2@40");
+    launched with ``launch_reaped``."""
+    cfg = RunConfig(**{**dict(spares=1, steps=EXAMPLE_STEPS, run_dir=str(tmp_path / name), faults=faults(*specs),
+                              rendezvous_timeout=4.0, hang_timeout=3.0), **kw}).validate()
+    return launch_reaped(cfg, timeout)
+
+
+def example_digest(failure_free, **settings) -> str:
+    """The parameter digest of an example's failure-free run of EXAMPLE_STEPS steps (``failure_free``: the session's
+    shared baselines, tests/conftest.py) with ``settings``; fails if the example's loss does not drop by 20 %."""
+    s = failure_free(steps=EXAMPLE_STEPS, **settings)
+    assert s["final_loss"] < 0.8 * s["first_loss"], "the example does not train"
+    return s["param_digest"]
+
+
+def check_recovered(s, digest, targets, failed_nodes):
+    """Each fault of the example run ``s`` (in order: ``targets``, whose nodes are ``failed_nodes``) hot-swapped with
+    at most one step recomputed, and the parameters bitwise the failure-free run's (``digest``)."""
+    assert s["completed"] and s["errors"] == [], s
+    assert s["steps_completed"] == EXAMPLE_STEPS
+    assert [f["target"] for f in s["failures"]] == targets, s["failures"]
+    for f, nodes in zip(s["failures"], failed_nodes):
+        assert f["outcome"] == "hot swap" and f["failed_nodes"] == nodes, f
+        assert f["recomputed_steps"] <= 1, f
+    assert s["param_digest"] == digest, "recovered run diverged from the failure-free run"
 
 
 # Hydra (MPICH's mpiexec: the local launcher's process manager, not Slurm's) ends the whole job when one of its

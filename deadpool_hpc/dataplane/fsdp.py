@@ -18,7 +18,7 @@ Its shards have rank 0's shapes, the largest. At promotion ``rebind`` gives the 
 per-group mesh information the new rank (torch internals: ``DeviceMesh``'s ``_coordinate_on_dim`` and
 ``FSDPMeshInfo.shard_mesh_rank``) and, where the shards are uneven (a world size that does not divide a dimension 0),
 points each parameter at the new rank's rows of its padded buffer (``_reshape_shard``). torch is pinned and the
-tests cover these internals (tests/e2e/test_fsdp2.py).
+tests cover these internals (tests/unit/dataplane/test_fsdp.py; the runs: tests/e2e/test_fsdp2.py).
 """
 from __future__ import annotations
 
@@ -81,7 +81,8 @@ def fsdp_params(model) -> list:
 def _reshape_shard(fp, rank: int) -> bool:
     """Point ``fp``'s sharded parameter at shard rank ``rank``'s rows of its padded buffer (dim-0 sharding, as FSDP2's
     ``_init_sharded_param`` does). Torch internals: ``padded_sharded_param_size``, ``_sharded_param_data``,
-    ``sharded_size``, ``contiguous_sharded_stride``, ``DTensor._local_tensor``; tests/e2e/test_fsdp2.py pins them."""
+    ``sharded_size``, ``contiguous_sharded_stride``, ``DTensor._local_tensor``; tests/unit/dataplane/test_fsdp.py pins
+    them."""
     padded = fp.padded_sharded_param_size
     if fp.fsdp_placement.dim != 0 or not len(padded):
         return False   # FSDP2 shards other dimensions only evenly

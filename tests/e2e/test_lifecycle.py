@@ -5,11 +5,13 @@
 - The worker-side lifeline on its own (no hydra): a launcher that dies takes the run's processes with
   it, a SIGSTOPped peer included, and never a process whose pid was recycled.
 - One run per run directory; a run only ever signals processes it started.
-- Bad paths exit 2 with a message before anything trains. The console says what happens.
+- The console says what happens when no spare is left.
+
+In process: the CLI's path checks (tests/unit/launch/test_cli.py), the console's lines
+(tests/unit/launch/test_console.py).
 """
 from __future__ import annotations
 
-import io
 import json
 import os
 import signal
@@ -21,7 +23,6 @@ from contextlib import contextmanager
 
 import pytest
 
-from deadpool_hpc.config import RunConfig
 from deadpool_hpc.process.fence import descendants, fence, identity_of, is_alive
 from deadpool_hpc.events import EventLog, read_events
 from deadpool_hpc.rundir import RunDir, RunDirBusy
@@ -255,14 +256,6 @@ def test_lifeline_of_a_worker_whose_launcher_is_already_gone_ends_it_at_once(tmp
             w.wait()
 
 
-def test_lifeline_only_under_the_local_launcher(tmp_path):
-    from deadpool_hpc.process import lifeline
-
-    assert lifeline.start(str(tmp_path / "e.jsonl"), environ={}) is None  # Slurm: nothing starts
-    with pytest.raises(ValueError, match="DEADPOOL_LAUNCHER='12x'"):
-        lifeline.start(str(tmp_path / "e.jsonl"), environ={"DEADPOOL_LAUNCHER": "12x"})
-
-
 # ---- one run per run directory; a run signals only its own processes ---------------------------------------------
 @pytest.mark.e2e
 def test_second_run_in_the_same_run_dir_is_refused_and_the_first_is_untouched(tmp_path):
@@ -348,117 +341,7 @@ def test_a_run_kills_only_processes_of_its_own_run_id(tmp_path):
             p.wait()
 
 
-# ---- bad input: exit 2 with a message, before anything trains -----------------------------------------------------
-def bad_cases(tmp):
-    (tmp / "file").write_text("x")
-    (tmp / "adir").mkdir()
-    proj = tmp / "project"
-    (proj / "checkpoint").mkdir(parents=True)
-    (proj / "checkpoint" / "model.pt").write_text("precious")
-    (proj / "config.json").write_text('{"lr": 1}')
-    ok = str(tmp / "new-run")
-    return [
-        (["--run-dir", str(tmp / "file")], "exists and is not a directory"),
-        (["--run-dir", str(tmp / "file" / "sub")], "is not a directory, so"),
-        (["--run-dir", ""], "--run-dir '': empty"),
-        (["--run-dir", "/proc"], "cannot create files in /proc"),
-        (["--run-dir", str(proj)], "holds other files and no deadpool run"),
-        (["--run-dir", ok, "--summary", str(tmp / "adir")], "is a directory; accepted: a file path"),
-        (["--run-dir", ok, "--summary", str(tmp / "file" / "s.json")], f"its directory {tmp / 'file'} is not a directory"),
-        (["--run-dir", ok, "--summary", str(tmp / "nowhere" / "s.json")], "does not exist"),
-        (["--run-dir", ok, "--summary", "/proc/s.json"], "cannot create files in /proc"),
-        (["--run-dir", ok, "--seed", "-1"], "--train-arg seed=-1: accepted"),
-    ]
-
-
-def test_bad_paths_exit_2_with_a_message_before_anything_runs(tmp_path, capsys):
-    """In process (the CLI's own ``main``): checking paths starts nothing. The exit status of the command itself is
-    test_second_run_in_the_same_run_dir_is_refused_and_the_first_is_untouched's."""
-    from deadpool_hpc.launch.cli import main
-
-    for args, msg in bad_cases(tmp_path):
-        t0 = time.monotonic()
-        try:
-            code = main(["run", "--nodes", "2", "--spares", "1", "--steps", "10", *args])
-        except SystemExit as exc:
-            code = exc.code
-        took = time.monotonic() - t0
-        err = capsys.readouterr().err
-        assert code == 2 and msg in err and "Traceback" not in err, (args, err[-2000:])
-        assert took < 30, (args, took)
-    assert not (tmp_path / "new-run").exists(), "a refused run created its run directory"
-    assert (tmp_path / "project" / "checkpoint" / "model.pt").read_text() == "precious"
-
-
-def test_launch_checks_paths_too(tmp_path):
-    from deadpool_hpc.errors import ConfigError
-    from deadpool_hpc.launch import LocalExecutor
-
-    (tmp_path / "file").write_text("x")
-    with pytest.raises(ConfigError, match="exists and is not a directory"):
-        LocalExecutor().run(RunConfig(nodes=2, spares=1, steps=2, run_dir=str(tmp_path / "file")))
-    with pytest.raises(ConfigError, match="is a directory"):
-        LocalExecutor().run(RunConfig(nodes=2, spares=1, steps=2, run_dir=str(tmp_path / "r"),
-                                      summary_path=str(tmp_path)))
-    assert not (tmp_path / "r").exists()
-
-
-# ---- the console says what happens ------------------------------------------------------------------------------
-def console_lines(cfg: RunConfig, evs: list[dict]) -> list[str]:
-    from rich.console import Console
-
-    from deadpool_hpc.launch.console import LiveView
-
-    with LiveView(cfg, Console(file=io.StringIO(), width=300)) as view:
-        view.update(evs)
-    return [t.plain for t in view.lines]
-
-
-def _no_spare(step: int, reason: str = "no spare node left") -> list[dict]:
-    return [{"event": "decision", "t": 1.0, "t_decided": 1.0, "generation": 1, "failed_nodes": [] if reason ==
-             "preempted" else [1], "promoted": {}, "cut_step": step, "exhausted": True, "reason": reason},
-            {"event": "checkpoint_saved", "t": 2.0, "step": step, "generation": 1, "reason": reason}]
-
-
-def test_console_after_no_spare_left_says_what_happens():
-    stop = console_lines(RunConfig(nodes=2, spares=0), _no_spare(9))
-    assert any("no spare left: checkpoint saved at step 9; the run stops here (without --requeue" in x for x in stop)
-    assert not any("requeueing" in x for x in stop), stop
-    again = console_lines(RunConfig(nodes=2, spares=0, requeue=True), _no_spare(9))
-    assert any("requeueing: the run restarts from it" in x for x in again), again
-    last = console_lines(RunConfig(nodes=2, spares=0, requeue=True, max_requeues=1),
-                         _no_spare(9) + [{"event": "requeued", "t": 3.0, "attempt": 1}] + _no_spare(12))
-    assert "the run stops here: it was requeued 1 times already" in last[-1], last
-    pre = console_lines(RunConfig(nodes=2, spares=1, requeue=True), _no_spare(7, "preempted"))
-    assert any("no node lost, preempted: save a checkpoint" in x for x in pre)
-    assert any(x.strip().startswith("preempted (SIGUSR2/SIGTERM): checkpoint saved at step 7") for x in pre), pre
-
-
-def test_console_shows_each_node_s_step_time_and_a_straggler_swapped_out():
-    from rich.console import Console
-
-    from deadpool_hpc.launch.console import LiveView
-
-    cfg = RunConfig(nodes=2, spares=1)
-    times = {"0": {"own_s": 0.05, "step_s": 0.12}, "1": {"own_s": 0.11, "step_s": 0.12}}
-    evs = [{"event": "fault_injected", "t": 0.5, "kind": "slow", "target": "node1", "node": 1, "step": 40,
-            "phase": None, "pids": [7], "signal": "SIGSTOP/SIGCONT"},
-           {"event": "node_step_times", "t": 1.0, "generation": 0, "nodes": times},
-           {"event": "straggler_detected", "t": 2.0, "node": 1, "ratio": 2.2, "own_s": 0.11, "median_s": 0.05,
-            "slow_for_s": 60.2, "action": "swap", "why": None}]
-    with LiveView(cfg, Console(file=io.StringIO(), width=200)) as view:
-        view.update(evs)
-        shown = Console(file=io.StringIO(), width=200)
-        shown.print(view._render())
-        table = " ".join(shown.file.getvalue().split())
-        assert "node1 slow 120 ms (110 ms)" in table and "node0 active 120 ms (50 ms)" in table, table
-        view.update([{"event": "decision", "t": 3.0, "t_decided": 3.0, "generation": 1, "failed_nodes": [1],
-                      "promoted": {"1": 2}, "cut_step": 70}])
-        assert view.roles == {0: "active", 1: "out: slow", 2: "active"} and 1 not in view.step_times
-    assert any("straggler: node1's own work 110.0 ms/step, 2.20 x the others' median for 60 s: planned swap" in x
-               for x in (t.plain for t in view.lines)), [t.plain for t in view.lines]
-
-
+# ---- the console says what happens when no spare is left ---------------------------------------------------------
 @pytest.mark.e2e
 def test_cli_without_requeue_says_the_run_stopped(tmp_path):
     """No spare, no --requeue (the CLI refuses to inject more faults than spares, so the node dies the way
@@ -472,17 +355,3 @@ def test_cli_without_requeue_says_the_run_stopped(tmp_path):
     out = " ".join((tmp_path / "out.txt").read_text().split())  # rich wraps long lines
     assert "checkpoint saved at step" in out and "the run stops here (without --requeue" in out, out[-3000:]
     assert "requeueing" not in out and "checkpoint + requeue" not in out and "checkpoint, run stopped" in out, out
-
-
-def test_summary_paths_that_would_wreck_the_run_are_refused(tmp_path):
-    """--summary naming the run directory (which the run creates), or one of the run's own files there."""
-    from deadpool_hpc.errors import ConfigError
-    from deadpool_hpc.rundir import check_output_file
-
-    new = tmp_path / "new"
-    with pytest.raises(ConfigError, match="is the run directory"):
-        check_output_file(str(new), run_dir=str(new))
-    assert check_output_file(str(new / "s.json"), run_dir=str(new)) == str(new / "s.json")  # created by the run
-    for name in ("events.jsonl", "config.json", "run.lock"):
-        with pytest.raises(ConfigError, match=f"would overwrite the run's own {name}"):
-            check_output_file(str(new / name), run_dir=str(new))

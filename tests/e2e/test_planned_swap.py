@@ -229,13 +229,3 @@ def test_a_plugin_that_raises_at_start_up_ends_the_run_by_name_and_a_failing_che
     errs = [e for e in read_events(str(run_dir / "events.jsonl")) if e["event"] == "detector_error"]
     assert errs and all(e["detector"] == "flaky" and "timed out" in e["error"] for e in errs)
     assert len(errs) <= 3, "a failing check must be logged once per agent, not at every check"
-
-
-def test_the_current_layout_is_read_from_the_current_attempts_decisions():
-    """deadpool swap's view (pure): node1 replaced by spare 3, then a requeue starts the layout afresh."""
-    from deadpool_hpc.launch.swap import _view
-
-    ev = [{"event": "decision", "failed_nodes": [1], "replaced": {"1": 3}},
-          {"event": "node_failed", "node": 1}]
-    assert _view(ev, 5, 3) == ({1}, [4])   # node 3 now active, node 4 the spare left
-    assert _view(ev + [{"event": "requeued"}], 5, 3) == (set(), [3, 4])

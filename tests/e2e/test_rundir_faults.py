@@ -8,18 +8,17 @@ mounted by the test (root only; skipped where mount is not permitted), with real
 - turned read-only mid-run (an ext4 error with errors=remount-ro, on a loop device): the same, with EROFS;
 - a no-spare checkpoint on a full disk: the run ends, with that reason named (``checkpoint_failed`` and the error).
 
-And the event log's rules on /dev/full (every write fails with ENOSPC): counted, spilled, never raised.
+The event log's rules on /dev/full (every write fails with ENOSPC: counted, spilled, never raised) are
+tests/unit/test_events.py's.
 """
 import json
 import os
 import subprocess
 import sys
 import time
-import uuid
 
 import pytest
 
-from deadpool_hpc.events import EventLog, EventSpill
 from deadpool_hpc.process.fence import is_alive
 
 from runs import SMALL_RUN_STEPS as STEPS, run_driven, run_events, run_faults  # tests/runs.py
@@ -88,47 +87,10 @@ def base_digest(failure_free):
     return failure_free(nodes=3, steps=STEPS)["param_digest"]   # tests/conftest.py: shared with test_never_hang
 
 
-def test_event_log_write_failures_are_counted_spilled_and_never_raised():
-    spill = EventSpill(f"deadpool-test-{uuid.uuid4().hex}")
-    try:
-        for background in (False, True):
-            log = EventLog("/dev/full", background=background, spill=spill.name, node=1)
-            for i in range(5):
-                log.emit("step", step=i)
-            assert log.flush(5.0)
-            # (a background log also queues its report line, which fails and counts too)
-            assert log.failed >= 5 and log.last_error.startswith("ENOSPC"), log.counts()
-            got = _received(spill, lambda got: sum(e["event"] == "step" for e in got) >= 5)
-            assert [e["step"] for e in got if e["event"] == "step"] == list(range(5)), got
-            assert {e["error"] for e in got if e["event"] == "event_log_failed"} == {log.last_error}
-            log.close()
-            final = [e for e in _received(spill, lambda got: any(e.get("final") for e in got))
-                     if e["event"] == "event_log_failed"]
-            assert final and final[-1]["final"] and final[-1]["failed"] >= 5
-    finally:
-        spill.close()
-    # nothing to spill to (a Slurm job's process): still counted, still no exception
-    log = EventLog("/dev/full", spill="")
-    log.emit("x")
-    assert log.failed == 1 and log.spilled == 0
-
-
 def _ballast(mnt, leave: int) -> None:
     """Fill the 6 MB tmpfs ``mnt`` with a file of someone else's until ``leave`` bytes are left."""
     with open(mnt / "ballast", "wb") as fh:
         fh.write(b"\0" * ((6 << 20) - leave))
-
-
-def _received(spill, enough, wait_s: float = 3.0) -> list[dict]:
-    """What ``spill`` received (its thread takes each datagram as it comes), once ``enough(records)`` or after
-    ``wait_s``."""
-    got, end = [], time.monotonic() + wait_s
-    while time.monotonic() < end:
-        got += spill.poll()
-        if enough(got):
-            break
-        time.sleep(0.02)
-    return got
 
 
 def _cli_run(run_dir, *args, timeout=300):
@@ -212,71 +174,3 @@ def test_no_spare_checkpoint_on_a_full_disk_ends_the_run_with_the_reason(tmpfs):
     assert failed and all(f["reason"].startswith("ENOSPC") for f in failed), failed
     assert any("CheckpointFailed" in e and "ENOSPC" in e for e in s["errors"]), s["errors"]
     assert not os.path.exists(tmpfs / "run" / "checkpoint" / "LATEST")
-
-
-def test_slurm_summary_that_cannot_be_written_is_printed_not_raised(tmp_path, capsys):
-    """The Slurm path's summary writer (batch script, headless finisher, submitit): an output that refuses the write
-    (/dev/full: ENOSPC) leaves summary_written False with the reason, and the whole summary on stdout."""
-    from deadpool_hpc.config import RunConfig
-    from deadpool_hpc.launch.slurm_common import write_summary
-    from deadpool_hpc.rundir import write_config
-
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    write_config(str(run_dir), RunConfig(nodes=2, steps=3, run_dir=str(run_dir)))
-    s = write_summary(str(run_dir), out="/dev/full")
-    assert s["summary_written"] is False and "/dev/full: ENOSPC" in s["summary_error"], s.get("summary_error")
-    printed = capsys.readouterr().out
-    body = printed.split("--- deadpool summary", 1)[1].split("\n", 1)[1].split("--- end of deadpool summary", 1)[0]
-    assert json.loads(body)["summary_error"] == s["summary_error"]
-    assert os.path.exists(run_dir / "summary.json")   # the one that could be written was
-
-
-def test_a_failed_write_names_its_errno():
-    """persist.failure_reason: an OSError anywhere in the chain (torch wraps the writer's), else the first line of the
-    message (the file system's state, which the end-to-end tests check, comes between)."""
-    from deadpool_hpc.replica.persist import failure_reason
-
-    try:
-        try:
-            open("/dev/full", "wb", buffering=0).write(b"x")
-        except OSError as inner:
-            raise RuntimeError("the writer failed") from inner
-    except RuntimeError as exc:
-        assert failure_reason(exc).startswith("ENOSPC"), failure_reason(exc)
-    assert failure_reason(RuntimeError("boom\nmore")) == "RuntimeError: boom"
-
-
-def test_a_write_that_blocks_never_blocks_emit(tmp_path, monkeypatch):
-    """A file system that stops answering, as a FIFO nobody reads (its 64 KB fill, then write() blocks in the kernel):
-    a background log's emit returns at once, lines past the blocked write are spilled to the launcher after STUCK_S,
-    a full queue drops and counts (ENOBUFS), and flush/sync give up at their timeout."""
-    import deadpool_hpc.events as events
-
-    monkeypatch.setattr(events, "QUEUE_MAX", 50)
-    monkeypatch.setattr(events, "STUCK_S", 0.2)
-    fifo = str(tmp_path / "events.jsonl")
-    os.mkfifo(fifo)
-    keep = os.open(fifo, os.O_RDWR)   # a reader that never reads: the writer's open does not wait, its writes do
-    spill = EventSpill(f"deadpool-test-{uuid.uuid4().hex}")
-    try:
-        log = EventLog(fifo, background=True, spill=spill.name)
-        t0 = time.monotonic()
-        for i in range(200):
-            log.emit("step", step=i, pad="x" * 1000)   # 200 KB: past the pipe's 64 KB
-        assert time.monotonic() - t0 < 1.0
-        time.sleep(0.5)   # the writer is stuck now
-        spill.poll()      # (the launcher drains its socket every 0.25 s: a datagram queue holds about 200 KB)
-        t0 = time.monotonic()
-        for i in range(200, 300):
-            log.emit("step", step=i)
-        assert time.monotonic() - t0 < 0.5
-        assert log.dropped >= 1, log.counts()
-        t0 = time.monotonic()
-        assert log.sync(timeout=0.5) is False
-        assert time.monotonic() - t0 < 1.5
-        got = {e.get("step") for e in _received(spill, lambda got: len(got) >= 100) if e["event"] == "step"}
-        assert set(range(200, 300)) <= got, sorted(got)[:10]   # each line after the stall reached the launcher
-    finally:
-        spill.close()
-        os.close(keep)

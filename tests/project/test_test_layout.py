@@ -5,7 +5,7 @@ end-to-end runs lie apart, and nothing lies loose in tests/ but the shared helpe
   ``deadpool_hpc/<room>/<module>/``); a module at the package's top: ``tests/unit/test_<module>.py``. A test there
   may start processes (the module's own, real ones: the e2e marker on it).
 - ``tests/e2e/test_<feature>.py``: every test carries the e2e marker (``pytestmark = pytest.mark.e2e``, or one
-  per test); a few files still hold in-process tests beside their runs, listed by name in TO_SPLIT.
+  per test, every case of a parametrized one): an in-process test goes to the unit file of the module it tests.
 - ``tests/project/``: the checkout as a whole and the code beside the package; ``tests/slurm/``: the Slurm jobs.
 - every folder under unit/, e2e/ and project/ is a package (an ``__init__.py``): two rooms may have modules of one
   name (agent/recovery.py, worker/recovery.py), and test modules are imported by their dotted name.
@@ -27,42 +27,8 @@ PLACES = ("unit", "e2e", "project")
 FOLDERS = PLACES + ("slurm", "plugin_fixture", "__pycache__")
 # the shared helpers, imported by their bare name from every test (tests/ is on sys.path: conftest.py lies there)
 # and by the runs' processes (trainfns*: ``--train-fn trainfns:paced``, with tests/ on PYTHONPATH)
-SHARED = {"conftest.py", "fasttier.py", "paths.py", "runs.py", "snapnode.py", "trainfns.py", "trainfns_data.py",
-          "trainfns_startup.py", "README.md"}
-# in-process tests that still lie in an end-to-end file beside its runs: to move to the unit file named after each
-# (then their names leave this table; a name listed here that is gone or marked e2e fails below)
-TO_SPLIT = {
-    "e2e/test_fsdp2.py": {  # -> unit/dataplane/test_fsdp.py
-        "test_sharded_snapshot_round_trip_is_bitwise", "test_a_spare_optimizer_gets_sharded_state",
-        "test_uneven_shards_a_spare_built_as_rank_0_takes_rank_2s_shapes",
-        "test_fully_shard_without_ctx_device_mesh_is_refused",
-        "test_an_hsdp_mesh_whose_replicate_group_lives_on_one_node_is_refused"},
-    "e2e/test_lifecycle.py": {  # -> unit/launch/test_local.py, unit/launch/test_console.py
-        "test_lifeline_only_under_the_local_launcher", "test_bad_paths_exit_2_with_a_message_before_anything_runs",
-        "test_launch_checks_paths_too", "test_console_after_no_spare_left_says_what_happens",
-        "test_console_shows_each_node_s_step_time_and_a_straggler_swapped_out",
-        "test_summary_paths_that_would_wreck_the_run_are_refused"},
-    "e2e/test_planned_swap.py": {  # -> unit/agent/test_planned.py
-        "test_the_current_layout_is_read_from_the_current_attempts_decisions"},
-    "e2e/test_rundir_faults.py": {  # -> unit/test_events.py, unit/launch/test_slurm_job.py
-        "test_event_log_write_failures_are_counted_spilled_and_never_raised",
-        "test_slurm_summary_that_cannot_be_written_is_printed_not_raised", "test_a_failed_write_names_its_errno",
-        "test_a_write_that_blocks_never_blocks_emit"},
-    "e2e/test_your_loop.py": {  # -> unit/worker/test_protect.py
-        "test_snapshot_round_trip_is_bitwise", "test_a_fresh_optimizer_is_restored_like_a_spare",
-        "test_tied_weights_stored_once", "test_an_optimizer_without_state_dict_is_refused",
-        "test_a_plain_iterator_is_refused_as_dataloader",
-        "test_a_distributed_sampler_loader_is_accepted_and_follows_the_rank",
-        "test_an_unwrapped_model_is_refused_when_there_are_several_ranks",
-        "test_a_scheduler_or_extra_without_state_dict_is_refused",
-        "test_an_optimizer_over_other_parameters_is_refused", "test_protect_twice_is_refused",
-        "test_ddp_state_stays_local_and_a_lost_rank_gets_its_share_from_its_holder",
-        "test_a_stateful_dataloader_resumes_where_it_was",
-        "test_the_iterator_made_once_resumes_where_the_restored_step_expects",   # its 0-worker cases
-        "test_a_loader_iterator_made_before_protect_or_unknown_to_it_is_refused",
-        "test_a_hugging_face_iterable_dataset_split_by_node_follows_the_rank",
-        "test_a_snapshot_reads_the_live_state_every_step_even_for_a_non_contiguous_parameter"},
-}
+SHARED = {"conftest.py", "fasttier.py", "paths.py", "runs.py", "snapnode.py", "snapshots.py", "testkit.py",
+          "trainfns.py", "trainfns_data.py", "trainfns_startup.py", "README.md"}
 
 
 def _test_files(place: str) -> list[str]:
@@ -175,19 +141,11 @@ def test_every_unit_test_file_is_named_after_a_module_of_its_room():
 def test_every_test_of_an_end_to_end_file_carries_the_e2e_marker():
     files = _test_files("e2e")
     assert files, "no tests/e2e/"
-    wrong = {}
-    for f in files:
-        left = set(unmarked_tests(os.path.join(TESTS, f))) - TO_SPLIT.get(f, set())
-        if left:
-            wrong[f] = sorted(left)
+    wrong = {f: names for f in files if (names := unmarked_tests(os.path.join(TESTS, f)))}
     assert not wrong, (f"tests under tests/e2e/ without the e2e marker: {wrong}; mark them (@pytest.mark.e2e, or "
-                       f"pytestmark = pytest.mark.e2e in the module), or move them to the unit file of the module "
-                       f"they test (tests/unit/<room>/test_<module>.py)")
-    # the table shrinks as the files are split: a name it lists is an unmarked test of that file
-    stale = {f: sorted(names - set(unmarked_tests(os.path.join(TESTS, f))) if f in files else names)
-             for f, names in TO_SPLIT.items()}
-    stale = {f: names for f, names in stale.items() if names}
-    assert not stale, f"TO_SPLIT lists tests that are gone, moved or marked e2e now: {stale}; take them out of it"
+                       f"pytestmark = pytest.mark.e2e in the module) if they launch a run, else move them to the unit "
+                       f"file of the module they test (tests/unit/<room>/test_<module>.py), the helpers only they use "
+                       f"with them, the ones shared with other files to a module in tests/ (SHARED)")
 
 
 def test_nothing_lies_loose_in_tests_but_the_shared_helpers():

@@ -116,3 +116,17 @@ def test_submitit_job_prepares_the_run_dir_as_every_launcher(tmp_path):
     with RunDir(str(tmp_path)).locked("another run"):
         with pytest.raises(RunDirBusy):
             HotSwapJob(RunConfig(nodes=2, spares=1, steps=5, run_dir=str(tmp_path)))
+
+
+def test_summary_paths_that_would_wreck_the_run_are_refused(tmp_path):
+    """--summary naming the run directory (which the run creates), or one of the run's own files there."""
+    from deadpool_hpc.errors import ConfigError
+    from deadpool_hpc.rundir import check_output_file
+
+    new = tmp_path / "new"
+    with pytest.raises(ConfigError, match="is the run directory"):
+        check_output_file(str(new), run_dir=str(new))
+    assert check_output_file(str(new / "s.json"), run_dir=str(new)) == str(new / "s.json")  # created by the run
+    for name in ("events.jsonl", "config.json", "run.lock"):
+        with pytest.raises(ConfigError, match=f"would overwrite the run's own {name}"):
+            check_output_file(str(new / name), run_dir=str(new))

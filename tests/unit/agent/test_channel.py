@@ -26,25 +26,7 @@ from deadpool_hpc.ipc.shm import ProgressPage, SharedBuffer
 from deadpool_hpc.replica.snapshot import StateLayout, checksum, slot_pair
 from deadpool_hpc.worker.client import AgentClient, AgentStore
 
-SECRET = b"test-secret-0123456789abcdef-32b"
-
-
-class Log:
-    def __init__(self):
-        self.events = []
-
-    def emit(self, name, **fields):
-        self.events.append(dict(fields, event=name))
-
-    def named(self, name):
-        return [e for e in self.events if e["event"] == name]
-
-
-def wait_until(pred, timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < end, f"timed out after {timeout} s waiting for {what}"
-        time.sleep(0.01)
+from testkit import SECRET, Log, made_and_ended, wait_until  # tests/testkit.py
 
 
 def memfds() -> list[str]:
@@ -116,16 +98,7 @@ class Agent:
 
 @pytest.fixture
 def agents():
-    made = []
-
-    def make(**kw):
-        a = Agent(**kw)
-        made.append(a)
-        return a
-
-    yield make
-    for a in made:
-        a.close()
+    yield from made_and_ended(Agent, Agent.close)
 
 
 # ---- a training process (or an agent) in a child process -------------------------------------------

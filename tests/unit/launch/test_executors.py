@@ -172,3 +172,16 @@ def test_deadpool_cancel_stops_a_deadpool_run_of_another_process(tmp_path):
     assert s["interrupted"] == "SIGTERM" and not s["completed"] and not s["processes_left"], s
     again = subprocess.run(deadpool + ["cancel", run_dir], capture_output=True, text=True, timeout=60)
     assert again.returncode == 2 and "nothing to cancel" in again.stderr, again.stderr
+
+
+def test_launch_checks_paths_too(tmp_path):
+    from deadpool_hpc.errors import ConfigError
+    from deadpool_hpc.launch import LocalExecutor
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="exists and is not a directory"):
+        LocalExecutor().run(RunConfig(nodes=2, spares=1, steps=2, run_dir=str(tmp_path / "file")))
+    with pytest.raises(ConfigError, match="is a directory"):
+        LocalExecutor().run(RunConfig(nodes=2, spares=1, steps=2, run_dir=str(tmp_path / "r"),
+                                      summary_path=str(tmp_path)))
+    assert not (tmp_path / "r").exists()

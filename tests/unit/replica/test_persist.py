@@ -127,3 +127,18 @@ def test_a_slot_that_fails_its_checksum_or_holds_no_step_gives_no_shard():
     slot.invalidate()
     with pytest.raises(ReplicaError, match="fails its checksum"):
         persist.assemble_shard(layout, slot)
+
+
+def test_a_failed_write_names_its_errno():
+    """persist.failure_reason: an OSError anywhere in the chain (torch wraps the writer's), else the first line of the
+    message (the file system's state, which the end-to-end tests check, comes between)."""
+    from deadpool_hpc.replica.persist import failure_reason
+
+    try:
+        try:
+            open("/dev/full", "wb", buffering=0).write(b"x")
+        except OSError as inner:
+            raise RuntimeError("the writer failed") from inner
+    except RuntimeError as exc:
+        assert failure_reason(exc).startswith("ENOSPC"), failure_reason(exc)
+    assert failure_reason(RuntimeError("boom\nmore")) == "RuntimeError: boom"

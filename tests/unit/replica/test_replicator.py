@@ -28,21 +28,10 @@ from deadpool_hpc.replica.headers import Ack, Go, Push
 from deadpool_hpc.replica.stream import Link
 from deadpool_hpc.replica.replicator import Replicator
 from snapnode import SnapNode  # tests/snapnode.py
+from testkit import SECRET, Log, made_and_ended, wait_until  # tests/testkit.py
 
-SECRET = b"test-secret-0123456789abcdef-32b"
 import paths  # tests/paths.py: the checkout's folders, wherever this file lies
 HERE = paths.TESTS
-
-
-class Log:
-    def __init__(self):
-        self.events = []
-
-    def emit(self, name, **fields):
-        self.events.append(dict(fields, event=name))
-
-    def named(self, name):
-        return [e for e in self.events if e["event"] == name]
 
 
 def layout_of(nbytes: int) -> StateLayout:
@@ -51,13 +40,6 @@ def layout_of(nbytes: int) -> StateLayout:
 
 def state_of(nbytes: int, seed: int) -> list[torch.Tensor]:
     return [torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(seed))]
-
-
-def wait_until(pred, timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < end, f"timed out after {timeout} s waiting for {what}"
-        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -185,16 +167,7 @@ class Peer:
 
 @pytest.fixture
 def peers():
-    started = []
-
-    def start(**args):
-        p = Peer(**args)
-        started.append(p)
-        return p
-
-    yield start
-    for p in started:
-        p.reap()
+    yield from made_and_ended(Peer, Peer.reap)
 
 
 def restore(src, dst, rank: int, step: int, generation: int = 1, failure=None, timeout: float = 10.0):
@@ -376,6 +349,21 @@ def test_an_ack_commits_only_the_step_it_names(reps):
 
 
 # ---- a holder that dies or freezes mid-push -------------------------------------------------------
+def step_1_is_never_committed(me) -> None:
+    """The training process's view of a push that never completes: waiting for step 1's commit ends with a
+    PeerFailure as soon as the failure flag is set (0.2 s here), or after the wait's own timeout (0.5 s)."""
+    flag = threading.Event()
+    threading.Timer(0.2, flag.set).start()
+    t = time.monotonic()
+    with pytest.raises(PeerFailure, match="a peer failed"):
+        me.node.wait_committed(1, flag, 30)
+    assert time.monotonic() - t < 1.5      # the flag, not the 30 s timeout
+    t = time.monotonic()
+    with pytest.raises(PeerFailure, match=r"not committed within 0\.5 s"):
+        me.node.wait_committed(1, threading.Event(), 0.5)
+    assert 0.45 < time.monotonic() - t < 2.0
+
+
 @pytest.mark.e2e
 def test_holder_killed_mid_push(reps, peers):
     n = 32 << 20
@@ -388,16 +376,7 @@ def test_holder_killed_mid_push(reps, peers):
     t_kill = h.signal(signal.SIGKILL)
     wait_until(lambda: me.log_.named("replica_transfer_abandoned"), 1.5, "the push to notice the kill")
     assert time.monotonic() - t_kill < 1.5
-    flag = threading.Event()
-    threading.Timer(0.2, flag.set).start()
-    t = time.monotonic()
-    with pytest.raises(PeerFailure, match="a peer failed"):
-        me.node.wait_committed(1, flag, 30)
-    assert time.monotonic() - t < 1.5      # the flag, not the 30 s timeout
-    t = time.monotonic()
-    with pytest.raises(PeerFailure, match=r"not committed within 0\.5 s"):
-        me.node.wait_committed(1, threading.Event(), 0.5)
-    assert 0.45 < time.monotonic() - t < 2.0
+    step_1_is_never_committed(me)
     [ev] = me.log_.named("replica_transfer_abandoned")
     assert ev["peer"].startswith("127.0.0.1:") and ev["reason"].startswith("PeerGone")
 
@@ -411,16 +390,7 @@ def test_holder_frozen_mid_push_and_quiesce_is_prompt(reps, peers):
     me.node.submit(1, state_of(n, 10))
     h.wait_for("mid_push")
     h.signal(signal.SIGSTOP)
-    flag = threading.Event()
-    threading.Timer(0.2, flag.set).start()
-    t = time.monotonic()
-    with pytest.raises(PeerFailure, match="a peer failed"):
-        me.node.wait_committed(1, flag, 30)
-    assert time.monotonic() - t < 1.5      # the flag, not the 30 s timeout
-    t = time.monotonic()
-    with pytest.raises(PeerFailure, match=r"not committed within 0\.5 s"):
-        me.node.wait_committed(1, threading.Event(), 0.5)
-    assert 0.45 < time.monotonic() - t < 2.0
+    step_1_is_never_committed(me)
     assert not me.log_.named("replica_transfer_abandoned")   # a frozen peer: the push is still waiting
     t = time.monotonic()
     me.quiesce()
