@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/control_plane_scale.py [--sizes 8,16,32,64,128,256] [--window 10] [--out DIR]
 
 For each size N it starts N control-plane probes (study/probe.py: a node agent's control plane and
-ring watch, no training processes) under MPICH's hydra, one proxy per agent as the local launcher does, N - 2
+ring link, no training processes) under MPICH's hydra, one proxy per agent as the local launcher does, N - 2
 active and 2 spares, and measures:
 
 - steady state: control messages per second per agent (sent, heartbeats included) and CPU per agent (% of a

@@ -4,7 +4,7 @@
 (benchmarks/control_plane_scale.py starts it) or srun (sbatch/scaling.sbatch), with the checkout on PYTHONPATH.
 Each probe is what a node agent is to the rest of the job, minus its training processes: the same ControlPlane
 (heartbeats on the ring, tree dissemination, agreement rounds through the lowest live agent, fencing of the
-decision's failed nodes) and the same ring watch (agent/watch.py: a crashed agent is seen at once through its
+decision's failed nodes) and the same ring link (agent/ringlink.py: a crashed agent is seen at once through its
 closed socket). Its recovery report says it holds step 0 of its own rank and of the ranks it is a replica holder
 for, so ``decide`` plans a real hot swap.
 
@@ -121,7 +121,7 @@ def main(argv=None) -> None:
                     help="seconds after the last fault's recovery that a probe leaves (0: wait for OUT_DIR/stop)")
     a = ap.parse_args(argv)
     secret = bytes.fromhex(os.environ["DEADPOOL_JOB_SECRET"])
-    from deadpool_hpc.agent.watch import RingWatch
+    from deadpool_hpc.agent.ringlink import RingLink
     from deadpool_hpc.control.messages import Finished
     from deadpool_hpc.control.plane import ControlPlane
     from deadpool_hpc.errors import RunFinished
@@ -130,11 +130,11 @@ def main(argv=None) -> None:
 
     log = EventLog(os.path.join(a.out_dir, "events.jsonl"))
     host = store_host()  # the address other nodes reach this one at (a node agent's too)
-    watch = RingWatch(-1, secret, host)
+    ring_link = RingLink(-1, secret, host)
     cp = ControlPlane(secret=secret, ranks_per_node=1, active_nodes=a.active, period=a.period, deadline=a.deadline,
                       log=log, ready_timeout=30.0, recovery_timeout=120.0, replicas=1, watch_k=a.watch_k,
-                      extra_identity={"watch": watch.address}, host=host)
-    watch.me = cp.me
+                      extra_identity={"watch": ring_link.address}, host=host)
+    ring_link.me = cp.me
     log.base.update(mpi_rank=cp.me, node=cp.me)
     addresses = {n: ident["watch"] for n, ident in enumerate(cp.idents)}
     t_window = float(cp.bcast_text(f"{time.time() + a.warmup:.6f}" if cp.me == 0 else None))
@@ -147,16 +147,16 @@ def main(argv=None) -> None:
         """Sleep until a control message needs the main thread (on_notice), a watched agent's socket has news, or
         ``seconds`` passed, then act on the watch (the node agent's loop does the same through its channel)."""
         try:
-            select.select([bell_r, watch.listener, *watch.watched], [], [], seconds)
+            select.select([bell_r, ring_link.listener, *ring_link.links], [], [], seconds)
         except (OSError, ValueError):
             pass
         _drain(bell_r)
         cp.pump(0)
-        for lost in watch.poll():
+        for lost in ring_link.poll():
             if cp.finished() is None:  # after the study, agents leave on purpose
                 cp.peers.suspect(lost, "its agent's watch connection closed (the process is gone)")
     cp.start()
-    watch.retarget(cp.peers.alive(), addresses)
+    ring_link.retarget(cp.peers.alive(), addresses)
     end_of_life = time.monotonic() + a.lifetime
     stop = os.path.join(a.out_dir, "stop")
     steady_done = False
@@ -210,7 +210,7 @@ def main(argv=None) -> None:
                     "agent_passes": cp.peers.passes - n0[0], "mpi_polls": cp.peers.mpi_polls - n0[1],
                     "sent": cp.peers.sent - n0[2], "received": cp.peers.received - n0[3], "coordinator": decision.coordinator,
                     "failed_nodes": list(decision.failed_nodes), "promoted": decision.promoted})
-                watch.retarget(cp.peers.alive(), addresses)
+                ring_link.retarget(cp.peers.alive(), addresses)
             if time.monotonic() - last_stat > 0.5:
                 last_stat = time.monotonic()
                 if os.path.exists(stop):
@@ -219,7 +219,7 @@ def main(argv=None) -> None:
         log.emit("error", error=f"{type(exc).__name__}: {exc}")
         print(f"probe {cp.me}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         cp.exit(1)
-    watch.close()
+    ring_link.close()
     cp.exit(0)
 
 

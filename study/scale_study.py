@@ -125,7 +125,7 @@ def critical_path(rows: list[dict]) -> dict:
     """The control plane's recovery as it runs on a real cluster, one agent per node, from what one machine can
     measure without the others' CPU in the way (docs/scaling.md, "Model"):
 
-    - detect: the crash's detection (ring watch EOF), median over sizes (it does not depend on N);
+    - detect: the crash's detection (ring link EOF), median over sizes (it does not depend on N);
     - hop: one tree hop (a message, a wake-up, a decode), from the sizes whose agents all fit the cores (N <= 16):
       dissemination time / ceil(log2 N);
     - coordinator: its CPU for one recovery round, fitted to a + b*N over every size (its work is O(N): N reports

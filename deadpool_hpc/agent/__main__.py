@@ -73,11 +73,11 @@ def main(argv=None) -> None:
     from ..faultinject.inject import NodeFaults, nic_down_env
     from .channel import ChannelServer
     from ..replica.transports import check_transport
-    from .health import HealthWatch, NodeInfo, load_detectors
+    from .health import DetectorRunner, NodeInfo, load_detectors
     from .node import STARTUP_HEARTBEAT_DEADLINE_S, NodeAgent
     from .preflight import HealthCheck
     from .supervisor import Supervisor
-    from .watch import RingWatch
+    from .ringlink import RingLink
 
     log = EventLog(events, background=True)   # a blocked write never holds the agent's loop (events.py)
     if os.environ.get(lifeline.RUN_ENV):  # in every line, hello included: a launcher reaps only its own run
@@ -89,7 +89,7 @@ def main(argv=None) -> None:
     slurm_job = os.environ.get("SLURM_JOB_ID") if line is None else None
     transport = check_transport(cfg.replication.replica_transport)  # replica/transports.py: tcp, unix or a plugin's
     listeners = [transport.listen(host) for _ in range(cfg.layout.ranks_per_node)]  # one replica server per local rank
-    watch = RingWatch(-1, secret, host)
+    ring_link = RingLink(-1, secret, host)
     channel = ChannelServer(secret, log=log)
     cp = ControlPlane(secret=secret, ranks_per_node=cfg.layout.ranks_per_node, active_nodes=cfg.layout.nodes,
                       period=cfg.timeouts.heartbeat_period, deadline=cfg.timeouts.heartbeat_deadline, log=log,
@@ -97,9 +97,9 @@ def main(argv=None) -> None:
                       ready_timeout=cfg.timeouts.ready_timeout, recovery_timeout=cfg.timeouts.recovery_timeout,
                       replicas=cfg.replication.replicas if cfg.replication.replicate else 0,
                       host=host, crash_loop_limit=cfg.comeback.crash_loop_limit,
-                      extra_identity={"replica": [transport.address(s) for s in listeners], "watch": watch.address,
+                      extra_identity={"replica": [transport.address(s) for s in listeners], "watch": ring_link.address,
                                       "slurm_node": slurm_node})
-    watch.me = cp.me
+    ring_link.me = cp.me
     setup_logging(f"node{cp.me}")
     log.base.update(mpi_rank=cp.me, node=cp.me)
     if line is not None:
@@ -144,9 +144,9 @@ def main(argv=None) -> None:
         # the node's health detectors (plugins): a factory that fails ends the run here, at start-up, by name
         detectors = load_detectors(NodeInfo(node=cp.me, hostname=socket.gethostname(), slurm_node=slurm_node,
                                             slurm_job_id=slurm_job, run_dir=run_dir))
-        agent = NodeAgent(cfg, cp, channel, sup, watch, listeners, log, faults, transport=transport)
+        agent = NodeAgent(cfg, cp, channel, sup, ring_link, listeners, log, faults, transport=transport)
         agent.health_check = check
-        agent.health = HealthWatch(detectors, log, wake=channel.wake).start()
+        agent.health = DetectorRunner(detectors, log, wake=channel.wake).start()
         code = agent.run()
     except Fenced as exc:  # this node failed, or the others declared it failed: they go on without it
         log.emit("fenced", error=str(exc))

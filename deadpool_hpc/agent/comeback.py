@@ -47,7 +47,7 @@ class ComebackHost(Protocol):
     moves through ``transition`` only. Written directly: ``exit_code`` (``_on_over``, a control-plane handler: the
     members' requeue code, which the agent leaves with; a handler returns to ``cp.pump``, not to the agent, so it
     stays a write), and parts of the agent's collaborators while the node is out: ``cp.readmitted`` (taken),
-    ``peers.fenced`` (cleared), ``watch.enabled`` / ``watch.successor`` (the ring watch off, then dialled
+    ``peers.fenced`` (cleared), ``ring_link.enabled`` / ``ring_link.successor`` (the ring link off, then dialled
     again)."""
 
     cfg: object              # RunConfig: spare_return, crash_loop_limit, quarantine, straggler_factor, health_check,
@@ -60,8 +60,8 @@ class ComebackHost(Protocol):
     node: int                # this node's index
     exit_code: int           # the agent's exit code; WRITTEN by ``_on_over``
     last_work_failure: object   # WorkFailure | None: how this node's last failure ended (control/crashloop.py)
-    health: object           # HealthWatch | None (agent/health.py): pending(), slowness()
-    watch: object            # RingWatch: poll(), enabled (WRITTEN), successor (WRITTEN)
+    health: object           # DetectorRunner | None (agent/health.py): pending(), slowness()
+    ring_link: object        # RingLink: poll(), enabled (WRITTEN), successor (WRITTEN)
     sup: object              # Supervisor: env, run_dir, poll()
     channel: object          # ChannelServer: poll(timeout)
     recovery: object         # Recovery: in_round (a round runs: no readmission)
@@ -73,8 +73,8 @@ class ComebackHost(Protocol):
     def restart_as_spare(self) -> None:
         """Readmitted: start fresh training processes as spares of the current generation."""
 
-    def retarget_watch(self) -> None:
-        """Point the ring watch at this agent's ring neighbours among the live agents."""
+    def retarget_ring_link(self) -> None:
+        """Point the ring link at this agent's ring neighbours among the live agents."""
 
 
 class Comeback:
@@ -104,7 +104,7 @@ class Comeback:
         t0 = time.monotonic()
         a.transition(NodeState.RETURNING, f"its training processes failed ({exc.cause}): checks, then rejoin")
         a.peers.stop_watching()   # nobody watches it now: the silence it would see is not a failure
-        a.watch.enabled = False
+        a.ring_link.enabled = False
         a.log.emit("node_returning", cause=exc.cause, reason=exc.reason[:300], generation=a.cp.generation)
         since = None if self.returned_at is None else t0 - self.returned_at
         work = a.last_work_failure
@@ -141,9 +141,9 @@ class Comeback:
                 self._quarantine(f"not readmitted within {cfg.timeouts.recovery_timeout:.0f} s (--recovery-timeout)")
         msg, a.cp.readmitted = a.cp.readmitted, None
         rejoin(a.cp, msg)
-        a.watch.poll()            # connections its neighbours dropped while it was out: not failures
-        a.watch.successor = None  # dial the ring again
-        a.watch.enabled = True
+        a.ring_link.poll()            # connections its neighbours dropped while it was out: not failures
+        a.ring_link.successor = None  # dial the ring again
+        a.ring_link.enabled = True
         self.returns += 1
         a.restart_as_spare()
         if a.state != NodeState.SPARE:   # the members left for a requeue while its processes started
@@ -222,5 +222,5 @@ class Comeback:
         if why is not None:
             return
         msg = readmit(a.cp, src)
-        a.retarget_watch()
+        a.retarget_ring_link()
         a.log.emit("node_readmitted", returned=src, generation=msg.generation, spare_nodes=list(msg.spare_nodes))

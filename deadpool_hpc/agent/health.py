@@ -156,7 +156,7 @@ def swap_request_detector(node: NodeInfo) -> SwapRequestFile:
 
 
 # ---- the agent's health thread ----------------------------------------------------------------------------------
-class HealthWatch:
+class DetectorRunner:
     """Runs the detectors of one node on a daemon thread, each every ``interval_s`` seconds; a verdict is queued
     for the agent's main loop (``pending``) and ``wake`` is called so the loop sees it at once. A detector that
     reported is not asked again until the agent has acted on its verdict (``consumed``: the node left, or the swap
@@ -176,7 +176,7 @@ class HealthWatch:
         self._slow: dict[str, tuple[float, str, float]] = {}   # name -> (factor, reason, until) of its last Slow
         self._thread = threading.Thread(target=self._run, name="health", daemon=True)
 
-    def start(self) -> HealthWatch:
+    def start(self) -> DetectorRunner:
         if self.detectors:
             self._thread.start()
         return self

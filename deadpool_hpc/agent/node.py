@@ -12,10 +12,10 @@ processes failed (agent/comeback.py). Does not own: training (worker/), launchin
 
 Detection paths: a training process that exits or stops making progress makes its agent declare the
 node failed to every agent at once (``suspect`` of itself) and end the node; an agent that dies is seen at once by
-its ring neighbours (agent/watch.py); a node that freezes or loses power, by the heartbeats.
+its ring neighbours (agent/ringlink.py); a node that freezes or loses power, by the heartbeats.
 
 The loop (``run``) never blocks: each iteration (``tick``) it moves control messages (``ControlPlane.pump``),
-local channel messages, supervisor and watch events, commits, and expires store waits. A recovery
+local channel messages, supervisor and ring-link events, commits, and expires store waits. A recovery
 (``Recovery.run``) is a series of rounds; each waits only with deadlines and keeps ticking the loop's sources.
 A failure of this node (``node_failed``) is recorded (``pending_exit``, agent/state.py PendingExit), not raised:
 ``tick`` stops at it and does nothing more while it is pending, every wait that ticks stops early, and ``run``
@@ -67,17 +67,17 @@ STDERR_WAIT_S = 0.2
 
 class NodeAgent:
     """One node's agent. ``cp``: its ControlPlane (started); ``channel``: its ChannelServer; ``supervisor``;
-    ``watch``: its RingWatch; ``listeners``: one listening replica server socket per local rank, made by
+    ``ring_link``: its RingLink; ``listeners``: one listening replica server socket per local rank, made by
     ``transport`` (replica/transports.py; None: TCP); ``log``: EventLog."""
 
-    def __init__(self, cfg, cp, channel, supervisor, watch, listeners, log, injector, transport=None):
+    def __init__(self, cfg, cp, channel, supervisor, ring_link, listeners, log, injector, transport=None):
         self.cfg = cfg
         self.cp = cp
         self.peers = cp.peers              # its control thread (control/peers.py): heartbeats, suspicion, messages
         self.channel = channel
         self.peers.on_notice = channel.wake  # a control message or a suspicion ends the main loop's wait at once
         self.sup = supervisor
-        self.watch = watch
+        self.ring_link = ring_link
         self.listeners = listeners
         self.transport = transport         # replica/transports.py (None: TCP)
         self.log = log
@@ -89,7 +89,7 @@ class NodeAgent:
         self.layouts_seen: dict = {}       # local -> StateLayout of its first process (a returned node's are equal)
         self.bufs: dict = {}               # local -> [SharedBuffer, SharedBuffer]
         self.committed_seen: dict = {}     # local -> last committed step seen (training makes progress)
-        self.health = None                 # agent/health.py HealthWatch: detectors asking for a planned swap
+        self.health = None                 # agent/health.py DetectorRunner: detectors asking for a planned swap
         self.health_check = None           # agent/preflight.py HealthCheck: the site's check at start-up, until done
         self.written: dict = {}            # local -> step of the last snapshot it wrote into its slot
         self.swaps = PlannedSwaps(cp, self)   # agent/planned.py: leaving on a detector's request, one node at a time
@@ -140,7 +140,7 @@ class NodeAgent:
         set: ``node_failed``)."""
         while self.state not in (NodeState.DONE, NodeState.SAVED):
             # a local message, a training process's exit (its socket closes), a control message or a suspicion
-            # (the heartbeat thread wakes the channel) end the wait at once; the rest (ring-watch connections,
+            # (the heartbeat thread wakes the channel) end the wait at once; the rest (ring-link connections,
             # replicas committed) is looked at each pass: every 5 ms while a failure is handled, else STEADY_TICK_S
             steady = not self.cp.failure.is_set() and not self.recovery.wanted()
             self.tick(STEADY_TICK_S if steady else 0.005)
@@ -227,7 +227,7 @@ class NodeAgent:
             self.node_failed(f"training process {local} made no progress for {stuck:.1f} s"
                              + (f" (in {st.hung_in['function']})" if st.hung_in else ""), cause="hang")
             return
-        for lost in self.watch.poll():
+        for lost in self.ring_link.poll():
             self.peers.suspect(lost, "its agent's watch connection closed (the process is gone)")
         for local, rep in self.reps.items():
             c = rep.committed_step
@@ -292,7 +292,7 @@ class NodeAgent:
                 return
         self.spare_checks.arm()
         self.peers.deadline = self.cfg.timeouts.heartbeat_deadline   # (STARTUP_HEARTBEAT_DEADLINE_S until now)
-        self.retarget_watch()
+        self.retarget_ring_link()
         self.rendezvous.open(self.cp.generation)
         for local in range(self.P):
             self.configure(local)
@@ -346,7 +346,7 @@ class NodeAgent:
         if self.state != NodeState.RETURNING:
             return   # the members left for a requeue meanwhile (agent/comeback.py ``_on_over``): so does this node
         self.spare_checks.arm()
-        self.retarget_watch()
+        self.retarget_ring_link()
         self.rendezvous.open(self.cp.generation)
         for local in range(self.P):
             self.configure(local)
@@ -476,9 +476,9 @@ class NodeAgent:
         """Tell training process ``local`` its next role (ipc/messages.py: Train, Spare, Exit, Finish)."""
         self.channel.send(local, role.KIND, role.to_wire())
 
-    def retarget_watch(self) -> None:
-        """Point the ring watch at this agent's ring neighbours among the live agents."""
-        self.watch.retarget(self.peers.alive(), {n: ident["watch"] for n, ident in enumerate(self.cp.idents)})
+    def retarget_ring_link(self) -> None:
+        """Point the ring link at this agent's ring neighbours among the live agents."""
+        self.ring_link.retarget(self.peers.alive(), {n: ident["watch"] for n, ident in enumerate(self.cp.idents)})
 
     def cut_to(self, step: int) -> None:
         """(agent/recovery.py) A decision's cut step: training resumes from it, so each local rank's last snapshot
@@ -581,7 +581,7 @@ class NodeAgent:
     def finish(self) -> None:
         """The run is complete: tell the training processes, let them leave, leave."""
         self.peers.stop_watching()
-        self.watch.enabled = False
+        self.ring_link.enabled = False
         for local in self.sup.alive():
             self.send_role(local, Finish())
         end = time.monotonic() + self.cfg.timeouts.collective_timeout

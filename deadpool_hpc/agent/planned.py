@@ -44,7 +44,7 @@ class SwapHost(Protocol):
     state: NodeState             # agent/state.py (a str enum: "training", "spare", ...); read only
     written: dict                # local rank -> step of the last snapshot its process wrote (agent/desk.py)
     reps: dict                   # local rank -> Replicator (committed_step, report())
-    health: object               # HealthWatch: ``consumed(detector)`` once a verdict is handled
+    health: object               # DetectorRunner: ``consumed(detector)`` once a verdict is handled
 
     def in_recovery(self) -> bool:
         """A failure is being handled, or a recovery round runs."""

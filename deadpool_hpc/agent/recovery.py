@@ -91,8 +91,8 @@ class RecoveryHost(Protocol):
     def send_role(self, local: int, role) -> None:
         """Tell training process ``local`` its next role (Train, Spare, Exit)."""
 
-    def retarget_watch(self) -> None:
-        """Point the ring watch at this agent's ring neighbours among the live agents."""
+    def retarget_ring_link(self) -> None:
+        """Point the ring link at this agent's ring neighbours among the live agents."""
 
     def replica_address(self, proc: int) -> list:
         """Where virtual process ``proc``'s replica server listens."""
@@ -252,7 +252,7 @@ class Recovery:
             if r is not None and r in decision.sources:
                 a.reps[local].expect_restore(r, decision.cut_step, g)
         self._send_restores(decision)
-        a.retarget_watch()
+        a.retarget_ring_link()
         if ranks[0] is None:  # still a spare
             for local in range(P):
                 a.configure(local)

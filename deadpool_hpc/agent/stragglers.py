@@ -178,7 +178,7 @@ class StragglerHost(Protocol):
     P: int            # ranks per node
     channel: object   # ChannelServer: progress(local) -> ProgressPage | None
     swaps: object     # PlannedSwaps: want(detector, Unhealthy, t_seen)
-    health: object    # HealthWatch (agent/health.py): slowness(), a detector's Slow figure, or None
+    health: object    # DetectorRunner (agent/health.py): slowness(), a detector's Slow figure, or None
 
     def in_recovery(self) -> bool:
         """A failure is being handled, or a recovery round runs."""

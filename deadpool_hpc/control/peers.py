@@ -7,7 +7,7 @@ Heartbeats (control/topology.py and waker.py): on the ring of live agents each a
 successors (default 2) and sends a heartbeat datagram every ``period`` seconds to its ``k`` predecessors, the
 agents that watch it, so an agent's cost does not grow with the job. A watched peer silent for ``deadline``
 seconds is *suspected* (a crash and a freeze look the same; a crash is usually seen earlier, through the ring
-watch's closed socket, agent/watch.py). The agent that suspects a peer starts a ``suspect`` notice that reaches
+link's closed socket, agent/ringlink.py). The agent that suspects a peer starts a ``suspect`` notice that reaches
 every live agent along a binomial tree (N - 1 messages, O(log N) hops). A suspected peer is not trusted again: its
 messages are dropped (it is fenced by the recovery), with one exception: an agent that declared its own
 node failed and lives on to return to the spare pool (``returning``, agent/comeback.py) may still send ``rejoin``,

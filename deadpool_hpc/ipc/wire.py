@@ -1,7 +1,7 @@
 """Message encoding for every connection of a run: JSON + HMAC-SHA256 with the per-job secret. No pickle.
 
 Used by the control plane's MPI messages (control/peers.py), the agent channel's frames (ipc/frames.py), the ring
-watch (agent/watch.py), the replica stream (replica/stream.py) and the fork server (process/forkserver.py).
+link (agent/ringlink.py), the replica stream (replica/stream.py) and the fork server (process/forkserver.py).
 
 A message is ``json_bytes || tag`` where ``tag = HMAC-SHA256(secret, json_bytes)`` (32 bytes).
 Every receiver verifies the tag before it parses anything, so a process that does not hold the

@@ -115,7 +115,7 @@ def main(argv=None) -> int:
         elif a.cmd == "prepare":
             slurm.prepare(a.run_dir, resume=a.resume)
         elif a.cmd == "watch":
-            slurm_job.watch(a.run_dir, do_drain=a.drain not in ("0", "no", "false", ""))
+            slurm_job.keep_batch_host(a.run_dir, do_drain=a.drain not in ("0", "no", "false", ""))
         elif a.cmd == "launch":
             slurm_startup.write_launch(a.run_dir, a.launch_id, slurm_startup.step_nodes(a.total, a.exclude))
         elif a.cmd == "task":

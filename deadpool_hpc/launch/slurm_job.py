@@ -25,7 +25,7 @@ from ..events import EventLog, read_events
 from ..rundir import RunDir, emit_requeued
 from ..rundir import latest_checkpoint as _latest_checkpoint  # without torch: settle runs within KillWait
 from .slurm_common import hosts_by_rank, load_config, summary_out, write_summary
-from .slurm_startup import Beacon, StartupWatch
+from .slurm_startup import Beacon, BeaconCheck
 
 _log = logging.getLogger(__name__)  # diagnostics; ``log`` below is a run's event log
 
@@ -318,7 +318,7 @@ class NodeStates:
                 p["next"] = now + self.every_s
 
 
-def watch(run_dir: str, do_drain: bool = True, period: float = 1.0) -> None:
+def keep_batch_host(run_dir: str, do_drain: bool = True, period: float = 1.0) -> None:
     """Run on the batch host while the batch script lives: keep RUN_DIR/batch.alive fresh, drain each node the
     run declares dead, and record Slurm's State and Reason of each (``NodeStates``). SIGTERM, SIGUSR2, SIGINT and SIGHUP
     are ignored (``scancel --full``, a cancel or the time limit signal every process of the batch step; the watcher must
@@ -329,7 +329,7 @@ def watch(run_dir: str, do_drain: bool = True, period: float = 1.0) -> None:
     events_path = RunDir(run_dir).events
     parent = os.getppid()
     # a node lost before the MPI world exists: the step is ended, and the batch shell (SIGUSR1) stops waiting for srun
-    startup = StartupWatch(run_dir, os.environ.get("SLURM_JOB_ID"), on_lost=lambda: os.kill(parent, signal.SIGUSR1))
+    beacons = BeaconCheck(run_dir, os.environ.get("SLURM_JOB_ID"), on_lost=lambda: os.kill(parent, signal.SIGUSR1))
     drained: set[str] = set()
     states = NodeStates(EventLog(events_path, role="watcher"))   # Slurm's view of each lost host
     t_start = time.time()  # decisions of earlier attempts (a requeued job) were drained by their own watcher
@@ -341,7 +341,7 @@ def watch(run_dir: str, do_drain: bool = True, period: float = 1.0) -> None:
             os.utime(alive)
         try:
             events = list(read_events(events_path)) if os.path.exists(events_path) else []
-            for h in startup.poll(events):
+            for h in beacons.poll(events):
                 _log.info("%s lost during the start-up: the step is ended and relaunched without it", h)
                 if do_drain and h not in drained:
                     drained.add(h)

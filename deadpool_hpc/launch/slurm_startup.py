@@ -7,7 +7,7 @@ help, so the batch host watches from outside it:
 
 - each task wrapper (``python -m deadpool_hpc.launch.batch task``, one per node) touches a *beacon*,
   ``RUN_DIR/starting/LAUNCH_ID/TASK``, every ``BEACON_PERIOD_S`` seconds while it lives (``Beacon``);
-- the batch host's watcher (``StartupWatch.poll``, called each second by ``slurm_job.watch``) looks at the
+- the batch host's watcher (``BeaconCheck.poll``, called each second by ``slurm_job.keep_batch_host``) looks at the
   beacons of the current launch until some node agent of it has said ``hello`` (which each one does once the
   start-up collectives are done; a node lost after that is the control plane's to recover). A beacon whose mtime has not
   moved for ``STALE_S`` seconds, or one that never appeared while another did (for ``MISSING_S`` seconds, or
@@ -91,7 +91,7 @@ def write_launch(run_dir: str, launch: str, nodes: list[str]) -> None:
     os.replace(tmp, os.path.join(run_dir, LAUNCH_FILE))
 
 
-class StartupWatch:
+class BeaconCheck:
     """(batch host) One launch's start-up, watched from outside MPI: ``poll(events)`` each second returns the hosts
     found lost (and acts on them, once), or [] (nothing lost, not started yet, or the MPI world exists)."""
 

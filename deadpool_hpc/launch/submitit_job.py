@@ -165,10 +165,10 @@ class HotSwapJob:
         # a node lost before the agents' MPI world exists: task 0 watches every task's beacon, as the batch
         # host does under sbatch (launch/slurm_startup.py), and starts the agents again on the live nodes
         lid = slurm_startup.launch_id()
-        watcher = None
+        checker = None
         if rank == 0:
             slurm_startup.write_launch(self.run_dir, lid, slurm_startup.step_nodes(self.cfg.layout.total_nodes))
-            watcher = _StartupWatcher(self.run_dir).start()
+            checker = _BeaconChecker(self.run_dir).start()
         slurm_startup.Beacon(self.run_dir, rank).start()
         # SIGUSR2 stays with submitit (its handler calls checkpoint() on task 0); the worker gets it from Slurm too
         forward = tuple(s for s in slurm_job.FORWARDED if s != signal.SIGUSR2)
@@ -181,7 +181,7 @@ class HotSwapJob:
             while os.path.exists(_relaunch_file(self.run_dir, lid)):
                 rc, lid = self._relaunch(env, lid)
         finally:
-            watcher.stop()
+            checker.stop()
         self._unless_finished(self._wait_survivors)
         # the ranks saved a checkpoint (no spare left, SIGTERM): requeue as the sbatch template does if the job goes
         # on, and leave without a result (SystemExit: submitit records none), so the requeued job's is the one read
@@ -328,17 +328,17 @@ def _relaunch_file(run_dir: str, lid: str) -> str:
     return os.path.join(run_dir, "relaunch", lid + ".json")
 
 
-class _StartupWatcher:
-    """(task 0) ``slurm_startup.StartupWatch`` every second, in a thread, until ``stop()``. It ends no step (that
+class _BeaconChecker:
+    """(task 0) ``slurm_startup.BeaconCheck`` every second, in a thread, until ``stop()``. It ends no step (that
     would end submitit's, task 0 with it): its record (RUN_DIR/relaunch/LAUNCH.json) makes every task end its own
     node agent (``HotSwapJob._started``), and task 0 relaunch."""
 
     def __init__(self, run_dir: str, period: float = 1.0):
         self.run_dir, self.period = run_dir, period
-        self.watch = slurm_startup.StartupWatch(run_dir, None)
+        self.beacons = slurm_startup.BeaconCheck(run_dir, None)
         self._stop = threading.Event()
 
-    def start(self) -> "_StartupWatcher":
+    def start(self) -> "_BeaconChecker":
         threading.Thread(target=self._run, name="deadpool-startup-watch", daemon=True).start()
         return self
 
@@ -349,7 +349,7 @@ class _StartupWatcher:
         path = RunDir(self.run_dir).events
         while not self._stop.wait(self.period):
             try:
-                for h in self.watch.poll(list(read_events(path)) if os.path.exists(path) else []):
+                for h in self.beacons.poll(list(read_events(path)) if os.path.exists(path) else []):
                     _log.warning("%s lost during the start-up: the agents are started again without it", h)
             except (OSError, ValueError, KeyError) as exc:
                 _log.warning("start-up watch: %s", exc)

@@ -24,7 +24,7 @@ def test_eight_agents_sparse_heartbeats_crash_and_freeze_recovered(tmp_path):
     assert row["n"] == 8 and "error" not in row and row["false_suspicions"] == 0, row
     # k = 2 watchers, one heartbeat each per period (0.2 s): 10 per second, whatever the size
     assert 8 <= row["sent_per_s"] <= 13, row
-    # a crash is seen at once through the ring watch's closed socket; a freeze after the heartbeat deadline (1 s) and
+    # a crash is seen at once through the ring link's closed socket; a freeze after the heartbeat deadline (1 s) and
     # its confirmation (as long again: control/suspicion.py), within the ceiling (4 s)
     assert row["crash_detect_s"] < 0.5 and row["crash_agents"] == 7 and row["crash_knew"] == 7, row
     assert row["crash_total_s"] < 2.0, row

@@ -134,7 +134,7 @@ class Host:
     def send_role(self, local, role):
         self.roles.append((local, role))
 
-    def retarget_watch(self):
+    def retarget_ring_link(self):
         pass
 
     def replica_address(self, proc):

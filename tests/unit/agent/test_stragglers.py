@@ -104,7 +104,7 @@ def test_a_detector_s_slow_figure_reaches_the_check_and_expires(tmp_path):
     import threading
     import time
 
-    from deadpool_hpc.agent.health import HealthWatch, Slow
+    from deadpool_hpc.agent.health import DetectorRunner, Slow
 
     class Clocks:
         interval_s = 0.05
@@ -125,7 +125,7 @@ def test_a_detector_s_slow_figure_reaches_the_check_and_expires(tmp_path):
 
     good, bad = Clocks([Slow(1.8, "SM clock 1.1 of 1.98 GHz")] * 4), Clocks([Slow(0.5, "faster?")])
     log = Log()
-    w = HealthWatch([("dcgm", good), ("bad", bad)], log, wake=threading.Event().set).start()
+    w = DetectorRunner([("dcgm", good), ("bad", bad)], log, wake=threading.Event().set).start()
     try:
         end = time.monotonic() + 5
         while good.asked < 3 and time.monotonic() < end:

@@ -155,7 +155,7 @@ import os  # noqa: E402
 import sys  # noqa: E402
 import paths  # noqa: E402
 
-from deadpool_hpc.agent import watch as _watch  # noqa: E402,F401 - registers the ring watch's
+from deadpool_hpc.agent import ringlink as _ringlink  # noqa: E402,F401 - registers the ring link's
 from deadpool_hpc.control import messages as _control_messages  # noqa: E402,F401 - registers the control plane's
 from deadpool_hpc.control import membership as _membership  # noqa: E402,F401 - registers readmit
 from deadpool_hpc.faultinject import messages as _fault_messages  # noqa: E402,F401 - registers fault injection's
@@ -168,13 +168,13 @@ PKG = os.path.join(paths.ROOT, "deadpool_hpc")
 # ``send`` depends on what it is called on (the control plane's ``peers``, the agent's ``channel``, a ``client``)
 _SENDS = {"send_many": 1, "send_to_suspect": 1, "broadcast": 0, "disseminate": 0, "tell_returning": 0}
 # files whose ``kind == "..."`` / ``kind in (...)`` tests read a plane's kinds (their dispatchers)
-_DISPATCH = {"process/forkserver.py": schema.FORKSERVER, "agent/watch.py": schema.WATCH,
+_DISPATCH = {"process/forkserver.py": schema.FORKSERVER, "agent/ringlink.py": schema.WATCH,
              "agent/node.py": schema.TO_AGENT, "agent/store.py": schema.TO_AGENT, "agent/channel.py": schema.TO_AGENT,
              "control/plane.py": schema.CONTROL, "control/peers.py": schema.CONTROL,
              "worker/client.py": schema.TO_WORKER}
 # files that encode messages of a plane of their own with ipc/wire.py ``encode`` (``wire.encode``)
 _ENCODES = {"control/peers.py": schema.CONTROL, "process/forkserver.py": schema.FORKSERVER,
-            "agent/watch.py": schema.WATCH}
+            "agent/ringlink.py": schema.WATCH}
 _LOCAL = {(schema.TO_AGENT, "closed")}   # ChannelServer.poll's own report that a connection ended: never on a wire
 
 
@@ -315,7 +315,7 @@ def _fake_channel(sent: list):
 
 
 def test_the_replica_streams_and_the_fork_servers_messages_keep_the_dicts_they_replace():
-    from deadpool_hpc.agent.watch import Watch
+    from deadpool_hpc.agent.ringlink import RingHello
     from deadpool_hpc.process.forkserver import Exited, Spawn, Spawned
     from deadpool_hpc.replica.headers import Ack, Go, Push, RestoreOffer
 
@@ -331,7 +331,7 @@ def test_the_replica_streams_and_the_fork_servers_messages_keep_the_dicts_they_r
     spawn = {"argv": ["run", "0"], "env": {"A": "1"}, "cwd": "/tmp"}
     assert Spawn.from_wire(spawn).to_wire() == spawn and Spawn.from_wire(spawn).argv == ("run", "0")
     assert Spawned(5).to_wire() == {"pid": 5} and Exited(5, -9).to_wire() == {"pid": 5, "rc": -9}
-    assert Watch(3).to_wire() == {"node": 3}
+    assert RingHello(3).to_wire() == {"node": 3}
     with pytest.raises(ValueError, match="spawn message: key 'env' is .*; expected an object of str -> a string"):
         Spawn.from_wire(dict(spawn, env={"A": 1}))
 

@@ -33,7 +33,7 @@ def test_a_beacon_that_stands_still_is_a_lost_node_and_the_relaunch_costs_a_spar
     for t, h in enumerate(["h0", "h1", "h2"]):
         _beacon(d, t, h)
     called = []
-    w = st.StartupWatch(d, None, stale_s=0.3, on_lost=lambda: called.append(1))
+    w = st.BeaconCheck(d, None, stale_s=0.3, on_lost=lambda: called.append(1))
     assert w.poll([]) == []
     time.sleep(0.2)
     for t in (0, 2):   # tasks 0 and 2 keep touching theirs; task 1's node is gone
@@ -62,7 +62,7 @@ def test_a_beacon_that_stands_still_is_a_lost_node_and_the_relaunch_costs_a_spar
 def test_once_an_agent_said_hello_the_watch_leaves_it_to_the_control_plane(tmp_path):
     d = _run_dir(tmp_path)
     _beacon(d, 0, "h0")
-    w = st.StartupWatch(d, None, stale_s=0.0, missing_s=0.0)
+    w = st.BeaconCheck(d, None, stale_s=0.0, missing_s=0.0)
     hello = [{"event": "hello", "role": "agent", "t": time.time() + 1, "mpi_rank": 0}]
     time.sleep(0.05)
     assert w.poll(hello) == [] and not os.path.exists(os.path.join(d, "relaunch"))

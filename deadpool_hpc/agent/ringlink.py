@@ -1,10 +1,10 @@
-"""Ring watch: each node agent holds a TCP connection to its successor on the ring of live agents (and accepts
+"""Ring link: each node agent holds a TCP connection to its successor on the ring of live agents (and accepts
 one from its predecessor), only to learn at once that the process at the other end is gone.
 
 When a process dies, its kernel closes its sockets: the peer reads end-of-file (or a reset) within
 milliseconds, long before a heartbeat deadline. That covers a crashed or killed agent (its node's processes
 included: they die with it). It cannot cover a frozen agent or a node that lost power (nothing closes): the
-heartbeats (control/peers.py) do. Each agent watches two peers (successor, predecessor), so the cost per agent
+heartbeats (control/peers.py) do. Each agent is linked to two peers (successor, predecessor), so the cost per agent
 does not grow with the job. A connection's first message is a ``watch`` hello signed with the job secret
 (ipc/wire.py); anything else is dropped.
 
@@ -23,13 +23,13 @@ from ..ipc.schema import WATCH, Message
 
 
 @dataclass(frozen=True)
-class Watch(Message, plane=WATCH, kind="watch"):
-    """The first frame on a ring-watch connection: its sender is node ``node`` (its MPI rank)."""
+class RingHello(Message, plane=WATCH, kind="watch"):
+    """The first frame on a ring-link connection: its sender is node ``node`` (its MPI rank)."""
 
     node: int
 
 
-class RingWatch:
+class RingLink:
     """me: this node; secret: the job secret; host: the address peers reach this node at."""
 
     def __init__(self, me: int, secret: bytes, host: str):
@@ -38,12 +38,12 @@ class RingWatch:
         self.listener = socket.create_server((host, 0), backlog=16)
         self.listener.setblocking(False)
         self.address = [host, self.listener.getsockname()[1]]
-        self.watched: dict[socket.socket, int | None] = {}  # connection -> peer node (None: hello not read yet)
+        self.links: dict[socket.socket, int | None] = {}  # connection -> peer node (None: hello not read yet)
         self.successor: int | None = None
         self.enabled = True
 
     def retarget(self, alive: list[int], addresses: dict) -> None:
-        """Watch the successor of this node on the ring of ``alive`` nodes (dial it if it changed). addresses:
+        """Link to the successor of this node on the ring of ``alive`` nodes (dial it if it changed). addresses:
         node -> [host, port]. A successor that cannot be reached within 1 s is left to the heartbeats."""
         ring = sorted(alive)
         if self.me not in ring or len(ring) < 2:
@@ -54,10 +54,10 @@ class RingWatch:
         self.successor = succ
         try:
             s = socket.create_connection(tuple(addresses[succ]), timeout=1.0)
-            payload = wire.encode(Watch.KIND, Watch(self.me).to_wire(), self.secret)
+            payload = wire.encode(RingHello.KIND, RingHello(self.me).to_wire(), self.secret)
             s.sendall(struct.pack(">I", len(payload)) + payload)
             s.setblocking(False)
-            self.watched[s] = succ
+            self.links[s] = succ
         except OSError:
             pass
 
@@ -68,14 +68,14 @@ class RingWatch:
             while True:
                 c, _ = self.listener.accept()
                 c.setblocking(False)
-                self.watched[c] = None
+                self.links[c] = None
         except (BlockingIOError, OSError):
             pass
-        if not self.watched:
+        if not self.links:
             return lost
-        ready, _, _ = select.select(list(self.watched), [], [], 0)
+        ready, _, _ = select.select(list(self.links), [], [], 0)
         for c in ready:
-            peer = self.watched[c]
+            peer = self.links[c]
             try:
                 data = c.recv(65536)
             except (BlockingIOError, InterruptedError):
@@ -86,7 +86,7 @@ class RingWatch:
                 try:
                     n = struct.unpack(">I", data[:4])[0]
                     kind, body = wire.decode(data[4:4 + n], n, self.secret)
-                    self.watched[c] = Watch.from_wire(body).node if kind == Watch.KIND else None
+                    self.links[c] = RingHello.from_wire(body).node if kind == RingHello.KIND else None
                 except (struct.error, wire.WireError, KeyError, ValueError, TypeError):
                     self._drop(c)
                 continue
@@ -97,7 +97,7 @@ class RingWatch:
         return lost
 
     def _drop(self, c) -> None:
-        self.watched.pop(c, None)
+        self.links.pop(c, None)
         try:
             c.close()
         except OSError:
@@ -105,6 +105,6 @@ class RingWatch:
 
     def close(self) -> None:
         self.enabled = False
-        for c in list(self.watched):
+        for c in list(self.links):
             self._drop(c)
         self.listener.close()
