@@ -156,8 +156,8 @@ class Layout(Section):
     # 0 is resolved before any process starts, where the node is known (launch/batch.py on a Slurm allocation, where
     # it is the batch template's and ``deadpool submit``'s default; launch/local.py): never seen by an agent or worker
     ranks_per_node: int = opt(1, metavar="P", check=_int(0),
-                              help="training processes per node (deadpool run: 1); 0: one per GPU of the node (1 without a "
-                                   "GPU), what deadpool submit and the batch template take when not told",
+                              help="training processes per node (deadpool run: 1); 0: one per GPU of the node "
+                                   "(1 without a GPU), what deadpool submit and the batch template take when not told",
                               accepted="1 or more, or 0 (one per GPU of the node)")
     backend: str = opt("auto", metavar="auto|nccl|gloo",
                        help="the training processes' torch.distributed backend: auto (nccl where torch sees CUDA "

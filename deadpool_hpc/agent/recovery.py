@@ -292,9 +292,9 @@ class Recovery:
         return RecoveryEnd(NodeState.TRAINING, f"recovery round {self.rounds}: training ranks of generation {g}")
 
     def _await_restore(self, rep, timeout: float):
-        """The restore ``rep`` expects (``Replicator.poll_restore``), ticking the agent's loop meanwhile: a poll of up to
-        ``RESTORE_POLL_S`` on the replica's own wake-up, then a tick, until it arrived or ``timeout`` seconds passed
-        (PeerFailure, as ``wait_restore``'s). None once this node failed meanwhile (``exiting``). Raises what
+        """The restore ``rep`` expects (``Replicator.poll_restore``), ticking the agent's loop meanwhile: a poll of
+        up to ``RESTORE_POLL_S`` on the replica's own wake-up, then a tick, until it arrived or ``timeout`` seconds
+        passed (PeerFailure, as ``wait_restore``'s). None once this node failed meanwhile (``exiting``). Raises what
         ``poll_restore`` raises (ReplicaError; PeerFailure: the transfer broke off, the failure flag, the deadline)."""
         a, since = self.agent, time.monotonic()
         while (slot := rep.poll_restore(a.cp.failure, since, timeout, RESTORE_POLL_S)) is None:

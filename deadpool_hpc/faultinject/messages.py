@@ -7,7 +7,8 @@ hints give, key for key the dicts they replace.
   None; ``factor`` is always there (null for none).
 - ``InjectSpare`` (training rank 0 -> its agent, channel kind ``inject_spare``): spare node ``node`` is to fire
   ``fault`` on itself; its agent passes it on as
-- ``Inject`` (agent -> agent, control-plane kind ``inject``): the same, to the spare's agent (``NodeFaults.on_message``).
+- ``Inject`` (agent -> agent, control-plane kind ``inject``): the same, to the spare's agent
+  (``NodeFaults.on_message``).
   Both carry the fault's keys beside ``node``, in one object.
 - ``NicDown`` (an agent -> its training processes, channel kind ``nic_down``): from now on every gloo group they
   build uses interface ``ifname`` (one that does not exist: a spare's data plane down from a step on).

@@ -1,7 +1,7 @@
 """Replacement nodes as companion Slurm jobs: submitted, watched and cancelled by the main job (``--spare-floor``).
 
-When the spare pool falls below ``--spare-floor``, the main job's batch-host watcher (slurm_job.keep_batch_host) asks Slurm
-for one node per missing spare, each as a separate one-node job that the main job submits and owns: the
+When the spare pool falls below ``--spare-floor``, the main job's batch-host watcher (slurm_job.keep_batch_host)
+asks Slurm for one node per missing spare, each as a separate one-node job that the main job submits and owns: the
 companion template (templates/companion.sbatch) with the main job's account, partition, constraints (``Features``)
 and time limit read from ``scontrol show job``, the name ``deadpool-spare-<main job id>``, ``--no-requeue``, and
 its output in RUN_DIR. ``spare_policy.SparePolicy`` decides; this module only acts:

@@ -72,7 +72,8 @@ def poll(st: ReplicaState, failure: threading.Event, since: float, timeout: floa
     return _await(st, failure, since, timeout, time.monotonic() + for_s)
 
 
-def _await(st: ReplicaState, failure: threading.Event, since: float, timeout: float, until: float | None) -> Slot | None:
+def _await(st: ReplicaState, failure: threading.Event, since: float, timeout: float,
+           until: float | None) -> Slot | None:
     deadline = since + timeout
     with st.lock:
         e = st.expected

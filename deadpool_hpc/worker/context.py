@@ -12,9 +12,9 @@ the generation, tells its agent how far it got, and waits for its next role: tra
 process group through the agent-backed store, restore the cut step from the shared slot the agent filled,
 gather, resume), stay a spare, save and leave (75: requeue), or finish. A failure while it joins or restores
 ends that round; the agent starts the next (worker/recovery.py's ``Recovery``, which the context holds). Spare
-processes build the model and buffers, then wait in ``run``. The order of a step around the state (wait committed, all-reduce, claim, update, snapshot) is
-``StepSequence``'s (worker/steps.py); the state is a ``StepState`` of either kind (``ctx.protect``'s ``Protected``,
-``ctx.zero_adamw``'s ``ShardedAdamW``).
+processes build the model and buffers, then wait in ``run``. The order of a step around the state (wait committed,
+all-reduce, claim, update, snapshot) is ``StepSequence``'s (worker/steps.py); the state is a ``StepState`` of
+either kind (``ctx.protect``'s ``Protected``, ``ctx.zero_adamw``'s ``ShardedAdamW``).
 The contract is in docs/worker-contract.md.
 """
 from __future__ import annotations

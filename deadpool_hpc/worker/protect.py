@@ -108,7 +108,8 @@ def check(world_size: int, model, optimizer, scheduler=None, dataloader=None, ex
                         "accepted: a torch.optim.Optimizer")
     if not isinstance(optimizer, torch.optim.Optimizer) or not is_stateful(optimizer):
         raise TypeError(f"protect(optimizer=...): got a {type_name(optimizer)}, which is not a "
-                        "torch.optim.Optimizer with state_dict()/load_state_dict(); accepted: a torch.optim.Optimizer (AdamW, SGD, ...)")
+                        "torch.optim.Optimizer with state_dict()/load_state_dict(); accepted: a torch.optim.Optimizer "
+                        "(AdamW, SGD, ...)")
     owned = {id(p) for p in model.parameters()}
     stray = [i for g in optimizer.param_groups for i, p in enumerate(g["params"]) if id(p) not in owned]
     if stray:
