@@ -175,6 +175,22 @@ def cuda_context_problem(device) -> str | None:
     return None
 
 
+DEVICE_INDEX_ENV = "DEADPOOL_DEVICE_INDEX"   # the process's index among the GPUs it may use (``device_index``)
+SHARED_GPUS_ENV = "DEADPOOL_SHARED_GPUS"     # "1": the emulated nodes of a local run share this machine's GPUs
+
+
+def device_index(local_rank: int, node: int, ranks_per_node: int, shared: bool) -> int:
+    """The index ``device_of`` takes for training process ``local_rank`` of node ``node``: its local rank on a node
+    of its own (Slurm: each node has its GPUs), its machine-wide process index ``node * ranks_per_node +
+    local_rank`` when the emulated nodes of a local run (``deadpool run``) share one machine's GPUs, so that as
+    long as the run's processes (spares included) are no more than the GPUs, no two share one: NCCL refuses two
+    ranks of one communicator on one GPU ("Duplicate GPU detected"). Raises ValueError on a negative id."""
+    if min(local_rank, node) < 0 or ranks_per_node < 1:
+        raise ValueError(f"device_index: local rank {local_rank}, node {node}, ranks per node {ranks_per_node}; "
+                         "accepted: ids >= 0 and ranks per node >= 1")
+    return node * ranks_per_node + local_rank if shared else local_rank
+
+
 def device_of(backend: str, local_rank: int, gpus: int | None = None):
     """The torch.device of the training process ``local_rank`` of its node under ``backend``: ``cuda:i`` with
     ``i = local_rank % gpus`` under NCCL (several processes share a GPU when there are more than GPUs), the CPU

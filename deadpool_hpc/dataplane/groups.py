@@ -203,8 +203,9 @@ def release_free_memory() -> None:
 
 
 def device_for(backend: str) -> torch.device:
-    """The device a rank's tensors live on for ``backend`` (CPU for gloo; ``cuda:LOCAL_RANK`` modulo the node's GPU
-    count for nccl: dataplane/backend.py ``device_of``)."""
-    from .backend import device_of
+    """The device a rank's tensors live on for ``backend`` (CPU for gloo; for nccl ``cuda:i`` with ``i`` the index
+    worker/entry.py's ``bind_device`` chose (``DEADPOOL_DEVICE_INDEX``, else ``LOCAL_RANK``) modulo the GPU count:
+    dataplane/backend.py ``device_of``, ``device_index``)."""
+    from .backend import DEVICE_INDEX_ENV, device_of
 
-    return device_of(backend, int(os.environ.get("LOCAL_RANK", "0")))
+    return device_of(backend, int(os.environ.get(DEVICE_INDEX_ENV, os.environ.get("LOCAL_RANK", "0"))))

@@ -37,6 +37,7 @@ import time
 from contextlib import closing, contextmanager
 
 from ..config import RunConfig, only_under_slurm_batch
+from ..dataplane.backend import SHARED_GPUS_ENV
 from ..process.fence import descendants, fence, is_alive
 from ..errors import ConfigError
 from ..events import EventLog, EventSpill, EventTail, merge, read_events
@@ -73,7 +74,8 @@ def emulated_node_env(cfg: RunConfig) -> dict[str, str]:
     (its shared-memory send cells all sat in the frozen peer's queue), so the live ranks suspected each
     other after a hang or a kill. With one clique per emulated node the longest silence was 0.13-0.17 s.
     Real nodes never share memory, so this also makes the emulation faithful."""
-    return {"MPIR_CVAR_NUM_CLIQUES": str(cfg.layout.total_nodes), "MPIR_CVAR_CLIQUES_BY_BLOCK": "1"}
+    return {"MPIR_CVAR_NUM_CLIQUES": str(cfg.layout.total_nodes), "MPIR_CVAR_CLIQUES_BY_BLOCK": "1",
+            SHARED_GPUS_ENV: "1"}   # and they share this machine's GPUs (dataplane/backend.py device_index)
 
 
 def command(cfg: RunConfig, run_dir: str) -> list[str]:

@@ -42,9 +42,11 @@ def _allow_agent_to_trace() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PTRACER, int(agent), 0, 0, 0)
 
 
-def bind_device(cfg, local: int, log=None):
+def bind_device(cfg, local: int, log=None, node: int = 0):
     """Resolve the run's backend for this process (``cfg.backend``: auto, nccl or gloo; dataplane/backend.py) and
-    bind its device: under NCCL ``cuda:LOCAL_RANK`` (modulo the node's GPUs) becomes the current device, the
+    bind its device: under NCCL ``cuda:i`` becomes the current device (``i``: the local rank modulo the node's
+    GPUs; under ``deadpool run``, whose emulated nodes share the machine's GPUs, the process's machine-wide index,
+    dataplane/backend.py ``device_index``), the
     product's NCCL environment is set, a known-bad NCCL is refused, and the CUDA context and the caching allocator
     are warmed now (a spare does it while idle, so a promotion does not pay for them). Returns (backend, device).
     Raises BackendError (nccl without a GPU, an unknown setting) or RuntimeError (a refused NCCL version), naming
@@ -55,7 +57,9 @@ def bind_device(cfg, local: int, log=None):
 
     os.environ["LOCAL_RANK"] = str(local)   # dataplane/groups.device_for and training functions read it
     name = be.resolve_backend(cfg.layout.backend)
-    device = be.device_of(name, local)
+    index = be.device_index(local, node, cfg.layout.ranks_per_node, os.environ.get(be.SHARED_GPUS_ENV) == "1")
+    os.environ[be.DEVICE_INDEX_ENV] = str(index)   # dataplane/groups.device_for reads it
+    device = be.device_of(name, index)
     info = {"backend": name, "device": str(device)}
     if name == "nccl":
         version = be.nccl_version()
@@ -122,7 +126,7 @@ def main(argv=None) -> None:
     code = 0
     ctx = None
     try:
-        backend, device = bind_device(cfg, local, log)
+        backend, device = bind_device(cfg, local, log, node)
         groups = GenerationGroups(backend, cfg.timeouts.wait_timeout, cfg.timeouts.rendezvous_timeout, device=device)
         ctx = Context(cfg, client, groups, log, node, local, backend=backend)
         # how collectives are waited on: polled on gloo (None), the collective watchdog on NCCL (dataplane/watchdog.py)

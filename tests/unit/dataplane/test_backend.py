@@ -162,3 +162,22 @@ def test_warming_leaves_the_block_in_the_caching_allocator_and_the_context_works
     assert torch.cuda.is_initialized()
     assert torch.cuda.memory_reserved(dev) >= 8 << 20 and torch.cuda.memory_allocated(dev) == 0
     assert be.cuda_context_problem(dev) is None
+
+
+def test_the_device_index_is_the_local_rank_on_a_node_and_the_machine_wide_index_when_nodes_share_gpus():
+    """On a node of its own a process takes its local rank's GPU; under ``deadpool run`` the emulated nodes share
+    the machine's GPUs, so node 1's local rank 0 of a 2-rank-per-node run takes GPU 2, not node 0's GPU 0 (NCCL
+    refuses two ranks of one communicator on one GPU); a bad id is refused with what is accepted."""
+    assert be.device_index(1, 3, 2, shared=False) == 1
+    assert be.device_index(0, 1, 2, shared=True) == 2
+    assert [be.device_index(0, n, 1, shared=True) for n in range(3)] == [0, 1, 2]
+    assert be.device_of("nccl", be.device_index(0, 2, 1, shared=True), gpus=2) == torch.device("cuda", 0)
+    with pytest.raises(ValueError, match="accepted"):
+        be.device_index(-1, 0, 1, shared=True)
+
+
+def test_a_local_run_tells_its_processes_the_nodes_share_the_machines_gpus():
+    from deadpool_hpc.config import RunConfig
+    from deadpool_hpc.launch.local import emulated_node_env
+
+    assert emulated_node_env(RunConfig(nodes=2, spares=1))[be.SHARED_GPUS_ENV] == "1"
