@@ -18,8 +18,6 @@ from . import pmi_relay
 # UCX transport names that carry messages through shared memory (UCX's aliases and its mm transports)
 _UCX_SHM = frozenset({"sm", "shm", "mm", "posix", "sysv", "xpmem"})
 CHECK_OFF = "DEADPOOL_MPI_TRANSPORT_CHECK"   # "0": start on a transport that check_transport refuses
-
-
 GUARD_OFF = "DEADPOOL_UCX_SEND_GUARD"   # "0": do not load the send guard (then UCX over TCP is refused)
 
 # The UCX send guard: MPICH 5.0.2's UCX netmod creates its endpoints without an error handler, so once a peer is
