@@ -43,6 +43,7 @@ import time
 import typing as tp
 
 from ..config import RunConfig
+from ..control.mpi import check_transport
 from ..errors import ConfigError
 from ..rundir import RunDir, RunDirBusy, check_free
 from .options import check_train_fn
@@ -111,6 +112,7 @@ def _config(settings: dict, what, train_args: dict) -> RunConfig:
             raise ConfigError(f"deadpool executor: submit(RunConfig) on an executor with run settings "
                               f"{sorted(settings) + sorted(train_args)}; accepted: set them in one place (the "
                               f"RunConfig, or the executor and submit's keyword arguments)")
+        check_transport()
         return what.validate()
     known = {f.name for f in RunConfig.flat_fields()}
     unknown = sorted(set(settings) - known)
@@ -122,6 +124,7 @@ def _config(settings: dict, what, train_args: dict) -> RunConfig:
     args = dict(run.pop("train_args", None) or {}, **train_args)
     cfg = RunConfig(**run, train_fn=spec, train_args=args).validate()
     check_train_fn(spec, args)   # ConfigError naming the spec or the bad train arg
+    check_transport()   # ConfigError: an MPI transport on which one node's death kills every agent (control/mpi.py)
     return cfg
 
 
