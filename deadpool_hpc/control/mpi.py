@@ -178,6 +178,10 @@ def import_mpi():
     node's death would bring down with it (``check_transport``). Loads the UCX send guard first
     (``load_send_guard``): without it, over UCX's TCP transport, a peer's death kills this process."""
     guard = load_send_guard()
+    if guard is None and os.environ.get(GUARD_OFF, "1") != "0":   # UCX may still pick TCP between machines
+        logging.getLogger(__name__).warning(
+            "the UCX send guard is not loaded (no C compiler `cc`/$CC, or its build failed): over UCX's TCP "
+            "transport a node's death kills every survivor (docs/troubleshooting.md, MPI transport settings)")
     check_transport(guarded=guard is not None)
     import mpi4py
 
