@@ -5,7 +5,8 @@
 # Without CUDA it says so and exits 0, having run nothing (tests/e2e/test_gpu_check.py checks that here).
 #
 # Cases (docs/gpu.md):
-#   a  one GPU, --backend nccl, 2 nodes + 1 spare (three processes on the GPU, each its own communicator): the
+#   a  one GPU, --backend nccl, 2 nodes + 1 spare (three processes on the GPU; each emulated node is a host of its
+#      own to NCCL, NCCL_HOSTID, since NCCL refuses two ranks of a communicator on one GPU of one host): the
 #      failure-free run, then a kill and a hang of node1; each must hot-swap and end with the failure-free digest
 #      (2 active nodes, not 1: a rank's replica lives on another active node, so hot swap needs 2)
 #   b  one GPU, --backend gloo, three training processes whose state is CUDA tensors (benchmarks/gpu_check_train.py):

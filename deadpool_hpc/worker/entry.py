@@ -57,7 +57,8 @@ def bind_device(cfg, local: int, log=None, node: int = 0):
 
     os.environ["LOCAL_RANK"] = str(local)   # dataplane/groups.device_for and training functions read it
     name = be.resolve_backend(cfg.layout.backend)
-    index = be.device_index(local, node, cfg.layout.ranks_per_node, os.environ.get(be.SHARED_GPUS_ENV) == "1")
+    shared = os.environ.get(be.SHARED_GPUS_ENV) == "1"   # deadpool run: the emulated nodes share this machine's GPUs
+    index = be.device_index(local, node, cfg.layout.ranks_per_node, shared)
     os.environ[be.DEVICE_INDEX_ENV] = str(index)   # dataplane/groups.device_for reads it
     device = be.device_of(name, index)
     info = {"backend": name, "device": str(device)}
@@ -68,6 +69,10 @@ def bind_device(cfg, local: int, log=None, node: int = 0):
         if problem:
             raise RuntimeError(problem)
         be.nccl_environment()
+        if shared:   # each emulated node a host of its own to NCCL, as to MPI (launch/local.py): NCCL refuses two
+            # ranks of one communicator on one GPU of one host ("Duplicate GPU detected"); across hosts it connects
+            # them through its network transport, as it does real nodes
+            os.environ.setdefault("NCCL_HOSTID", f"deadpool-emulated-node{node}")
         torch.cuda.set_device(device)
         be.warm_cuda(device)
         if log is not None:   # the NCCL version in the event log, and on stderr (the agent's tail of it)
