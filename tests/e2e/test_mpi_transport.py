@@ -69,8 +69,8 @@ def test_without_the_send_guard_the_survivors_die(tmp_path, monkeypatch):
     cfg = _killed_run(tmp_path, "unguarded")
     s = launch_reaped(cfg, 120)
     assert not s["completed"] and s["steps_completed"] < STEPS, s
-    log = _log(cfg.output.run_dir)
-    assert "Segmentation fault" in log, log[-2000:]
+    # (how they die shows in launcher.log, "Segmentation fault", when faulthandler's report gets out before the
+    # process is gone: not always, CI saw a run whose log had only the fork server's line)
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
