@@ -10,7 +10,6 @@ import types
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from deadpool_hpc.worker.protect import Protected
 from deadpool_hpc.worker.steps import NO_HOOKS, StepSequence, StepState
@@ -118,14 +117,6 @@ def test_commit_waits_are_counted_as_waits_not_own_work():
     seq = sequence(wait=0.25)
     ddp_step(seq)
     assert seq.wait_s == pytest.approx(0.5) and seq.watch.waited == pytest.approx(0.5)
-
-
-@pytest.fixture
-def local_group():
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_both_state_kinds_are_step_states_and_start_without_hooks(local_group):

@@ -6,21 +6,11 @@ from __future__ import annotations
 import hashlib
 import threading
 
-import pytest
 import torch
-import torch.distributed as dist
 
 from deadpool_hpc.dataplane.collectives import Watch
 from deadpool_hpc.dataplane.meshgroup import MeshGroup, device_mesh
 from deadpool_hpc.worker.state.shards import ShardedState, check_fsdp2, local_shards
-
-
-@pytest.fixture
-def local_group():
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def sharded():

@@ -7,20 +7,11 @@ import threading
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from deadpool_hpc.dataplane import collectives
 from deadpool_hpc.dataplane.collectives import Watch
 from deadpool_hpc.errors import ReplicaError
 from deadpool_hpc.worker.state.shares import DataParallelShares, dry_run_state, load_full
-
-
-@pytest.fixture
-def local_group():
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_each_rank_keeps_its_own_share_and_those_of_the_ranks_whose_replica_it_holds():
