@@ -45,6 +45,10 @@ def main(argv=None) -> None:
         signal.siginterrupt(sig, False)  # SA_RESTART: a system call of another thread must not fail EINTR
     signal.pthread_sigmask(signal.SIG_UNBLOCK, stop)  # the task wrapper spawns us with them blocked
     argv = sys.argv[1:] if argv is None else argv
+    joining = "--join" in argv[1:]   # a replacement node from a companion job (control/joining.py)
+    if joining:   # its SIGTERM (its companion job cancelled) ends this node, never the job's preemption
+        for sig in stop:
+            signal.signal(sig, lambda *_: os._exit(143))
     from ..logs import setup as setup_logging
 
     setup_logging("agent")
@@ -61,7 +65,8 @@ def main(argv=None) -> None:
     # Start-up deadline: MPI_Init and the first collectives cannot time out, and a process lost meanwhile blocks
     # them for ever; mpi4py holds the GIL in MPI_Init, so no Python thread could act. faulthandler's watchdog is
     # a C thread: it prints every thread's stack to stderr and exits 1.
-    faulthandler.dump_traceback_later(cfg.timeouts.startup_timeout, exit=True)
+    if not joining:   # (a joining agent arms it once admitted: its wait for a free slot has no bound of its own)
+        faulthandler.dump_traceback_later(cfg.timeouts.startup_timeout, exit=True)
     secret_hex = os.environ.get("DEADPOOL_JOB_SECRET", "")
     if len(secret_hex) < 32:
         sys.exit("DEADPOOL_JOB_SECRET is missing or shorter than 16 bytes (hex); the launcher sets it")
@@ -91,6 +96,12 @@ def main(argv=None) -> None:
     listeners = [transport.listen(host) for _ in range(cfg.layout.ranks_per_node)]  # one replica server per local rank
     ring_link = RingLink(-1, secret, host)
     channel = ChannelServer(secret, log=log)
+    admission = None
+    if joining:
+        admission = _join(run_dir, cfg, secret, host, slurm_node, slurm_job, log,
+                          {"replica": [transport.address(s) for s in listeners], "watch": ring_link.address,
+                           "slurm_node": slurm_node, "companion_job": slurm_job})
+        faulthandler.dump_traceback_later(cfg.timeouts.startup_timeout, exit=True)
     cp = ControlPlane(secret=secret, ranks_per_node=cfg.layout.ranks_per_node, active_nodes=cfg.layout.nodes,
                       period=cfg.timeouts.heartbeat_period, deadline=cfg.timeouts.heartbeat_deadline, log=log,
                       ceiling=cfg.timeouts.heartbeat_ceiling,
@@ -98,7 +109,8 @@ def main(argv=None) -> None:
                       replicas=cfg.replication.replicas if cfg.replication.replicate else 0,
                       host=host, crash_loop_limit=cfg.comeback.crash_loop_limit,
                       extra_identity={"replica": [transport.address(s) for s in listeners], "watch": ring_link.address,
-                                      "slurm_node": slurm_node})
+                                      "slurm_node": slurm_node},
+                      admission=admission)
     ring_link.me = cp.me
     setup_logging(f"node{cp.me}")
     log.base.update(mpi_rank=cp.me, node=cp.me)
@@ -110,7 +122,8 @@ def main(argv=None) -> None:
         cp.peers.request_preempt()
     env = dict(os.environ, DEADPOOL_AGENT_SOCK=channel.name, DEADPOOL_NODE=str(cp.me))
     env.pop(lifeline.ENV, None)  # the agent watches the launcher; its training processes die with the agent
-    nic_down_env(cfg.internal.faults, cp.me, env, log)   # a test's --nic-down: this node's data plane is down
+    faults_here = () if joining else cfg.internal.faults   # a joining node fires none of the tests' faults
+    nic_down_env(faults_here, cp.me, env, log)   # a test's --nic-down: this node's data plane is down
     sup = Supervisor(run_dir, cfg.layout.ranks_per_node, env, cfg.timeouts.hang_timeout, channel.progress)
     code = 1
     check = agent = None
@@ -123,8 +136,9 @@ def main(argv=None) -> None:
         faulthandler.cancel_dump_traceback_later()  # every wait from here on has its own deadline
         sup.start()
         check = HealthCheck(cfg.preflight.health_check, env, os.path.join(run_dir, f"health-check-node{cp.me}.log")) \
-            if cfg.preflight.health_check else None   # the site's check runs while the training processes start
-        faults = NodeFaults(cfg.internal.faults, node=cp.me, log=log,
+            if cfg.preflight.health_check and not joining else None   # the site's check runs while the processes start
+        #  (a joining node's ran before it asked: launch/companion.py)
+        faults = NodeFaults(faults_here, node=cp.me, log=log,
                             pids=lambda: {lo: p.pid for lo, p in sup.procs.items()},
                             rank_local=lambda r: next((lo for lo in range(cfg.layout.ranks_per_node)
                                                        if cp.train_rank(lo) == r), None),
@@ -144,7 +158,8 @@ def main(argv=None) -> None:
         # the node's health detectors (plugins): a factory that fails ends the run here, at start-up, by name
         detectors = load_detectors(NodeInfo(node=cp.me, hostname=socket.gethostname(), slurm_node=slurm_node,
                                             slurm_job_id=slurm_job, run_dir=run_dir))
-        agent = NodeAgent(cfg, cp, channel, sup, ring_link, listeners, log, faults, transport=transport)
+        agent = NodeAgent(cfg, cp, channel, sup, ring_link, listeners, log, faults, transport=transport,
+                          joined=None if admission is None else {"job_id": slurm_job or "", "t_asked": admission[4]})
         agent.health_check = check
         agent.health = DetectorRunner(detectors, log, wake=channel.wake).start()
         code = agent.run()
@@ -165,6 +180,31 @@ def main(argv=None) -> None:
             log.emit("heartbeat_stats", **cp.peers.heartbeat_stats())
         log.sync()
         cp.exit(code)
+
+
+def _join(run_dir, cfg, secret, host, slurm_node, slurm_job, log, extra) -> tuple:
+    """(a replacement node) Ask the running job to admit this node (control/joining.py ``request``; waits as long
+    as the main job runs). Returns the ControlPlane's ``admission``: (Admit, link to the sponsor, Waker, identity
+    record, wall time asked); exits 3 when it is refused for good."""
+    import time
+
+    from ..control import joining
+    from ..control.links import Link
+    from ..control.waker import Waker
+    from ..process import fence as fencing
+
+    t0 = time.time()
+    waker = Waker(host, secret)
+    ident = {**fencing.identity(), **extra, "wake": waker.address, "hb": waker.hb_address}
+    log.emit("join_requested", host=slurm_node or socket.gethostname(), job_id=slurm_job)
+    try:
+        sock, admit = joining.request(run_dir, secret, slurm_node or socket.gethostname(), slurm_job or "", ident,
+                                      timeout=float("inf"), log=log)
+    except joining.JoinFailed as exc:
+        log.emit("join_failed", error=str(exc)[:300], job_id=slurm_job)
+        log.sync()
+        sys.exit(3)
+    return admit, Link(sock, secret, node=admit.coordinator), waker, ident, t0
 
 
 if __name__ == "__main__":

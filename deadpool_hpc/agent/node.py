@@ -34,6 +34,7 @@ import time
 
 from ..cause import signal_name
 from ..control.crashloop import WorkFailure, end_of
+from ..control.joining import mark_joined
 from ..control.messages import Finished, Over
 from ..errors import STARTUP_FAILED_EXIT, Fenced
 from ..faultinject.messages import FireNode, Inject, InjectSpare
@@ -44,6 +45,7 @@ from ..placement import held_by, holders_of
 from ..rundir import RunDir, latest_checkpoint
 from .comeback import Comeback
 from .desk import SnapshotDesk
+from .joindesk import JoinDesk
 from .metrics import NodeMetrics
 from .persister import Persister
 from .planned import PlannedSwaps
@@ -70,7 +72,8 @@ class NodeAgent:
     ``ring_link``: its RingLink; ``listeners``: one listening replica server socket per local rank, made by
     ``transport`` (replica/transports.py; None: TCP); ``log``: EventLog."""
 
-    def __init__(self, cfg, cp, channel, supervisor, ring_link, listeners, log, injector, transport=None):
+    def __init__(self, cfg, cp, channel, supervisor, ring_link, listeners, log, injector, transport=None,
+                 joined: dict | None = None):
         self.cfg = cfg
         self.cp = cp
         self.peers = cp.peers              # its control thread (control/peers.py): heartbeats, suspicion, messages
@@ -114,11 +117,16 @@ class NodeAgent:
         self.metrics = NodeMetrics(self) if cfg.output.metrics_port or cfg.output.metrics_textfile else None
         # agent/sparepool.py: --spare-floor: the pool's size, for the batch host's replacement requests (None: off)
         self.spare_pool = SparePool(self) if cfg.replacement.spare_floor else None
+        # agent/joindesk.py: --spare-floor: where replacement nodes ask to join (None: off)
+        self.join_desk = JoinDesk(self, cp.waker.address[0]) if cfg.replacement.spare_floor else None
+        # a replacement node that joined the running job (control/joining.py): {job_id, t_asked} (None: started with
+        # the job). It starts as a spare of the generation it joined: no resume, no pre-flight with the others
+        self.joined = joined
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def run(self) -> int:
         """Serve until the run ends for this node. Returns the exit code (0 done, 75 checkpoint saved: requeue)."""
-        if self.resume is not None:
+        if self.resume is not None and self.joined is None:
             self.cp.enter_generation(self.resume["generation"] + 1)
         self._start()
         while True:
@@ -254,6 +262,8 @@ class NodeAgent:
             self.metrics.tick()
         if self.spare_pool is not None:
             self.spare_pool.tick()
+        if self.join_desk is not None:
+            self.join_desk.tick()
 
     # ---- start-up --------------------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -281,7 +291,8 @@ class NodeAgent:
                 return
         if self.pending_exit is not None:   # (the health check failed as the last layout came)
             return
-        if self.cfg.preflight.factor:   # links with the neighbour nodes, the timed matmul (agent/preflight.py)
+        # links with the neighbour nodes, the timed matmul (agent/preflight.py); not for a joined node
+        if self.cfg.preflight.factor and self.joined is None:
             try:
                 verdict = self.speed.at_startup(self._tick_or_stop, deadline)
             except PreflightStopped:
@@ -302,6 +313,12 @@ class NodeAgent:
             self.send_role(local, role)
         if self.cp.train_rank(0) is not None:
             self.transition(NodeState.TRAINING, "started: its processes hold training ranks")
+        elif self.joined is not None:
+            self.transition(NodeState.SPARE, "joined the running job: its processes are spares")
+            self.log.emit("node_joined", generation=self.cp.generation, job_id=self.joined["job_id"],
+                          sponsor=self.peers.via, spare_nodes=list(self.cp.spare_nodes),
+                          seconds=round(time.time() - self.joined["t_asked"], 3))
+            mark_joined(self.cfg.output.run_dir, self.joined["job_id"], self.node)
         else:
             self.transition(NodeState.SPARE, "started: its processes are spares")
 

@@ -37,8 +37,11 @@ from collections import deque
 
 import numpy as np
 
+from ..errors import WireError
 from ..ipc import wire
 from .detector import Detector
+from .joining import Relay
+from .links import LinkClosed
 from .messages import Fenced, Preempt, Rejoin, Suspect, Teardown
 from .suspicion import helpers_for
 from .topology import ring_neighbours, tree_children
@@ -78,11 +81,18 @@ class Peers(threading.Thread):
 
     def __init__(self, comm, secret: bytes, period: float, deadline: float, *, waker, wake_addresses: list,
                  heartbeat_addresses: list, generation, on_suspect=None, watch_k: int = 2, ceiling: float = 4.0,
-                 probe_k: int = 3):
+                 probe_k: int = 3, me: int | None = None, size: int | None = None):
         super().__init__(name="deadpool-peers", daemon=True)
-        self.comm = comm
-        self.me = comm.Get_rank()
-        self.size = comm.Get_size()
+        self.comm = comm    # None in a joined agent (control/joining.py): it has no MPI, ``me`` and ``size`` say who
+        self.me = comm.Get_rank() if comm is not None else int(me)
+        self.size = comm.Get_size() if comm is not None else int(size)
+        # joined nodes (control/joining.py): this agent's TCP links (node -> links.Link; a sponsor's to the nodes it
+        # admitted, a joined agent's to its sponsor), the agent that relays to each joined node (node -> sponsor),
+        # and, in a joined agent, its sponsor: every message it sends goes through it. Written under ``lock``; the
+        # links' sockets are this thread's once attached
+        self.links: dict = {}
+        self.routes: dict[int, int] = {}
+        self.via: int | None = None
         self.secret = secret
         self.period = period
         # the failure detector proper (control/detector.py): last-heard times, adaptive deadlines, probes' verdicts;
@@ -192,6 +202,32 @@ class Peers(threading.Thread):
         self._watch = True
         self.failure.clear()
 
+    def attach(self, node: int, link) -> None:
+        """(a sponsor, control/joining.py ``admit``) ``link`` (links.Link) is joined node ``node``'s: messages for it
+        go over it, and MPI messages from the node's old rank are dropped from now on. The caller writes nothing
+        more on the link: this thread owns it."""
+        with self.lock:
+            self.links[node] = link
+            self.routes[node] = self.me
+        self._wake.set()
+
+    def join_through(self, sponsor: int, link) -> None:
+        """(a joined agent) Every message goes through ``link`` to ``sponsor``, the agent that admitted it."""
+        with self.lock:
+            self.links[sponsor] = link
+            self.via = sponsor
+
+    def route(self, node: int, via: int) -> None:
+        """Messages for joined node ``node`` go through agent ``via`` (its sponsor; control/joining.py)."""
+        with self.lock:
+            self.routes[node] = via
+
+    def set_addresses(self, node: int, wake, heartbeat) -> None:
+        """Agent ``node``'s bell and heartbeat addresses ([host, port] each): a joined node's (control/joining.py)."""
+        with self.lock:
+            self._bells[node] = list(wake)
+            self._hb_to[node] = list(heartbeat)
+
     def send_to_suspect(self, rank: int, kind: str, body: dict) -> None:
         """Send to a suspected agent (a returning one: ``rejoin``'s answers, the end of the run)."""
         self._outbox.append((rank, np.frombuffer(wire.encode(kind, body, self.secret), dtype=np.uint8).copy(), True))
@@ -221,15 +257,108 @@ class Peers(threading.Thread):
             dest, msg, to_suspect = self._outbox.popleft()
             if self.is_suspected(dest) and not to_suspect:
                 continue
-            try:
-                req = self.comm.Isend(msg, dest=dest, tag=TAG_CONTROL)
-            except Exception as exc:  # MPI.Exception: the transport already knows the peer is gone
-                self.suspect(dest, f"send failed: {str(exc).splitlines()[-1][:120]}")
+            with self.lock:
+                relayed = self.via is not None or dest in self.routes
+            if relayed:   # a joined node, or this agent is one: the message goes inside a Relay
+                kind, body = wire.decode(msg, len(msg), self.secret)
+                self._pass_on(dest, Relay(to=dest, src=self.me, inner=kind, body=body).to_wire())
             else:
-                self.sent += 1
-                self._wake.ring(self._bells[dest])
-                with self.lock:
-                    self._pending.append((req, msg, dest))
+                self._isend(dest, msg)
+
+    def _isend(self, dest: int, msg) -> None:
+        try:
+            req = self.comm.Isend(msg, dest=dest, tag=TAG_CONTROL)
+        except Exception as exc:  # MPI.Exception: the transport already knows the peer is gone
+            self.suspect(dest, f"send failed: {str(exc).splitlines()[-1][:120]}")
+        else:
+            self.sent += 1
+            self._wake.ring(self._bells[dest])
+            with self.lock:
+                self._pending.append((req, msg, dest))
+
+    # ---- joined nodes' messages (control/joining.py): relayed by their sponsor ---------------------------------
+    def _pass_on(self, dest: int, relay: dict) -> None:
+        """Send ``relay`` (a Relay's wire form) one hop toward ``dest``: over this agent's link to it, through this
+        (joined) agent's sponsor, through ``dest``'s sponsor over MPI, or to ``dest`` itself over MPI."""
+        with self.lock:
+            link = self.links.get(dest)
+            hop = dest if link is not None else self.via if self.via is not None else self.routes.get(dest, dest)
+            if link is None and hop in self.links:
+                link = self.links[hop]
+        if link is not None:
+            try:
+                link.send(Relay.KIND, relay)
+            except LinkClosed as exc:
+                self._link_lost(hop, str(exc))
+                return
+            except WireError:   # the relay's few bytes more took it over the limit: said, not fatal
+                self._rejected += 1
+                self._probe_event("relay_too_big", to=dest, kind=relay.get("inner"))
+                return
+            self.sent += 1
+            self._wake.ring(self._bells[hop])
+        elif hop == self.me or self.comm is None:
+            return   # its link is gone (it is suspected already)
+        else:
+            try:
+                msg = np.frombuffer(wire.encode(Relay.KIND, relay, self.secret), dtype=np.uint8)
+            except WireError:
+                self._rejected += 1
+                self._probe_event("relay_too_big", to=dest, kind=relay.get("inner"))
+                return
+            self._isend(hop, msg)
+
+    def _link_lost(self, node: int, why: str) -> None:
+        with self.lock:
+            link = self.links.pop(node, None)
+            mine = self.via == node
+        if link is not None:
+            link.close()
+        if mine:   # a joined agent without its sponsor has no way to the job: it leaves (it is replaced)
+            self.fenced = self.fenced or f"lost its link to the job (its sponsor, agent {node}): {why}"
+            self.failure.set()
+            self._notice()
+        self.suspect(node, f"its join link closed: {why}")
+
+    def _poll_links(self, now: float) -> int:
+        """Read every link (a sponsor's, a joined agent's); returns the messages read."""
+        with self.lock:
+            links = list(self.links.items())
+        got = 0
+        for node, link in links:
+            try:
+                link.flush()
+                msgs = link.receive()
+            except LinkClosed as exc:
+                self._link_lost(node, str(exc))
+                continue
+            for kind, body in msgs:
+                got += 1
+                if kind == Relay.KIND:
+                    self._on_relay(node, body, now, via_link=True)
+                else:
+                    self._rejected += 1
+        return got
+
+    def _on_relay(self, hop: int, body: dict, now: float, via_link: bool) -> None:
+        """A Relay from ``hop``: for this agent (handled as a message of its ``src``) or passed on. A joined node
+        speaks only for itself on its link; over MPI, a relay speaks for its sender or for a node ``hop`` sponsors."""
+        try:
+            r = Relay.from_wire(body)
+        except ValueError as exc:
+            self._rejected += 1
+            self._probe_event("bad_message", kind=Relay.KIND, src=hop, error=str(exc)[:300])
+            return
+        with self.lock:
+            sponsor_of_src = self.routes.get(r.src)
+            joined_here = self.via is not None
+        if via_link and not joined_here and r.src != hop or not via_link and r.src != hop and sponsor_of_src != hop:
+            self._rejected += 1
+            return
+        if r.to != self.me:
+            self._pass_on(r.to, body)
+            return
+        self._accept(r.src, r.inner, r.body, now)
 
     def broadcast(self, kind: str, body: dict, include_self: bool = False) -> None:
         """Send to every live peer (point-to-point; a dead peer cannot block it)."""
@@ -320,7 +449,8 @@ class Peers(threading.Thread):
         """True when no send is queued, or in flight to a peer not suspected (a send to a dead peer never
         completes on MPICH: it is kept, its buffer alive, but nobody waits for it)."""
         with self.lock:
-            return not self._outbox and all(d in self.suspected for (_r, _m, d) in self._pending)
+            return not self._outbox and all(d in self.suspected for (_r, _m, d) in self._pending) and \
+                all(not link.out for link in self.links.values())
 
     def stop_watching(self) -> None:
         """Stop suspecting silent peers (used at the end of the run, when peers exit on purpose)."""
@@ -352,10 +482,11 @@ class Peers(threading.Thread):
             return True
 
     def _run(self) -> None:  # noqa: C901 - one polling loop, kept flat on purpose
-        from mpi4py import MPI
+        if self.comm is not None:   # (a joined agent has no MPI: control/joining.py)
+            from mpi4py import MPI
 
+            status = MPI.Status()
         buf = np.empty(wire.MAX_MESSAGE_BYTES, dtype=np.uint8)
-        status = MPI.Status()
         next_hb = next_mpi = 0.0
         with self.lock:
             self.detector.tick()   # the first pass: a stall is measured from here
@@ -393,7 +524,7 @@ class Peers(threading.Thread):
                 next_mpi = now + (MPI_ACTIVE_POLL_S if lively else MPI_IDLE_POLL_S)
                 # receive everything that has arrived: matched probe + receive of that very message
                 # (a preposted any-source Irecv stalled for good under the UCX netmod, measured)
-                for got in range(256):
+                for got in range(256 if self.comm is not None else 0):
                     try:
                         msg = self.comm.Improbe(source=MPI.ANY_SOURCE, tag=TAG_CONTROL, status=status)
                         if msg is None:
@@ -407,7 +538,9 @@ class Peers(threading.Thread):
                         break
                     self._handle(status.Get_source(), buf, n, now)
                 else:
-                    got = 256
+                    got = 256 if self.comm is not None else 0
+                if self.links:
+                    got += self._poll_links(now)
                 self._owed = max(0, self._owed - got)  # what the bells announced has arrived: stop polling fast
                 self.reap_sends()
             if self._topology_dirty:
@@ -553,11 +686,25 @@ class Peers(threading.Thread):
         suspected = self.is_suspected(src)
         if suspected and src not in self.returning:
             return  # fenced: never trusted again
+        with self.lock:
+            taken = src in self.routes
+        if taken:
+            return  # the rank's slot is a joined node's now: only relays speak for it (the old agent is fenced)
         try:
             kind, body = wire.decode(buf, n, self.secret)
         except wire.WireError:
             self._rejected += 1
             return
+        if kind == Relay.KIND:
+            self._on_relay(src, body, now, via_link=False)
+            return
+        self._accept(src, kind, body, now)
+
+    def _accept(self, src: int, kind: str, body: dict, now: float) -> None:
+        """A verified control message of agent ``src`` (over MPI, or relayed for a joined node)."""
+        suspected = self.is_suspected(src)
+        if suspected and src not in self.returning:
+            return  # fenced: never trusted again
         if suspected:   # a returning agent: its request to come back, nothing else
             if kind == Rejoin.KIND:
                 self.inbox.put((kind, src, body))

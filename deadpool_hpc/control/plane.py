@@ -61,13 +61,18 @@ class ControlPlane:
                  log, ceiling: float = 4.0, settle: float = 0.02, ready_timeout: float = 60.0,
                  recovery_timeout: float = 120.0,
                  replicas: int = 1, extra_identity: dict | None = None, handlers: dict | None = None,
-                 watch_k: int = 2, host: str = "127.0.0.1", crash_loop_limit: int = 0):
-        MPI = import_mpi()
+                 watch_k: int = 2, host: str = "127.0.0.1", crash_loop_limit: int = 0, admission=None):
+        # admission: (a joined agent, control/joining.py) (its Admit, its link to the sponsor, its Waker, its identity
+        # record): no MPI at all, the node id, world size, view and identity records are the Admit's
+        if admission is None:
+            MPI = import_mpi()
+            world = MPI.COMM_WORLD
+            self.me, self.size = world.Get_rank(), world.Get_size()
+        else:
+            MPI = world = None
+            self.me, self.size = admission[0].node, admission[0].size
         self.MPI = MPI
-        world = MPI.COMM_WORLD
         self.world = world
-        self.me = world.Get_rank()
-        self.size = world.Get_size()
         self.P = ranks_per_node
         self.log = log
         self.secret = secret
@@ -80,10 +85,12 @@ class ControlPlane:
         # each other node's from its ``suspect`` notice): the crash-loop rule's input (crashloop.py). Appended by the
         # control thread, read by the main thread (a list append is atomic)
         self.work_failures: list[WorkFailure] = []
-        for c in (MPI.COMM_SELF, world):
-            c.Set_errhandler(MPI.ERRORS_RETURN)
-        self.ctrl = world.Dup()
-        self.ctrl.Set_errhandler(MPI.ERRORS_RETURN)
+        self.ctrl = None
+        if world is not None:
+            for c in (MPI.COMM_SELF, world):
+                c.Set_errhandler(MPI.ERRORS_RETURN)
+            self.ctrl = world.Dup()
+            self.ctrl.Set_errhandler(MPI.ERRORS_RETURN)
         # the generation's view (control/membership.py Membership), replaced whole by ``adopt``, its one writer;
         # ``generation``, ``assignment``, ``spare_nodes``, ``members`` and ``coordinator`` read it, and so does the
         # control thread (Peers.generation)
@@ -98,12 +105,19 @@ class ControlPlane:
         self.handlers = HandlerTable(reserved=OWN_KINDS)   # readable; ``on`` / ``off`` write it (control/handlers.py)
         for kind, fn in (handlers or {}).items():
             self.on(kind, fn)
-        self.waker = Waker(host, secret)
-        self.idents = bootstrap.exchange_identities(world, self.size, {**(extra_identity or {}),
-                                                                       "wake": self.waker.address,
-                                                                       "hb": self.waker.hb_address})
-        unlink_mpi_shm()  # every agent is past MPI_Init: the exchange above was a collective over COMM_WORLD
-        bootstrap.wire_up(MPI, (world, self.ctrl), self.me, self.size)   # no connection made mid-recovery
+        if admission is None:
+            self.waker = Waker(host, secret)
+            self.idents = bootstrap.exchange_identities(world, self.size, {**(extra_identity or {}),
+                                                                           "wake": self.waker.address,
+                                                                           "hb": self.waker.hb_address})
+            unlink_mpi_shm()  # every agent is past MPI_Init: the exchange above was a collective over COMM_WORLD
+            bootstrap.wire_up(MPI, (world, self.ctrl), self.me, self.size)   # no connection made mid-recovery
+        else:
+            admit, _link, self.waker, mine = admission[:4]
+            self.idents = [dict(i) for i in admit.idents]
+            self.idents[self.me] = dict(mine)
+            self._membership = Membership(admit.generation, admit.assignment, admit.spare_nodes, admit.members,
+                                          admit.coordinator)
         self._round = 0
         self._collects: dict[int, tuple] = {}        # coordinator MPI rank -> (its newest round id, its generation)
         self._ready: dict[tuple, dict[int, Ready]] = {}  # round id -> {MPI rank: its report}
@@ -126,14 +140,20 @@ class ControlPlane:
         self.peers = Peers(self.ctrl, secret, period, deadline, waker=self.waker,
                            wake_addresses=[ident["wake"] for ident in self.idents],
                            heartbeat_addresses=[ident["hb"] for ident in self.idents], on_suspect=self._on_suspect,
-                           watch_k=watch_k, ceiling=ceiling, generation=lambda: self._membership.generation)
+                           watch_k=watch_k, ceiling=ceiling, generation=lambda: self._membership.generation,
+                           me=self.me, size=self.size)
+        if admission is not None:   # its sponsor is its one link; it suspects whom its sponsor suspects
+            self.peers.join_through(admission[0].coordinator, admission[1])
+            self.peers.rejoined(admission[0].suspected)
         self.peers.on_preempt = self._on_preempt
         self.peers.on_probe = self._on_probe
         self.peers.on_work_failure = self._on_work_failure
 
     def start(self) -> None:
-        """Start the control thread. From here on only it calls MPI (see peers.py)."""
-        self.world.Barrier()
+        """Start the control thread. From here on only it calls MPI (see peers.py). A joined agent (no MPI) waits
+        for nobody."""
+        if self.world is not None:
+            self.world.Barrier()
         self.peers.start()   # every peer's heartbeat deadline counts from here (Peers.start)
 
     # ---- the generation's view (control/membership.py Membership): read here, replaced by ``adopt`` ---------------
@@ -178,6 +198,12 @@ class ControlPlane:
             raise TypeError(f"a control plane's view is a Membership, not {type(view).__name__}")
         self._membership = view
 
+    def take_identity(self, node: NodeId, ident: dict) -> None:
+        """Node ``node``'s identity record is ``ident`` from now on: a joined node's (control/joining.py), which
+        takes a lost node's id. Its bell and heartbeat addresses go to the control thread."""
+        self.idents[node] = ident
+        self.peers.set_addresses(node, ident["wake"], ident["hb"])
+
     def enter_generation(self, g: Generation) -> None:
         """Make ``g`` this agent's generation, the rest of the view kept: a resume from a checkpoint of generation
         ``g - 1`` (agent/node.py). Raises ValueError for a negative or non-integer ``g``."""
@@ -204,7 +230,10 @@ class ControlPlane:
 
     # ---- bootstrap (every process alive: collectives are fine here; control/bootstrap.py) ---------------------
     def bcast_text(self, text: str | None, root: int = 0) -> str:
-        """Broadcast a short text from ``root`` before ``start`` (all processes alive). No pickle."""
+        """Broadcast a short text from ``root`` before ``start`` (all processes alive). No pickle. Raises
+        RuntimeError in a joined agent (it has no MPI world)."""
+        if self.world is None:
+            raise RuntimeError("a joined agent has no MPI world to broadcast over")
         return bootstrap.bcast_text(self.world, self.me, text, root)
 
     # ---- roles ----------------------------------------------------------------------------------------------

@@ -41,7 +41,8 @@ CONTROL = "control plane: agent -> agent"           # control/peers.py over MPI
 REPLICA = "replica stream"                          # replica/stream.py, both ways
 FORKSERVER = "fork server"                          # process/forkserver.py: an agent asks, the server answers
 WATCH = "ring watch"                                # agent/ringlink.py: an agent's hello to its ring successor
-PLANES = (TO_AGENT, TO_WORKER, CONTROL, REPLICA, FORKSERVER, WATCH)
+JOIN = "join link: replacement node <-> agent"      # control/joining.py: a replacement node's admission
+PLANES = (TO_AGENT, TO_WORKER, CONTROL, REPLICA, FORKSERVER, WATCH, JOIN)
 
 KINDS: dict[str, dict[str, Any]] = {p: {} for p in PLANES}   # plane -> kind -> the class (or OneOf) reading it
 

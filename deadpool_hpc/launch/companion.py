@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -281,17 +282,21 @@ def main_job_running(main_job: str) -> bool | None:
 
 
 def join(run_dir: str, main_job: str, poll_s: float = 5.0, health_timeout: float | None = None) -> int:
-    """What a companion's node runs (``python -m deadpool_hpc.launch.batch join RUN_DIR --main-job J``). Joining
-    the running job's control plane is NOT built yet: this runs the node's checks (the site's ``--health-check``
-    from RUN_DIR/config.json, if any, within ``--health-check-timeout``), writes RUN_DIR/companions/<own id>.checked
-    or ``.failed``, logs ``companion_node``, then waits until the main job is no longer RUNNING. Returns 0, or 1
-    when the checks failed (the job ends: the node is released)."""
+    """What a companion's node runs (``python -m deadpool_hpc.launch.batch join RUN_DIR --main-job J``): the node's
+    checks (the site's ``--health-check`` from RUN_DIR/config.json, if any, within ``--health-check-timeout``),
+    ``RUN_DIR/companions/<own id>.checked`` or ``.failed``, the event ``companion_node``; then, checks passed, this
+    node's agent (``python -m deadpool_hpc.agent RUN_DIR --join``), which asks the running job to admit it as a spare
+    (control/joining.py) and serves until the run ends. It gets the job's secret from this job's environment (the
+    main job's, which its batch host submitted this one with: launch/spare_policy.py). The agent is ended (its
+    process group: SIGTERM, then SIGKILL after 10 s) within ``poll_s`` seconds of the main job leaving RUNNING.
+    Returns the agent's exit code, 1 when the checks failed (the job ends: the node is released), or 2 without the
+    job's secret."""
     from ..events import EventLog
     from ..rundir import RunDir
     from .slurm_common import load_config
 
     me = os.environ.get("SLURM_JOB_ID", "?")
-    host = os.uname().nodename
+    host = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
     log = EventLog(RunDir(run_dir).events, role="companion")
     cfg = load_config(run_dir)
     cmd = cfg.preflight.health_check
@@ -306,10 +311,39 @@ def join(run_dir: str, main_job: str, poll_s: float = 5.0, health_timeout: float
     os.makedirs(_dir(run_dir), exist_ok=True)
     with open(os.path.join(_dir(run_dir), f"{me}.{'checked' if ok else 'failed'}"), "w") as fh:
         fh.write(f"{host} {why}\n")
-    log.emit("companion_node", job_id=me, host=host, checks_passed=ok, checks=why,
-             joined=False, note="joining a running job is not built yet: the node waits until the main job ends")
+    log.emit("companion_node", job_id=me, host=host, checks_passed=ok, checks=why)
     if not ok:
         return 1
-    while main_job_running(main_job) is not False:
-        time.sleep(poll_s)
-    return 0
+    if len(os.environ.get("DEADPOOL_JOB_SECRET", "")) < 32:
+        log.emit("companion_node", job_id=me, host=host, checks_passed=True,
+                 error="DEADPOOL_JOB_SECRET is not in this job's environment: cannot join")
+        return 2
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    agent = subprocess.Popen([sys.executable, "-m", "deadpool_hpc.agent", run_dir, "--join"], env=env,
+                             start_new_session=True)
+    try:
+        while True:
+            try:
+                return agent.wait(timeout=poll_s)
+            except subprocess.TimeoutExpired:
+                pass
+            if main_job_running(main_job) is False:
+                log.emit("companion_agent_ended", job_id=me, reason=f"the main job {main_job} is not running")
+                return _end_group(agent)
+    finally:
+        if agent.poll() is None:
+            _end_group(agent)
+
+
+def _end_group(proc: subprocess.Popen, grace: float = 10.0) -> int:
+    """End ``proc``'s process group (it leads one): SIGTERM, SIGKILL after ``grace`` seconds. Its exit code."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            return proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+    return proc.wait()

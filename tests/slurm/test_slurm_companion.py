@@ -16,7 +16,7 @@ import sys
 import time
 
 import pytest
-from slurm_helpers import ACTIVE, crash_when, events, final_state, host_of, job_output, wait_for, wait_gone
+from slurm_helpers import (ACTIVE, crash_when, events, final_state, host_of, job_output, wait_for, wait_gone)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 
@@ -46,10 +46,10 @@ def _squeue_name(name: str) -> list[list[str]]:
     return [l.split() for l in out.splitlines() if l.strip()]
 
 
-def _submit(tmp_path, *args) -> tuple[str, str]:
-    cli = [sys.executable, "-m", "deadpool_hpc.launch.cli", "submit", "--nodes", str(ACTIVE), "--spares", "1",
+def _submit(tmp_path, *args, nodes: int = ACTIVE, hold: bool = True) -> tuple[str, str]:
+    cli = [sys.executable, "-m", "deadpool_hpc.launch.cli", "submit", "--nodes", str(nodes), "--spares", "1",
            "--run-dir", "run", *args]
-    env = dict(os.environ, DEADPOOL_COMPANION_SBATCH_ARGS="--hold")
+    env = dict(os.environ, DEADPOOL_COMPANION_SBATCH_ARGS="--hold" if hold else "")
     r = subprocess.run(cli, cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0, r.stderr
     return r.stdout.split()[-1], str(tmp_path / "run")
@@ -123,3 +123,57 @@ def test_a_companion_still_pending_when_the_job_ends_is_cancelled_by_the_job(tmp
     canc = [e for e in events(run_dir, "companion_cancelled") if e["job_id"] == sub["job_id"]]
     assert [e["reason"] for e in canc] == ["the job ends"], canc
     assert f"companion jobs of {job} cancelled: {sub['job_id']}" in out, out[-2000:]
+
+
+JOIN_STEPS = 300
+
+
+def test_a_replacement_node_joins_the_running_job_and_takes_the_next_loss(tmp_path, cluster_up, failure_free):
+    """3 + 1 with --spare-floor 1 on the 5-node cluster: the host of node 1 crashed whole at step 30 (the cluster
+    script's crash); the spare takes over; the pool is empty, so a companion job is submitted, starts on the fifth
+    node, and its agent joins the running job as a spare (the lost node's slot, control/joining.py); then the host
+    of node 2 is crashed, and the joined node is the one promoted. The job ends COMPLETED with the failure-free
+    digest; the second request (no node left for it) stays pending and is cancelled by the job's end; nothing of
+    the run is left in squeue. Prints (and records) the time from the first crash to the replacement being a ready
+    spare."""
+    ref = failure_free(nodes=3, steps=JOIN_STEPS)["param_digest"]
+    job, run_dir = _submit(tmp_path, "--steps", str(JOIN_STEPS), "--spare-floor", "1", "--spare-wait", "300",
+                           nodes=3, hold=False)
+    crashed = []
+    fail = lambda node: (subprocess.run(["bash", CLUSTER, "fail", node, "crash"], check=True, timeout=60),  # noqa: E731
+                         crashed.append(node))
+    try:
+        first, t_kill = crash_when(run_dir, fail, host_of(1), 30, time.time() + 150, lambda: wait_gone(job, 0))
+        joined = wait_for(lambda: events(run_dir, "node_joined"), 90, "the replacement node joined")[0]
+        admitted = events(run_dir, "node_admitted")[0]
+        assert joined["node"] == 1 == admitted["node"], (joined, admitted)   # the lost node's slot
+        assert joined["job_id"] == events(run_dir, "companion_submitted")[0]["job_id"], joined
+        second, t_kill2 = crash_when(run_dir, fail, host_of(2), 0, time.time() + 60, lambda: wait_gone(job, 0),
+                                     after=joined["t"])
+        assert wait_gone(job, 180), f"job {job} still queued"
+    finally:
+        subprocess.run(["scancel", job, *_companion_ids(run_dir)], timeout=30)
+        for n in crashed:
+            subprocess.run(["bash", CLUSTER, "recover", n], timeout=120, check=False)
+    out = job_output(os.path.join(run_dir, f"slurm-{job}.out"))
+    assert final_state(job) == "COMPLETED", out
+    assert wait_gone(job, 60) and wait_for(lambda: not _squeue_name(f"deadpool-spare-{job}"), 30,
+                                           "no companion job queued"), _squeue_name(f"deadpool-spare-{job}")
+    decisions = events(run_dir, "decision")
+    assert [d["failed_nodes"] for d in decisions] == [[1], [2]], decisions
+    assert decisions[1]["promoted"] == {"2": 1} and decisions[1]["reason"] == "hot swap", decisions[1]
+    ids = _companion_ids(run_dir)
+    assert len(ids) == 2, ids   # the second asked after the second loss: no free node, cancelled at the end
+    assert final_state(ids[0]) == "COMPLETED" and final_state(ids[1]) == "CANCELLED", ids
+    s = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert s["completed"] and s["steps_completed"] == JOIN_STEPS, s
+    assert s["param_digest"] == ref, "parameters differ from the failure-free run"
+    rec = {"test": "replacement-joins", "job": job, "companion": ids[0], "crashed": [first, second],
+           "crash_to_submitted_s": round(events(run_dir, "companion_submitted")[0]["t"] - t_kill, 2),
+           "crash_to_admitted_s": round(admitted["t"] - t_kill, 2),
+           "crash_to_ready_spare_s": round(joined["t"] - t_kill, 2),
+           "second_crash_to_recovered_s": round(max(e["t"] for e in events(run_dir, "recovered")
+                                                    if e["generation"] == 2) - t_kill2, 2)}
+    print(f"\n[measure] {json.dumps(rec)}")
+    with open(MEASURE, "a") as fh:
+        fh.write(json.dumps(rec) + "\n")

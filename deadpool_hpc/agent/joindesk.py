@@ -1,0 +1,138 @@
+"""The join desk: where a replacement node from a companion job asks to join the running job (``--spare-floor``;
+the rules are control/joining.py's, the allocation launch/companion.py's).
+
+Every agent of a run with ``--spare-floor`` > 0 listens (a non-blocking TCP listener, read by the agent's loop:
+``tick``); the lowest live agent publishes its address in ``RUN_DIR/companions/join.json`` and answers: it admits
+a newcomer between recoveries into the slot of a node lost whole (``joining.admit``), or refuses with a reason and
+asks it to retry. A connection that sends nothing valid within HANDSHAKE_S seconds is closed, so a newcomer that
+dies or hangs mid-admission costs a socket, never a wait. The other agents take the ``Joined`` notice
+(``on_joined``). Events: ``node_admitted`` (the sponsor: ``node``, ``job_id``, ``host``, ``generation``,
+``spare_nodes``), ``join_refused`` (each new reason once).
+"""
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+from ..control import joining
+from ..control.links import Link, LinkClosed, listen
+from .state import NodeState
+
+HANDSHAKE_S = 5.0   # seconds a connection has to send its Join
+
+
+class JoinDeskHost(Protocol):
+    """What the desk uses of its node agent (agent/node.py's NodeAgent is one); nothing is written."""
+
+    cfg: object         # RunConfig: output.run_dir
+    cp: object          # ControlPlane: me, secret, generation, failure, ...; joining.admit changes its view
+    peers: object       # Peers: alive(), fenced
+    log: object         # EventLog
+    state: NodeState
+    recovery: object    # Recovery: in_round
+    swaps: object       # PlannedSwaps: current
+
+    def retarget_ring_link(self) -> None:
+        """Point the ring link at this agent's ring neighbours among the live agents."""
+
+
+class JoinDesk:
+    """``tick()`` from the agent's loop; ``on_joined`` is a control-plane handler. ``host``: the address to listen
+    on (this agent's)."""
+
+    def __init__(self, agent: JoinDeskHost, host: str):
+        self.a = agent
+        self.srv, self.address = listen(host)
+        self.pending: list[tuple[Link, float]] = []   # connections whose Join has not come yet, with a deadline
+        self.publishing = False                      # this agent's address is the published one
+        self.last_refusal: str | None = None
+        self.admitted = 0
+        agent.cp.on(joining.Joined.KIND, self.on_joined)
+
+    def tick(self) -> None:
+        a = self.a
+        alive = a.peers.alive()
+        lowest = bool(alive) and alive[0] == a.cp.me and not a.peers.fenced
+        if lowest and not self.publishing:
+            joining.publish(a.cfg.output.run_dir, a.cp.me, self.address, a.cp.generation)
+        self.publishing = lowest
+        while True:
+            try:
+                sock, _ = self.srv.accept()
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                break
+            self.pending.append((Link(sock, a.cp.secret), time.monotonic() + HANDSHAKE_S))
+        if not self.pending:
+            return
+        now, keep = time.monotonic(), []
+        for link, deadline in self.pending:
+            try:
+                msgs = link.receive()
+            except LinkClosed:
+                continue
+            if not msgs:
+                if now < deadline:
+                    keep.append((link, deadline))
+                else:
+                    link.close()
+                continue
+            kind, body = msgs[0]
+            try:
+                join = joining.Join.from_wire(body) if kind == joining.Join.KIND else None
+            except ValueError as exc:
+                a.log.emit("bad_message", kind=kind, error=str(exc)[:300])
+                join = None
+            if join is None:
+                link.close()
+                continue
+            self._answer(link, join)
+        self.pending = keep
+
+    def _answer(self, link: Link, join: joining.Join) -> None:
+        a = self.a
+        why = joining.may_admit(a.cp)
+        if why is None and (a.recovery.in_round or a.swaps.current is not None
+                            or a.state not in (NodeState.TRAINING, NodeState.SPARE)):
+            why = f"busy ({a.state.value})" if a.state not in (NodeState.TRAINING, NodeState.SPARE) else "busy"
+        slot = joining.free_slot(a.cp) if why is None else None
+        if why is None and slot is None:
+            why = "no free slot: no node lost whole yet, or the decision that took it out is not applied yet"
+        if why is not None:
+            ending = a.state in (NodeState.DONE, NodeState.SAVED)
+            alive = a.peers.alive()
+            try:
+                link.send(joining.JoinRefused.KIND, joining.JoinRefused(
+                    reason=why, retry=not ending, nonce=join.nonce,
+                    coordinator=alive[0] if alive else None).to_wire())
+            except LinkClosed:
+                pass
+            link.close()
+            if why != self.last_refusal:
+                self.last_refusal = why
+                a.log.emit("join_refused", reason=why, job_id=join.job_id, host=join.host,
+                           generation=a.cp.generation)
+            return
+        try:
+            joining.admit(a.cp, link, join, slot)
+        except LinkClosed as exc:   # it left before its answer: nothing was sent to anyone yet but the view
+            a.log.emit("join_failed", node=slot, job_id=join.job_id, host=join.host, error=str(exc)[:200])
+            a.cp.peers.suspect(slot, f"it left during its admission: {exc}", notify=False, tell_suspect=False)
+            return
+        self.last_refusal = None
+        self.admitted += 1
+        a.retarget_ring_link()
+        a.log.emit("node_admitted", node=slot, job_id=join.job_id, host=join.host, generation=a.cp.generation,
+                   spare_nodes=list(a.cp.spare_nodes), waited_s=round(time.time() - join.t, 3))
+
+    def on_joined(self, src: int, msg: joining.Joined) -> None:
+        """(every other agent) A joined node: its route, identity record and place in the spare pool."""
+        joining.on_joined(self.a.cp, msg)
+        self.a.retarget_ring_link()
+
+    def close(self) -> None:
+        for link, _ in self.pending:
+            link.close()
+        self.pending = []
+        self.srv.close()
