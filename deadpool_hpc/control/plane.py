@@ -94,7 +94,9 @@ class ControlPlane:
         # the generation's view (control/membership.py Membership), replaced whole by ``adopt``, its one writer;
         # ``generation``, ``assignment``, ``spare_nodes``, ``members`` and ``coordinator`` read it, and so does the
         # control thread (Peers.generation)
-        self._membership = Membership.initial(ranks_per_node, active_nodes, self.size)
+        self._membership = Membership.initial(ranks_per_node, active_nodes, self.size) if admission is None else \
+            Membership(admission[0].generation, admission[0].assignment, admission[0].spare_nodes,
+                       admission[0].members, admission[0].coordinator)   # (a joined agent: its sponsor's view)
         # seconds the recovery's and the barriers' loops wait for a control message (or, through their ``wait``, a
         # local event) before they look again: an event ends the wait at once, so this only bounds the latency of
         # what rings nothing; shorter costs CPU in every agent of a large job at once. What a waiting agent
@@ -116,8 +118,6 @@ class ControlPlane:
             admit, _link, self.waker, mine = admission[:4]
             self.idents = [dict(i) for i in admit.idents]
             self.idents[self.me] = dict(mine)
-            self._membership = Membership(admit.generation, admit.assignment, admit.spare_nodes, admit.members,
-                                          admit.coordinator)
         self._round = 0
         self._collects: dict[int, tuple] = {}        # coordinator MPI rank -> (its newest round id, its generation)
         self._ready: dict[tuple, dict[int, Ready]] = {}  # round id -> {MPI rank: its report}

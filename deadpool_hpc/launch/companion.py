@@ -36,7 +36,7 @@ import subprocess
 import sys
 import time
 
-from .spare_policy import FAILED, GONE, JOINED, PENDING, RUNNING, Companion, SparePolicy
+from .spare_policy import FAILED, GONE, JOINED, LEFT, PENDING, RUNNING, Companion, SparePolicy
 
 _log = logging.getLogger(__name__)
 
@@ -148,12 +148,12 @@ def queued(main_job: str) -> dict[str, str] | None:
 
 def policy_state(slurm_state: str | None, run_dir: str, job_id: str) -> str:
     """The policy's state of one companion: its node's marker (failed, joined) first, then Slurm's state (None:
-    no longer queued, gone)."""
+    no longer queued: gone, or left once its node had joined)."""
     base = os.path.join(_dir(run_dir), job_id)
     if os.path.exists(base + ".failed"):
         return FAILED if slurm_state else GONE
     if os.path.exists(base + ".joined"):
-        return JOINED if slurm_state else GONE
+        return JOINED if slurm_state else LEFT
     if slurm_state in SLURM_PENDING:
         return PENDING
     if slurm_state in SLURM_STARTED:
@@ -219,18 +219,18 @@ class Companions:
         return self.pool
 
     def _look(self) -> list[Companion]:
-        live = [j for j in self.submitted if self.states.get(j) != GONE]
+        live = [j for j in self.submitted if self.states.get(j) not in (GONE, LEFT)]
         slurm = queued(self.main_job) if live else {}
         if slurm is None:   # Slurm did not answer: keep what was seen
             return [Companion(j, t, self.states.get(j, PENDING)) for j, t in self.submitted.items()]
         out = []
         for j, t in self.submitted.items():
             old = self.states.get(j, PENDING)
-            new = GONE if old == GONE else policy_state(slurm.get(j), self.run_dir, j)
+            new = old if old in (GONE, LEFT) else policy_state(slurm.get(j), self.run_dir, j)
             if new != old:
                 if new == RUNNING:
                     self.log.emit("companion_started", job_id=j, after_s=round(time.time() - t, 3))
-                elif new == GONE:
+                elif new in (GONE, LEFT):
                     self.log.emit("companion_ended", job_id=j, previous=old)
             self.states[j] = new
             out.append(Companion(j, t, new))

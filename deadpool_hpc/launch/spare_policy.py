@@ -12,8 +12,9 @@ the time, the pool size and the companion jobs outstanding, and answers what to 
   job goes on with what it has); one whose node failed its checks (release it); and every one at the job's end.
 - after a cancel for the wait, nothing is asked again until the pool shrinks further (a new loss): a cluster
   with no free node is not asked every ``wait`` seconds for ever. The same after a companion that ended without
-  this policy cancelling it (``scancel`` by hand, its node released itself, Slurm ended it). A pool that grows (a
-  node joined, a spare came back) ends that pause.
+  this policy cancelling it (``scancel`` by hand, its node released itself or died while it joined, Slurm ended it),
+  but not after the end of one whose node had joined (``left``): that is a lost node like any other, and the pool
+  says so. A pool that grows (a node joined, a spare came back) ends that pause.
 
 Nothing else: when the pool is empty the job's own requeue (docs/slurm.md) acts, as without this policy.
 """
@@ -22,15 +23,16 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass
 
-PENDING, RUNNING, JOINED, FAILED, GONE = "pending", "running", "joined", "failed", "gone"
-STATES = (PENDING, RUNNING, JOINED, FAILED, GONE)
+PENDING, RUNNING, JOINED, FAILED, GONE, LEFT = "pending", "running", "joined", "failed", "gone", "left"
+STATES = (PENDING, RUNNING, JOINED, FAILED, GONE, LEFT)
 
 
 @dataclass(frozen=True)
 class Companion:
     """One companion job as the caller last saw it: its Slurm ``job_id``, when it was ``submitted`` (seconds, the
     caller's clock) and its ``state``: pending (queued), running (its node is up but not in the pool yet), joined
-    (its node is one of the pool's spares), failed (its node failed its checks), gone (Slurm ended it)."""
+    (its node is one of the pool's spares), failed (its node failed its checks), gone (Slurm ended it), left (its
+    node had joined and its job ended: a node lost, which the pool's size already says, not a request given up)."""
 
     job_id: str
     submitted: float
@@ -76,7 +78,7 @@ class SparePolicy:
         job submitted so far by this policy's caller (a gone one may be left out once it was passed as gone);
         ``ending``: the job is ending, cancel all."""
         comps = list(companions)
-        live = [c for c in comps if c.state != GONE]
+        live = [c for c in comps if c.state not in (GONE, LEFT)]
         if ending:
             self._cancelled |= {c.job_id for c in live}
             return [Action("cancel", c.job_id, "the job ends") for c in live]

@@ -177,3 +177,36 @@ def test_a_replacement_node_joins_the_running_job_and_takes_the_next_loss(tmp_pa
     print(f"\n[measure] {json.dumps(rec)}")
     with open(MEASURE, "a") as fh:
         fh.write(json.dumps(rec) + "\n")
+
+
+def test_a_replacement_node_that_dies_during_its_admission_costs_the_members_nothing(tmp_path, cluster_up,
+                                                                                      failure_free):
+    """2 + 1 with --spare-floor 1: the host of node 1 crashed at step 30, a companion job starts and its agent asks
+    to join; the moment the job admits it, the newcomer's agent is SIGKILLed (its training processes still
+    starting). Its sponsor sees its link close: it is a lost spare like any other, the members train on, and the job
+    ends COMPLETED with the failure-free digest; every companion job of the run is gone from squeue at the end."""
+    ref = failure_free(nodes=ACTIVE, steps=JOIN_STEPS)["param_digest"]
+    job, run_dir = _submit(tmp_path, "--steps", str(JOIN_STEPS), "--spare-floor", "1", "--spare-wait", "300",
+                           hold=False)
+    crashed = []
+    fail = lambda node: (subprocess.run(["bash", CLUSTER, "fail", node, "crash"], check=True, timeout=60),  # noqa: E731
+                         crashed.append(node))
+    try:
+        crash_when(run_dir, fail, host_of(1), 30, time.time() + 150, lambda: wait_gone(job, 0))
+        admitted = wait_for(lambda: events(run_dir, "node_admitted"), 90, "a replacement node admitted")[0]
+        newcomer = next(e["pid"] for e in events(run_dir, "join_requested") if e["job_id"] == admitted["job_id"])
+        os.kill(newcomer, 9)
+        t_killed = time.time()
+        assert wait_gone(job, 180), f"job {job} still queued"
+    finally:
+        subprocess.run(["scancel", job, *_companion_ids(run_dir)], timeout=30)
+        for n in crashed:
+            subprocess.run(["bash", CLUSTER, "recover", n], timeout=120, check=False)
+    out = job_output(os.path.join(run_dir, f"slurm-{job}.out"))
+    assert final_state(job) == "COMPLETED", out
+    assert wait_for(lambda: not _squeue_name(f"deadpool-spare-{job}"), 30, "no companion job queued")
+    lost = [d for d in events(run_dir, "decision") if d["t"] > t_killed - 1 and 1 in d["failed_nodes"]]
+    assert lost and not lost[0]["promoted"], events(run_dir, "decision")   # a spare lost: nobody to replace
+    s = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert s["completed"] and s["steps_completed"] == JOIN_STEPS, s
+    assert s["param_digest"] == ref, "parameters differ from the failure-free run"

@@ -8,7 +8,7 @@ import pytest
 
 from deadpool_hpc.config import RunConfig, only_under_slurm_batch, run_parameters
 from deadpool_hpc.errors import ConfigError
-from deadpool_hpc.launch.spare_policy import FAILED, GONE, JOINED, RUNNING, Companion, SparePolicy
+from deadpool_hpc.launch.spare_policy import FAILED, GONE, JOINED, LEFT, RUNNING, Companion, SparePolicy
 
 
 class Cluster:
@@ -101,6 +101,17 @@ def test_a_companion_ended_by_someone_else_is_not_asked_again_until_a_new_loss()
     assert c.tick() == []
     c.pool = 0                     # and is lost: a new loss
     assert [a.kind for a in c.tick()] == ["submit"]
+
+
+def test_the_end_of_a_joined_nodes_job_is_a_loss_not_a_request_given_up():
+    c = Cluster(SparePolicy(1, 60), pool=0)
+    c.tick()
+    c.set("100", JOINED)
+    c.pool = 1                     # its node joined the pool
+    assert c.tick() == []
+    c.set("100", LEFT)             # then that node was lost (promoted and crashed, say): its job ended
+    c.pool = 0
+    assert [a.kind for a in c.tick()] == ["submit"]   # asked again at once, no pause
 
 
 def test_a_started_companion_is_not_cancelled_by_the_wait():
