@@ -83,6 +83,7 @@ def main(argv=None) -> None:
     from .preflight import HealthCheck
     from .supervisor import Supervisor
     from .ringlink import RingLink
+    from ..control.links import listen
 
     log = EventLog(events, background=True)   # a blocked write never holds the agent's loop (events.py)
     if os.environ.get(lifeline.RUN_ENV):  # in every line, hello included: a launcher reaps only its own run
@@ -95,12 +96,15 @@ def main(argv=None) -> None:
     transport = check_transport(cfg.replication.replica_transport)  # replica/transports.py: tcp, unix or a plugin's
     listeners = [transport.listen(host) for _ in range(cfg.layout.ranks_per_node)]  # one replica server per local rank
     ring_link = RingLink(-1, secret, host)
+    # --spare-floor: where replacement nodes ask to join and joined nodes re-attach (agent/joindesk.py)
+    join_listener = listen(host) if cfg.replacement.spare_floor else None
+    join_address = {"join": join_listener[1]} if join_listener is not None else {}
     channel = ChannelServer(secret, log=log)
     admission = None
     if joining:
         admission = _join(run_dir, cfg, secret, host, slurm_node, slurm_job, log,
                           {"replica": [transport.address(s) for s in listeners], "watch": ring_link.address,
-                           "slurm_node": slurm_node, "companion_job": slurm_job})
+                           "slurm_node": slurm_node, "companion_job": slurm_job, **join_address})
         faulthandler.dump_traceback_later(cfg.timeouts.startup_timeout, exit=True)
     cp = ControlPlane(secret=secret, ranks_per_node=cfg.layout.ranks_per_node, active_nodes=cfg.layout.nodes,
                       period=cfg.timeouts.heartbeat_period, deadline=cfg.timeouts.heartbeat_deadline, log=log,
@@ -109,7 +113,7 @@ def main(argv=None) -> None:
                       replicas=cfg.replication.replicas if cfg.replication.replicate else 0,
                       host=host, crash_loop_limit=cfg.comeback.crash_loop_limit,
                       extra_identity={"replica": [transport.address(s) for s in listeners], "watch": ring_link.address,
-                                      "slurm_node": slurm_node},
+                                      "slurm_node": slurm_node, **join_address},
                       admission=admission)
     ring_link.me = cp.me
     setup_logging(f"node{cp.me}")
@@ -159,7 +163,8 @@ def main(argv=None) -> None:
         detectors = load_detectors(NodeInfo(node=cp.me, hostname=socket.gethostname(), slurm_node=slurm_node,
                                             slurm_job_id=slurm_job, run_dir=run_dir))
         agent = NodeAgent(cfg, cp, channel, sup, ring_link, listeners, log, faults, transport=transport,
-                          joined=None if admission is None else {"job_id": slurm_job or "", "t_asked": admission[4]})
+                          joined=None if admission is None else {"job_id": slurm_job or "", "t_asked": admission[4]},
+                          join_listener=join_listener)
         agent.health_check = check
         agent.health = DetectorRunner(detectors, log, wake=channel.wake).start()
         code = agent.run()

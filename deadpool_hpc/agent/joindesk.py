@@ -6,8 +6,12 @@ Every agent of a run with ``--spare-floor`` > 0 listens (a non-blocking TCP list
 a newcomer between recoveries into the slot of a node lost whole (``joining.admit``), or refuses with a reason and
 asks it to retry. A connection that sends nothing valid within HANDSHAKE_S seconds is closed, so a newcomer that
 dies or hangs mid-admission costs a socket, never a wait. The other agents take the ``Joined`` notice
-(``on_joined``). Events: ``node_admitted`` (the sponsor: ``node``, ``job_id``, ``host``, ``generation``,
-``spare_nodes``), ``join_refused`` (each new reason once).
+(``on_joined``). Any agent of the MPI world also takes over a joined node whose sponsor was lost (``Attach``), and
+the agents take its ``Rerouted`` notice (``on_rerouted``); in a joined node, the desk is what re-attaches
+(``_reattach``: the lowest live agents of the MPI world first, for at most ``--recovery-timeout`` seconds, then the
+node leaves). Events: ``node_admitted`` (the sponsor: ``node``, ``job_id``, ``host``, ``generation``,
+``spare_nodes``), ``join_refused`` (each new reason once), ``node_reattached`` (the joined node: ``sponsor``,
+``seconds`` without one), ``sponsor_taken_over`` (the new sponsor: ``node``).
 """
 from __future__ import annotations
 
@@ -15,7 +19,8 @@ import time
 from typing import Protocol
 
 from ..control import joining
-from ..control.links import Link, LinkClosed, listen
+from ..control.links import Link, LinkClosed
+from ..errors import Fenced
 from .state import NodeState
 
 HANDSHAKE_S = 5.0   # seconds a connection has to send its Join
@@ -37,22 +42,26 @@ class JoinDeskHost(Protocol):
 
 
 class JoinDesk:
-    """``tick()`` from the agent's loop; ``on_joined`` is a control-plane handler. ``host``: the address to listen
-    on (this agent's)."""
+    """``tick()`` from the agent's loop; ``on_joined`` / ``on_rerouted`` are control-plane handlers. ``srv`` /
+    ``address``: this agent's join listener (control/links.py ``listen``) and its [host, port], which its identity
+    record carries (``join``)."""
 
-    def __init__(self, agent: JoinDeskHost, host: str):
+    def __init__(self, agent: JoinDeskHost, srv, address: list):
         self.a = agent
-        self.srv, self.address = listen(host)
+        self.srv, self.address = srv, address
         self.pending: list[tuple[Link, float]] = []   # connections whose Join has not come yet, with a deadline
         self.publishing = False                      # this agent's address is the published one
         self.last_refusal: str | None = None
         self.admitted = 0
+        self.next_try = 0.0
         agent.cp.on(joining.Joined.KIND, self.on_joined)
+        agent.cp.on(joining.Rerouted.KIND, self.on_rerouted)
 
     def tick(self) -> None:
         a = self.a
-        alive = a.peers.alive()
-        lowest = bool(alive) and alive[0] == a.cp.me and not a.peers.fenced
+        if a.peers.detached is not None:
+            self._reattach()
+        lowest = joining.admitter(a.cp) == a.cp.me and not a.peers.fenced
         if lowest and not self.publishing:
             joining.publish(a.cfg.output.run_dir, a.cp.me, self.address, a.cp.generation)
         self.publishing = lowest
@@ -80,14 +89,17 @@ class JoinDesk:
                 continue
             kind, body = msgs[0]
             try:
-                join = joining.Join.from_wire(body) if kind == joining.Join.KIND else None
+                msg = joining.Join.from_wire(body) if kind == joining.Join.KIND else \
+                    joining.Attach.from_wire(body) if kind == joining.Attach.KIND else None
             except ValueError as exc:
                 a.log.emit("bad_message", kind=kind, error=str(exc)[:300])
-                join = None
-            if join is None:
+                msg = None
+            if msg is None:
                 link.close()
-                continue
-            self._answer(link, join)
+            elif isinstance(msg, joining.Attach):
+                self._take_over(link, msg)
+            else:
+                self._answer(link, msg)
         self.pending = keep
 
     def _answer(self, link: Link, join: joining.Join) -> None:
@@ -125,6 +137,53 @@ class JoinDesk:
         a.retarget_ring_link()
         a.log.emit("node_admitted", node=slot, job_id=join.job_id, host=join.host, generation=a.cp.generation,
                    spare_nodes=list(a.cp.spare_nodes), waited_s=round(time.time() - join.t, 3))
+
+    def _take_over(self, link: Link, msg: joining.Attach) -> None:
+        """A joined node whose sponsor was lost asks this agent to be its sponsor."""
+        a = self.a
+        why = joining.may_attach(a.cp, msg.node)
+        if why is not None:
+            try:
+                link.send(joining.JoinRefused.KIND, joining.JoinRefused(reason=why, retry=False,
+                                                                        nonce=msg.nonce).to_wire())
+            except LinkClosed:
+                pass
+            link.close()
+            return
+        try:
+            joining.attach(a.cp, link, msg)
+        except LinkClosed:
+            return
+        a.log.emit("sponsor_taken_over", node=msg.node, job_id=msg.job_id, generation=a.cp.generation)
+
+    def _reattach(self) -> None:
+        """(a joined node whose sponsor was lost) Ask the lowest live agents of the MPI world, in turn, to be its
+        sponsor; raises Fenced once none took it within --recovery-timeout seconds."""
+        a, now = self.a, time.monotonic()
+        if now < self.next_try:
+            return
+        lost_for = now - a.peers.detached
+        with a.peers.lock:
+            joined = set(a.peers.routes)
+        candidates = [n for n in a.peers.alive() if n != a.cp.me and n not in joined]
+        got = joining.reattach(a.cp.idents, candidates[:3], a.cp.me, a.joined["job_id"] if a.joined else "",
+                               a.cp.secret)
+        if got is None:
+            if lost_for > a.cfg.timeouts.recovery_timeout:
+                raise Fenced(f"lost its sponsor and no agent took it over within "
+                             f"{a.cfg.timeouts.recovery_timeout:g} s (--recovery-timeout)")
+            self.next_try = now + joining.RETRY_S
+            return
+        sock, answer = got
+        lost_for = time.monotonic() - a.peers.detached
+        a.peers.join_through(answer.sponsor, Link(sock, a.cp.secret, node=answer.sponsor))
+        a.retarget_ring_link()
+        a.log.emit("node_reattached", sponsor=answer.sponsor, seconds=round(lost_for, 3), generation=a.cp.generation)
+
+    def on_rerouted(self, src: int, msg: joining.Rerouted) -> None:
+        """(every agent) Joined node ``msg.node`` is reached through ``msg.sponsor`` now."""
+        if msg.node != self.a.cp.me and msg.sponsor != self.a.cp.me:
+            self.a.cp.peers.route(msg.node, msg.sponsor)
 
     def on_joined(self, src: int, msg: joining.Joined) -> None:
         """(every other agent) A joined node: its route, identity record and place in the spare pool."""

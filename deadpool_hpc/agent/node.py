@@ -73,7 +73,7 @@ class NodeAgent:
     ``transport`` (replica/transports.py; None: TCP); ``log``: EventLog."""
 
     def __init__(self, cfg, cp, channel, supervisor, ring_link, listeners, log, injector, transport=None,
-                 joined: dict | None = None):
+                 joined: dict | None = None, join_listener: tuple | None = None):
         self.cfg = cfg
         self.cp = cp
         self.peers = cp.peers              # its control thread (control/peers.py): heartbeats, suspicion, messages
@@ -117,11 +117,12 @@ class NodeAgent:
         self.metrics = NodeMetrics(self) if cfg.output.metrics_port or cfg.output.metrics_textfile else None
         # agent/sparepool.py: --spare-floor: the pool's size, for the batch host's replacement requests (None: off)
         self.spare_pool = SparePool(self) if cfg.replacement.spare_floor else None
-        # agent/joindesk.py: --spare-floor: where replacement nodes ask to join (None: off)
-        self.join_desk = JoinDesk(self, cp.waker.address[0]) if cfg.replacement.spare_floor else None
         # a replacement node that joined the running job (control/joining.py): {job_id, t_asked} (None: started with
         # the job). It starts as a spare of the generation it joined: no resume, no pre-flight with the others
         self.joined = joined
+        # agent/joindesk.py: --spare-floor: where replacement nodes ask to join and joined nodes re-attach; in a joined
+        # node, its re-attachment after its sponsor's loss. ``join_listener``: (socket, [host, port]) (None: off)
+        self.join_desk = JoinDesk(self, *join_listener) if join_listener is not None else None
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def run(self) -> int:

@@ -21,11 +21,16 @@ docs). The rules, beside the readmission of a returning node (control/membership
   the newcomer sends everything through it; messages that MPI delivers from the slot's old rank are dropped for good
   (the old agent is fenced). Heartbeats, probes, bells, the ring link and the replica plane go to the newcomer's own
   addresses, which every agent learns from ``Joined``.
-- **Leaving.** The link's end is a suspicion of the newcomer at once (as a closed ring link); a newcomer whose
-  sponsor is gone has lost its path to the job and leaves (it is suspected and replaced like any lost spare).
+- **Its sponsor lost.** The link's end is a suspicion at once, both ways (as a closed ring link). The sponsor's
+  loss leaves the joined node without a path for its control messages (its heartbeats are UDP and go on): it
+  queues what it sends and *re-attaches* to the lowest live agent of the MPI world (``Attach`` to that agent's join
+  listener, whose address every identity record carries), which takes the link over and tells every live agent
+  (``Rerouted``). A joined node that finds no agent to re-attach to within its deadline leaves (it is suspected
+  and replaced like any lost spare). So any single node may die, a sponsor included, and cost one node.
 
-Messages: ``Join`` / ``JoinRefused`` / ``Admit`` on the join link (plane JOIN), ``Joined`` (the sponsor to every
-other live agent) and ``Relay`` (a message passed on for the slot) on the control plane.
+Messages: ``Join`` / ``JoinRefused`` / ``Admit`` and ``Attach`` / ``Attached`` on the join link (plane JOIN);
+``Joined`` and ``Rerouted`` (the sponsor to every other live agent) and ``Relay`` (a message passed on for the slot)
+on the control plane.
 """
 from __future__ import annotations
 
@@ -106,6 +111,34 @@ class Joined(Message, plane=CONTROL, kind="joined"):
 
 
 @dataclass(frozen=True)
+class Attach(Message, plane=JOIN, kind="attach"):
+    """(a joined node whose sponsor is lost -> a live agent of the MPI world) Be my sponsor: I am node ``node``, of
+    companion job ``job_id``; ``nonce``: echoed in the answer; ``t``: when (Unix seconds)."""
+
+    node: NodeId
+    job_id: str
+    nonce: str
+    t: float
+
+
+@dataclass(frozen=True)
+class Attached(Message, plane=JOIN, kind="attached"):
+    """(the new sponsor -> the joined node) Your messages go through me now; ``suspected``: the agents I suspect."""
+
+    sponsor: NodeId
+    suspected: tuple[NodeId, ...]
+    nonce: str
+
+
+@dataclass(frozen=True)
+class Rerouted(Message, plane=CONTROL, kind="rerouted"):
+    """(the new sponsor -> every other live agent) Joined node ``node`` is reached through ``sponsor`` now."""
+
+    node: NodeId
+    sponsor: NodeId
+
+
+@dataclass(frozen=True)
 class Relay(Message, plane=CONTROL, kind="relay"):
     """A control message passed on for a joined node: ``inner`` / ``body`` (its kind and body) from ``src`` to
     ``to``; one of them is the joined node, the hop between them its sponsor."""
@@ -117,11 +150,19 @@ class Relay(Message, plane=CONTROL, kind="relay"):
 
 
 # ---- the rules (pure over the control plane's view) --------------------------------------------------------------
+def admitter(cp) -> NodeId | None:
+    """The agent that admits newcomers: the lowest live agent of the MPI world (a joined node admits nobody: it
+    has no MPI to relay over), as ``cp`` sees it; None when it sees none."""
+    with cp.peers.lock:
+        joined = set(cp.peers.routes)
+    return next((n for n in cp.peers.alive() if n not in joined and not (n == cp.me and cp.world is None)), None)
+
+
 def may_admit(cp) -> str | None:
-    """Why the agent of ``cp`` cannot admit a newcomer now, or None: only the lowest live agent, never during a
-    recovery (its failure flag up)."""
-    if cp.me != cp.peers.alive()[0]:
-        return "not the lowest live agent"
+    """Why the agent of ``cp`` cannot admit a newcomer now, or None: only the lowest live agent of the MPI world
+    (``admitter``), never during a recovery (its failure flag up)."""
+    if cp.me != admitter(cp):
+        return "not the lowest live agent of the MPI world"
     if cp.failure.is_set():
         return "a recovery is under way"
     return None
@@ -174,6 +215,57 @@ def on_joined(cp, msg: Joined) -> None:
     cp.take_identity(msg.node, dict(msg.identity))
     cp.peers.route(msg.node, msg.sponsor)
     on_readmit(cp, Readmit.from_wire(msg.readmit))
+
+
+def may_attach(cp, node: NodeId) -> str | None:
+    """Why the agent of ``cp`` cannot become joined node ``node``'s sponsor, or None: it must be of the MPI world
+    (not a joined node itself), and ``node`` a joined node this agent trusts."""
+    if cp.world is None:
+        return "a joined node sponsors nobody"
+    with cp.peers.lock:
+        known = node in cp.peers.routes
+    if not known:
+        return f"node {node} is not a joined node here"
+    if cp.peers.is_suspected(node):
+        return f"node {node} is suspected here"
+    return None
+
+
+def attach(cp, link: Link, msg: Attach) -> None:
+    """(the new sponsor) Take joined node ``msg.node``'s link over: ``Attached`` on it, then every live agent told.
+    Raises LinkClosed when it left before its answer (nothing changed)."""
+    with cp.peers.lock:
+        suspected = tuple(sorted(cp.peers.suspected))
+    link.send(Attached.KIND, Attached(sponsor=cp.me, suspected=suspected, nonce=msg.nonce).to_wire())
+    cp.peers.attach(msg.node, link)
+    cp.peers.broadcast(Rerouted.KIND, Rerouted(node=msg.node, sponsor=cp.me).to_wire())
+
+
+def reattach(idents: list, candidates: list, me: NodeId, job_id: str, secret: bytes,
+             timeout: float = 2.0) -> tuple[socket.socket, Attached] | None:
+    """(a joined node without a sponsor) Ask each agent of ``candidates`` in turn (node ids; their join addresses
+    are in ``idents``) to become its sponsor, ``timeout`` seconds each. Returns (socket, Attached) from the first
+    that accepts, or None."""
+    for n in candidates:
+        address = idents[n].get("join") if n < len(idents) else None
+        if not address:
+            continue
+        nonce = secrets.token_hex(8)
+        try:
+            sock = socket.create_connection((address[0], int(address[1])), timeout=timeout)
+        except OSError:
+            continue
+        try:
+            kind, body = exchange(sock, secret, Attach.KIND, Attach(node=me, job_id=job_id, nonce=nonce,
+                                                                      t=time.time()).to_wire(), timeout)
+            if kind == Attached.KIND:
+                answer = Attached.from_wire(body)
+                if answer.nonce == nonce:
+                    return sock, answer
+        except (TimeoutError, LinkClosed, ValueError):
+            pass
+        sock.close()
+    return None
 
 
 # ---- the address -------------------------------------------------------------------------------------------------

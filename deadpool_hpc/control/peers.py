@@ -93,6 +93,7 @@ class Peers(threading.Thread):
         self.links: dict = {}
         self.routes: dict[int, int] = {}
         self.via: int | None = None
+        self.detached: float | None = None   # (a joined agent) monotonic time its sponsor was lost (until re-attached)
         self.secret = secret
         self.period = period
         # the failure detector proper (control/detector.py): last-heard times, adaptive deadlines, probes' verdicts;
@@ -212,10 +213,13 @@ class Peers(threading.Thread):
         self._wake.set()
 
     def join_through(self, sponsor: int, link) -> None:
-        """(a joined agent) Every message goes through ``link`` to ``sponsor``, the agent that admitted it."""
+        """(a joined agent) Every message goes through ``link`` to ``sponsor``, the agent that admitted it (or took
+        it over after its first sponsor was lost)."""
         with self.lock:
             self.links[sponsor] = link
             self.via = sponsor
+            self.detached = None
+        self._wake.set()
 
     def route(self, node: int, via: int) -> None:
         """Messages for joined node ``node`` go through agent ``via`` (its sponsor; control/joining.py)."""
@@ -254,6 +258,8 @@ class Peers(threading.Thread):
 
     def _flush_outbox(self) -> None:
         while self._outbox:
+            if self.comm is None and self.via is None:
+                return   # a joined agent between sponsors: kept until it re-attaches (joining.py)
             dest, msg, to_suspect = self._outbox.popleft()
             if self.is_suspected(dest) and not to_suspect:
                 continue
@@ -314,10 +320,10 @@ class Peers(threading.Thread):
             mine = self.via == node
         if link is not None:
             link.close()
-        if mine:   # a joined agent without its sponsor has no way to the job: it leaves (it is replaced)
-            self.fenced = self.fenced or f"lost its link to the job (its sponsor, agent {node}): {why}"
-            self.failure.set()
-            self._notice()
+        if mine:   # a joined agent without its sponsor: it queues what it sends until it re-attaches (joining.py)
+            with self.lock:
+                self.via = None
+                self.detached = time.monotonic()
         self.suspect(node, f"its join link closed: {why}")
 
     def _poll_links(self, now: float) -> int:

@@ -128,14 +128,17 @@ def test_a_companion_still_pending_when_the_job_ends_is_cancelled_by_the_job(tmp
 JOIN_STEPS = 300
 
 
-def test_a_replacement_node_joins_the_running_job_and_takes_the_next_loss(tmp_path, cluster_up, failure_free):
+@pytest.mark.parametrize("second", [2, 0], ids=["then-node2", "then-its-sponsor-node0"])
+def test_a_replacement_node_joins_the_running_job_and_takes_the_next_loss(tmp_path, cluster_up, failure_free, second):
     """3 + 1 with --spare-floor 1 on the 5-node cluster: the host of node 1 crashed whole at step 30 (the cluster
     script's crash); the spare takes over; the pool is empty, so a companion job is submitted, starts on the fifth
     node, and its agent joins the running job as a spare (the lost node's slot, control/joining.py); then the host
-    of node 2 is crashed, and the joined node is the one promoted. The job ends COMPLETED with the failure-free
-    digest; the second request (no node left for it) stays pending and is cancelled by the job's end; nothing of
-    the run is left in squeue. Prints (and records) the time from the first crash to the replacement being a ready
-    spare."""
+    of node ``second`` is crashed, and the joined node is the one promoted. The job ends COMPLETED with the
+    failure-free digest and nothing of the run is left in squeue. Node 2: the second request (no node left for it)
+    stays pending and is cancelled by the job's end. Node 0: the joined node's sponsor, the coordinator and the
+    batch host at once: the joined node re-attaches to another agent and takes rank 0 (nobody is left to ask Slurm
+    for more: the batch host's watcher died with its node). Prints (and records) the time from the first crash to
+    the replacement being a ready spare."""
     ref = failure_free(nodes=3, steps=JOIN_STEPS)["param_digest"]
     job, run_dir = _submit(tmp_path, "--steps", str(JOIN_STEPS), "--spare-floor", "1", "--spare-wait", "300",
                            nodes=3, hold=False)
@@ -148,8 +151,8 @@ def test_a_replacement_node_joins_the_running_job_and_takes_the_next_loss(tmp_pa
         admitted = events(run_dir, "node_admitted")[0]
         assert joined["node"] == 1 == admitted["node"], (joined, admitted)   # the lost node's slot
         assert joined["job_id"] == events(run_dir, "companion_submitted")[0]["job_id"], joined
-        second, t_kill2 = crash_when(run_dir, fail, host_of(2), 0, time.time() + 60, lambda: wait_gone(job, 0),
-                                     after=joined["t"])
+        host2, t_kill2 = crash_when(run_dir, fail, host_of(second), 0, time.time() + 60, lambda: wait_gone(job, 0),
+                                    after=joined["t"])
         assert wait_gone(job, 180), f"job {job} still queued"
     finally:
         subprocess.run(["scancel", job, *_companion_ids(run_dir)], timeout=30)
@@ -160,20 +163,26 @@ def test_a_replacement_node_joins_the_running_job_and_takes_the_next_loss(tmp_pa
     assert wait_gone(job, 60) and wait_for(lambda: not _squeue_name(f"deadpool-spare-{job}"), 30,
                                            "no companion job queued"), _squeue_name(f"deadpool-spare-{job}")
     decisions = events(run_dir, "decision")
-    assert [d["failed_nodes"] for d in decisions] == [[1], [2]], decisions
-    assert decisions[1]["promoted"] == {"2": 1} and decisions[1]["reason"] == "hot swap", decisions[1]
+    assert [d["failed_nodes"] for d in decisions] == [[1], [second]], decisions
+    assert decisions[1]["promoted"] == {str(second): 1} and decisions[1]["reason"] == "hot swap", decisions[1]
     ids = _companion_ids(run_dir)
-    assert len(ids) == 2, ids   # the second asked after the second loss: no free node, cancelled at the end
-    assert final_state(ids[0]) == "COMPLETED" and final_state(ids[1]) == "CANCELLED", ids
+    assert final_state(ids[0]) == "COMPLETED", ids
+    if second == 2:   # the second asked after the second loss: no free node, cancelled at the end
+        assert len(ids) == 2 and final_state(ids[1]) == "CANCELLED", ids
+    else:
+        assert len(ids) == 1, ids
+        took = events(run_dir, "node_reattached")
+        assert took and took[0]["node"] == 1 and took[0]["sponsor"] != 0, took
     s = json.load(open(os.path.join(run_dir, "summary.json")))
     assert s["completed"] and s["steps_completed"] == JOIN_STEPS, s
     assert s["param_digest"] == ref, "parameters differ from the failure-free run"
-    rec = {"test": "replacement-joins", "job": job, "companion": ids[0], "crashed": [first, second],
+    rec = {"test": f"replacement-joins-then-node{second}", "job": job, "companion": ids[0], "crashed": [first, host2],
            "crash_to_submitted_s": round(events(run_dir, "companion_submitted")[0]["t"] - t_kill, 2),
            "crash_to_admitted_s": round(admitted["t"] - t_kill, 2),
            "crash_to_ready_spare_s": round(joined["t"] - t_kill, 2),
            "second_crash_to_recovered_s": round(max(e["t"] for e in events(run_dir, "recovered")
-                                                    if e["generation"] == 2) - t_kill2, 2)}
+                                                    if e["generation"] == 2) - t_kill2, 2),
+           "reattached_s": [e["seconds"] for e in events(run_dir, "node_reattached")]}
     print(f"\n[measure] {json.dumps(rec)}")
     with open(MEASURE, "a") as fh:
         fh.write(json.dumps(rec) + "\n")
@@ -196,6 +205,7 @@ def test_a_replacement_node_that_dies_during_its_admission_costs_the_members_not
         admitted = wait_for(lambda: events(run_dir, "node_admitted"), 90, "a replacement node admitted")[0]
         newcomer = next(e["pid"] for e in events(run_dir, "join_requested") if e["job_id"] == admitted["job_id"])
         os.kill(newcomer, 9)
+        crashed.append(admitted["host"])   # (declared dead, so drained by the job: resumed below)
         t_killed = time.time()
         assert wait_gone(job, 180), f"job {job} still queued"
     finally:

@@ -110,7 +110,7 @@ def test_the_old_rank_of_a_taken_slot_and_a_relay_from_the_wrong_hop_are_dropped
     assert _inbox(other) == [("sync", 1, {"tag": "x"})]
 
 
-def test_a_closed_link_is_a_suspicion_and_a_joined_agent_without_its_sponsor_leaves():
+def test_a_closed_link_is_a_suspicion_and_a_joined_agent_keeps_its_messages_until_it_re_attaches():
     sponsor, _ = _peers(0)
     near, far = _pair()
     sponsor.attach(1, near)
@@ -121,15 +121,28 @@ def test_a_closed_link_is_a_suspicion_and_a_joined_agent_without_its_sponsor_lea
     a, b = _pair()
     newcomer.join_through(0, b)
     a.close()
-    _poll(newcomer, 1, until=lambda: newcomer.fenced)
-    assert newcomer.fenced and "lost its link to the job" in newcomer.fenced and 0 in newcomer.suspected
+    _poll(newcomer, 1, until=lambda: newcomer.detached is not None)
+    assert newcomer.via is None and 0 in newcomer.suspected and not newcomer.fenced
+    newcomer.send(2, "sync", {"tag": "t"})
+    newcomer._flush_outbox()
+    assert len(newcomer._outbox) >= 1   # kept: no path to the job until it re-attaches
+    other, other_mpi = _peers(3)
+    near3, far3 = _pair()
+    other.attach(1, near3)               # agent 3 took it over (joining.attach)
+    newcomer.join_through(3, far3)
+    assert newcomer.detached is None
+    newcomer._flush_outbox()
+    _poll(other, 2)
+    sent = [(dest, wire.decode(raw, len(raw), SECRET)) for dest, raw in other_mpi]
+    assert any(dest == 2 and kind == joining.Relay.KIND and body["inner"] == "sync" and body["src"] == 1
+               for dest, (kind, body) in sent), sent
 
 
 def _cp(me=0, suspected=(), returning=(), members=(0, 2, 3), assignment=(0, 2), failure=False):
     peers = SimpleNamespace(lock=threading.RLock(), suspected={n: 0.0 for n in suspected},
                             returning={n: 0.0 for n in returning}, routes={},
                             alive=lambda: [n for n in range(SIZE) if n not in suspected])
-    return SimpleNamespace(me=me, P=1, peers=peers, members=members, assignment=assignment,
+    return SimpleNamespace(me=me, P=1, peers=peers, members=members, assignment=assignment, world=object(),
                            failure=SimpleNamespace(is_set=lambda: failure))
 
 
@@ -143,7 +156,12 @@ def test_the_free_slot_is_a_node_lost_whole_whose_decision_is_applied():
 
 def test_only_the_lowest_live_agent_admits_and_never_during_a_recovery():
     assert joining.may_admit(_cp(me=0, suspected=(1,))) is None
-    assert joining.may_admit(_cp(me=2, suspected=(1,))) == "not the lowest live agent"
+    assert joining.may_admit(_cp(me=2, suspected=(1,))) == "not the lowest live agent of the MPI world"
+    cp = _cp(me=3, suspected=(1,))
+    cp.peers.routes = {0: 3}             # node 0 is a joined node: it admits nobody, agent 2 does
+    assert joining.may_admit(cp) == "not the lowest live agent of the MPI world"
+    cp.me = 2
+    assert joining.may_admit(cp) is None
     assert joining.may_admit(_cp(me=0, failure=True)) == "a recovery is under way"
 
 
