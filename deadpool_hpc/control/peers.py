@@ -56,6 +56,7 @@ TREE_DECISION = "decision"
 MPI_IDLE_POLL_S = 0.5     # seconds between runs of MPI's progress engine in a quiet agent (waker.py)
 MPI_ACTIVE_POLL_S = 0.25  # ... while a failure is handled or control messages flow (a bell still wakes it at once)
 FAST_POLL_S = 0.005       # ... just after a bell rang, or while a send of this agent is in flight
+PARK_MAX = 256           # messages held for a joined node between its sponsors (control/joining.py)
 RUNG_FAST_S = 0.05        # how long after a bell the agent keeps polling fast while what it announced has not come
 
 class Peers(threading.Thread):
@@ -94,6 +95,7 @@ class Peers(threading.Thread):
         self.routes: dict[int, int] = {}
         self.via: int | None = None
         self.detached: float | None = None   # (a joined agent) monotonic time its sponsor was lost (until re-attached)
+        self._parked: dict[int, list] = {}   # joined node -> messages held while its sponsor is suspected (``route``)
         self.secret = secret
         self.period = period
         # the failure detector proper (control/detector.py): last-heard times, adaptive deadlines, probes' verdicts;
@@ -210,6 +212,7 @@ class Peers(threading.Thread):
         with self.lock:
             self.links[node] = link
             self.routes[node] = self.me
+        self._release(node)
         self._wake.set()
 
     def join_through(self, sponsor: int, link) -> None:
@@ -222,9 +225,18 @@ class Peers(threading.Thread):
         self._wake.set()
 
     def route(self, node: int, via: int) -> None:
-        """Messages for joined node ``node`` go through agent ``via`` (its sponsor; control/joining.py)."""
+        """Messages for joined node ``node`` go through agent ``via`` (its sponsor; control/joining.py); those held
+        while its last sponsor was suspected leave now, in order."""
         with self.lock:
             self.routes[node] = via
+        self._release(node)
+
+    def _release(self, node: int) -> None:
+        with self.lock:
+            parked = self._parked.pop(node, [])
+        if parked:
+            self._outbox.extendleft(reversed(parked))
+            self._wake.set()
 
     def set_addresses(self, node: int, wake, heartbeat) -> None:
         """Agent ``node``'s bell and heartbeat addresses ([host, port] each): a joined node's (control/joining.py)."""
@@ -265,6 +277,13 @@ class Peers(threading.Thread):
                 continue
             with self.lock:
                 relayed = self.via is not None or dest in self.routes
+                hop = self.routes.get(dest)
+                if relayed and hop is not None and hop != self.me and hop in self.suspected:
+                    # its sponsor is lost: held until the node re-attaches (``route``), the newest PARK_MAX kept
+                    held = self._parked.setdefault(dest, [])
+                    held.append((dest, msg, to_suspect))
+                    del held[:-PARK_MAX]
+                    continue
             if relayed:   # a joined node, or this agent is one: the message goes inside a Relay
                 kind, body = wire.decode(msg, len(msg), self.secret)
                 self._pass_on(dest, Relay(to=dest, src=self.me, inner=kind, body=body).to_wire())
@@ -545,10 +564,10 @@ class Peers(threading.Thread):
                     self._handle(status.Get_source(), buf, n, now)
                 else:
                     got = 256 if self.comm is not None else 0
-                if self.links:
-                    got += self._poll_links(now)
                 self._owed = max(0, self._owed - got)  # what the bells announced has arrived: stop polling fast
                 self.reap_sends()
+            if self.links:   # every pass (a few non-blocking reads): a link's end is a suspicion at once
+                self._owed = max(0, self._owed - self._poll_links(now))
             if self._topology_dirty:
                 self._retopology(now)
             if now >= next_hb:

@@ -28,6 +28,15 @@ def hosts_by_rank(events: list[dict], before: float | None = None) -> dict[int, 
             if e["event"] == "hello" and e.get("role", "agent") == "agent" and (before is None or e["t"] < before)}
 
 
+def companion_jobs_by_rank(events: list[dict], before: float | None = None) -> dict[int, str]:
+    """MPI rank (node id) -> the companion job of the joined node that holds its slot (control/joining.py), from the
+    newest ``hello`` of each rank written before ``before``; ranks whose newest agent started with the job are left
+    out."""
+    newest = {e["mpi_rank"]: e.get("companion_job") for e in events
+              if e["event"] == "hello" and e.get("role", "agent") == "agent" and (before is None or e["t"] < before)}
+    return {n: str(j) for n, j in newest.items() if j}
+
+
 def make_summary(run_dir: str) -> dict:
     """build_summary over RUN_DIR/events.jsonl, plus where each rank ran and which hosts the failures took."""
     cfg = load_config(run_dir)

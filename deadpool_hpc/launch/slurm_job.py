@@ -24,7 +24,8 @@ import time
 from ..events import EventLog, read_events
 from ..rundir import RunDir, emit_requeued
 from ..rundir import latest_checkpoint as _latest_checkpoint  # without torch: settle runs within KillWait
-from .slurm_common import hosts_by_rank, load_config, summary_out, write_summary
+from .companion import cancel as cancel_companion
+from .slurm_common import companion_jobs_by_rank, hosts_by_rank, load_config, summary_out, write_summary
 from .slurm_startup import Beacon, BeaconCheck
 
 _log = logging.getLogger(__name__)  # diagnostics; ``log`` below is a run's event log
@@ -331,6 +332,7 @@ def keep_batch_host(run_dir: str, do_drain: bool = True, period: float = 1.0) ->
     # a node lost before the MPI world exists: the step is ended, and the batch shell (SIGUSR1) stops waiting for srun
     beacons = BeaconCheck(run_dir, os.environ.get("SLURM_JOB_ID"), on_lost=lambda: os.kill(parent, signal.SIGUSR1))
     drained: set[str] = set()
+    released: set[str] = set()   # companion jobs of lost joined nodes, cancelled (their node is fenced so)
     states = NodeStates(EventLog(events_path, role="watcher"))   # Slurm's view of each lost host
     t_start = time.time()  # decisions of earlier attempts (a requeued job) were drained by their own watcher
     spares = _companions(run_dir)   # --spare-floor: replacement nodes asked of Slurm (launch/companion.py)
@@ -355,7 +357,13 @@ def keep_batch_host(run_dir: str, do_drain: bool = True, period: float = 1.0) ->
                     if e["event"] != "decision" or e["t"] < t_start:
                         continue
                     hosts = hosts_by_rank(events, before=e["t"])  # where the ranks ran when it was decided
+                    joined = companion_jobs_by_rank(events, before=e["t"])   # slots held by joined nodes
                     for n in e.get("failed_nodes") or []:
+                        if n in joined and joined[n] not in released:   # a joined node's fence: its job ends
+                            released.add(joined[n])
+                            ok = cancel_companion(joined[n])
+                            _log.info("companion job %s of lost node%s %s", joined[n], n,
+                                      "cancelled" if ok else "could not be cancelled")
                         h = hosts.get(n)  # MPI rank n is node n's agent
                         if h and h not in states.asked:
                             states.lost(h, n, e["generation"])   # Slurm's view first, before our drain

@@ -218,3 +218,17 @@ def test_a_link_refuses_a_forged_frame_and_the_handshake_has_a_deadline():
         c.close()
     finally:
         srv.close()
+
+
+def test_messages_for_a_joined_node_whose_sponsor_is_lost_wait_for_its_new_route():
+    other, sent = _peers(2)
+    other.route(1, 0)
+    other.suspected[0] = 0.0          # its sponsor is lost
+    other.send(1, "ready", {"n": 1})
+    other.send(1, "ready", {"n": 2})
+    other._flush_outbox()
+    assert sent == [] and len(other._parked[1]) == 2
+    other.route(1, 3)                 # it re-attached to agent 3 (Rerouted)
+    other._flush_outbox()
+    relays = [wire.decode(raw, len(raw), SECRET)[1] for dest, raw in sent if dest == 3]
+    assert [r["body"]["n"] for r in relays] == [1, 2] and not other._parked

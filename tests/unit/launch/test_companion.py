@@ -97,3 +97,13 @@ def test_the_pool_comes_from_this_attempts_events_only(tmp_path):
               {"t": 6.0, "event": "spare_pool", "spares": 1}]
     assert c.pool_from(events[:1], since=2.0) == 2   # an earlier attempt's
     assert c.pool_from(events, since=2.0) == 1
+
+
+def test_the_companion_job_of_a_slot_is_its_newest_agents():
+    from deadpool_hpc.launch.slurm_common import companion_jobs_by_rank
+
+    ev = [{"event": "hello", "t": 1.0, "mpi_rank": 1, "host": "node2"},
+          {"event": "hello", "t": 5.0, "mpi_rank": 1, "host": "node5", "companion_job": "42"},   # joined slot 1
+          {"event": "hello", "t": 1.0, "mpi_rank": 2, "host": "node3"}]
+    assert companion_jobs_by_rank(ev) == {1: "42"}
+    assert companion_jobs_by_rank(ev, before=4.0) == {}   # decided before it joined: the first node's loss
