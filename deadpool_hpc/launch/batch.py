@@ -12,8 +12,8 @@ templates (templates/train.sbatch) call these; people use the ``deadpool`` comma
 - ``end``                after srun: requeue the job if it should go on, else write the summary
 - ``requeue-if-needed``  (batch scripts rendered before ``end`` existed) requeue the job if it should go on
 - ``cancel-companions``  (the batch script's exit trap) scancel every companion job of this job, by job id
-- ``join``               on a companion job's node (templates/companion.sbatch): check the node, wait for the
-                         main job's end (joining the running job is not built yet: launch/companion.py)
+- ``join``               on a companion job's node (templates/companion.sbatch): check the node, then run its
+                         agent, which joins the running job as a spare (launch/companion.py, control/joining.py)
 
 ``write-config`` and ``copy-config`` run on the allocation (the batch host), so the node's GPUs are known there:
 ``--ranks-per-node 0`` (the template's and ``deadpool submit``'s default) becomes one per GPU of the node
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     cx = sub.add_parser("cancel-companions", help="(exit trap) scancel the companion jobs of this job, by job id")
     cx.add_argument("run_dir")
     cx.add_argument("--main-job", required=True)
-    jn = sub.add_parser("join", help="(a companion job's node) check the node, wait until the main job ends")
+    jn = sub.add_parser("join", help="(a companion job's node) check the node, then join the running job as a spare")
     jn.add_argument("run_dir")
     jn.add_argument("--main-job", required=True)
     a = p.parse_args(argv)

@@ -10,7 +10,8 @@ its output in RUN_DIR. ``spare_policy.SparePolicy`` decides; this module only ac
   RUN_DIR/companions/jobs before anything else happens to it; the directory itself before sbatch runs, so
   that the batch script's exit trap knows there may be companions even when the watcher died inside sbatch;
 - **state**: one ``squeue --name=deadpool-spare-<main> --user=<user>`` per tick (a job no longer listed is gone)
-  and the marker files the companion's node writes in RUN_DIR/companions/ (``<id>.failed``: its checks failed);
+  and the marker files the companion's node writes in RUN_DIR/companions/ (``<id>.failed``: its checks failed;
+  ``<id>.joined``: its agent is one of the run's spares; its job's end after that is a lost node: ``left``);
 - **cancel**: ``scancel <job id>``, by id only; ``cancel_all`` (the batch script's exit trap, the headless
   finisher) cancels every id in RUN_DIR/companions/jobs and every job of the companion name still queued.
 
@@ -19,10 +20,13 @@ node's agent (``join``, below) exits when the main job ends. ``DEADPOOL_COMPANIO
 watcher, from the main job's environment) adds the site's own sbatch options (``--qos=...``; the tests use
 ``--hold`` for a cluster with no free node).
 
+The job's secret reaches the companion the way it reaches the main job's tasks: in the environment Slurm gives the
+job (the watcher submits with ``--export=ALL`` from the batch script, which holds ``DEADPOOL_JOB_SECRET``); never on
+a command line, never in a file. The node's agent joins over TCP (control/joining.py).
+
 Events (the run's event log, role "watcher"): ``companion_submitted``, ``companion_started``,
-``companion_cancelled``, ``companion_ended``, ``companion_failed`` (sbatch refused); the node's own: ``companion_node``.
-Joining the running job's control plane is not built yet (docs/replacement-nodes.md): ``join`` checks the node and
-waits.
+``companion_cancelled``, ``companion_ended``, ``companion_failed`` (sbatch refused); the node's own: ``companion_node``,
+``companion_agent_ended``; its agent's: ``join_requested``, ``node_joined`` (agent/joindesk.py, node.py).
 """
 from __future__ import annotations
 
