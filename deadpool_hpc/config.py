@@ -384,14 +384,15 @@ class Replacement(Section):
 
     ``spare_floor`` > 0: whenever fewer than that many spares are left, the batch host submits small companion jobs
     (one node each, the main job's account, partition, constraints and time limit; launch/companion.py) and
-    cancels each one that has not started within ``spare_wait`` seconds, and all of them when the job ends. Slurm
-    only (the batch template: ``deadpool submit``, ``SlurmExecutor``); docs/replacement-nodes.md."""
+    cancels each one that has not started within ``spare_wait`` seconds, and all of them when the job ends; each
+    companion's node joins the running job as a spare (control/joining.py). Slurm only (the batch template:
+    ``deadpool submit``, ``SlurmExecutor``); docs/replacement-nodes.md."""
 
     spare_floor: int = opt(0, metavar="K", check=_int(0),
                            accepted="an integer >= 0 (spares below which replacement nodes are asked of Slurm; 0: off)",
-                           help="when fewer than K spares are left, ask Slurm for replacement nodes: one companion "
-                                "job of one node per missing spare, at most K at a time (Slurm batch jobs only; "
-                                "docs/replacement-nodes.md; default 0: off)")
+                           help="when fewer than K spares are left, ask Slurm for replacement nodes, which join the "
+                                "running job as spares: one companion job of one node per missing spare, at most K "
+                                "at a time (Slurm batch jobs only; docs/replacement-nodes.md; default 0: off)")
     spare_wait: float = opt(600.0, metavar="SECONDS", check=_num(0, strict=True), accepted="seconds > 0",
                             help="a companion job not started within SECONDS is cancelled and the job goes on with "
                                  "the spares it has (default 600)")
