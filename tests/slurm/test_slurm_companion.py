@@ -9,6 +9,7 @@ it submitted, by job id (the conftest's clean-up of every queued job is replaced
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -55,6 +56,41 @@ def _submit(tmp_path, *args, nodes: int = ACTIVE, hold: bool = True) -> tuple[st
     return r.stdout.split()[-1], str(tmp_path / "run")
 
 
+@contextlib.contextmanager
+def _running(tmp_path, *args, **kw):
+    """Submit (``_submit``); yield (job, run_dir, fail): ``fail(host)`` crashes a host with the cluster script, and
+    ``fail.hosts`` lists the hosts to bring back. Then, whatever happened, the job and its companions are cancelled
+    by id and every host in ``fail.hosts`` recovered."""
+    job, run_dir = _submit(tmp_path, *args, **kw)
+    hosts: list[str] = []
+
+    def fail(node: str) -> None:
+        subprocess.run(["bash", CLUSTER, "fail", node, "crash"], check=True, timeout=60)
+        hosts.append(node)
+
+    fail.hosts = hosts
+    try:
+        yield job, run_dir, fail
+    finally:
+        subprocess.run(["scancel", job, *_companion_ids(run_dir)], timeout=30)
+        for n in hosts:
+            subprocess.run(["bash", CLUSTER, "recover", n], timeout=120, check=False)
+
+
+def _completed(job, run_dir, steps: int) -> dict:
+    """The job ended COMPLETED with ``steps`` steps trained: its summary."""
+    assert final_state(job) == "COMPLETED", job_output(os.path.join(run_dir, f"slurm-{job}.out"))
+    s = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert s["completed"] and s["steps_completed"] == steps, s
+    return s
+
+
+def _record(rec: dict) -> None:
+    print(f"\n[measure] {json.dumps(rec)}")
+    with open(MEASURE, "a") as fh:
+        fh.write(json.dumps(rec) + "\n")
+
+
 def _companion_ids(run_dir) -> list[str]:
     return [e["job_id"] for e in events(run_dir, "companion_submitted")]
 
@@ -72,11 +108,7 @@ def test_a_lost_spare_asks_for_a_companion_cancelled_after_spare_wait_when_no_no
     """2 + 1 with --spare-floor 1 --spare-wait 5: node1 (MPI rank 1) crashed at step 20, the spare takes its place,
     the pool is empty (below the floor): one companion job is submitted, stays pending (held: no free node), and
     is cancelled 5 s later; the job goes on and ends COMPLETED; nothing of the run is left in squeue."""
-    job, run_dir = _submit(tmp_path, "--steps", "200", "--spare-floor", "1", "--spare-wait", "5")
-    crashed = []
-    fail = lambda node: (subprocess.run(["bash", CLUSTER, "fail", node, "crash"], check=True, timeout=60),  # noqa: E731
-                         crashed.append(node))
-    try:
+    with _running(tmp_path, "--steps", "200", "--spare-floor", "1", "--spare-wait", "5") as (job, run_dir, fail):
         _, t_kill = crash_when(run_dir, fail, host_of(1), 20, time.time() + 150, lambda: wait_gone(job, 0))
         sub = wait_for(lambda: events(run_dir, "companion_submitted"), 30, "a companion job submitted")[0]
         cid = sub["job_id"]
@@ -86,38 +118,25 @@ def test_a_lost_spare_asks_for_a_companion_cancelled_after_spare_wait_when_no_no
                         "the companion cancelled after --spare-wait")[0]
         assert canc["reason"] == "not started within 5 s" and canc["accepted"], canc
         assert wait_gone(job, 180), f"job {job} still queued"
-    finally:
-        subprocess.run(["scancel", job, *_companion_ids(run_dir)], timeout=30)
-        for n in crashed:
-            subprocess.run(["bash", CLUSTER, "recover", n], timeout=120, check=False)
-    out = job_output(os.path.join(run_dir, f"slurm-{job}.out"))
-    assert final_state(job) == "COMPLETED", out
+    _completed(job, run_dir, 200)
     _no_job_left(job, run_dir)
     assert len(_companion_ids(run_dir)) == 1   # not asked again: the pool did not shrink further
     pool = events(run_dir, "spare_pool")
     assert pool[0]["spares"] == 1 and pool[-1]["spares"] == 0, pool
-    s = json.load(open(os.path.join(run_dir, "summary.json")))
-    assert s["completed"] and s["steps_completed"] == 200, s
-    rec = {"test": "companion-cancelled-after-wait", "job": job, "companion": cid,
-           "kill_to_submitted_s": round(sub["t"] - t_kill, 2),
-           "submitted_to_cancelled_s": round(canc["t"] - sub["t"], 2)}
-    print(f"\n[measure] {json.dumps(rec)}")
-    with open(MEASURE, "a") as fh:
-        fh.write(json.dumps(rec) + "\n")
+    _record({"test": "companion-cancelled-after-wait", "job": job, "companion": cid,
+             "kill_to_submitted_s": round(sub["t"] - t_kill, 2),
+             "submitted_to_cancelled_s": round(canc["t"] - sub["t"], 2)})
 
 
 def test_a_companion_still_pending_when_the_job_ends_is_cancelled_by_the_job(tmp_path, cluster_up):
     """2 + 1 with --spare-floor 2 (one spare below it from the start) and --spare-wait 600: the companion job is
     submitted at once and stays pending (held); the job trains on, is not held back by it, ends COMPLETED, and its
     batch script's exit trap cancels the companion: nothing of the run is left in squeue."""
-    job, run_dir = _submit(tmp_path, "--steps", "40", "--spare-floor", "2", "--spare-wait", "600")
-    try:
+    with _running(tmp_path, "--steps", "40", "--spare-floor", "2", "--spare-wait", "600") as (job, run_dir, _):
         sub = wait_for(lambda: events(run_dir, "companion_submitted"), 90, "a companion job submitted")[0]
         assert wait_gone(job, 180), f"job {job} still queued"
-    finally:
-        subprocess.run(["scancel", job, *_companion_ids(run_dir)], timeout=30)
+    _completed(job, run_dir, 40)
     out = job_output(os.path.join(run_dir, f"slurm-{job}.out"))
-    assert final_state(job) == "COMPLETED", out
     _no_job_left(job, run_dir)
     assert _companion_ids(run_dir) == [sub["job_id"]]   # floor 2, pool 1: one missing, asked once
     canc = [e for e in events(run_dir, "companion_cancelled") if e["job_id"] == sub["job_id"]]
@@ -140,12 +159,8 @@ def test_a_replacement_node_joins_the_running_job_and_takes_the_next_loss(tmp_pa
     for more: the batch host's watcher died with its node). Prints (and records) the time from the first crash to
     the replacement being a ready spare."""
     ref = failure_free(nodes=3, steps=JOIN_STEPS)["param_digest"]
-    job, run_dir = _submit(tmp_path, "--steps", str(JOIN_STEPS), "--spare-floor", "1", "--spare-wait", "300",
-                           nodes=3, hold=False)
-    crashed = []
-    fail = lambda node: (subprocess.run(["bash", CLUSTER, "fail", node, "crash"], check=True, timeout=60),  # noqa: E731
-                         crashed.append(node))
-    try:
+    with _running(tmp_path, "--steps", str(JOIN_STEPS), "--spare-floor", "1", "--spare-wait", "300", nodes=3,
+                  hold=False) as (job, run_dir, fail):
         first, t_kill = crash_when(run_dir, fail, host_of(1), 30, time.time() + 150, lambda: wait_gone(job, 0))
         joined = wait_for(lambda: events(run_dir, "node_joined"), 90, "the replacement node joined")[0]
         admitted = events(run_dir, "node_admitted")[0]
@@ -154,12 +169,8 @@ def test_a_replacement_node_joins_the_running_job_and_takes_the_next_loss(tmp_pa
         host2, t_kill2 = crash_when(run_dir, fail, host_of(second), 0, time.time() + 60, lambda: wait_gone(job, 0),
                                     after=joined["t"])
         assert wait_gone(job, 180), f"job {job} still queued"
-    finally:
-        subprocess.run(["scancel", job, *_companion_ids(run_dir)], timeout=30)
-        for n in crashed:
-            subprocess.run(["bash", CLUSTER, "recover", n], timeout=120, check=False)
-    out = job_output(os.path.join(run_dir, f"slurm-{job}.out"))
-    assert final_state(job) == "COMPLETED", out
+    s = _completed(job, run_dir, JOIN_STEPS)
+    assert s["param_digest"] == ref, "parameters differ from the failure-free run"
     assert wait_gone(job, 60) and wait_for(lambda: not _squeue_name(f"deadpool-spare-{job}"), 30,
                                            "no companion job queued"), _squeue_name(f"deadpool-spare-{job}")
     decisions = events(run_dir, "decision")
@@ -173,19 +184,13 @@ def test_a_replacement_node_joins_the_running_job_and_takes_the_next_loss(tmp_pa
         assert len(ids) == 1, ids
         took = events(run_dir, "node_reattached")
         assert took and took[0]["node"] == 1 and took[0]["sponsor"] != 0, took
-    s = json.load(open(os.path.join(run_dir, "summary.json")))
-    assert s["completed"] and s["steps_completed"] == JOIN_STEPS, s
-    assert s["param_digest"] == ref, "parameters differ from the failure-free run"
-    rec = {"test": f"replacement-joins-then-node{second}", "job": job, "companion": ids[0], "crashed": [first, host2],
+    _record({"test": f"replacement-joins-then-node{second}", "job": job, "companion": ids[0], "crashed": [first, host2],
            "crash_to_submitted_s": round(events(run_dir, "companion_submitted")[0]["t"] - t_kill, 2),
            "crash_to_admitted_s": round(admitted["t"] - t_kill, 2),
            "crash_to_ready_spare_s": round(joined["t"] - t_kill, 2),
            "second_crash_to_recovered_s": round(max(e["t"] for e in events(run_dir, "recovered")
                                                     if e["generation"] == 2) - t_kill2, 2),
-           "reattached_s": [e["seconds"] for e in events(run_dir, "node_reattached")]}
-    print(f"\n[measure] {json.dumps(rec)}")
-    with open(MEASURE, "a") as fh:
-        fh.write(json.dumps(rec) + "\n")
+           "reattached_s": [e["seconds"] for e in events(run_dir, "node_reattached")]})
 
 
 def test_a_replacement_node_that_dies_during_its_admission_costs_the_members_nothing(tmp_path, cluster_up,
@@ -195,28 +200,17 @@ def test_a_replacement_node_that_dies_during_its_admission_costs_the_members_not
     starting). Its sponsor sees its link close: it is a lost spare like any other, the members train on, and the job
     ends COMPLETED with the failure-free digest; every companion job of the run is gone from squeue at the end."""
     ref = failure_free(nodes=ACTIVE, steps=JOIN_STEPS)["param_digest"]
-    job, run_dir = _submit(tmp_path, "--steps", str(JOIN_STEPS), "--spare-floor", "1", "--spare-wait", "300",
-                           hold=False)
-    crashed = []
-    fail = lambda node: (subprocess.run(["bash", CLUSTER, "fail", node, "crash"], check=True, timeout=60),  # noqa: E731
-                         crashed.append(node))
-    try:
+    with _running(tmp_path, "--steps", str(JOIN_STEPS), "--spare-floor", "1", "--spare-wait", "300",
+                  hold=False) as (job, run_dir, fail):
         crash_when(run_dir, fail, host_of(1), 30, time.time() + 150, lambda: wait_gone(job, 0))
         admitted = wait_for(lambda: events(run_dir, "node_admitted"), 90, "a replacement node admitted")[0]
         newcomer = next(e["pid"] for e in events(run_dir, "join_requested") if e["job_id"] == admitted["job_id"])
         os.kill(newcomer, 9)
-        crashed.append(admitted["host"])   # (declared dead, so drained by the job: resumed below)
+        fail.hosts.append(admitted["host"])   # (declared dead, so drained by the job: resumed at the end)
         t_killed = time.time()
         assert wait_gone(job, 180), f"job {job} still queued"
-    finally:
-        subprocess.run(["scancel", job, *_companion_ids(run_dir)], timeout=30)
-        for n in crashed:
-            subprocess.run(["bash", CLUSTER, "recover", n], timeout=120, check=False)
-    out = job_output(os.path.join(run_dir, f"slurm-{job}.out"))
-    assert final_state(job) == "COMPLETED", out
+    s = _completed(job, run_dir, JOIN_STEPS)
+    assert s["param_digest"] == ref, "parameters differ from the failure-free run"
     assert wait_for(lambda: not _squeue_name(f"deadpool-spare-{job}"), 30, "no companion job queued")
     lost = [d for d in events(run_dir, "decision") if d["t"] > t_killed - 1 and 1 in d["failed_nodes"]]
     assert lost and not lost[0]["promoted"], events(run_dir, "decision")   # a spare lost: nobody to replace
-    s = json.load(open(os.path.join(run_dir, "summary.json")))
-    assert s["completed"] and s["steps_completed"] == JOIN_STEPS, s
-    assert s["param_digest"] == ref, "parameters differ from the failure-free run"
