@@ -59,7 +59,7 @@ class JoinDesk:
 
     def tick(self) -> None:
         a = self.a
-        if a.peers.detached is not None:
+        if a.peers.relays.detached is not None:
             self._reattach()
         lowest = joining.admitter(a.cp) == a.cp.me and not a.peers.fenced
         if lowest and not self.publishing:
@@ -162,9 +162,9 @@ class JoinDesk:
         a, now = self.a, time.monotonic()
         if now < self.next_try:
             return
-        lost_for = now - a.peers.detached
+        lost_for = now - a.peers.relays.detached
         with a.peers.lock:
-            joined = set(a.peers.routes)
+            joined = set(a.peers.relays.routes)
         candidates = [n for n in a.peers.alive() if n != a.cp.me and n not in joined]
         got = joining.reattach(a.cp.idents, candidates[:3], a.cp.me, a.joined["job_id"] if a.joined else "",
                                a.cp.secret)
@@ -175,15 +175,15 @@ class JoinDesk:
             self.next_try = now + joining.RETRY_S
             return
         sock, answer = got
-        lost_for = time.monotonic() - a.peers.detached
-        a.peers.join_through(answer.sponsor, Link(sock, a.cp.secret, node=answer.sponsor))
+        lost_for = time.monotonic() - a.peers.relays.detached
+        a.peers.relays.join_through(answer.sponsor, Link(sock, a.cp.secret, node=answer.sponsor))
         a.retarget_ring_link()
         a.log.emit("node_reattached", sponsor=answer.sponsor, seconds=round(lost_for, 3), generation=a.cp.generation)
 
     def on_rerouted(self, src: int, msg: joining.Rerouted) -> None:
         """(every agent) Joined node ``msg.node`` is reached through ``msg.sponsor`` now."""
         if msg.node != self.a.cp.me and msg.sponsor != self.a.cp.me:
-            self.a.cp.peers.route(msg.node, msg.sponsor)
+            self.a.cp.peers.relays.route(msg.node, msg.sponsor)
 
     def on_joined(self, src: int, msg: joining.Joined) -> None:
         """(every other agent) A joined node: its route, identity record and place in the spare pool."""

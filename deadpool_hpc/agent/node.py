@@ -317,7 +317,7 @@ class NodeAgent:
         elif self.joined is not None:
             self.transition(NodeState.SPARE, "joined the running job: its processes are spares")
             self.log.emit("node_joined", generation=self.cp.generation, job_id=self.joined["job_id"],
-                          sponsor=self.peers.via, spare_nodes=list(self.cp.spare_nodes),
+                          sponsor=self.peers.relays.via, spare_nodes=list(self.cp.spare_nodes),
                           seconds=round(time.time() - self.joined["t_asked"], 3))
             mark_joined(self.cfg.output.run_dir, self.joined["job_id"], self.node)
         else:

@@ -154,7 +154,7 @@ def admitter(cp) -> NodeId | None:
     """The agent that admits newcomers: the lowest live agent of the MPI world (a joined node admits nobody: it
     has no MPI to relay over), as ``cp`` sees it; None when it sees none."""
     with cp.peers.lock:
-        joined = set(cp.peers.routes)
+        joined = set(cp.peers.relays.routes)
     return next((n for n in cp.peers.alive() if n not in joined and not (n == cp.me and cp.world is None)), None)
 
 
@@ -170,9 +170,9 @@ def may_admit(cp) -> str | None:
 
 def free_slot(cp) -> NodeId | None:
     """The lowest node id whose node was lost and taken out (suspected, not returning, none of its processes in the
-    view's members or assignment, not held by a joined node already), or None."""
+    view's members or assignment), or None. A lost joined node's slot is free again."""
     with cp.peers.lock:
-        lost = sorted(n for n in cp.peers.suspected if n not in cp.peers.returning and n not in cp.peers.routes)
+        lost = sorted(n for n in cp.peers.suspected if n not in cp.peers.returning)
     used = {m // cp.P for m in cp.members} | {m // cp.P for m in cp.assignment}
     return next((n for n in lost if n not in used and n != cp.me), None)
 
@@ -200,7 +200,7 @@ def admit(cp, link: Link, join: Join, slot: NodeId) -> tuple[Admit, Readmit]:
     except LinkClosed:
         cp.adopt(before)   # it left before its answer: nobody else heard of it
         raise
-    cp.peers.attach(slot, link)
+    cp.peers.relays.attach(slot, link)
     cp.peers.readmit(slot)
     cp.peers.broadcast(Joined.KIND, Joined(node=slot, sponsor=cp.me, identity=ident, job_id=join.job_id,
                                            readmit=readmit.to_wire()).to_wire())
@@ -213,7 +213,7 @@ def on_joined(cp, msg: Joined) -> None:
     if msg.node == cp.me:
         return
     cp.take_identity(msg.node, dict(msg.identity))
-    cp.peers.route(msg.node, msg.sponsor)
+    cp.peers.relays.route(msg.node, msg.sponsor)
     on_readmit(cp, Readmit.from_wire(msg.readmit))
 
 
@@ -223,7 +223,7 @@ def may_attach(cp, node: NodeId) -> str | None:
     if cp.world is None:
         return "a joined node sponsors nobody"
     with cp.peers.lock:
-        known = node in cp.peers.routes
+        known = node in cp.peers.relays.routes
     if not known:
         return f"node {node} is not a joined node here"
     if cp.peers.is_suspected(node):
@@ -237,7 +237,7 @@ def attach(cp, link: Link, msg: Attach) -> None:
     with cp.peers.lock:
         suspected = tuple(sorted(cp.peers.suspected))
     link.send(Attached.KIND, Attached(sponsor=cp.me, suspected=suspected, nonce=msg.nonce).to_wire())
-    cp.peers.attach(msg.node, link)
+    cp.peers.relays.attach(msg.node, link)
     cp.peers.broadcast(Rerouted.KIND, Rerouted(node=msg.node, sponsor=cp.me).to_wire())
 
 

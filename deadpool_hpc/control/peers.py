@@ -37,12 +37,11 @@ from collections import deque
 
 import numpy as np
 
-from ..errors import WireError
 from ..ipc import wire
 from .detector import Detector
 from .joining import Relay
-from .links import LinkClosed
 from .messages import Fenced, Preempt, Rejoin, Suspect, Teardown
+from .relay import Relays
 from .suspicion import helpers_for
 from .topology import ring_neighbours, tree_children
 from .waker import ACK, NACK, PING, PING_REQ
@@ -56,7 +55,6 @@ TREE_DECISION = "decision"
 MPI_IDLE_POLL_S = 0.5     # seconds between runs of MPI's progress engine in a quiet agent (waker.py)
 MPI_ACTIVE_POLL_S = 0.25  # ... while a failure is handled or control messages flow (a bell still wakes it at once)
 FAST_POLL_S = 0.005       # ... just after a bell rang, or while a send of this agent is in flight
-PARK_MAX = 256           # messages held for a joined node between its sponsors (control/joining.py)
 RUNG_FAST_S = 0.05        # how long after a bell the agent keeps polling fast while what it announced has not come
 
 class Peers(threading.Thread):
@@ -87,15 +85,8 @@ class Peers(threading.Thread):
         self.comm = comm    # None in a joined agent (control/joining.py): it has no MPI, ``me`` and ``size`` say who
         self.me = comm.Get_rank() if comm is not None else int(me)
         self.size = comm.Get_size() if comm is not None else int(size)
-        # joined nodes (control/joining.py): this agent's TCP links (node -> links.Link; a sponsor's to the nodes it
-        # admitted, a joined agent's to its sponsor), the agent that relays to each joined node (node -> sponsor),
-        # and, in a joined agent, its sponsor: every message it sends goes through it. Written under ``lock``; the
-        # links' sockets are this thread's once attached
-        self.links: dict = {}
-        self.routes: dict[int, int] = {}
-        self.via: int | None = None
-        self.detached: float | None = None   # (a joined agent) monotonic time its sponsor was lost (until re-attached)
-        self._parked: dict[int, list] = {}   # joined node -> messages held while its sponsor is suspected (``route``)
+        # joined nodes' links and routes (control/relay.py; control/joining.py says when each is written)
+        self.relays = Relays(self)
         self.secret = secret
         self.period = period
         # the failure detector proper (control/detector.py): last-heard times, adaptive deadlines, probes' verdicts;
@@ -205,39 +196,6 @@ class Peers(threading.Thread):
         self._watch = True
         self.failure.clear()
 
-    def attach(self, node: int, link) -> None:
-        """(a sponsor, control/joining.py ``admit``) ``link`` (links.Link) is joined node ``node``'s: messages for it
-        go over it, and MPI messages from the node's old rank are dropped from now on. The caller writes nothing
-        more on the link: this thread owns it."""
-        with self.lock:
-            self.links[node] = link
-            self.routes[node] = self.me
-        self._release(node)
-        self._wake.set()
-
-    def join_through(self, sponsor: int, link) -> None:
-        """(a joined agent) Every message goes through ``link`` to ``sponsor``, the agent that admitted it (or took
-        it over after its first sponsor was lost)."""
-        with self.lock:
-            self.links[sponsor] = link
-            self.via = sponsor
-            self.detached = None
-        self._wake.set()
-
-    def route(self, node: int, via: int) -> None:
-        """Messages for joined node ``node`` go through agent ``via`` (its sponsor; control/joining.py); those held
-        while its last sponsor was suspected leave now, in order."""
-        with self.lock:
-            self.routes[node] = via
-        self._release(node)
-
-    def _release(self, node: int) -> None:
-        with self.lock:
-            parked = self._parked.pop(node, [])
-        if parked:
-            self._outbox.extendleft(reversed(parked))
-            self._wake.set()
-
     def set_addresses(self, node: int, wake, heartbeat) -> None:
         """Agent ``node``'s bell and heartbeat addresses ([host, port] each): a joined node's (control/joining.py)."""
         with self.lock:
@@ -270,24 +228,12 @@ class Peers(threading.Thread):
 
     def _flush_outbox(self) -> None:
         while self._outbox:
-            if self.comm is None and self.via is None:
-                return   # a joined agent between sponsors: kept until it re-attaches (joining.py)
+            if self.relays.between_sponsors():
+                return   # a joined agent without a sponsor: kept until it re-attaches (relay.py)
             dest, msg, to_suspect = self._outbox.popleft()
             if self.is_suspected(dest) and not to_suspect:
                 continue
-            with self.lock:
-                relayed = self.via is not None or dest in self.routes
-                hop = self.routes.get(dest)
-                if relayed and hop is not None and hop != self.me and hop in self.suspected:
-                    # its sponsor is lost: held until the node re-attaches (``route``), the newest PARK_MAX kept
-                    held = self._parked.setdefault(dest, [])
-                    held.append((dest, msg, to_suspect))
-                    del held[:-PARK_MAX]
-                    continue
-            if relayed:   # a joined node, or this agent is one: the message goes inside a Relay
-                kind, body = wire.decode(msg, len(msg), self.secret)
-                self._pass_on(dest, Relay(to=dest, src=self.me, inner=kind, body=body).to_wire())
-            else:
+            if not self.relays.send(dest, msg, to_suspect):   # (a joined node's: relayed, or held)
                 self._isend(dest, msg)
 
     def _isend(self, dest: int, msg) -> None:
@@ -300,90 +246,6 @@ class Peers(threading.Thread):
             self._wake.ring(self._bells[dest])
             with self.lock:
                 self._pending.append((req, msg, dest))
-
-    # ---- joined nodes' messages (control/joining.py): relayed by their sponsor ---------------------------------
-    def _pass_on(self, dest: int, relay: dict) -> None:
-        """Send ``relay`` (a Relay's wire form) one hop toward ``dest``: over this agent's link to it, through this
-        (joined) agent's sponsor, through ``dest``'s sponsor over MPI, or to ``dest`` itself over MPI."""
-        with self.lock:
-            link = self.links.get(dest)
-            hop = dest if link is not None else self.via if self.via is not None else self.routes.get(dest, dest)
-            if link is None and hop in self.links:
-                link = self.links[hop]
-        if link is not None:
-            try:
-                link.send(Relay.KIND, relay)
-            except LinkClosed as exc:
-                self._link_lost(hop, str(exc))
-                return
-            except WireError:   # the relay's few bytes more took it over the limit: said, not fatal
-                self._rejected += 1
-                self._probe_event("relay_too_big", to=dest, kind=relay.get("inner"))
-                return
-            self.sent += 1
-            self._wake.ring(self._bells[hop])
-        elif hop == self.me or self.comm is None:
-            return   # its link is gone (it is suspected already)
-        else:
-            try:
-                msg = np.frombuffer(wire.encode(Relay.KIND, relay, self.secret), dtype=np.uint8)
-            except WireError:
-                self._rejected += 1
-                self._probe_event("relay_too_big", to=dest, kind=relay.get("inner"))
-                return
-            self._isend(hop, msg)
-
-    def _link_lost(self, node: int, why: str) -> None:
-        with self.lock:
-            link = self.links.pop(node, None)
-            mine = self.via == node
-        if link is not None:
-            link.close()
-        if mine:   # a joined agent without its sponsor: it queues what it sends until it re-attaches (joining.py)
-            with self.lock:
-                self.via = None
-                self.detached = time.monotonic()
-        self.suspect(node, f"its join link closed: {why}")
-
-    def _poll_links(self, now: float) -> int:
-        """Read every link (a sponsor's, a joined agent's); returns the messages read."""
-        with self.lock:
-            links = list(self.links.items())
-        got = 0
-        for node, link in links:
-            try:
-                link.flush()
-                msgs = link.receive()
-            except LinkClosed as exc:
-                self._link_lost(node, str(exc))
-                continue
-            for kind, body in msgs:
-                got += 1
-                if kind == Relay.KIND:
-                    self._on_relay(node, body, now, via_link=True)
-                else:
-                    self._rejected += 1
-        return got
-
-    def _on_relay(self, hop: int, body: dict, now: float, via_link: bool) -> None:
-        """A Relay from ``hop``: for this agent (handled as a message of its ``src``) or passed on. A joined node
-        speaks only for itself on its link; over MPI, a relay speaks for its sender or for a node ``hop`` sponsors."""
-        try:
-            r = Relay.from_wire(body)
-        except ValueError as exc:
-            self._rejected += 1
-            self._probe_event("bad_message", kind=Relay.KIND, src=hop, error=str(exc)[:300])
-            return
-        with self.lock:
-            sponsor_of_src = self.routes.get(r.src)
-            joined_here = self.via is not None
-        if via_link and not joined_here and r.src != hop or not via_link and r.src != hop and sponsor_of_src != hop:
-            self._rejected += 1
-            return
-        if r.to != self.me:
-            self._pass_on(r.to, body)
-            return
-        self._accept(r.src, r.inner, r.body, now)
 
     def broadcast(self, kind: str, body: dict, include_self: bool = False) -> None:
         """Send to every live peer (point-to-point; a dead peer cannot block it)."""
@@ -475,7 +337,7 @@ class Peers(threading.Thread):
         completes on MPICH: it is kept, its buffer alive, but nobody waits for it)."""
         with self.lock:
             return not self._outbox and all(d in self.suspected for (_r, _m, d) in self._pending) and \
-                all(not link.out for link in self.links.values())
+                self.relays.flushed()
 
     def stop_watching(self) -> None:
         """Stop suspecting silent peers (used at the end of the run, when peers exit on purpose)."""
@@ -566,8 +428,8 @@ class Peers(threading.Thread):
                     got = 256 if self.comm is not None else 0
                 self._owed = max(0, self._owed - got)  # what the bells announced has arrived: stop polling fast
                 self.reap_sends()
-            if self.links:   # every pass (a few non-blocking reads): a link's end is a suspicion at once
-                self._owed = max(0, self._owed - self._poll_links(now))
+            if self.relays.links:   # every pass (a few non-blocking reads): a link's end is a suspicion at once
+                self._owed = max(0, self._owed - self.relays.poll(now))
             if self._topology_dirty:
                 self._retopology(now)
             if now >= next_hb:
@@ -711,9 +573,7 @@ class Peers(threading.Thread):
         suspected = self.is_suspected(src)
         if suspected and src not in self.returning:
             return  # fenced: never trusted again
-        with self.lock:
-            taken = src in self.routes
-        if taken:
+        if self.relays.taken(src):
             return  # the rank's slot is a joined node's now: only relays speak for it (the old agent is fenced)
         try:
             kind, body = wire.decode(buf, n, self.secret)
@@ -721,7 +581,7 @@ class Peers(threading.Thread):
             self._rejected += 1
             return
         if kind == Relay.KIND:
-            self._on_relay(src, body, now, via_link=False)
+            self.relays.on_relay(src, body, now, via_link=False)
             return
         self._accept(src, kind, body, now)
 

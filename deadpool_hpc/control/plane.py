@@ -143,7 +143,7 @@ class ControlPlane:
                            watch_k=watch_k, ceiling=ceiling, generation=lambda: self._membership.generation,
                            me=self.me, size=self.size)
         if admission is not None:   # its sponsor is its one link; it suspects whom its sponsor suspects
-            self.peers.join_through(admission[0].coordinator, admission[1])
+            self.peers.relays.join_through(admission[0].coordinator, admission[1])
             self.peers.rejoined(admission[0].suspected)
         self.peers.on_preempt = self._on_preempt
         self.peers.on_probe = self._on_probe

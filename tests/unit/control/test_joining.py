@@ -49,7 +49,7 @@ def _poll(p: Peers, n: int, until=None) -> int:
     at most 5 s."""
     got, end = 0, time.monotonic() + 5.0
     while got < n and not (until is not None and until()) and time.monotonic() < end:
-        got += p._poll_links(0.0)
+        got += p.relays.poll(0.0)
         time.sleep(0.001)
     return got
 
@@ -68,11 +68,11 @@ def test_a_joined_node_is_reached_through_its_sponsor_both_ways():
     near, far = _pair()
     for p in (sponsor, other):
         p.suspected[1] = 0.0   # node 1 was lost whole; its slot is taken by the newcomer
-    sponsor.attach(1, near)
+    sponsor.relays.attach(1, near)
     sponsor.readmit(1)
-    other.route(1, 0)
+    other.relays.route(1, 0)
     other.readmit(1)
-    newcomer.join_through(0, far)
+    newcomer.relays.join_through(0, far)
     # the other agent -> the newcomer: a Relay to the sponsor over MPI, then the sponsor's link
     other.send(1, "store_set", {"key": "k", "value": "v"})
     other._flush_outbox()
@@ -96,12 +96,12 @@ def test_a_joined_node_is_reached_through_its_sponsor_both_ways():
 def test_the_old_rank_of_a_taken_slot_and_a_relay_from_the_wrong_hop_are_dropped():
     sponsor, _ = _peers(0)
     near, _far = _pair()
-    sponsor.attach(1, near)
+    sponsor.relays.attach(1, near)
     msg = wire.encode("sync", {"tag": "t"}, SECRET)
     sponsor._handle(1, msg, len(msg), 0.0)   # MPI rank 1: the fenced old agent of the slot
     assert _inbox(sponsor) == []
     other, _ = _peers(2)
-    other.route(1, 0)
+    other.relays.route(1, 0)
     forged = wire.encode(joining.Relay.KIND, joining.Relay(to=2, src=1, inner="sync", body={"tag": "x"}).to_wire(),
                          SECRET)
     other._handle(3, forged, len(forged), 0.0)   # agent 3 does not sponsor node 1
@@ -113,24 +113,24 @@ def test_the_old_rank_of_a_taken_slot_and_a_relay_from_the_wrong_hop_are_dropped
 def test_a_closed_link_is_a_suspicion_and_a_joined_agent_keeps_its_messages_until_it_re_attaches():
     sponsor, _ = _peers(0)
     near, far = _pair()
-    sponsor.attach(1, near)
+    sponsor.relays.attach(1, near)
     far.close()
     _poll(sponsor, 1, until=lambda: 1 in sponsor.suspected)
-    assert 1 in sponsor.suspected and 1 not in sponsor.links
+    assert 1 in sponsor.suspected and 1 not in sponsor.relays.links
     newcomer, _ = _peers(1, comm=False)
     a, b = _pair()
-    newcomer.join_through(0, b)
+    newcomer.relays.join_through(0, b)
     a.close()
-    _poll(newcomer, 1, until=lambda: newcomer.detached is not None)
-    assert newcomer.via is None and 0 in newcomer.suspected and not newcomer.fenced
+    _poll(newcomer, 1, until=lambda: newcomer.relays.detached is not None)
+    assert newcomer.relays.via is None and 0 in newcomer.suspected and not newcomer.fenced
     newcomer.send(2, "sync", {"tag": "t"})
     newcomer._flush_outbox()
     assert len(newcomer._outbox) >= 1   # kept: no path to the job until it re-attaches
     other, other_mpi = _peers(3)
     near3, far3 = _pair()
-    other.attach(1, near3)               # agent 3 took it over (joining.attach)
-    newcomer.join_through(3, far3)
-    assert newcomer.detached is None
+    other.relays.attach(1, near3)               # agent 3 took it over (joining.attach)
+    newcomer.relays.join_through(3, far3)
+    assert newcomer.relays.detached is None
     newcomer._flush_outbox()
     _poll(other, 2)
     sent = [(dest, wire.decode(raw, len(raw), SECRET)) for dest, raw in other_mpi]
@@ -140,7 +140,7 @@ def test_a_closed_link_is_a_suspicion_and_a_joined_agent_keeps_its_messages_unti
 
 def _cp(me=0, suspected=(), returning=(), members=(0, 2, 3), assignment=(0, 2), failure=False):
     peers = SimpleNamespace(lock=threading.RLock(), suspected={n: 0.0 for n in suspected},
-                            returning={n: 0.0 for n in returning}, routes={},
+                            returning={n: 0.0 for n in returning}, relays=SimpleNamespace(routes={}),
                             alive=lambda: [n for n in range(SIZE) if n not in suspected])
     return SimpleNamespace(me=me, P=1, peers=peers, members=members, assignment=assignment, world=object(),
                            failure=SimpleNamespace(is_set=lambda: failure))
@@ -152,13 +152,16 @@ def test_the_free_slot_is_a_node_lost_whole_whose_decision_is_applied():
     assert joining.free_slot(_cp(suspected=(1,), returning=(1,))) is None      # it comes back by itself
     assert joining.free_slot(_cp(suspected=(1,), members=(0, 1, 2, 3))) is None   # its decision not applied yet
     assert joining.free_slot(_cp(suspected=(3, 1), members=(0, 2))) == 1      # the lowest
+    cp = _cp(suspected=(1,))
+    cp.peers.relays.routes = {1: 0}      # a joined node held slot 1 and was lost in turn: free again
+    assert joining.free_slot(cp) == 1
 
 
 def test_only_the_lowest_live_agent_admits_and_never_during_a_recovery():
     assert joining.may_admit(_cp(me=0, suspected=(1,))) is None
     assert joining.may_admit(_cp(me=2, suspected=(1,))) == "not the lowest live agent of the MPI world"
     cp = _cp(me=3, suspected=(1,))
-    cp.peers.routes = {0: 3}             # node 0 is a joined node: it admits nobody, agent 2 does
+    cp.peers.relays.routes = {0: 3}             # node 0 is a joined node: it admits nobody, agent 2 does
     assert joining.may_admit(cp) == "not the lowest live agent of the MPI world"
     cp.me = 2
     assert joining.may_admit(cp) is None
@@ -169,7 +172,8 @@ def test_admit_takes_the_slot_and_tells_the_newcomer_and_the_others():
     near, far = _pair()
     readmitted, attached, told, idents = [], [], [], {}
     view = [Membership(1, (0, 2, 3), (), (0, 2, 3))]
-    peers = SimpleNamespace(lock=threading.RLock(), suspected={1: 0.0}, attach=lambda n, l: attached.append(n),
+    peers = SimpleNamespace(lock=threading.RLock(), suspected={1: 0.0},
+                            relays=SimpleNamespace(attach=lambda n, l: attached.append(n)),
                             readmit=readmitted.append, broadcast=lambda kind, body: told.append((kind, body)))
     cp = SimpleNamespace(me=0, P=1, size=SIZE, peers=peers, idents=[{}] * SIZE,
                          take_identity=lambda n, i: idents.update({n: i}))
@@ -222,13 +226,13 @@ def test_a_link_refuses_a_forged_frame_and_the_handshake_has_a_deadline():
 
 def test_messages_for_a_joined_node_whose_sponsor_is_lost_wait_for_its_new_route():
     other, sent = _peers(2)
-    other.route(1, 0)
+    other.relays.route(1, 0)
     other.suspected[0] = 0.0          # its sponsor is lost
     other.send(1, "ready", {"n": 1})
     other.send(1, "ready", {"n": 2})
     other._flush_outbox()
-    assert sent == [] and len(other._parked[1]) == 2
-    other.route(1, 3)                 # it re-attached to agent 3 (Rerouted)
+    assert sent == [] and len(other.relays._parked[1]) == 2
+    other.relays.route(1, 3)                 # it re-attached to agent 3 (Rerouted)
     other._flush_outbox()
     relays = [wire.decode(raw, len(raw), SECRET)[1] for dest, raw in sent if dest == 3]
-    assert [r["body"]["n"] for r in relays] == [1, 2] and not other._parked
+    assert [r["body"]["n"] for r in relays] == [1, 2] and not other.relays._parked
