@@ -163,7 +163,9 @@ def main(argv=None) -> None:
         detectors = load_detectors(NodeInfo(node=cp.me, hostname=socket.gethostname(), slurm_node=slurm_node,
                                             slurm_job_id=slurm_job, run_dir=run_dir))
         agent = NodeAgent(cfg, cp, channel, sup, ring_link, listeners, log, faults, transport=transport,
-                          joined=None if admission is None else {"job_id": slurm_job or "", "t_asked": admission[4]},
+                          joined=None if admission is None else {"job_id": slurm_job or "",
+                                                                 "t_asked": admission.t_asked,
+                                                                 "resume": admission.admit.resume},
                           join_listener=join_listener)
         agent.health_check = check
         agent.health = DetectorRunner(detectors, log, wake=channel.wake).start()
@@ -187,10 +189,10 @@ def main(argv=None) -> None:
         cp.exit(code)
 
 
-def _join(run_dir, cfg, secret, host, slurm_node, slurm_job, log, extra) -> tuple:
+def _join(run_dir, cfg, secret, host, slurm_node, slurm_job, log, extra):
     """(a replacement node) Ask the running job to admit this node (control/joining.py ``request``; waits as long
-    as the main job runs). Returns the ControlPlane's ``admission``: (Admit, link to the sponsor, Waker, identity
-    record, wall time asked); exits 3 when it is refused for good."""
+    as the main job runs). Returns its joining.Admission (the ControlPlane's ``admission``); exits 3 when it is
+    refused for good."""
     import time
 
     from ..control import joining
@@ -203,13 +205,14 @@ def _join(run_dir, cfg, secret, host, slurm_node, slurm_job, log, extra) -> tupl
     ident = {**fencing.identity(), **extra, "wake": waker.address, "hb": waker.hb_address}
     log.emit("join_requested", host=slurm_node or socket.gethostname(), job_id=slurm_job)
     try:
-        sock, admit = joining.request(run_dir, secret, slurm_node or socket.gethostname(), slurm_job or "", ident,
-                                      timeout=float("inf"), log=log)
+        sock, admit, idents, rest = joining.request(run_dir, secret, slurm_node or socket.gethostname(),
+                                                    slurm_job or "", ident, timeout=float("inf"), log=log)
     except joining.JoinFailed as exc:
         log.emit("join_failed", error=str(exc)[:300], job_id=slurm_job)
         log.sync()
         sys.exit(3)
-    return admit, Link(sock, secret, node=admit.coordinator), waker, ident, t0
+    return joining.Admission(admit=admit, link=Link(sock, secret, node=admit.coordinator, rest=rest), waker=waker,
+                             identity=ident, idents=idents, t_asked=t0)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from typing import Protocol
 
 from ..control import joining
 from ..control.links import Link, LinkClosed
-from ..errors import Fenced
+from ..errors import Fenced, WireError
 from .state import NodeState
 
 HANDSHAKE_S = 5.0   # seconds a connection has to send its Join
@@ -127,10 +127,10 @@ class JoinDesk:
                            generation=a.cp.generation)
             return
         try:
-            joining.admit(a.cp, link, join, slot)
-        except LinkClosed as exc:   # it left before its answer: nothing was sent to anyone yet but the view
+            joining.admit(a.cp, link, join, slot, resume=a.resume)
+        except (LinkClosed, WireError) as exc:   # it left before its answer, or a record is too large: not admitted
             a.log.emit("join_failed", node=slot, job_id=join.job_id, host=join.host, error=str(exc)[:200])
-            a.cp.peers.suspect(slot, f"it left during its admission: {exc}", notify=False, tell_suspect=False)
+            link.close()   # (the slot stays suspected and free: the view is as it was)
             return
         self.last_refusal = None
         self.admitted += 1
@@ -174,9 +174,9 @@ class JoinDesk:
                              f"{a.cfg.timeouts.recovery_timeout:g} s (--recovery-timeout)")
             self.next_try = now + joining.RETRY_S
             return
-        sock, answer = got
+        sock, answer, rest = got
         lost_for = time.monotonic() - a.peers.relays.detached
-        a.peers.relays.join_through(answer.sponsor, Link(sock, a.cp.secret, node=answer.sponsor))
+        a.peers.relays.join_through(answer.sponsor, Link(sock, a.cp.secret, node=answer.sponsor, rest=rest))
         a.retarget_ring_link()
         a.log.emit("node_reattached", sponsor=answer.sponsor, seconds=round(lost_for, 3), generation=a.cp.generation)
 

@@ -102,7 +102,8 @@ class NodeAgent:
         self.last_work_failure: WorkFailure | None = None   # how this node's last failure ended (agent/comeback.py)
         self.pending_exit: PendingExit | None = None   # this node failed: ``run`` acts on it at the top of its loop
         self.checkpoint_dir = RunDir(cfg.output.run_dir).checkpoint
-        self.resume = latest_checkpoint(cfg.output.run_dir)  # a requeued attempt (the launchers clear a new run's)
+        # a requeued attempt's checkpoint (the launchers clear a new run's); a joined node's is its sponsor's
+        self.resume = latest_checkpoint(cfg.output.run_dir) if joined is None else joined.get("resume")
         self.recovery = Recovery(self)     # agent/recovery.py: the rounds after a failure
         self.rendezvous = Rendezvous(cp)   # agent/rendezvous.py: each generation's store, kept equal across agents
         self.peers.on_inject = self._on_inject

@@ -41,15 +41,17 @@ import socket
 import time
 from dataclasses import dataclass
 
+from ..errors import WireError
 from ..ids import Generation, NodeId
 from ..ipc.schema import CONTROL, JOIN, Message
 from .decision import ProcRuns
-from .links import Link, LinkClosed, exchange
-from .membership import Readmit, _add, on_readmit
+from .links import Handshake, Link, LinkClosed
+from .membership import Readmit, _add, admitter, joined_nodes, on_readmit
 
 JOIN_FILE = "join.json"           # in RUN_DIR/companions: the lowest live agent's join address
 RETRY_S = 0.5                     # seconds a refused newcomer waits before it asks again
 ANSWER_S = 10.0                   # seconds a newcomer waits for the answer to its ``Join``
+IDENTS_BYTES = 40_000             # identity records per ``Idents`` message, in JSON bytes (a message is <= 64 KiB)
 
 
 @dataclass(frozen=True)
@@ -81,8 +83,10 @@ class JoinRefused(Message, plane=JOIN, kind="join_refused"):
 class Admit(Message, plane=JOIN, kind="admit"):
     """(the sponsor -> the newcomer) You are node ``node`` (a free slot: a lost node's id) of a world of ``size``
     agents, a spare of generation ``generation`` whose view is ``assignment`` / ``spare_nodes`` / ``members``;
-    ``suspected``: the agents the sponsor suspects; ``coordinator``: the sponsor (your link); ``idents``: every
-    agent's identity record by node id (yours included); ``nonce``: your Join's; ``t``: when (Unix seconds)."""
+    ``suspected``: the agents the sponsor suspects; ``coordinator``: the sponsor (your link); ``idents_total``:
+    every agent's identity record by node id (yours included) follows in ``Idents`` messages, this many in all;
+    ``routes``: the other joined nodes' sponsors; ``resume``: the checkpoint this attempt resumed from (None: none);
+    ``nonce``: your Join's; ``t``: when (Unix seconds)."""
 
     node: NodeId
     size: int
@@ -92,9 +96,19 @@ class Admit(Message, plane=JOIN, kind="admit"):
     members: ProcRuns
     suspected: tuple[NodeId, ...]
     coordinator: NodeId
-    idents: list
+    idents_total: int
+    routes: dict[NodeId, NodeId]
+    resume: dict | None
     nonce: str
     t: float
+
+
+@dataclass(frozen=True)
+class Idents(Message, plane=JOIN, kind="idents"):
+    """(after ``Admit``) Identity records ``start`` .. ``start + len(records) - 1`` by node id."""
+
+    start: int
+    records: list
 
 
 @dataclass(frozen=True)
@@ -150,14 +164,6 @@ class Relay(Message, plane=CONTROL, kind="relay"):
 
 
 # ---- the rules (pure over the control plane's view) --------------------------------------------------------------
-def admitter(cp) -> NodeId | None:
-    """The agent that admits newcomers: the lowest live agent of the MPI world (a joined node admits nobody: it
-    has no MPI to relay over), as ``cp`` sees it; None when it sees none."""
-    with cp.peers.lock:
-        joined = set(cp.peers.relays.routes)
-    return next((n for n in cp.peers.alive() if n not in joined and not (n == cp.me and cp.world is None)), None)
-
-
 def may_admit(cp) -> str | None:
     """Why the agent of ``cp`` cannot admit a newcomer now, or None: only the lowest live agent of the MPI world
     (``admitter``), never during a recovery (its failure flag up)."""
@@ -177,11 +183,24 @@ def free_slot(cp) -> NodeId | None:
     return next((n for n in lost if n not in used and n != cp.me), None)
 
 
-def admit(cp, link: Link, join: Join, slot: NodeId) -> tuple[Admit, Readmit]:
+def _chunks(records: list) -> list[tuple[int, list]]:
+    out, start, size = [], 0, 0
+    for i, rec in enumerate(records):
+        n = len(json.dumps(rec))
+        if i > start and size + n > IDENTS_BYTES:
+            out.append((start, records[start:i]))
+            start, size = i, 0
+        size += n
+    return out + [(start, records[start:])]
+
+
+def admit(cp, link: Link, join: Join, slot: NodeId, resume: dict | None = None) -> tuple[Admit, Readmit]:
     """(the lowest live agent, between recoveries) Make the newcomer on ``link`` node ``slot``: its identity record
     taken, messages for the slot routed through this agent, trusted again, appended to the spare pool; ``Admit``
     queued on the link (which the control thread owns from here on) and ``Joined`` sent to every other live agent.
-    Returns both messages. Raises LinkClosed (the view unchanged) when the newcomer left before its answer."""
+    ``resume``: the checkpoint this attempt resumed from (the agent's). Returns both messages. Raises LinkClosed
+    when the newcomer left before its answer, WireError when an identity record is too large to send (the view is
+    left unchanged either way)."""
     ident = dict(join.identity)
     cp.take_identity(slot, ident)
     before = cp.membership
@@ -194,11 +213,14 @@ def admit(cp, link: Link, join: Join, slot: NodeId) -> tuple[Admit, Readmit]:
                       coordinator=cp.me, t=now)
     answer = Admit(node=slot, size=cp.size, generation=cp.generation, assignment=tuple(cp.assignment),
                    spare_nodes=tuple(cp.spare_nodes), members=tuple(cp.members), suspected=suspected,
-                   coordinator=cp.me, idents=list(cp.idents), nonce=join.nonce, t=now)
-    try:
-        link.send(Admit.KIND, answer.to_wire())   # first on the link: from here on the control thread owns it
-    except LinkClosed:
-        cp.adopt(before)   # it left before its answer: nobody else heard of it
+                   coordinator=cp.me, idents_total=len(cp.idents), routes=joined_nodes(cp), resume=resume,
+                   nonce=join.nonce, t=now)
+    try:   # first on the link: from here on the control thread owns it
+        link.send(Admit.KIND, answer.to_wire())
+        for start, records in _chunks(list(cp.idents)):
+            link.send(Idents.KIND, Idents(start=start, records=records).to_wire())
+    except (LinkClosed, WireError):
+        cp.adopt(before)   # nobody else heard of it
         raise
     cp.peers.relays.attach(slot, link)
     cp.peers.readmit(slot)
@@ -242,10 +264,10 @@ def attach(cp, link: Link, msg: Attach) -> None:
 
 
 def reattach(idents: list, candidates: list, me: NodeId, job_id: str, secret: bytes,
-             timeout: float = 2.0) -> tuple[socket.socket, Attached] | None:
+             timeout: float = 2.0) -> tuple[socket.socket, Attached, bytes] | None:
     """(a joined node without a sponsor) Ask each agent of ``candidates`` in turn (node ids; their join addresses
-    are in ``idents``) to become its sponsor, ``timeout`` seconds each. Returns (socket, Attached) from the first
-    that accepts, or None."""
+    are in ``idents``) to become its sponsor, ``timeout`` seconds each. Returns (socket, Attached, the bytes read
+    past it) from the first that accepts, or None."""
     for n in candidates:
         address = idents[n].get("join") if n < len(idents) else None
         if not address:
@@ -255,13 +277,14 @@ def reattach(idents: list, candidates: list, me: NodeId, job_id: str, secret: by
             sock = socket.create_connection((address[0], int(address[1])), timeout=timeout)
         except OSError:
             continue
+        h = Handshake(sock, secret)
         try:
-            kind, body = exchange(sock, secret, Attach.KIND, Attach(node=me, job_id=job_id, nonce=nonce,
-                                                                      t=time.time()).to_wire(), timeout)
+            h.send(Attach.KIND, Attach(node=me, job_id=job_id, nonce=nonce, t=time.time()).to_wire(), timeout)
+            kind, body = h.receive(timeout)
             if kind == Attached.KIND:
                 answer = Attached.from_wire(body)
                 if answer.nonce == nonce:
-                    return sock, answer
+                    return sock, answer, h.rest()
         except (TimeoutError, LinkClosed, ValueError):
             pass
         sock.close()
@@ -304,15 +327,43 @@ def mark_joined(run_dir: str, job_id: str, node: NodeId) -> None:
 
 
 # ---- the newcomer ----------------------------------------------------------------------------------------------
+def _receive_idents(h: Handshake, total: int, timeout: float) -> list:
+    """The ``total`` identity records that follow an Admit (``Idents`` messages). Raises ValueError for anything
+    else or a gap, TimeoutError, LinkClosed."""
+    records: list = []
+    while len(records) < total:
+        kind, body = h.receive(timeout)
+        part = Idents.from_wire(body) if kind == Idents.KIND else None
+        if part is None or part.start != len(records):
+            raise ValueError(f"expected identity records from {len(records)}, got {kind!r}")
+        records += part.records
+    return records[:total]
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What a joined agent starts from (``ControlPlane(admission=...)``, agent/__main__.py): its ``admit``, its
+    ``link`` to its sponsor, its ``waker`` (control/waker.py: the bell and heartbeat sockets its identity names), its
+    own ``identity`` record, every agent's (``idents``, by node id), and when it asked (``t_asked``, Unix seconds)."""
+
+    admit: Admit
+    link: Link
+    waker: object
+    identity: dict
+    idents: list
+    t_asked: float
+
+
 class JoinFailed(RuntimeError):
     """The newcomer could not join: refused for good, or nobody admitted it in time (the message says which)."""
 
 
 def request(run_dir: str, secret: bytes, host: str, job_id: str, identity: dict, timeout: float,
-            log=None, stop=None) -> tuple[socket.socket, Admit]:
+            log=None, stop=None) -> tuple[socket.socket, Admit, list, bytes]:
     """(a replacement node's agent) Ask the lowest live agent of the run in ``run_dir`` to admit this node, again
     after each refusal that says to retry, for at most ``timeout`` seconds. Returns the connected socket (its link
-    to its sponsor) and the ``Admit``. ``stop()``: checked between tries (the main job ended). Raises JoinFailed."""
+    to its sponsor), the ``Admit``, every agent's identity record (by node id) and the bytes read past them (the
+    link's first frames). ``stop()``: checked between tries (the main job ended). Raises JoinFailed."""
     end = time.monotonic() + timeout
     tries, last = 0, "no join address published yet"
     while time.monotonic() < end and not (stop is not None and stop()):
@@ -328,21 +379,25 @@ def request(run_dir: str, secret: bytes, host: str, job_id: str, identity: dict,
             last = f"cannot connect to {address[0]}:{address[1]}: {exc}"
             time.sleep(RETRY_S)
             continue
+        h = Handshake(sock, secret)
+        wait = min(ANSWER_S, max(0.1, end - time.monotonic()))
         try:
-            kind, body = exchange(sock, secret, Join.KIND, Join(host=host, job_id=job_id, identity=identity,
-                                                                  nonce=nonce, t=time.time()).to_wire(),
-                                  min(ANSWER_S, max(0.1, end - time.monotonic())))
-        except (TimeoutError, LinkClosed) as exc:
+            h.send(Join.KIND, Join(host=host, job_id=job_id, identity=identity, nonce=nonce,
+                                   t=time.time()).to_wire(), wait)
+            kind, body = h.receive(wait)
+            if kind == Admit.KIND:
+                answer = Admit.from_wire(body)
+                idents = _receive_idents(h, answer.idents_total, wait)
+        except (TimeoutError, LinkClosed, ValueError) as exc:
             sock.close()
             last = f"{address[0]}:{address[1]}: {exc}"
             time.sleep(RETRY_S)
             continue
         if kind == Admit.KIND:
-            answer = Admit.from_wire(body)
             if answer.nonce != nonce:
                 sock.close()
                 raise JoinFailed(f"an admission for another request (nonce {answer.nonce!r}, sent {nonce!r})")
-            return sock, answer
+            return sock, answer, idents, h.rest()
         sock.close()
         refused = JoinRefused.from_wire(body) if kind == JoinRefused.KIND else None
         if refused is None:

@@ -24,16 +24,17 @@ class LinkClosed(ConnectionError):
 
 
 class Link:
-    """One framed, signed TCP connection (``sock``, connected) to agent ``node`` (None until known). Not
-    thread-safe: one thread sends and receives."""
+    """One framed, signed TCP connection (``sock``, connected) to agent ``node`` (None until known); ``rest``: bytes
+    already read from it (``Handshake.rest``). Not thread-safe: one thread sends and receives."""
 
-    def __init__(self, sock: socket.socket, secret: bytes, node: int | None = None):
+    def __init__(self, sock: socket.socket, secret: bytes, node: int | None = None, rest: bytes = b""):
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
         self.node = node
         self.secret = secret
         self.reader = FrameReader(secret)
+        self.reader.feed(rest)   # what a Handshake read past the admission
         self.out = bytearray()
         self.closed = False
 
@@ -106,39 +107,64 @@ def listen(host: str) -> tuple[socket.socket, list]:
     return srv, [host, srv.getsockname()[1]]
 
 
-def exchange(sock: socket.socket, secret: bytes, kind: str | None, body: dict | None,
-             timeout: float) -> tuple[str, dict]:
-    """(blocking, for a handshake) Send one message (unless ``kind`` is None), then read one, within ``timeout``
-    seconds in all. Raises LinkClosed (end of stream, a bad frame), TimeoutError (no answer in time)."""
-    end = time.monotonic() + timeout
-    if kind is not None:
-        sock.settimeout(max(0.01, timeout))
+class Handshake:
+    """The first messages of one connection, blocking, each with a deadline (an admission: control/joining.py).
+    What was read past them stays in ``rest()``, for the Link that takes the connection over."""
+
+    def __init__(self, sock: socket.socket, secret: bytes):
+        self.sock = sock
+        self.secret = secret
+        self.reader = FrameReader(secret)
+
+    def send(self, kind: str, body: dict, timeout: float) -> None:
+        """Send one message within ``timeout`` seconds. Raises TimeoutError, LinkClosed."""
+        self.sock.settimeout(max(0.01, timeout))
         try:
-            sock.sendall(encode_frame(kind, body or {}, secret))
+            self.sock.sendall(encode_frame(kind, body, self.secret))
         except socket.timeout as exc:
             raise TimeoutError(f"no room to send {kind!r} within {timeout:g} s") from exc
         except OSError as exc:
             raise LinkClosed(str(exc)) from exc
-    reader = FrameReader(secret)
-    while True:
-        left = end - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"no answer within {timeout:g} s")
-        sock.settimeout(left)
-        try:
-            data = sock.recv(1 << 16)
-        except socket.timeout as exc:
-            raise TimeoutError(f"no answer within {timeout:g} s") from exc
-        except OSError as exc:
-            raise LinkClosed(str(exc)) from exc
-        if not data:
-            raise LinkClosed("the peer closed the connection")
-        reader.feed(data)
-        try:
-            for msg in reader.messages():
-                return msg
-        except ChannelError as exc:
-            raise LinkClosed(str(exc)) from exc
+
+    def receive(self, timeout: float) -> tuple[str, dict]:
+        """The next message, within ``timeout`` seconds. Raises LinkClosed (end of stream, a bad frame),
+        TimeoutError (nothing in time)."""
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                for msg in self.reader.messages():
+                    return msg
+            except ChannelError as exc:
+                raise LinkClosed(str(exc)) from exc
+            left = end - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no answer within {timeout:g} s")
+            self.sock.settimeout(left)
+            try:
+                data = self.sock.recv(1 << 16)
+            except socket.timeout as exc:
+                raise TimeoutError(f"no answer within {timeout:g} s") from exc
+            except OSError as exc:
+                raise LinkClosed(str(exc)) from exc
+            if not data:
+                raise LinkClosed("the peer closed the connection")
+            self.reader.feed(data)
+
+    def rest(self) -> bytes:
+        """The bytes read past the messages received (frames the peer sent next)."""
+        return bytes(self.reader.buf)
 
 
-__all__ = ["Link", "LinkClosed", "MAX_BACKLOG", "exchange", "listen"]
+def exchange(sock: socket.socket, secret: bytes, kind: str | None, body: dict | None,
+             timeout: float) -> tuple[str, dict]:
+    """(blocking, for a handshake) Send one message (unless ``kind`` is None), then read one, within ``timeout``
+    seconds in all; what came after it is dropped (``Handshake`` keeps it). Raises LinkClosed (end of stream, a bad
+    frame), TimeoutError (no answer in time)."""
+    end = time.monotonic() + timeout
+    h = Handshake(sock, secret)
+    if kind is not None:
+        h.send(kind, body or {}, timeout)
+    return h.receive(max(0.0, end - time.monotonic()))
+
+
+__all__ = ["Handshake", "Link", "LinkClosed", "MAX_BACKLOG", "exchange", "listen"]

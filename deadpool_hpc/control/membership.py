@@ -91,7 +91,8 @@ class Readmit(Message, plane=CONTROL, kind="readmit"):
     """A node back in the spare pool. node: its MPI rank; generation: the generation it joins (no new one);
     assignment / spare_nodes / members: that generation's view after the readmission (what the node takes as its
     own); suspected: the MPI ranks the coordinator suspects (the node's heartbeat view); coordinator: who readmitted
-    it; t: when (Unix seconds)."""
+    it; t: when (Unix seconds); joined: the joined nodes' slots and how to reach them, {str(node): {"sponsor",
+    "identity"}} (control/joining.py), which an agent that was out meanwhile has not heard of."""
 
     node: NodeId
     generation: Generation
@@ -101,13 +102,28 @@ class Readmit(Message, plane=CONTROL, kind="readmit"):
     suspected: tuple[NodeId, ...]
     coordinator: NodeId
     t: float
+    joined: dict = dataclasses.field(default_factory=dict)
+
+
+def admitter(cp) -> NodeId | None:
+    """The agent that readmits returning nodes and admits replacement nodes: the lowest live agent of the MPI world
+    (a joined node, control/joining.py, has no MPI: it does neither), as ``cp`` sees it; None when it sees none."""
+    with cp.peers.lock:
+        joined = set(cp.peers.relays.routes)
+    return next((n for n in cp.peers.alive() if n not in joined and not (n == cp.me and cp.world is None)), None)
+
+
+def joined_nodes(cp) -> dict:
+    """{node: its sponsor} of the joined nodes ``cp``'s agent trusts (control/joining.py)."""
+    with cp.peers.lock:
+        return {n: s for n, s in cp.peers.relays.routes.items() if n not in cp.peers.suspected and n != cp.me}
 
 
 def may_readmit(cp, node: NodeId) -> str | None:
-    """Why the agent of ``cp`` cannot readmit ``node`` now (it asks again), or None. Only the lowest live agent does;
-    never during a recovery, nor before the decision that took the node out is applied here."""
-    alive = cp.peers.alive()
-    if cp.me != alive[0]:
+    """Why the agent of ``cp`` cannot readmit ``node`` now (it asks again), or None. Only the lowest live agent of
+    the MPI world does (``admitter``); never during a recovery, nor before the decision that took the node out is
+    applied here."""
+    if cp.me != admitter(cp):
         return "not the lowest live agent"
     if node not in cp.peers.returning:
         return "not a returning node"
@@ -126,7 +142,8 @@ def readmit(cp, node: NodeId) -> Readmit:
         suspected = tuple(sorted(cp.peers.suspected))
     msg = Readmit(node=node, generation=cp.generation, assignment=tuple(cp.assignment),
                   spare_nodes=tuple(cp.spare_nodes), members=tuple(cp.members), suspected=suspected,
-                  coordinator=cp.me, t=time.time())
+                  coordinator=cp.me, t=time.time(),
+                  joined={str(n): {"sponsor": s, "identity": cp.idents[n]} for n, s in joined_nodes(cp).items()})
     cp.peers.broadcast(Readmit.KIND, msg.to_wire())
     return msg
 
@@ -161,6 +178,9 @@ def rejoin(cp, msg: Readmit) -> None:
     the suspected agents; what its control plane kept from before its failure (rounds, decisions, barriers) is
     dropped."""
     cp.adopt(Membership(msg.generation, msg.assignment, msg.spare_nodes, msg.members, msg.coordinator))
+    for n, j in msg.joined.items():   # joined meanwhile: how to reach them (control/joining.py)
+        cp.take_identity(int(n), dict(j["identity"]))
+        cp.peers.relays.route(int(n), int(j["sponsor"]))
     cp.forget_rounds()
     cp.peers.notice_g = msg.generation
     cp.peers.rejoined(msg.suspected)

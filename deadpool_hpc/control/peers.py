@@ -39,7 +39,7 @@ import numpy as np
 
 from ..ipc import wire
 from .detector import Detector
-from .joining import Relay
+from .joining import Joined, Relay, Rerouted
 from .messages import Fenced, Preempt, Rejoin, Suspect, Teardown
 from .relay import Relays
 from .suspicion import helpers_for
@@ -47,6 +47,7 @@ from .topology import ring_neighbours, tree_children
 from .waker import ACK, NACK, PING, PING_REQ
 
 TAG_CONTROL = 7
+RELAY_NOTICES = (Joined.KIND, Rerouted.KIND)   # read here first (routes), then by the main thread (the rest)
 TREE_KINDS = (Suspect.KIND, Teardown.KIND)  # notices disseminated along a tree (topology.py), not sent to every peer
 # a recovery's decision travels down the same kind of tree from its coordinator (control/plane.py)
 TREE_DECISION = "decision"
@@ -293,6 +294,8 @@ class Peers(threading.Thread):
             self._wake.set()
         if self.on_suspect is not None:
             self.on_suspect(rank, reason, t, last_heard)
+        if rank == self.relays.via:   # a joined agent's sponsor, suspected however: it re-attaches (relay.py)
+            self.relays.link_lost(rank, reason)
         if notify:
             self.disseminate(Suspect.KIND, Suspect((rank,), reason, last_heard).to_wire())
 
@@ -562,7 +565,13 @@ class Peers(threading.Thread):
         with self.lock:
             self._topology_dirty = False
             alive = [p for p in range(self.size) if p not in self.suspected]
-        watched, self.heartbeat_to = ring_neighbours(self.me, alive, self.watch_k)
+        watched, heartbeat_to = ring_neighbours(self.me, alive, self.watch_k)
+        # a joined agent also watches its sponsor, and a sponsor sends its heartbeats to the nodes it sponsors: a host
+        # lost without its TCP connection closing is still seen, and the joined node re-attaches (relay.py)
+        with self.lock:
+            via, sponsored = self.relays.via, [n for n in self.relays.links if n != self.relays.via]
+        watched += [via] if via is not None and via in alive and via not in watched else []
+        self.heartbeat_to = heartbeat_to + [n for n in sponsored if n in alive and n not in heartbeat_to]
         with self.lock:
             for p in watched:
                 if p not in self.watched:
@@ -608,6 +617,8 @@ class Peers(threading.Thread):
             self.on_notice()
 
     def _handle_control(self, src: int, kind: str, body: dict) -> None:
+        if kind in RELAY_NOTICES:   # a joined node's route, on this thread before its relays can come (relay.py)
+            self.relays.on_notice(kind, body)
         if kind == TREE_DECISION and "origin" in body:   # passed on first, then read by the main thread
             self._forward(kind, body)
         if kind in TREE_KINDS:

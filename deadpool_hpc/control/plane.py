@@ -62,15 +62,15 @@ class ControlPlane:
                  recovery_timeout: float = 120.0,
                  replicas: int = 1, extra_identity: dict | None = None, handlers: dict | None = None,
                  watch_k: int = 2, host: str = "127.0.0.1", crash_loop_limit: int = 0, admission=None):
-        # admission: (a joined agent, control/joining.py) (its Admit, its link to the sponsor, its Waker, its identity
-        # record): no MPI at all, the node id, world size, view and identity records are the Admit's
+        # admission: (a joined agent) its joining.Admission: no MPI at all, the node id, world size, view and identity
+        # records are its sponsor's
         if admission is None:
             MPI = import_mpi()
             world = MPI.COMM_WORLD
             self.me, self.size = world.Get_rank(), world.Get_size()
         else:
             MPI = world = None
-            self.me, self.size = admission[0].node, admission[0].size
+            self.me, self.size = admission.admit.node, admission.admit.size
         self.MPI = MPI
         self.world = world
         self.P = ranks_per_node
@@ -95,8 +95,8 @@ class ControlPlane:
         # ``generation``, ``assignment``, ``spare_nodes``, ``members`` and ``coordinator`` read it, and so does the
         # control thread (Peers.generation)
         self._membership = Membership.initial(ranks_per_node, active_nodes, self.size) if admission is None else \
-            Membership(admission[0].generation, admission[0].assignment, admission[0].spare_nodes,
-                       admission[0].members, admission[0].coordinator)   # (a joined agent: its sponsor's view)
+            Membership(admission.admit.generation, admission.admit.assignment, admission.admit.spare_nodes,
+                       admission.admit.members, admission.admit.coordinator)   # (a joined agent: its sponsor's view)
         # seconds the recovery's and the barriers' loops wait for a control message (or, through their ``wait``, a
         # local event) before they look again: an event ends the wait at once, so this only bounds the latency of
         # what rings nothing; shorter costs CPU in every agent of a large job at once. What a waiting agent
@@ -115,9 +115,9 @@ class ControlPlane:
             unlink_mpi_shm()  # every agent is past MPI_Init: the exchange above was a collective over COMM_WORLD
             bootstrap.wire_up(MPI, (world, self.ctrl), self.me, self.size)   # no connection made mid-recovery
         else:
-            admit, _link, self.waker, mine = admission[:4]
-            self.idents = [dict(i) for i in admit.idents]
-            self.idents[self.me] = dict(mine)
+            self.waker = admission.waker
+            self.idents = [dict(i) for i in admission.idents]
+            self.idents[self.me] = dict(admission.identity)
         self._round = 0
         self._collects: dict[int, tuple] = {}        # coordinator MPI rank -> (its newest round id, its generation)
         self._ready: dict[tuple, dict[int, Ready]] = {}  # round id -> {MPI rank: its report}
@@ -143,8 +143,11 @@ class ControlPlane:
                            watch_k=watch_k, ceiling=ceiling, generation=lambda: self._membership.generation,
                            me=self.me, size=self.size)
         if admission is not None:   # its sponsor is its one link; it suspects whom its sponsor suspects
-            self.peers.relays.join_through(admission[0].coordinator, admission[1])
-            self.peers.rejoined(admission[0].suspected)
+            self.peers.relays.join_through(admission.admit.coordinator, admission.link)
+            for n, sponsor in admission.admit.routes.items():   # the other joined nodes (none of them sponsors it)
+                self.peers.relays.route(n, sponsor)
+            self.peers.rejoined(admission.admit.suspected)
+            self.peers.notice_g = admission.admit.generation
         self.peers.on_preempt = self._on_preempt
         self.peers.on_probe = self._on_probe
         self.peers.on_work_failure = self._on_work_failure

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import WireError
 from ..ipc import wire
-from .joining import Relay
+from .joining import Joined, Relay, Rerouted
 from .links import LinkClosed
 
 PARK_MAX = 256   # messages held per joined node while its sponsor is suspected (until it re-attaches)
@@ -49,6 +49,7 @@ class Relays:
         with self.p.lock:
             self.links[node] = link
             self.routes[node] = self.p.me
+            self.p._topology_dirty = True
         self._release(node)
 
     def join_through(self, sponsor: int, link) -> None:
@@ -58,6 +59,7 @@ class Relays:
             self.links[sponsor] = link
             self.via = sponsor
             self.detached = None
+            self.p._topology_dirty = True
         self.p._wake.set()
 
     def route(self, node: int, via: int) -> None:
@@ -68,13 +70,33 @@ class Relays:
         self._release(node)
 
     def _release(self, node: int) -> None:
+        """Messages held for ``node`` go out now; sends still pending to its slot's old MPI rank are dropped (they
+        never complete, and ``sends_done`` would wait on them: the slot is not suspected any more)."""
         with self.p.lock:
             parked = self._parked.pop(node, [])
+            self.p._pending = [q for q in self.p._pending if q[2] != node]
         if parked:
             self.p._outbox.extendleft(reversed(parked))
         self.p._wake.set()
 
     # ---- the control thread ----------------------------------------------------------------------------------
+    def on_notice(self, kind: str, body: dict) -> None:
+        """A ``Joined`` or ``Rerouted`` notice: the node's route (and, joined, its bell and heartbeat addresses)
+        at once, on the control thread, so that its relays arriving next are believed; the main thread applies the
+        rest (control/joining.py ``on_joined``). A malformed one is left to the main thread to report."""
+        try:
+            msg = Joined.from_wire(body) if kind == Joined.KIND else Rerouted.from_wire(body)
+        except ValueError:
+            return
+        if msg.node == self.p.me or msg.sponsor == self.p.me and msg.node in self.links:
+            return
+        if isinstance(msg, Joined):
+            try:
+                self.p.set_addresses(msg.node, msg.identity["wake"], msg.identity["hb"])
+            except (KeyError, TypeError):
+                return
+        self.route(msg.node, msg.sponsor)
+
     def between_sponsors(self) -> bool:
         """A joined agent whose sponsor is lost: what it sends waits in the outbox until it re-attaches."""
         return self.p.comm is None and self.via is None

@@ -1,6 +1,7 @@
 """Spares that come back (agent/comeback.py, control/membership.py): the pure parts, without processes. The real
 return (real processes, real signals) is tests/e2e/test_hotswap.py's and the chaos benchmark's."""
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -37,6 +38,7 @@ class _Peers:
         self._alive, self.returning = list(alive), dict.fromkeys(returning, 0.0)
         self.suspected = dict.fromkeys(suspected, 0.0)
         self.lock = threading.RLock()
+        self.relays = SimpleNamespace(routes={})   # no joined node (control/relay.py)
 
     def alive(self):
         return [n for n in self._alive if n not in self.suspected]
@@ -55,7 +57,7 @@ class _CP:
     members = property(lambda self: self.membership.members)
 
     def __init__(self, me, generation, assignment, spare_nodes, members, peers, failure=False):
-        self.me, self.P = me, 1
+        self.me, self.P, self.world, self.idents = me, 1, object(), {}
         self.membership = Membership(generation, assignment, spare_nodes, members)
         self.peers, self.pending_readmits = peers, []
         self.failure = threading.Event()

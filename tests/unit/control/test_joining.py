@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from deadpool_hpc.control import joining
-from deadpool_hpc.control.links import Link, LinkClosed, exchange, listen
+from deadpool_hpc.control.links import Handshake, Link, LinkClosed, exchange, listen
 from deadpool_hpc.control.membership import Membership
 from deadpool_hpc.control.peers import Peers
 from deadpool_hpc.ipc import wire
@@ -173,17 +173,23 @@ def test_admit_takes_the_slot_and_tells_the_newcomer_and_the_others():
     readmitted, attached, told, idents = [], [], [], {}
     view = [Membership(1, (0, 2, 3), (), (0, 2, 3))]
     peers = SimpleNamespace(lock=threading.RLock(), suspected={1: 0.0},
-                            relays=SimpleNamespace(attach=lambda n, l: attached.append(n)),
+                            relays=SimpleNamespace(attach=lambda n, l: attached.append(n), routes={}),
                             readmit=readmitted.append, broadcast=lambda kind, body: told.append((kind, body)))
-    cp = SimpleNamespace(me=0, P=1, size=SIZE, peers=peers, idents=[{}] * SIZE,
+    big = [{"n": n, "pad": "x" * 30_000} for n in range(SIZE)]   # records too large for one 64 KiB message
+    cp = SimpleNamespace(me=0, P=1, size=SIZE, peers=peers, idents=big,
                          take_identity=lambda n, i: idents.update({n: i}))
     cp = _ViewCp(cp, view)
     join = joining.Join(host="node5", job_id="42", identity={"wake": ["h", 9], "hb": ["h", 10]}, nonce="n1", t=0.0)
-    answer, readmit = joining.admit(cp, near, join, 1)
-    kind, body = exchange(far.sock, SECRET, None, None, 2.0)
+    answer, readmit = joining.admit(cp, near, join, 1, resume={"step": 7})
+    near.sock.setblocking(True)
+    while near.out:   # (the control thread's flush, here)
+        near.flush()
+    h = Handshake(far.sock, SECRET)
+    kind, body = h.receive(2.0)
     got = joining.Admit.from_wire(body)
     assert kind == joining.Admit.KIND and got.node == 1 and got.nonce == "n1" and got.spare_nodes == (1,)
-    assert got.members == (0, 1, 2, 3) and got.suspected == () and got.size == SIZE
+    assert got.members == (0, 1, 2, 3) and got.suspected == () and got.size == SIZE and got.resume == {"step": 7}
+    assert joining._receive_idents(h, got.idents_total, 2.0) == big   # in pieces (4 of them here), in order
     assert attached == [1] and readmitted == [1] and idents == {1: join.identity}
     (kind, body), = told
     assert kind == joining.Joined.KIND and joining.Joined.from_wire(body).sponsor == 0
