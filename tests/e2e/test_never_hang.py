@@ -186,8 +186,12 @@ def test_memory_of_a_surviving_rank_stays_flat_over_four_recoveries(tmp_path):
     rss = {e["generation"]: e["rss_bytes"] for e in events(tmp_path / "mem")
            if e["event"] == "recovered" and e["rank"] == 0}
     assert sorted(rss) == [1, 2, 3, 4], rss
+    # a leak grows with every recovery; a warm-up (a path first taken in the second recovery, a lazily grown buffer)
+    # grows once: seen in CI on a loaded machine, 311.6 -> 319.2 -> 319.25 -> 319.27 MB
+    steady = max(rss[g] for g in (3, 4)) - rss[2]
+    assert steady < 5 * 2**20, f"rank 0 grew by {steady / 2**20:.1f} MB over the last two recoveries: {rss}"
     growth = max(rss[g] for g in (2, 3, 4)) - rss[1]
-    assert growth < 5 * 2**20, f"rank 0 grew by {growth / 2**20:.1f} MB after the first recovery: {rss}"
+    assert growth < 16 * 2**20, f"rank 0 grew by {growth / 2**20:.1f} MB after the first recovery: {rss}"
 
 
 def _wait_for_step(run_dir, th, step, pick, timeout=120):
