@@ -41,10 +41,9 @@ from ..ipc import wire
 from .detector import Detector
 from .joining import Joined, Relay, Rerouted
 from .messages import Fenced, Preempt, Rejoin, Suspect, Teardown
+from .probing import Prober
 from .relay import Relays
-from .suspicion import helpers_for
 from .topology import ring_neighbours, tree_children
-from .waker import ACK, NACK, PING, PING_REQ
 
 TAG_CONTROL = 7
 RELAY_NOTICES = (Joined.KIND, Rerouted.KIND)   # read here first (routes), then by the main thread (the rest)
@@ -88,6 +87,8 @@ class Peers(threading.Thread):
         self.size = comm.Get_size() if comm is not None else int(size)
         # joined nodes' links and routes (control/relay.py; control/joining.py says when each is written)
         self.relays = Relays(self)
+        # confirming a silent peer: the probes this agent starts, answers and passes on (control/probing.py)
+        self.prober = Prober(self)
         self.secret = secret
         self.period = period
         # the failure detector proper (control/detector.py): last-heard times, adaptive deadlines, probes' verdicts;
@@ -100,8 +101,6 @@ class Peers(threading.Thread):
         # round may hold the last copy of some rank's state, so silence alone suspects nobody (a closed connection
         # still does, and a truly dead member fails the round's barrier, which names it)
         self.last_resort = False
-        self._held: set[int] = set()        # peers a suspicion_held event was written for
-        self._relays: dict[tuple, tuple] = {}  # (target, nonce) -> (origin, monotonic start): pings asked of us
         self.beat_gaps: deque = deque(maxlen=100_000)   # seconds between this agent's heartbeat sends (its jitter)
         self.lock = threading.RLock()
         self.suspected: dict[int, float] = {}
@@ -392,10 +391,10 @@ class Peers(threading.Thread):
             rung, beats = self._wake.drain(bell)
             for src in beats:
                 if src in self.detector and src not in self.suspected:  # a fenced agent is never trusted again
-                    self._alive_sign(src, now, beat=True)
+                    self.prober.alive_sign(src, now, beat=True)
             self.received += len(beats)
             if self._wake.probes:
-                self._on_probes(now)
+                self.prober.on_probes(now)
             if rung:
                 self._rung = now
                 self._owed += rung  # messages announced by bells, not received yet
@@ -448,7 +447,7 @@ class Peers(threading.Thread):
                 self._preempt(self.me)
             self._flush_outbox()
             if self._watch:
-                self._check_silence(now)
+                self.prober.check_silence(now)
             elif self.detector.probes:
                 with self.lock:
                     self.detector.drop_probes()
@@ -458,106 +457,11 @@ class Peers(threading.Thread):
             idle = max(0.0, min(next_hb, next_mpi) - time.monotonic())
             bell = self._wake.wait(FAST_POLL_S if fast or self._outbox else idle)
 
-    # ---- confirming a silent peer (control/suspicion.py) -------------------------------------------------------
-    def _probe_event(self, event: str, **fields) -> None:
-        if self.on_probe is not None:
-            self.on_probe(event, **fields)
-
-    def _alive_sign(self, src: int, now: float, beat: bool, how: str = "answer") -> None:
-        """``src`` showed a sign of life: a heartbeat (``beat``), an ack or a control message (its silence restarts)."""
-        with self.lock:
-            probe = self.detector.heard(src, now, beat=beat)
-            health = self.detector.health
-        self._refuted(src, probe, now, beat, how, health)
-
-    def _refuted(self, src: int, probe, now: float, beat: bool, how: str, health: int) -> None:
-        if probe is not None:
-            self._probe_event("probe_refuted", suspect=src, after_s=round(now - probe.t0, 3),
-                              silence_s=round(probe.silence + now - probe.t0, 3), nacks=sorted(probe.nacks),
-                              how="heartbeat" if beat else how, health=health)
-
     def heard_from(self, rank: int) -> None:
         """(any thread) ``rank``'s agent did something only a live agent does (it pushed this node a replica): as
         good as a heartbeat for its silence, and an open probe of it ends refuted at its next look."""
         if rank not in self.suspected:
             self.detector.touch(rank)
-
-    def _check_silence(self, now: float) -> None:
-        """Probe the watched peers silent past their deadline; suspect those whose probe's window ended unanswered."""
-        det = self.detector
-        with self.lock:
-            watched = [p for p in self.watched if p not in self.suspected]
-            silences = det.silences(watched, now)
-            due = det.due(silences, now)
-        for p in due:
-            helpers = helpers_for(p, self.me, self.alive(), det.probe_k)
-            with self.lock:
-                probe = det.start_probe(p, silences[p], helpers, now)
-                health = det.health
-            self._wake.probe(PING, self.me, self.me, p, probe.nonce, self._hb_to[p])
-            for h in probe.helpers:
-                self._wake.probe(PING_REQ, self.me, self.me, p, probe.nonce, self._hb_to[h])
-            self._probe_event("probe_started", suspect=p, silence_s=round(silences[p], 3), helpers=list(probe.helpers),
-                              window_s=[round(probe.w_min, 3), round(probe.w_max, 3)], health=health)
-        with self.lock:
-            # heard of since its probe started by other means (heard_from: a replica it pushed us)
-            pushed = det.touched_while_probed()
-        for p in pushed:
-            with self.lock:
-                probe = det.refute(p, now)
-                health = det.health
-            self._refuted(p, probe, now, False, "replica", health)
-        with self.lock:
-            expired = det.expired(now)
-        for probe in expired:
-            p = probe.target
-            if p not in silences:
-                continue   # no longer watched, or suspected meanwhile
-            silence = det.silence(p, now)
-            if self.last_resort:
-                if p not in self._held:
-                    self._held.add(p)
-                    self._probe_event("suspicion_held", suspect=p, silence_s=round(silence, 3),
-                                      why="no spare left: the checkpoint round needs every member's copies; only a "
-                                          "closed connection or the round's own timeout ends a member now")
-                continue
-            self.suspect(p, f"no heartbeat for {silence:.2f} s, confirmed: no answer to a direct ping and "
-                            f"{len(probe.helpers)} indirect ones ({len(probe.nacks)} helpers heard nothing) within "
-                            f"{now - probe.t0:.2f} s")
-        if self._relays:
-            wait = det.helper_wait()
-            for key, (origin, t0) in list(self._relays.items()):
-                if now - t0 > wait:
-                    del self._relays[key]
-                    self._wake.probe(NACK, self.me, origin, key[0], key[1], self._hb_to[origin])
-
-    def _on_probes(self, now: float) -> None:
-        """Answer and relay the probe datagrams that arrived (SWIM's ping, ping-req, ack; Lifeguard's nack)."""
-        got, self._wake.probes = self._wake.probes, []
-        for kind, sender, origin, target, nonce in got:
-            if not (0 <= sender < self.size and 0 <= origin < self.size and 0 <= target < self.size):
-                continue
-            if kind == PING and target == self.me:
-                # somebody doubts this agent: answer (the refutation), and take it as a sign of its own slowness
-                self._wake.probe(ACK, self.me, origin, self.me, nonce, self._hb_to[sender])
-                with self.lock:
-                    self.detector.degrade(now)
-            elif kind == PING_REQ and sender == origin and target != self.me:
-                if self.is_suspected(target):
-                    self._wake.probe(NACK, self.me, origin, target, nonce, self._hb_to[origin])
-                else:
-                    self._relays[(target, nonce)] = (origin, now)
-                    self._wake.probe(PING, self.me, origin, target, nonce, self._hb_to[target])
-            elif kind == ACK and sender == target and not self.is_suspected(target):
-                if origin == self.me:
-                    self._alive_sign(target, now, beat=False)
-                elif self._relays.pop((target, nonce), None) is not None:
-                    self._wake.probe(ACK, self.me, origin, target, nonce, self._hb_to[origin])
-            elif kind == ACK and origin == self.me and sender != target and not self.is_suspected(target):
-                self._alive_sign(target, now, beat=False)   # relayed by a helper
-            elif kind == NACK and origin == self.me:
-                with self.lock:
-                    self.detector.nack(target, nonce, sender)
 
     def _retopology(self, now: float) -> None:
         """Recompute the watched and heartbeat peers from the live ring (topology.ring_neighbours); a newly
@@ -604,7 +508,7 @@ class Peers(threading.Thread):
                 self.inbox.put((kind, src, body))
                 self._notice()
             return
-        self._alive_sign(src, now, beat=False)
+        self.prober.alive_sign(src, now, beat=False)
         self.received += 1
         self._ctl_seen = now
         try:
@@ -627,7 +531,7 @@ class Peers(threading.Thread):
                 note = (Suspect if kind == Suspect.KIND else Teardown).from_wire(body)
             except ValueError as exc:   # neither read nor passed on (an agent of another version: said, not fatal)
                 self._rejected += 1
-                self._probe_event("bad_message", kind=kind, src=src, error=str(exc)[:300])
+                self.prober.event("bad_message", kind=kind, src=src, error=str(exc)[:300])
                 return
             if isinstance(note, Suspect) or note.g >= self.generation:  # a stale teardown tells nothing
                 self.notice_g = max(self.notice_g, self.generation)

@@ -146,7 +146,7 @@ class Relays:
                 return
             except WireError:   # the relay's few bytes more took it over the limit: said, not fatal
                 p._rejected += 1
-                p._probe_event("relay_too_big", to=dest, kind=relay.get("inner"))
+                p.prober.event("relay_too_big", to=dest, kind=relay.get("inner"))
                 return
             p.sent += 1
             p._wake.ring(p._bells[hop])
@@ -157,7 +157,7 @@ class Relays:
                 msg = np.frombuffer(wire.encode(Relay.KIND, relay, p.secret), dtype=np.uint8)
             except WireError:
                 p._rejected += 1
-                p._probe_event("relay_too_big", to=dest, kind=relay.get("inner"))
+                p.prober.event("relay_too_big", to=dest, kind=relay.get("inner"))
                 return
             p._isend(hop, msg)
 
@@ -202,7 +202,7 @@ class Relays:
             r = Relay.from_wire(body)
         except ValueError as exc:
             p._rejected += 1
-            p._probe_event("bad_message", kind=Relay.KIND, src=hop, error=str(exc)[:300])
+            p.prober.event("bad_message", kind=Relay.KIND, src=hop, error=str(exc)[:300])
             return
         with p.lock:
             sponsor_of_src = self.routes.get(r.src)
