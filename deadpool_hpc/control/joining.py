@@ -327,6 +327,13 @@ def mark_joined(run_dir: str, job_id: str, node: NodeId) -> None:
 
 
 # ---- the newcomer ----------------------------------------------------------------------------------------------
+def _waiting(log, reason: str, last: str, tries: int) -> str:
+    """``join_waiting`` once per new reason (the newcomer asks again); returns ``reason``."""
+    if log is not None and reason != last:
+        log.emit("join_waiting", reason=reason[:300], tries=tries)
+    return reason
+
+
 def _receive_idents(h: Handshake, total: int, timeout: float) -> list:
     """The ``total`` identity records that follow an Admit (``Idents`` messages). Raises ValueError for anything
     else or a gap, TimeoutError, LinkClosed."""
@@ -376,7 +383,7 @@ def request(run_dir: str, secret: bytes, host: str, job_id: str, identity: dict,
         try:
             sock = socket.create_connection((address[0], int(address[1])), timeout=min(5.0, ANSWER_S))
         except OSError as exc:
-            last = f"cannot connect to {address[0]}:{address[1]}: {exc}"
+            last = _waiting(log, f"cannot connect to {address[0]}:{address[1]}: {exc}", last, tries)
             time.sleep(RETRY_S)
             continue
         h = Handshake(sock, secret)
@@ -390,7 +397,7 @@ def request(run_dir: str, secret: bytes, host: str, job_id: str, identity: dict,
                 idents = _receive_idents(h, answer.idents_total, wait)
         except (TimeoutError, LinkClosed, ValueError) as exc:
             sock.close()
-            last = f"{address[0]}:{address[1]}: {exc}"
+            last = _waiting(log, f"{address[0]}:{address[1]}: {exc}", last, tries)
             time.sleep(RETRY_S)
             continue
         if kind == Admit.KIND:
@@ -404,8 +411,6 @@ def request(run_dir: str, secret: bytes, host: str, job_id: str, identity: dict,
             raise JoinFailed(f"unexpected answer {kind!r} to a join")
         if not refused.retry:
             raise JoinFailed(f"refused: {refused.reason}")
-        if log is not None and last != refused.reason:
-            log.emit("join_waiting", reason=refused.reason, tries=tries)
-        last = refused.reason
+        last = _waiting(log, refused.reason, last, tries)
         time.sleep(RETRY_S)
     raise JoinFailed(f"not admitted within {timeout:g} s ({tries} tries; last: {last})")

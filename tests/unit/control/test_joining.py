@@ -242,3 +242,15 @@ def test_messages_for_a_joined_node_whose_sponsor_is_lost_wait_for_its_new_route
     other._flush_outbox()
     relays = [wire.decode(raw, len(raw), SECRET)[1] for dest, raw in sent if dest == 3]
     assert [r["body"]["n"] for r in relays] == [1, 2] and not other.relays._parked
+
+
+def test_a_newcomer_that_cannot_reach_the_job_says_why_once_and_gives_up_at_its_deadline(tmp_path):
+    srv, address = listen("127.0.0.1")
+    srv.close()                                   # nobody listens there any more
+    joining.publish(str(tmp_path), 0, address, 1)
+    said = []
+    log = SimpleNamespace(emit=lambda event, **fields: said.append((event, fields)))
+    with pytest.raises(joining.JoinFailed, match="not admitted within 1.5 s"):
+        joining.request(str(tmp_path), SECRET, "node5", "42", {}, timeout=1.5, log=log)
+    assert [e for e, _ in said] == ["join_waiting"], said   # once per reason, not once per try
+    assert "cannot connect" in said[0][1]["reason"]
