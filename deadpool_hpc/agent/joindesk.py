@@ -52,7 +52,8 @@ class JoinDesk:
         self.pending: list[tuple[Link, float]] = []   # connections whose Join has not come yet, with a deadline
         self.publishing = False                      # this agent's address is the published one
         self.last_refusal: str | None = None
-        self.admitted = 0
+        self.publish_error: str | None = None
+        self.turn = 0                                # the next re-attachment candidate (a joined node)
         self.next_try = 0.0
         agent.cp.on(joining.Joined.KIND, self.on_joined)
         agent.cp.on(joining.Rerouted.KIND, self.on_rerouted)
@@ -63,7 +64,14 @@ class JoinDesk:
             self._reattach()
         lowest = joining.admitter(a.cp) == a.cp.me and not a.peers.fenced
         if lowest and not self.publishing:
-            joining.publish(a.cfg.output.run_dir, a.cp.me, self.address, a.cp.generation)
+            try:
+                joining.publish(a.cfg.output.run_dir, a.cp.me, self.address, a.cp.generation)
+            except OSError as exc:   # a full or read-only run directory: said once, tried again next pass
+                if self.publish_error != str(exc):
+                    self.publish_error = str(exc)
+                    a.log.emit("join_address_failed", error=str(exc)[:300], path=joining.address_file(
+                        a.cfg.output.run_dir))
+                lowest = False
         self.publishing = lowest
         while True:
             try:
@@ -133,7 +141,6 @@ class JoinDesk:
             link.close()   # (the slot stays suspected and free: the view is as it was)
             return
         self.last_refusal = None
-        self.admitted += 1
         a.retarget_ring_link()
         a.log.emit("node_admitted", node=slot, job_id=join.job_id, host=join.host, generation=a.cp.generation,
                    spare_nodes=list(a.cp.spare_nodes), waited_s=round(time.time() - join.t, 3))
@@ -157,8 +164,9 @@ class JoinDesk:
         a.log.emit("sponsor_taken_over", node=msg.node, job_id=msg.job_id, generation=a.cp.generation)
 
     def _reattach(self) -> None:
-        """(a joined node whose sponsor was lost) Ask the lowest live agents of the MPI world, in turn, to be its
-        sponsor; raises Fenced once none took it within --recovery-timeout seconds."""
+        """(a joined node whose sponsor was lost) Ask the live agents of the MPI world, lowest first, one per pass
+        (at most 2 s for the connection and 2 s for the answer: this is the agent's loop), to be its sponsor;
+        raises Fenced once none took it within --recovery-timeout seconds."""
         a, now = self.a, time.monotonic()
         if now < self.next_try:
             return
@@ -166,8 +174,9 @@ class JoinDesk:
         with a.peers.lock:
             joined = set(a.peers.relays.routes)
         candidates = [n for n in a.peers.alive() if n != a.cp.me and n not in joined]
-        got = joining.reattach(a.cp.idents, candidates[:3], a.cp.me, a.joined["job_id"] if a.joined else "",
-                               a.cp.secret)
+        pick = [candidates[self.turn % len(candidates)]] if candidates else []
+        self.turn += 1
+        got = joining.reattach(a.cp.idents, pick, a.cp.me, a.joined["job_id"] if a.joined else "", a.cp.secret)
         if got is None:
             if lost_for > a.cfg.timeouts.recovery_timeout:
                 raise Fenced(f"lost its sponsor and no agent took it over within "
@@ -189,9 +198,3 @@ class JoinDesk:
         """(every other agent) A joined node: its route, identity record and place in the spare pool."""
         joining.on_joined(self.a.cp, msg)
         self.a.retarget_ring_link()
-
-    def close(self) -> None:
-        for link, _ in self.pending:
-            link.close()
-        self.pending = []
-        self.srv.close()

@@ -320,7 +320,10 @@ class NodeAgent:
             self.log.emit("node_joined", generation=self.cp.generation, job_id=self.joined["job_id"],
                           sponsor=self.peers.relays.via, spare_nodes=list(self.cp.spare_nodes),
                           seconds=round(time.time() - self.joined["t_asked"], 3))
-            mark_joined(self.cfg.output.run_dir, self.joined["job_id"], self.node)
+            try:
+                mark_joined(self.cfg.output.run_dir, self.joined["job_id"], self.node)
+            except OSError as exc:   # a full run directory: the policy counts it from the pool's events instead
+                self.log.emit("join_marker_failed", error=str(exc)[:300])
         else:
             self.transition(NodeState.SPARE, "started: its processes are spares")
 

@@ -3,7 +3,7 @@ joined the running job (control/joining.py, docs/replacement-nodes.md).
 
 A link is one TCP connection carrying ``ipc/frames.py`` frames (a 4-byte length, then a signed ``ipc/wire.py``
 message: JSON + HMAC-SHA256 with the job's secret; no pickle). A frame with a bad MAC or length closes the link.
-After the admission's handshake (blocking, with a deadline: ``exchange``) a link is non-blocking and owned by
+After the admission's handshake (blocking, with a deadline: ``Handshake``) a link is non-blocking and owned by
 one thread, the control thread (control/peers.py): ``send`` queues and writes what the socket takes, ``receive``
 reads what has arrived; neither ever waits. A peer that stops reading costs at most ``MAX_BACKLOG`` bytes, then
 the link closes (``LinkClosed``), which is a suspicion of that peer, as a closed ring link is.
@@ -37,9 +37,6 @@ class Link:
         self.reader.feed(rest)   # what a Handshake read past the admission
         self.out = bytearray()
         self.closed = False
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
 
     def send(self, kind: str, body: dict) -> None:
         """Queue one message and write what the socket takes now. Raises LinkClosed when the link is gone (or its
@@ -155,16 +152,4 @@ class Handshake:
         return bytes(self.reader.buf)
 
 
-def exchange(sock: socket.socket, secret: bytes, kind: str | None, body: dict | None,
-             timeout: float) -> tuple[str, dict]:
-    """(blocking, for a handshake) Send one message (unless ``kind`` is None), then read one, within ``timeout``
-    seconds in all; what came after it is dropped (``Handshake`` keeps it). Raises LinkClosed (end of stream, a bad
-    frame), TimeoutError (no answer in time)."""
-    end = time.monotonic() + timeout
-    h = Handshake(sock, secret)
-    if kind is not None:
-        h.send(kind, body or {}, timeout)
-    return h.receive(max(0.0, end - time.monotonic()))
-
-
-__all__ = ["Handshake", "Link", "LinkClosed", "MAX_BACKLOG", "exchange", "listen"]
+__all__ = ["Handshake", "Link", "LinkClosed", "MAX_BACKLOG", "listen"]
