@@ -13,7 +13,8 @@ its output in RUN_DIR. ``spare_policy.SparePolicy`` decides; this module only ac
   and the marker files the companion's node writes in RUN_DIR/companions/ (``<id>.failed``: its checks failed;
   ``<id>.joined``: its agent is one of the run's spares; its job's end after that is a lost node: ``left``);
 - **cancel**: ``scancel <job id>``, by id only; ``cancel_all`` (the batch script's exit trap, the headless
-  finisher) cancels every id in RUN_DIR/companions/jobs and every job of the companion name still queued.
+  finisher) cancels every id in RUN_DIR/companions/jobs and every job of the companion name still queued, once
+  a joined node's job has had ``END_GRACE_S`` seconds to end with the run on its own.
 
 It never outlives the main job: the companion script exits at once when the main job is not RUNNING, and its
 node's agent (``join``, below) exits when the main job ends. ``DEADPOOL_COMPANION_SBATCH_ARGS`` (read by the
@@ -49,6 +50,8 @@ DIR = "companions"                 # RUN_DIR/companions: the jobs file and the n
 JOBS_FILE = "jobs"                 # one "JOB_ID SUBMITTED_WALL_TIME" line per companion job
 EXTRA_ENV = "DEADPOOL_COMPANION_SBATCH_ARGS"
 TICK_S = 2.0                       # seconds between two looks at Slurm (one squeue) while companions live
+END_GRACE_S = 20.0                 # seconds a joined companion gets to end with the run before the main job's end
+                                   # cancels it (cancel_all)
 SLURM_PENDING = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD"}
 SLURM_STARTED = {"CONFIGURING", "RUNNING", "SUSPENDED", "STOPPED", "SIGNALING", "RESIZING"}
 
@@ -173,18 +176,41 @@ def cancel(job_id: str) -> bool:
         return False
 
 
-def cancel_all(run_dir: str, main_job: str) -> list[str]:
+def cancel_all(run_dir: str, main_job: str, grace: float = END_GRACE_S, poll: float = 0.5) -> list[str]:
     """Cancel every companion job of ``main_job``: each id recorded in RUN_DIR/companions/jobs and each job of the
-    companion name still queued (one submitted by a watcher killed before it recorded the id). By job id. Returns
-    the ids cancelled."""
+    companion name still queued (one submitted by a watcher killed before it recorded the id). By job id.
+
+    A companion whose node joined the run (``<id>.joined``) and still runs is given up to ``grace`` seconds
+    (``poll``: seconds between two squeue) to end on its own first: its agent has the run's end (``finish`` or
+    ``abort``, relayed by its sponsor) and stops its training processes, and the job ends COMPLETED rather than
+    CANCELLED (event ``companion_ended``, ``reason`` "the run ended"). The others (pending, still checking or
+    joining) are cancelled at once. Returns the ids cancelled."""
     from ..events import EventLog
     from ..rundir import RunDir
 
     live = queued(main_job)
     ids = {j for j, _ in recorded(run_dir)} | set(live or {})
     log = EventLog(RunDir(run_dir).events, role="watcher")
+    waiting = {j for j, st in (live or {}).items() if st in SLURM_STARTED and policy_state(st, run_dir, j) == JOINED}
+    done = _cancel(sorted(ids - waiting), live, log)
+    end = time.monotonic() + grace
+    while waiting and time.monotonic() < end:
+        time.sleep(poll)
+        now = queued(main_job)
+        if now is None:   # Slurm not answering: nothing concluded; cancel what is left when the grace is over
+            continue
+        for j in sorted(waiting - set(now)):
+            log.emit("companion_ended", job_id=j, previous=JOINED, reason="the run ended")
+        waiting &= set(now)
+        live = now
+    return done + _cancel(sorted(waiting), live, log)
+
+
+def _cancel(ids: list[str], live: dict[str, str] | None, log) -> list[str]:
+    """scancel each of ``ids``; log ``companion_cancelled`` for each still in ``live`` (squeue's view; None: Slurm
+    did not answer). The ids scancel accepted."""
     done = []
-    for j in sorted(ids):
+    for j in ids:
         ok = cancel(j)
         if live is None or j in live:   # (a job already gone is cancelled again, silently)
             log.emit("companion_cancelled", job_id=j, reason="the job ends", accepted=ok,

@@ -107,3 +107,30 @@ def test_the_companion_job_of_a_slot_is_its_newest_agents():
           {"event": "hello", "t": 1.0, "mpi_rank": 2, "host": "node3"}]
     assert companion_jobs_by_rank(ev) == {1: "42"}
     assert companion_jobs_by_rank(ev, before=4.0) == {}   # decided before it joined: the first node's loss
+
+
+def test_the_jobs_end_gives_a_joined_companion_time_to_end_with_the_run(tmp_path, monkeypatch):
+    """cancel_all (the batch script's exit trap): a pending companion is cancelled at once; a running one whose node
+    joined is left to end on its own (its agent has the run's end: COMPLETED, not CANCELLED); one that outlives the
+    grace is cancelled."""
+    slurm = FakeSlurm(monkeypatch, tmp_path)
+    d = tmp_path / "companions"
+    d.mkdir()
+    (d / "jobs").write_text("7 1.0\n8 2.0\n9 3.0\n")
+    (d / "7.joined").write_text("node5\n")
+    (d / "9.joined").write_text("node4\n")
+    slurm.jobs.update({"7": "RUNNING", "8": "PENDING", "9": "RUNNING"})
+    sleeps = []
+
+    def sleep(s):   # job 7's agent ends with the run after the second look; job 9's never does
+        sleeps.append(s)
+        if len(sleeps) == 2:
+            slurm.jobs.pop("7")
+
+    monkeypatch.setattr(companion.time, "sleep", sleep)
+    clock = iter(range(0, 1000, 1))
+    monkeypatch.setattr(companion.time, "monotonic", lambda: float(next(clock)))
+    assert companion.cancel_all(str(tmp_path), "41", grace=5.0, poll=0.5) == ["8", "9"]
+    assert slurm.cancelled == ["8", "9"] and 4 <= len(sleeps) <= 6, sleeps   # 9 cancelled once the 5 s were over
+    ev = [(e["event"], e["job_id"]) for e in read_events(str(tmp_path / "events.jsonl"))]
+    assert ev == [("companion_cancelled", "8"), ("companion_ended", "7"), ("companion_cancelled", "9")], ev
