@@ -64,6 +64,9 @@ def build(s: Settings, steps: int):
     return model, opt, sched, data
 
 
+_LAST_WORK = None   # main(): the last collective's work (see fsdp2_gpt.py)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200)
@@ -81,7 +84,9 @@ def main() -> None:
         sched.step()
         if dist.get_rank() == 0 and step % 10 == 0:
             print(f"step {step} loss {loss.item():.4f}", flush=True)
-    dist.barrier()   # every rank past its last collective, and no reference to pending work left: see fsdp2_gpt.py
+    global _LAST_WORK   # every rank past its last collective, and its work freed at exit, not by gloo: see fsdp2_gpt.py
+    _LAST_WORK = dist.barrier(async_op=True)
+    _LAST_WORK.wait()
     del model, opt, sched
     dist.destroy_process_group()
 

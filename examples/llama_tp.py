@@ -183,6 +183,9 @@ def train_step(model, opt, sched, s: Settings, x, y) -> float:
     return loss.item()
 
 
+_LAST_WORK = None   # main(): the last collective's work (see fsdp2_gpt.py)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200)
@@ -204,7 +207,9 @@ def main() -> None:
         loss = train_step(model, opt, sched, s, x.to(device), y.to(device))
         if dist.get_rank() == 0 and (step % 10 == 0 or step == steps - 1):
             print(f"step {step} loss {loss:.4f}", flush=True)
-    dist.barrier()   # every rank past its last collective, and no reference to pending work left: see fsdp2_gpt.py
+    global _LAST_WORK   # every rank past its last collective, and its work freed at exit, not by gloo: see fsdp2_gpt.py
+    _LAST_WORK = dist.barrier(async_op=True)
+    _LAST_WORK.wait()
     del model, opt, sched
     dist.destroy_process_group()
 
