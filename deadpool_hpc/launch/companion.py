@@ -1,10 +1,11 @@
 """Replacement nodes as companion Slurm jobs: submitted, watched and cancelled by the main job (``--spare-floor``).
 
-When the spare pool falls below ``--spare-floor``, the main job's batch-host watcher (slurm_job.keep_batch_host)
-asks Slurm for one node per missing spare, each as a separate one-node job that the main job submits and owns: the
-companion template (templates/companion.sbatch) with the main job's account, partition, constraints (``Features``)
-and time limit read from ``scontrol show job``, the name ``deadpool-spare-<main job id>``, ``--no-requeue``, and
-its output in RUN_DIR. ``spare_policy.SparePolicy`` decides; this module only acts:
+When the spare pool falls below ``--spare-floor``, the main job's keeper (launch/keeper.py: the batch host's, or
+the task standing in for a dead batch host) asks Slurm for one node per missing spare, each as a separate one-node
+job that the main job submits and owns: the companion template (templates/companion.sbatch) with the main job's
+account, partition, constraints (``Features``) and time limit read from ``scontrol show job``, the name
+``deadpool-spare-<main job id>``, ``--no-requeue``, and its output in RUN_DIR. ``spare_policy.SparePolicy``
+decides; this module only acts:
 
 - **submit**: ``sbatch --parsable`` (``sbatch_args``: pure, unit-tested); each job id is written to
   RUN_DIR/companions/jobs before anything else happens to it; the directory itself before sbatch runs, so
@@ -110,6 +111,18 @@ def sbatch_args(main_job: str, info: dict, run_dir: str, python: str, template: 
     return cmd + list(extra) + [template or template_path()]
 
 
+# an srun task's own variables (its step, its rank, its PMI wire-up): a companion submitted by a task standing in for
+# the batch host's keeper (launch/keeper.py) must not inherit them with --export=ALL
+STEP_VARS = ("SLURM_STEP", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_TASK_PID", "SLURM_SRUN_COMM",
+             "SLURM_LAUNCH_NODE_IPADDR", "SLURM_CPU_BIND", "SLURM_DISTRIBUTION", "SLURM_GTIDS", "PMI_", "PMIX_")
+
+
+def submit_env(env: dict | None = None) -> dict:
+    """The environment sbatch runs with (and, by --export=ALL, the companion job gets): ``env`` (this process's)
+    without an srun task's step variables (STEP_VARS); the job's own (SLURM_JOB_ID...) are Slurm's to replace."""
+    return {k: v for k, v in (os.environ if env is None else env).items() if not k.startswith(STEP_VARS)}
+
+
 def _dir(run_dir: str) -> str:
     return os.path.join(run_dir, DIR)
 
@@ -131,7 +144,7 @@ def submit(main_job: str, run_dir: str, info: dict, python: str | None = None, e
     os.makedirs(_dir(run_dir), exist_ok=True)   # first: the exit trap looks for this directory
     extra = shlex.split(os.environ.get(EXTRA_ENV, "")) if extra is None else extra
     cmd = sbatch_args(main_job, info, run_dir, python or sys.executable, extra=extra)
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=submit_env())
     if out.returncode != 0:
         raise RuntimeError(f"sbatch refused the companion job (exit {out.returncode}): {out.stderr.strip()[:300]}")
     job_id = out.stdout.strip().split(";")[0]
@@ -235,6 +248,21 @@ class Companions:
         self.states: dict[str, str] = {}       # job id -> the policy state last seen
         self.submitted: dict[str, float] = {}  # this attempt's (an earlier one's: cancelled by its exit trap)
         self._next = 0.0
+
+    def adopt(self, since: float) -> list[str]:
+        """Take over the companion jobs recorded in RUN_DIR/companions/jobs at or after ``since`` (wall time,
+        seconds: this attempt's) that Slurm still has: they count as asked for (a keeper standing in for a dead
+        batch host, launch/keeper.py, asks for no node twice). When squeue does not answer, every such job is
+        taken, as its node's marker says or pending (the next look sorts them out). Returns their ids."""
+        live = queued(self.main_job)
+        ids = []
+        for j, t in recorded(self.run_dir):
+            if t < since or j in self.submitted or (live is not None and j not in live):
+                continue
+            self.submitted[j] = t
+            self.states[j] = policy_state(live[j] if live is not None else "PENDING", self.run_dir, j)
+            ids.append(j)
+        return ids
 
     def pool_from(self, events: list[dict], since: float) -> int:
         """The pool size the events of this attempt (``t >= since``) last reported: a ``spare_pool`` event's

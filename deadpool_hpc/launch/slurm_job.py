@@ -24,14 +24,13 @@ import time
 from ..events import EventLog, read_events
 from ..rundir import RunDir, emit_requeued
 from ..rundir import latest_checkpoint as _latest_checkpoint  # without torch: settle runs within KillWait
-from .companion import cancel as cancel_companion
-from .slurm_common import companion_jobs_by_rank, hosts_by_rank, load_config, summary_out, write_summary
+from .nodestate import drain
+from .slurm_common import load_config, summary_out, write_summary
 from .slurm_startup import Beacon, BeaconCheck
+from .keeper import ALIVE_FILE, Keeper, StandIn, batch_alive, companions_for, drain_wanted
 
 _log = logging.getLogger(__name__)  # diagnostics; ``log`` below is a run's event log
 
-ALIVE_FILE = "batch.alive"
-ALIVE_STALE_S = 10.0  # the batch host counts as dead when batch.alive has not been touched for this long
 
 
 # ---- inside the job: the task wrapper, the finisher, the watcher ------------------------------------------------
@@ -126,28 +125,6 @@ def expected_survivors(run_dir: str) -> set[int]:
             if e["event"] == "hello" and e.get("role", "agent") == "agent" and e["mpi_rank"] not in failed}
 
 
-def batch_alive(run_dir: str, stale_s: float = ALIVE_STALE_S) -> bool:
-    """Whether the batch script's watcher still runs: True as soon as RUN_DIR/batch.alive is touched again
-    (it is touched every second), False once its mtime has not moved for ``stale_s`` seconds. Only the file's
-    own mtime values are compared, so the clocks of the file server and of this node do not matter."""
-    path = os.path.join(run_dir, ALIVE_FILE)
-
-    def mtime():
-        try:
-            return os.stat(path).st_mtime_ns
-        except FileNotFoundError:
-            return None
-
-    first = mtime()
-    end = time.monotonic() + stale_s
-    while time.monotonic() < end:
-        time.sleep(0.25)
-        m = mtime()
-        if m is not None and m != first:
-            return True
-    return False
-
-
 _COMPLETE_SNIPPET = """
 import ctypes, ctypes.util, sys
 job, rc = int(sys.argv[1]), int(sys.argv[2])
@@ -205,7 +182,7 @@ def finish_headless(run_dir: str, wait_s: float = 60.0) -> dict | None:
         time.sleep(0.5)
     s = write_summary(run_dir, out=summary_out(run_dir),
                       extra={"finished_by": f"task {_task_id()} on {os.uname().nodename} (batch host dead)"})
-    if os.environ.get("DRAIN_FAILED", "1") not in ("0", "no", "false", ""):  # the watcher died with the batch host
+    if drain_wanted():  # the keeper died with the batch host (its stand-in, if any, drained what it saw)
         for f in s["failures"]:
             for h in f.get("failed_hosts", []):
                 drain(h, f"deadpool job {os.environ.get('SLURM_JOB_ID', '?')}: declared dead")
@@ -225,8 +202,19 @@ def finish_headless(run_dir: str, wait_s: float = 60.0) -> dict | None:
 
 
 def task_main(run_dir: str, finisher: bool = True) -> int:
+    """One srun task: its node's agent (run_worker), a beacon until the agents' MPI world exists, and (in a Slurm
+    job) the keeper's stand-in thread (launch/keeper.py StandIn: this task runs the keeper if the batch
+    host dies and it is the lowest live task); then its exit marker and, the batch host dead, the job's end
+    (finish_headless). Returns the agent's exit code."""
     Beacon(run_dir, _task_id()).start()   # the batch host sees this task live until its agent's MPI world exists
+    standin = None
+    if os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_NTASKS", "").isdigit():
+        standin = StandIn(run_dir, _task_id(), int(os.environ["SLURM_NTASKS"]), lambda: exited_tasks(run_dir),
+                          time.time())
+        standin.start()
     rc = run_worker(run_dir, on_start=lambda proc: mark_ready(run_dir, proc.pid))
+    if standin is not None:
+        standin.stop.set()
     # the job may be ending (scancel, time limit: SIGTERM now, SIGKILL after KillWait): the exit marker and the
     # finisher's work must not be cut short by a second signal
     for sig in STOP_SIGNALS:
@@ -237,105 +225,25 @@ def task_main(run_dir: str, finisher: bool = True) -> int:
     return rc
 
 
-def drain(node: str, reason: str) -> bool:
-    """``scontrol update nodename=NODE state=drain``: needs SlurmUser/admin (or root). False if refused."""
-    try:
-        out = subprocess.run(["scontrol", "update", f"nodename={node}", "state=drain", f"reason={reason}"],
-                             capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        _log.warning("drain %s: %s", node, exc)
-        return False
-    if out.returncode != 0:
-        _log.warning("drain %s refused (needs SlurmUser/admin): %s", node, out.stderr.strip())
-    return out.returncode == 0
-
-
-# Slurm's view of a lost node (``scontrol show node``), asked by the watcher off the agents' path: at once, then
-# every NODE_STATE_EVERY_S until Slurm's State says the node is down or not responding, at most NODE_STATE_WAIT_S
-# (Slurm marks a silent node after SlurmdTimeout: 300 s by default, 5 s on scripts/slurm-local-cluster.sh)
-NODE_STATE_WAIT_S = 120.0
-NODE_STATE_EVERY_S = 2.0
-NODE_STATE_TIMEOUT_S = 5.0   # one scontrol call
-DOWN_FLAGS = frozenset({"DOWN", "NOT_RESPONDING", "FAIL", "FAILING", "POWER_DOWN", "POWERED_DOWN", "REBOOT_ISSUED"})
-_REASON = re.compile(r"(?:^|\s)Reason=(.*?)(?:\s+\[[^\]]*\])?\s*(?=$|\s[A-Za-z]+=)")
-
-
-def parse_node_state(text: str) -> tuple[str | None, str | None]:
-    """(State, Reason) of one node in ``scontrol show node -o NAME``'s output; Reason without its ``[user@time]``;
-    None for a field that is not there."""
-    state = re.search(r"(?:^|\s)State=(\S+)", text)
-    reason = _REASON.search(text.strip())
-    return (state.group(1) if state else None), (reason.group(1).strip() or None if reason else None)
-
-
-def node_state(host: str) -> tuple[str | None, str | None]:
-    """Slurm's (State, Reason) of ``host`` now; (None, None) when scontrol cannot say (within
-    NODE_STATE_TIMEOUT_S)."""
-    try:
-        out = subprocess.run(["scontrol", "show", "node", "-o", host], capture_output=True, text=True,
-                             timeout=NODE_STATE_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired):
-        return None, None
-    return parse_node_state(out.stdout) if out.returncode == 0 else (None, None)
-
-
-def is_down(state: str | None) -> bool:
-    """Whether a State (``IDLE+DRAIN``, ``DOWN+NOT_RESPONDING``, ``MIXED*``...) says Slurm sees the node as gone."""
-    return bool(state) and (state.endswith("*") or bool(DOWN_FLAGS & set(state.rstrip("*").split("+"))))
-
-
-class NodeStates:
-    """What Slurm says of each host the run lost, as ``node_state`` events (``host``, ``lost_node``: the run's node
-    index, ``generation``: the decision's, ``state``, ``reason``, ``after_s``: seconds since the watcher saw the
-    decision, ``settled``: Slurm sees it down): the first answer, then each change until settled or
-    NODE_STATE_WAIT_S. ``query(host) -> (state, reason)`` (``node_state``); ``log``: an events.EventLog."""
-
-    def __init__(self, log, query=node_state, wait_s: float = NODE_STATE_WAIT_S, every_s: float = NODE_STATE_EVERY_S):
-        self.log, self.query, self.wait_s, self.every_s = log, query, wait_s, every_s
-        self.asked: set[str] = set()
-        self._pending: dict[str, dict] = {}
-
-    def lost(self, host: str, lost_node: int, generation: int) -> None:
-        self.asked.add(host)
-        self._pending[host] = {"lost_node": lost_node, "generation": generation, "t0": time.monotonic(),
-                               "next": 0.0, "last": None}
-        self.poll()
-
-    def poll(self) -> None:
-        now = time.monotonic()
-        for host, p in list(self._pending.items()):
-            if now < p["next"]:
-                continue
-            state, reason = self.query(host)
-            after = time.monotonic() - p["t0"]
-            settled, late = is_down(state), after >= self.wait_s
-            if (state, reason) != p["last"] or settled or late:
-                self.log.emit("node_state", host=host, lost_node=p["lost_node"], generation=p["generation"],
-                              state=state, reason=reason, after_s=round(after, 3), settled=settled)
-                p["last"] = (state, reason)
-            if settled or late:
-                del self._pending[host]
-            else:
-                p["next"] = now + self.every_s
-
-
 def keep_batch_host(run_dir: str, do_drain: bool = True, period: float = 1.0) -> None:
-    """Run on the batch host while the batch script lives: keep RUN_DIR/batch.alive fresh, drain each node the
-    run declares dead, and record Slurm's State and Reason of each (``NodeStates``). SIGTERM, SIGUSR2, SIGINT and SIGHUP
-    are ignored (``scancel --full``, a cancel or the time limit signal every process of the batch step; the watcher must
-    outlive the ranks' save, or the tasks would
-    take the batch host for dead): the batch script ends it with SIGKILL, and it ends by itself when the batch
-    script (its parent) is gone."""
+    """Run on the batch host while the batch script lives: keep RUN_DIR/batch.alive fresh (its first line: this
+    host's Slurm name) and run the keeper (launch/keeper.py Keeper: drain each node the run declares dead,
+    record Slurm's State and Reason of each, cancel a lost joined node's companion job, ask for replacement nodes),
+    and end the start-up of a node lost before the agents' MPI world exists (slurm_startup.BeaconCheck).
+    SIGTERM, SIGUSR2, SIGINT and SIGHUP are ignored (``scancel --full``, a cancel or the time limit signal every
+    process of the batch step; the watcher must outlive the ranks' save, or the tasks would take the batch host for
+    dead): the batch script ends it with SIGKILL, and it ends by itself when the batch script (its parent) is
+    gone."""
     alive = os.path.join(run_dir, ALIVE_FILE)
     events_path = RunDir(run_dir).events
     parent = os.getppid()
     # a node lost before the MPI world exists: the step is ended, and the batch shell (SIGUSR1) stops waiting for srun
     beacons = BeaconCheck(run_dir, os.environ.get("SLURM_JOB_ID"), on_lost=lambda: os.kill(parent, signal.SIGUSR1))
-    drained: set[str] = set()
-    released: set[str] = set()   # companion jobs of lost joined nodes, cancelled (their node is fenced so)
-    states = NodeStates(EventLog(events_path, role="watcher"))   # Slurm's view of each lost host
-    t_start = time.time()  # decisions of earlier attempts (a requeued job) were drained by their own watcher
-    spares = _companions(run_dir)   # --spare-floor: replacement nodes asked of Slurm (launch/companion.py)
+    log = EventLog(events_path, role="watcher")
+    # decisions of earlier attempts (a requeued job) were acted on by their own watcher
+    keeper = Keeper(run_dir, log, time.time(), do_drain, companions_for(run_dir, log))
+    with open(alive, "w") as fh:
+        fh.write(f"{os.environ.get('SLURMD_NODENAME') or os.uname().nodename}\n")
     for sig in STOP_SIGNALS + (signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     while os.getppid() == parent:
@@ -345,61 +253,12 @@ def keep_batch_host(run_dir: str, do_drain: bool = True, period: float = 1.0) ->
             events = list(read_events(events_path)) if os.path.exists(events_path) else []
             for h in beacons.poll(events):
                 _log.info("%s lost during the start-up: the step is ended and relaunched without it", h)
-                if do_drain and h not in drained:
-                    drained.add(h)
-                    drain(h, f"deadpool job {os.environ.get('SLURM_JOB_ID', '?')}: lost during the start-up")
+                keeper.drain_once(h, "lost during the start-up")
         except (OSError, ValueError, KeyError) as exc:
             _log.warning("watch (start-up): %s", exc)
             events = []
-        if events:
-            try:
-                for e in events:
-                    if e["event"] != "decision" or e["t"] < t_start:
-                        continue
-                    hosts = hosts_by_rank(events, before=e["t"])  # where the ranks ran when it was decided
-                    joined = companion_jobs_by_rank(events, before=e["t"])   # slots held by joined nodes
-                    for n in e.get("failed_nodes") or []:
-                        if n in joined and joined[n] not in released:   # a joined node's fence: its job ends
-                            released.add(joined[n])
-                            ok = cancel_companion(joined[n])
-                            _log.info("companion job %s of lost node%s %s", joined[n], n,
-                                      "cancelled" if ok else "could not be cancelled")
-                        h = hosts.get(n)  # MPI rank n is node n's agent
-                        if h and h not in states.asked:
-                            states.lost(h, n, e["generation"])   # Slurm's view first, before our drain
-                        if do_drain and h and h not in drained:
-                            drained.add(h)
-                            ok = drain(h, f"deadpool job {os.environ.get('SLURM_JOB_ID', '?')}: declared dead")
-                            _log.info("%s %s (node%s of the run, generation %s)",
-                                      "drained" if ok else "could not drain",
-                                     h, n, e["generation"])
-            except (OSError, ValueError, KeyError) as exc:
-                _log.warning("watch: %s", exc)
-        states.poll()
-        if spares is not None:
-            try:
-                spares.pool_from(events, t_start)
-                spares.tick()
-            except Exception as exc:  # noqa: BLE001 - asking for replacements must never end the watcher
-                _log.warning("watch (companion jobs): %s", exc)
+        keeper.tick(events)
         time.sleep(period)
-
-
-def _companions(run_dir: str):
-    """The watcher's companion jobs (launch/companion.py Companions) when the run asks for replacement nodes
-    (``--spare-floor`` > 0) and this is a Slurm job; else None."""
-    from .companion import Companions
-
-    job_id = os.environ.get("SLURM_JOB_ID")
-    try:
-        cfg = load_config(run_dir)
-    except (OSError, ValueError) as exc:
-        _log.warning("watch: no config, no replacement nodes: %s", exc)
-        return None
-    if not job_id or cfg.replacement.spare_floor <= 0:
-        return None
-    return Companions(run_dir, job_id, cfg.replacement.spare_floor, cfg.replacement.spare_wait, cfg.layout.spares,
-                      EventLog(RunDir(run_dir).events, role="watcher"))
 
 
 # ---- how an attempt ends: requeue, or stop ------------------------------------------------------------------------

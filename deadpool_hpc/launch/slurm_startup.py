@@ -18,7 +18,7 @@ help, so the batch host watches from outside it:
   lost hosts excluded, and starts srun again on the live nodes of the same allocation (event ``relaunched``). With
   no spare left it ends the attempt with the reason (exit 1 of ``relaunch``).
 
-Only mtimes of the beacons are compared with each other, as ``slurm_job.batch_alive`` does, so the clocks of the
+Only mtimes of the beacons are compared with each other, as ``keeper.batch_alive`` does, so the clocks of the
 file server and of the nodes do not matter. LAUNCH_ID is ``ATTEMPT.LAUNCH``: the job's restart count
 (SLURM_RESTART_COUNT) and the number of relaunches within this attempt (``DEADPOOL_LAUNCH``).
 """

@@ -144,27 +144,31 @@ def test_a_companion_still_pending_when_the_job_ends_is_cancelled_by_the_job(tmp
     assert f"companion jobs of {job} cancelled: {sub['job_id']}" in out, out[-2000:]
 
 
-JOIN_STEPS = 300
+JOIN_STEPS = 400
 
 
-@pytest.mark.parametrize("second", [2, 0], ids=["then-node2", "then-its-sponsor-node0"])
-def test_a_replacement_node_joins_the_running_job_and_takes_the_next_loss(tmp_path, cluster_up, failure_free, second):
-    """3 + 1 with --spare-floor 1 on the 5-node cluster: the host of node 1 crashed whole at step 30 (the cluster
-    script's crash); the spare takes over; the pool is empty, so a companion job is submitted, starts on the fifth
-    node, and its agent joins the running job as a spare (the lost node's slot, control/joining.py); then the host
-    of node ``second`` is crashed, and the joined node is the one promoted. The job ends COMPLETED with the
-    failure-free digest and nothing of the run is left in squeue. Node 2: the second request (no node left for it)
-    stays pending and is cancelled by the job's end. Node 0: the joined node's sponsor, the coordinator and the
-    batch host at once: the joined node re-attaches to another agent and takes rank 0 (nobody is left to ask Slurm
-    for more: the batch host's watcher died with its node). Prints (and records) the time from the first crash to
-    the replacement being a ready spare."""
+@pytest.mark.parametrize("first,second", [(0, 2), (1, 0)], ids=["batch-host-first-then-node2",
+                                                                 "then-its-sponsor-node0"])
+def test_a_replacement_node_joins_the_running_job_and_takes_the_next_loss(tmp_path, cluster_up, failure_free, first,
+                                                                          second):
+    """3 + 1 with --spare-floor 1 on the 5-node cluster: the host of node ``first`` crashed whole at step 30 (the
+    cluster script's crash); the spare takes over; the pool is empty, so a companion job is submitted, starts on the
+    fifth node, and its agent joins the running job as a spare (the lost node's slot, control/joining.py); then the
+    host of node ``second`` is crashed, and the joined node is the one promoted; the pool is empty again and a second
+    request (no node left for it) stays pending until the job's end cancels it. The job ends COMPLETED with the
+    failure-free digest, the joined node's companion job COMPLETED with it, and nothing of the run is left in
+    squeue. Node 0 is the batch host, the coordinator and the lowest agent at once. Lost first: its keeper dies
+    with it, and the lowest live task stands in for it (launch/keeper.py, ``keeper_stand_in``) and asks for the
+    replacement. Lost second: it is also the joined node's sponsor: the joined node re-attaches to another agent
+    and takes rank 0, and the stand-in asks for the next node. Prints (and records) the time from the first crash
+    to the replacement being a ready spare."""
     ref = failure_free(nodes=3, steps=JOIN_STEPS)["param_digest"]
     with _running(tmp_path, "--steps", str(JOIN_STEPS), "--spare-floor", "1", "--spare-wait", "300", nodes=3,
                   hold=False) as (job, run_dir, fail):
-        first, t_kill = crash_when(run_dir, fail, host_of(1), 30, time.time() + 150, lambda: wait_gone(job, 0))
+        host1, t_kill = crash_when(run_dir, fail, host_of(first), 30, time.time() + 150, lambda: wait_gone(job, 0))
         joined = wait_for(lambda: events(run_dir, "node_joined"), 90, "the replacement node joined")[0]
         admitted = events(run_dir, "node_admitted")[0]
-        assert joined["node"] == 1 == admitted["node"], (joined, admitted)   # the lost node's slot
+        assert joined["node"] == first == admitted["node"], (joined, admitted)   # the lost node's slot
         assert joined["job_id"] == events(run_dir, "companion_submitted")[0]["job_id"], joined
         host2, t_kill2 = crash_when(run_dir, fail, host_of(second), 0, time.time() + 60, lambda: wait_gone(job, 0),
                                     after=joined["t"])
@@ -174,23 +178,29 @@ def test_a_replacement_node_joins_the_running_job_and_takes_the_next_loss(tmp_pa
     assert wait_gone(job, 60) and wait_for(lambda: not _squeue_name(f"deadpool-spare-{job}"), 30,
                                            "no companion job queued"), _squeue_name(f"deadpool-spare-{job}")
     decisions = events(run_dir, "decision")
-    assert [d["failed_nodes"] for d in decisions] == [[1], [second]], decisions
-    assert decisions[1]["promoted"] == {str(second): 1} and decisions[1]["reason"] == "hot swap", decisions[1]
+    assert [d["failed_nodes"] for d in decisions] == [[first], [second]], decisions
+    assert decisions[1]["promoted"] == {str(second): first} and decisions[1]["reason"] == "hot swap", decisions[1]
     ids = _companion_ids(run_dir)
-    assert final_state(ids[0]) == "COMPLETED", ids
-    if second == 2:   # the second asked after the second loss: no free node, cancelled at the end
-        assert len(ids) == 2 and final_state(ids[1]) == "CANCELLED", ids
-    else:
-        assert len(ids) == 1, ids
+    assert len(ids) == 2 and final_state(ids[0]) == "COMPLETED" and final_state(ids[1]) == "CANCELLED", ids
+    subs = events(run_dir, "companion_submitted")
+    stand_in = events(run_dir, "keeper_stand_in")
+    lost0 = decisions[0] if first == 0 else decisions[1]
+    assert len(stand_in) == 1 and stand_in[0]["t"] > lost0["t"], stand_in       # one stand-in, once node 0 is lost
+    assert stand_in[0]["task"] == min({1, 2, 3} - {first, second}), stand_in  # the lowest live task
+    asked_by_stand_in = [e for e in subs if e["pid"] == stand_in[0]["pid"]]
+    assert asked_by_stand_in == (subs if first == 0 else subs[1:]), (subs, stand_in)
+    if second == 0:
         took = events(run_dir, "node_reattached")
-        assert took and took[0]["node"] == 1 and took[0]["sponsor"] != 0, took
-    _record({"test": f"replacement-joins-then-node{second}", "job": job, "companion": ids[0], "crashed": [first, host2],
-           "crash_to_submitted_s": round(events(run_dir, "companion_submitted")[0]["t"] - t_kill, 2),
-           "crash_to_admitted_s": round(admitted["t"] - t_kill, 2),
-           "crash_to_ready_spare_s": round(joined["t"] - t_kill, 2),
-           "second_crash_to_recovered_s": round(max(e["t"] for e in events(run_dir, "recovered")
-                                                    if e["generation"] == 2) - t_kill2, 2),
-           "reattached_s": [e["seconds"] for e in events(run_dir, "node_reattached")]})
+        assert took and took[0]["node"] == first and took[0]["sponsor"] != 0, took
+    _record({"test": f"replacement-joins-node{first}-first-then-node{second}", "job": job, "companion": ids[0],
+             "crashed": [host1, host2],
+             "crash_to_stand_in_s": round(stand_in[0]["t"] - (t_kill if first == 0 else t_kill2), 2),
+             "crash_to_submitted_s": round(subs[0]["t"] - t_kill, 2),
+             "crash_to_admitted_s": round(admitted["t"] - t_kill, 2),
+             "crash_to_ready_spare_s": round(joined["t"] - t_kill, 2),
+             "second_crash_to_recovered_s": round(max(e["t"] for e in events(run_dir, "recovered")
+                                                      if e["generation"] == 2) - t_kill2, 2),
+             "reattached_s": [e["seconds"] for e in events(run_dir, "node_reattached")]})
 
 
 def test_a_replacement_node_that_dies_during_its_admission_costs_the_members_nothing(tmp_path, cluster_up,

@@ -76,7 +76,7 @@ def test_sbatch_survives_node_crash(tmp_path, fail_node, reference_digest):
     job, state, s, node, t_kill, run_dir, out = _sbatch_with_crash(tmp_path, fail_node, _host_of(1), "a")
     _check(state, s, node, reference_digest, out)
     assert "finished_by" not in s  # the batch script itself wrote the summary
-    # why: Slurm's view of the crashed host, asked by the batch host's watcher (launch/slurm_job.py NodeStates)
+    # why: Slurm's view of the crashed host, asked by the batch host's watcher (launch/nodestate.py NodeStates)
     (f,) = s["failures"]
     assert [x["host"] for x in f["slurm"]] == [node] and f["slurm"][0]["state"], f
     assert f["why"].startswith(f"node{f['failed_nodes'][0]} (host {node}) lost whole") and f"Slurm {node}: " in \

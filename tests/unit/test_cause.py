@@ -245,7 +245,7 @@ def test_each_failure_of_a_run_says_why(tmp_path):
 
 # ---- Slurm's view of a lost node (launch/slurm_job.py's watcher; scontrol's answers given here) -----------------
 def test_scontrol_node_state_is_parsed():
-    from deadpool_hpc.launch.slurm_job import is_down, parse_node_state
+    from deadpool_hpc.launch.nodestate import is_down, parse_node_state
 
     line = ("NodeName=node2 Arch=x86_64 CoresPerSocket=2 State=DOWN+DRAIN+NOT_RESPONDING ThreadsPerCore=1 "
             "ExtSensorsTemp=n/s Reason=Not responding [slurm@2026-12-06T02:40:00]\n")
@@ -259,7 +259,7 @@ def test_scontrol_node_state_is_parsed():
 
 def test_node_states_are_recorded_until_slurm_sees_the_node_down(tmp_path):
     from deadpool_hpc.events import EventLog, read_events
-    from deadpool_hpc.launch.slurm_job import NodeStates
+    from deadpool_hpc.launch.nodestate import NodeStates
 
     answers = [("ALLOCATED", None), ("ALLOCATED", None), ("MIXED+DRAIN", "deadpool job 5: declared dead"),
                ("DOWN+DRAIN+NOT_RESPONDING", "Not responding")]

@@ -134,3 +134,27 @@ def test_the_jobs_end_gives_a_joined_companion_time_to_end_with_the_run(tmp_path
     assert slurm.cancelled == ["8", "9"] and 4 <= len(sleeps) <= 6, sleeps   # 9 cancelled once the 5 s were over
     ev = [(e["event"], e["job_id"]) for e in read_events(str(tmp_path / "events.jsonl"))]
     assert ev == [("companion_cancelled", "8"), ("companion_ended", "7"), ("companion_cancelled", "9")], ev
+
+
+def test_a_stand_in_adopts_this_attempts_companions_slurm_still_has(tmp_path, monkeypatch):
+    """Companions.adopt (a keeper standing in for a dead batch host): the jobs recorded since the attempt's start
+    and still queued count as asked for; the policy asks for no node twice."""
+    slurm = FakeSlurm(monkeypatch, tmp_path)
+    d = tmp_path / "companions"
+    d.mkdir()
+    (d / "jobs").write_text("3 50.0\n7 1000.0\n8 1001.0\n")    # 3: an earlier attempt's; 8: gone since
+    (d / "7.joined").write_text("node5\n")
+    slurm.jobs.update({"3": "PENDING", "7": "RUNNING"})
+    c = companion.Companions(str(tmp_path), "41", floor=2, wait=60, initial_pool=0, log=None, info={})
+    assert c.adopt(since=900.0) == ["7"] and c.states == {"7": "joined"}
+    slurm.jobs["9"] = "PENDING"
+    (d / "jobs").write_text("3 50.0\n7 1000.0\n8 1001.0\n9 1002.0\n")
+    assert c.adopt(since=900.0) == ["9"]                        # once each
+    c.pool = 1
+    assert c.tick(now=1003.0) == []       # floor 2, pool 1, one pending: nothing more to ask
+
+
+def test_a_companion_submitted_from_an_srun_task_does_not_inherit_its_step():
+    env = {"SLURM_JOB_ID": "41", "SLURM_PROCID": "1", "SLURM_STEP_ID": "0", "SLURM_STEPID": "0", "PMI_FD": "5",
+           "PMIX_RANK": "1", "SLURM_LOCALID": "0", "DEADPOOL_JOB_SECRET": "s" * 64, "PATH": "/bin"}
+    assert companion.submit_env(env) == {"SLURM_JOB_ID": "41", "DEADPOOL_JOB_SECRET": "s" * 64, "PATH": "/bin"}
