@@ -50,7 +50,7 @@ def test_the_glossary_lists_the_id_spaces_and_every_meaning_of_watch():
                  "heartbeat", "suspicion", "fence", "step", "committed step", "snapshot", "slot", "persist round",
                  "checkpoint"):
         assert f"| {word}" in glossary, word
-    for module in ("control/topology.py", "agent/ringlink.py", "dataplane/collectives.py", "launch/slurm_job.py",
+    for module in ("control/topology.py", "agent/ringlink.py", "dataplane/collectives.py", "launch/keeper.py",
                    "launch/slurm_startup.py", "agent/health.py"):   # the six "watch"es
         assert module in glossary.split('**"Watch" means')[1], module
 
