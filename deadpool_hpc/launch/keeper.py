@@ -194,17 +194,19 @@ class StandIn(threading.Thread):
                 if self.keeper is None and quiet < QUIET_S:   # touched every second: alive, the log not read
                     continue
                 events = list(read_events(self._events)) if os.path.exists(self._events) else []
-                self.step(events, stale=quiet >= self.stale_s)
+                self.step(events, quiet)
             except Exception as exc:  # noqa: BLE001 - the stand-in must never end the task wrapper
                 _log.warning("stand-in: %s", exc)
 
-    def step(self, events: list[dict], stale: bool) -> None:
-        """One look: take the role (or keep it) and tick, or leave it to another task."""
+    def step(self, events: list[dict], quiet: float) -> None:
+        """One look: take the role (or keep it) and tick, or leave it to another task. ``quiet``: seconds since
+        batch.alive last moved."""
         if any(e.get("event") == "finished" and e.get("t", 0) >= self.t_start for e in events):
             return   # the run is over: nothing to drain or ask for (the job's end cancels every companion)
         host = batch_host(self.run_dir)
         if self.keeper is None:
             declared = batch_host_declared_dead(events, self.t_start, host)
+            stale = quiet >= self.stale_s
             if not (stale or declared):
                 return
             if stand_in(self.tasks, dead_tasks(events, self.t_start), self.exited()) != self.task:
@@ -214,7 +216,7 @@ class StandIn(threading.Thread):
             if spares is not None:
                 spares.adopt(self.t_start)
             self.keeper = Keeper(self.run_dir, log, self.t_start, drain_wanted(), spares,
-                                   states_since=time.time() - self.stale_s - 5.0)
+                                   states_since=time.time() - quiet - 2.0)   # its last tick, and a margin
             log.emit("keeper_stand_in", task=self.task, host=os.environ.get("SLURMD_NODENAME"), batch_host=host,
                      why="a decision declared the batch host dead" if declared else
                      f"batch.alive untouched for {self.stale_s:g} s")

@@ -51,22 +51,22 @@ def test_a_decision_that_declares_the_batch_host_dead_makes_the_lowest_live_task
     run_dir = _run_dir(tmp_path)
     ins = {t: keeper.StandIn(run_dir, t, 4, exited=set, t_start=0.0) for t in range(4)}
     for s in ins.values():
-        s.step(EVENTS, stale=False)
+        s.step(EVENTS, quiet=0.0)
     assert not _stand_ins(run_dir) and all(s.keeper is None for s in ins.values())   # the batch host lives
     ev = EVENTS + [_decision(5.0, 0)]
     for s in ins.values():
-        s.step(ev, stale=False)
+        s.step(ev, quiet=0.0)
     took = _stand_ins(run_dir)
     assert [e["task"] for e in took] == [1] and ins[1].keeper is not None, took
     assert took[0]["batch_host"] == "nodeA" and "declared the batch host dead" in took[0]["why"]
-    ins[1].step(ev, stale=False)
+    ins[1].step(ev, quiet=0.0)
     assert len(_stand_ins(run_dir)) == 1                    # once: it keeps the role
     ev += [_decision(9.0, 1)]                               # the stand-in's own node lost: the next task takes over
     for s in ins.values():
-        s.step(ev, stale=False)
+        s.step(ev, quiet=0.0)
     assert [e["task"] for e in _stand_ins(run_dir)] == [1, 2]
     ev += [{"event": "finished", "t": 12.0}]
-    ins[3].step(ev, stale=True)
+    ins[3].step(ev, quiet=10.0)
     assert ins[3].keeper is None                            # the run is over: nothing to keep
 
 
@@ -75,7 +75,7 @@ def test_batch_alive_untouched_makes_a_stand_in_without_any_decision(tmp_path, m
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     run_dir = _run_dir(tmp_path)
     s0 = keeper.StandIn(run_dir, 0, 2, exited=lambda: set(), t_start=0.0)
-    s0.step(EVENTS, stale=True)
+    s0.step(EVENTS, quiet=10.0)
     assert [(e["task"], e["why"]) for e in _stand_ins(run_dir)] == [(0, "batch.alive untouched for 10 s")]
 
 
