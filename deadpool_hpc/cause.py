@@ -189,7 +189,7 @@ def process_line(p: dict) -> str:
     return f"{_rank(p)} {how}{at}{start} ({_on(p)}); {_quote_tail(p.get('stderr_tail'))}"
 
 
-DRAIN_REASON_PREFIX = "deadpool job "   # the reason launch/slurm_job.py's watcher drains a lost node with
+DRAIN_REASON_PREFIX = "deadpool job "   # the reason launch/keeper.py drains a lost node with
 
 
 def slurm_clause(s: dict) -> str:

@@ -236,11 +236,14 @@ def _cancel(ids: list[str], live: dict[str, str] | None, log) -> list[str]:
 class Companions:
     """The watcher's side: each ``tick`` reads the pool size from the run's events, asks Slurm for the companions'
     states, runs the policy and carries out its actions, logging each (``log``: the run's EventLog). ``main_job``:
-    the main job's id; ``info``: main_job_info (asked at the first submit when None)."""
+    the main job's id; ``info``: main_job_info (asked at the first submit when None); ``adopt_since``: each look
+    also takes on the jobs recorded in RUN_DIR/companions/jobs at or after this wall time by another keeper (the
+    batch host's and a task standing in for it, launch/keeper.py) that Slurm still has: no node is asked twice."""
 
     def __init__(self, run_dir: str, main_job: str, floor: int, wait: float, initial_pool: int, log,
-                 python: str | None = None, info: dict | None = None) -> None:
+                 python: str | None = None, info: dict | None = None, adopt_since: float | None = None) -> None:
         self.run_dir, self.main_job, self.log = run_dir, main_job, log
+        self.adopt_since = adopt_since        # wall time: jobs recorded since by another keeper are taken on too
         self.policy = SparePolicy(floor, wait)
         self.pool = initial_pool
         self.python = python or sys.executable
@@ -249,20 +252,16 @@ class Companions:
         self.submitted: dict[str, float] = {}  # this attempt's (an earlier one's: cancelled by its exit trap)
         self._next = 0.0
 
-    def adopt(self, since: float) -> list[str]:
-        """Take over the companion jobs recorded in RUN_DIR/companions/jobs at or after ``since`` (wall time,
-        seconds: this attempt's) that Slurm still has: they count as asked for (a keeper standing in for a dead
-        batch host, launch/keeper.py, asks for no node twice). When squeue does not answer, every such job is
-        taken, as its node's marker says or pending (the next look sorts them out). Returns their ids."""
-        live = queued(self.main_job)
-        ids = []
-        for j, t in recorded(self.run_dir):
-            if t < since or j in self.submitted or (live is not None and j not in live):
-                continue
-            self.submitted[j] = t
-            self.states[j] = policy_state(live[j] if live is not None else "PENDING", self.run_dir, j)
-            ids.append(j)
-        return ids
+    def resume(self, events: list[dict], since: float) -> None:
+        """(a keeper standing in for a dead batch host, launch/keeper.py) Take up where the attempt's requests stand:
+        the pool from ``events`` at or after ``since`` (wall time, seconds), and the policy's pause if the last
+        request was given up (``companion_cancelled`` "not started within ...") with no change of the pool since."""
+        self.pool_from(events, since)
+        gave_up = [e["t"] for e in events if e.get("event") == "companion_cancelled" and e.get("t", 0) >= since
+                   and str(e.get("reason", "")).startswith("not started within")]
+        changed = [e["t"] for e in events if e.get("event") in ("spare_pool", "relaunched") and e.get("t", 0) >= since]
+        if gave_up and max(gave_up) > max(changed, default=0.0):
+            self.policy.pause(self.pool)
 
     def pool_from(self, events: list[dict], since: float) -> int:
         """The pool size the events of this attempt (``t >= since``) last reported: a ``spare_pool`` event's
@@ -277,10 +276,16 @@ class Companions:
         return self.pool
 
     def _look(self) -> list[Companion]:
+        others = [] if self.adopt_since is None else [
+            (j, t) for j, t in recorded(self.run_dir) if t >= self.adopt_since and j not in self.submitted]
         live = [j for j in self.submitted if self.states.get(j) not in (GONE, LEFT)]
-        slurm = queued(self.main_job) if live else {}
+        slurm = queued(self.main_job) if live or others else {}
         if slurm is None:   # Slurm did not answer: keep what was seen
             return [Companion(j, t, self.states.get(j, PENDING)) for j, t in self.submitted.items()]
+        for j, t in others:
+            if j in slurm:   # asked by another keeper, still queued: this one's now (gone ones: not ours to judge)
+                self.submitted[j] = t
+                _log.info("companion job %s (submitted by another keeper) taken on", j)
         out = []
         for j, t in self.submitted.items():
             old = self.states.get(j, PENDING)

@@ -19,6 +19,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from ..events import EventLog, read_events
@@ -27,7 +28,7 @@ from ..rundir import latest_checkpoint as _latest_checkpoint  # without torch: s
 from .nodestate import drain
 from .slurm_common import load_config, summary_out, write_summary
 from .slurm_startup import Beacon, BeaconCheck
-from .keeper import ALIVE_FILE, Keeper, StandIn, batch_alive, companions_for, drain_wanted
+from .keeper import ALIVE_FILE, Keeper, StandIn, batch_alive, companions_for, drain_wanted, write_alive
 
 _log = logging.getLogger(__name__)  # diagnostics; ``log`` below is a run's event log
 
@@ -35,6 +36,7 @@ _log = logging.getLogger(__name__)  # diagnostics; ``log`` below is a run's even
 
 # ---- inside the job: the task wrapper, the finisher, the watcher ------------------------------------------------
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGCONT, signal.SIGUSR2)
+STAND_IN_JOIN_S = 70.0  # the stand-in's last tick may be in sbatch (60 s at most): waited for at the task's end
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)  # "save a checkpoint at the next agreed step and leave" (worker.entry)
 
 
@@ -219,6 +221,8 @@ def task_main(run_dir: str, finisher: bool = True) -> int:
     # finisher's work must not be cut short by a second signal
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    if standin is not None:   # before the exit marker: a request it makes now is recorded before the job's end
+        standin.join(STAND_IN_JOIN_S)
     mark_exited(run_dir, rc)
     if finisher and os.environ.get("SLURM_JOB_ID"):
         finish_headless(run_dir)
@@ -240,15 +244,20 @@ def keep_batch_host(run_dir: str, do_drain: bool = True, period: float = 1.0) ->
     # a node lost before the MPI world exists: the step is ended, and the batch shell (SIGUSR1) stops waiting for srun
     beacons = BeaconCheck(run_dir, os.environ.get("SLURM_JOB_ID"), on_lost=lambda: os.kill(parent, signal.SIGUSR1))
     log = EventLog(events_path, role="watcher")
-    # decisions of earlier attempts (a requeued job) were acted on by their own watcher
-    keeper = Keeper(run_dir, log, time.time(), do_drain, companions_for(run_dir, log))
-    with open(alive, "w") as fh:
-        fh.write(f"{os.environ.get('SLURMD_NODENAME') or os.uname().nodename}\n")
+    t_start = time.time()   # decisions of earlier attempts (a requeued job) were acted on by their own keeper
+    keeper = Keeper(run_dir, log, t_start, do_drain, companions_for(run_dir, log, adopt_since=t_start))
+    write_alive(run_dir, t_start)
     for sig in STOP_SIGNALS + (signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
+
+    def touch() -> None:   # its own thread: a tick that waits on Slurm (sbatch, scontrol) must not look like death
+        while os.getppid() == parent:
+            with open(alive, "a"):
+                os.utime(alive)
+            time.sleep(period)
+
+    threading.Thread(target=touch, name="deadpool-batch-alive", daemon=True).start()
     while os.getppid() == parent:
-        with open(alive, "a"):
-            os.utime(alive)
         try:
             events = list(read_events(events_path)) if os.path.exists(events_path) else []
             for h in beacons.poll(events):

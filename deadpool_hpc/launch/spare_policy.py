@@ -89,11 +89,11 @@ class SparePolicy:
             if c.state == GONE and c.job_id not in self._ended:
                 self._ended.add(c.job_id)
                 if c.job_id not in self._cancelled:   # ended, and not by this policy
-                    self._pause(pool)
+                    self.pause(pool)
         for c in live:
             if c.state == PENDING and now - c.submitted >= self.wait:
                 actions.append(Action("cancel", c.job_id, f"not started within {self.wait:g} s"))
-                self._pause(pool)
+                self.pause(pool)
             elif c.state == FAILED:
                 actions.append(Action("cancel", c.job_id, "its node failed its checks"))
         cancelled = {a.job_id for a in actions}
@@ -106,5 +106,7 @@ class SparePolicy:
             actions += [Action("submit", None, why)] * max(0, missing - expected)
         return actions
 
-    def _pause(self, pool: int) -> None:
+    def pause(self, pool: int) -> None:
+        """A request was given up with ``pool`` spares: ask for nothing more until the pool shrinks below that, or
+        grows past it."""
         self._paused_at = pool if self._paused_at is None else min(self._paused_at, pool)

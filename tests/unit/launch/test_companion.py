@@ -136,22 +136,34 @@ def test_the_jobs_end_gives_a_joined_companion_time_to_end_with_the_run(tmp_path
     assert ev == [("companion_cancelled", "8"), ("companion_ended", "7"), ("companion_cancelled", "9")], ev
 
 
-def test_a_stand_in_adopts_this_attempts_companions_slurm_still_has(tmp_path, monkeypatch):
-    """Companions.adopt (a keeper standing in for a dead batch host): the jobs recorded since the attempt's start
-    and still queued count as asked for; the policy asks for no node twice."""
+def test_a_keeper_takes_on_the_companions_another_keeper_asked_for_and_resumes_its_pause(tmp_path, monkeypatch):
+    """Companions(adopt_since=...) (the batch host's keeper and a task standing in for it, launch/keeper.py): the
+    jobs recorded since the attempt's start by the other keeper, and still queued, count as asked for (no node is
+    asked twice); ``resume`` takes up the pool and a given-up request's pause from the run's events."""
     slurm = FakeSlurm(monkeypatch, tmp_path)
     d = tmp_path / "companions"
     d.mkdir()
     (d / "jobs").write_text("3 50.0\n7 1000.0\n8 1001.0\n")    # 3: an earlier attempt's; 8: gone since
     (d / "7.joined").write_text("node5\n")
     slurm.jobs.update({"3": "PENDING", "7": "RUNNING"})
-    c = companion.Companions(str(tmp_path), "41", floor=2, wait=60, initial_pool=0, log=None, info={})
-    assert c.adopt(since=900.0) == ["7"] and c.states == {"7": "joined"}
+    c = companion.Companions(str(tmp_path), "41", floor=2, wait=60, initial_pool=0, log=None, info={},
+                             adopt_since=900.0)
+    c.pool = 2
+    assert c.tick(now=1002.0) == [] and sorted(c.submitted) == ["7"] and c.states == {"7": "joined"}
     slurm.jobs["9"] = "PENDING"
-    (d / "jobs").write_text("3 50.0\n7 1000.0\n8 1001.0\n9 1002.0\n")
-    assert c.adopt(since=900.0) == ["9"]                        # once each
+    with open(d / "jobs", "a") as fh:
+        fh.write("9 1003.0\n")                                # asked by the other keeper meanwhile
     c.pool = 1
-    assert c.tick(now=1003.0) == []       # floor 2, pool 1, one pending: nothing more to ask
+    assert c.tick(now=1010.0) == [] and sorted(c.submitted) == ["7", "9"]   # one missing, one pending: no more
+    ev = [{"event": "spare_pool", "t": 1000.0, "spares": 1},
+          {"event": "companion_cancelled", "t": 1070.0, "reason": "not started within 60 s", "job_id": "9"}]
+    fresh = companion.Companions(str(tmp_path), "41", floor=2, wait=60, initial_pool=2, log=None, info={})
+    fresh.resume(ev, since=900.0)
+    assert fresh.pool == 1 and fresh.tick(now=1080.0) == []          # given up at pool 1: not asked again at once
+    log = EventLog(str(tmp_path / "events.jsonl"), role="watcher")
+    other = companion.Companions(str(tmp_path), "41", floor=2, wait=60, initial_pool=2, log=log, info={})
+    other.resume(ev + [{"event": "spare_pool", "t": 1075.0, "spares": 0}], since=900.0)
+    assert [a.kind for a in other.tick(now=1080.0)] == ["submit", "submit"]   # the pool shrank since: ask
 
 
 def test_a_companion_submitted_from_an_srun_task_does_not_inherit_its_step():

@@ -50,24 +50,31 @@ def test_a_decision_that_declares_the_batch_host_dead_makes_the_lowest_live_task
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)   # no Slurm job: no companion jobs to look after
     run_dir = _run_dir(tmp_path)
     ins = {t: keeper.StandIn(run_dir, t, 4, exited=set, t_start=0.0) for t in range(4)}
+    quiet = keeper.QUIET_S + 1
     for s in ins.values():
-        s.step(EVENTS, quiet=0.0)
-    assert not _stand_ins(run_dir) and all(s.keeper is None for s in ins.values())   # the batch host lives
+        s.step(EVENTS, quiet)
+    assert not _stand_ins(run_dir) and all(s.keeper is None for s in ins.values())   # no decision, not stale yet
     ev = EVENTS + [_decision(5.0, 0)]
     for s in ins.values():
-        s.step(ev, quiet=0.0)
+        s.step(ev, quiet=1.0)   # the file still moves now and then (node 0 declared dead, the batch host alive)
+    assert not _stand_ins(run_dir)
+    for s in ins.values():
+        s.step(ev, quiet)
     took = _stand_ins(run_dir)
     assert [e["task"] for e in took] == [1] and ins[1].keeper is not None, took
     assert took[0]["batch_host"] == "nodeA" and "declared the batch host dead" in took[0]["why"]
-    ins[1].step(ev, quiet=0.0)
+    ins[1].step(ev, quiet)
     assert len(_stand_ins(run_dir)) == 1                    # once: it keeps the role
-    ev += [_decision(9.0, 1)]                               # the stand-in's own node lost: the next task takes over
+    ev += [_decision(9.0, 1)]                               # the stand-in's own node declared dead: the next task
     for s in ins.values():
-        s.step(ev, quiet=0.0)
+        s.step(ev, quiet)
     assert [e["task"] for e in _stand_ins(run_dir)] == [1, 2]
+    assert ins[1].keeper is None and ins[2].keeper is not None   # one keeper at a time
+    ended = [e for e in read_events(RunDir(run_dir).events) if e["event"] == "keeper_stand_in_ended"]
+    assert [(e["task"], e["why"]) for e in ended] == [(1, "another task is the stand-in now")], ended
     ev += [{"event": "finished", "t": 12.0}]
-    ins[3].step(ev, quiet=10.0)
-    assert ins[3].keeper is None                            # the run is over: nothing to keep
+    ins[2].step(ev, quiet=keeper.ALIVE_STALE_S)
+    assert ins[2].keeper is None                            # the run is over: nothing to keep
 
 
 def test_batch_alive_untouched_makes_a_stand_in_without_any_decision(tmp_path, monkeypatch):
@@ -75,7 +82,7 @@ def test_batch_alive_untouched_makes_a_stand_in_without_any_decision(tmp_path, m
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     run_dir = _run_dir(tmp_path)
     s0 = keeper.StandIn(run_dir, 0, 2, exited=lambda: set(), t_start=0.0)
-    s0.step(EVENTS, quiet=10.0)
+    s0.step(EVENTS, quiet=keeper.ALIVE_STALE_S)
     assert [(e["task"], e["why"]) for e in _stand_ins(run_dir)] == [(0, "batch.alive untouched for 10 s")]
 
 
